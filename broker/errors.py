@@ -1,0 +1,63 @@
+"""The exception hierarchy, in one place. The consumer maps these to HTTP at one boundary."""
+
+from __future__ import annotations
+
+
+class RsbError(Exception):
+    """Base of every error rsb raises on purpose. ``code`` is the JSON error code clients see."""
+
+    code: str = "internal"
+    status_code: int = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(RsbError):
+    code = "invalid_request"
+    status_code = 400
+
+
+class PayloadTooLarge(RsbError):
+    code = "payload_too_large"
+    status_code = 413
+
+
+class NotFound(RsbError):
+    code = "not_found"
+    status_code = 404
+
+
+class Expired(RsbError):
+    code = "expired"
+    status_code = 410
+
+
+class Conflict(RsbError):
+    code = "conflict"
+    status_code = 409
+
+
+class RetryLater(RsbError):
+    """Base for errors that carry a ``Retry-After``."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(RetryLater):
+    code = "queue_full"
+    status_code = 429
+
+
+class Unavailable(RetryLater):
+    code = "unavailable"
+    status_code = 503
+
+
+class FencedOut(RsbError):
+    """A worker's claim on a stream was superseded (lease lost) or the stream already ended."""
+
+    code = "fenced_out"

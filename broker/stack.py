@@ -1,0 +1,75 @@
+"""``rsb up``: the whole stack on one machine, every part a real process.
+
+A private Redis server (unless ``--redis-url``), generator worker processes, and the consumer API in
+this process. Ctrl-C or SIGTERM stops the API, then the generators, then the Redis server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+from broker.redis_server import RedisServer
+
+log = logging.getLogger("rsb.up")
+
+
+def _generator_argv(args: argparse.Namespace, redis_url: str, model: str, index: int) -> list[str]:
+    argv = [sys.executable, "-m", "broker.cli", "generator", "--redis-url", redis_url, "--model", model,
+            "--partitions", str(args.partitions), "--lease-s", str(args.lease_s),
+            "--max-attempts", str(args.max_attempts), "--max-generation-s", str(args.max_generation_s),
+            "--n-ctx", str(args.n_ctx), "--log-level", args.log_level,
+            "--generator-grace-s", str(args.generator_grace_s)]
+    if args.n_threads:
+        argv += ["--n-threads", str(args.n_threads)]
+    if args.ignore_eos:
+        argv.append("--ignore-eos")
+    return argv
+
+
+def run_stack(args: argparse.Namespace) -> int:
+    from broker.cli import consumer_settings
+    from consumer.server import build_server
+
+    server: RedisServer | None = None
+    generators: list[subprocess.Popen[bytes]] = []
+    try:
+        redis_url = args.redis_url
+        if not redis_url:
+            server = RedisServer(appendonly=True).start()
+            redis_url = server.url
+            log.info("started a private redis server", extra={"binary": server.binary, "port": server.port,
+                                                               "data_dir": str(server.data_dir)})
+        model = args.model
+        default_model = "default"
+        if not model:
+            from generator.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+
+            model = str(ensure_demo_model())
+            default_model = DEMO_MODEL_NAME
+            log.info("no --model: using the demo model (random weights; its text is gibberish)",
+                     extra={"model": DEMO_MODEL_NAME, "path": model})
+        for i in range(max(1, args.generators)):
+            generators.append(subprocess.Popen(_generator_argv(args, redis_url, model, i), env=os.environ.copy()))
+        settings = consumer_settings(args, redis_url, default_model=default_model)
+        api = build_server(settings)
+        url = f"http://{settings.host}:{settings.port}"
+        print(f"rsb is up: {url}  (redis: {redis_url}, model: {default_model if not args.model else model})",
+              flush=True)
+        api.run()
+        return 0
+    finally:
+        for g in generators:
+            if g.poll() is None:
+                g.send_signal(signal.SIGTERM)
+        for g in generators:
+            try:
+                g.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                g.kill()
+        if server is not None:
+            server.stop()

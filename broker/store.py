@@ -1,0 +1,217 @@
+"""Typed operations on streams and jobs. Every change goes through one Lua script of broker.scripts."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+
+from broker import scripts
+from broker.events import Event, EventType, encode_data
+from broker.keys import JOBS_GROUP, StreamKeys, control_channel, jobs_key, queue_stats_key
+from broker.request import GenerationRequest
+
+STATUSES = ("queued", "running", "done", "cancelled", "error")
+TERMINAL_STATUSES = frozenset({"done", "cancelled", "error"})
+
+
+@dataclass(frozen=True, slots=True)
+class CreateResult:
+    outcome: str  # "created" | "exists" | "conflict" | "queue_full"
+    status: str
+    waiting: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    stream_id: uuid.UUID
+    keys: StreamKeys
+    fence: int
+    attempts: int
+    request: GenerationRequest
+    cancel_reason: str
+    model: str
+    seq: int
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    status: str
+    model: str
+    created_at: float
+    usage: dict[str, Any] | None
+    last_id: str | None
+    cancel_on_disconnect: bool
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    ok: bool
+    cancel_reason: str
+    seq: int | None = None  # the stored seq when the append was refused for a seq mismatch
+
+
+def empty_usage() -> dict[str, Any]:
+    return {"prompt_tokens": 0, "completion_tokens": 0, "ttft_ms": None, "tpot_ms": None}
+
+
+def _s(v: bytes | str | None) -> str:
+    if v is None:
+        return ""
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class Store:
+    """What both roles do to Redis. Holds no state beyond the client and the registered scripts."""
+
+    def __init__(self, redis: Redis, partitions: int = 1) -> None:
+        self.redis = redis
+        self.partitions = partitions
+        self._create = redis.register_script(scripts.CREATE)
+        self._claim = redis.register_script(scripts.CLAIM)
+        self._append = redis.register_script(scripts.APPEND)
+        self._finish = redis.register_script(scripts.FINISH)
+        self._cancel = redis.register_script(scripts.CANCEL)
+        self._renew = redis.register_script(scripts.RENEW)
+
+    def keys(self, stream_id: uuid.UUID) -> StreamKeys:
+        return StreamKeys.of(stream_id, self.partitions)
+
+    # -- consumer side -------------------------------------------------------------------------
+
+    async def create(
+        self,
+        stream_id: uuid.UUID,
+        request: GenerationRequest,
+        *,
+        default_model: str,
+        max_queue: int,
+        retention_s: int,
+        key_id: str = "",
+    ) -> CreateResult:
+        k = self.keys(stream_id)
+        code, detail = await self._create(
+            keys=[k.meta, k.events, k.jobs, k.queue_stats],
+            args=[str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
+                  max_queue, request.model or default_model, request.max_tokens, k.channel, key_id,
+                  retention_s],
+        )
+        code = int(code)
+        if code == 1:
+            return CreateResult("created", "queued")
+        if code == 0:
+            return CreateResult("exists", _s(detail))
+        if code == -1:
+            return CreateResult("conflict", _s(detail))
+        return CreateResult("queue_full", "", waiting=int(detail))
+
+    async def status(self, stream_id: uuid.UUID) -> StreamStatus | None:
+        k = self.keys(stream_id)
+        raw = await self.redis.hmget(
+            k.meta, ["status", "model", "created_at", "usage", "last_id", "req", "max_tokens"]
+        )
+        if raw[0] is None:
+            return None
+        req = orjson.loads(raw[5]) if raw[5] else {}
+        return StreamStatus(
+            status=_s(raw[0]),
+            model=_s(raw[1]),
+            created_at=float(raw[2] or 0),
+            usage=orjson.loads(raw[3]) if raw[3] else None,
+            last_id=_s(raw[4]) or None,
+            cancel_on_disconnect=bool(req.get("cancel_on_disconnect", False)),
+            max_tokens=int(raw[6] or 0),
+        )
+
+    async def read(self, stream_id: uuid.UUID, after_id: str | None, count: int = 512) -> list[Event]:
+        """Events strictly after ``after_id`` (None: from the start), at most ``count``."""
+        k = self.keys(stream_id)
+        start = "-" if after_id is None else f"({after_id}"
+        entries = await self.redis.xrange(k.events, min=start, max="+", count=count)
+        return [Event.from_entry(eid, fields) for eid, fields in entries]
+
+    async def cancel(self, stream_id: uuid.UUID, reason: str) -> str | None:
+        """Request a cancel. Returns the status after the request (None: unknown stream)."""
+        k = self.keys(stream_id)
+        usage = orjson.dumps(empty_usage())
+        data = encode_data({"reason": reason, "usage": empty_usage()})
+        code, status = await self._cancel(
+            keys=[k.meta, k.events, k.queue_stats, k.aborted],
+            args=[reason, k.channel, data, usage, f"{time.time():.6f}", control_channel(), str(stream_id)],
+        )
+        if int(code) == -1:
+            return None
+        return _s(status)
+
+    async def waiting(self) -> int:
+        """Streams enqueued and not yet claimed, over all partitions."""
+        total = 0
+        for p in range(self.partitions):
+            total += int(await self.redis.hget(queue_stats_key(p), "waiting") or 0)
+        return total
+
+    # -- generator side ------------------------------------------------------------------------
+
+    async def ensure_groups(self) -> None:
+        """Create the job queues' consumer group on every partition (idempotent)."""
+        for p in range(self.partitions):
+            try:
+                await self.redis.xgroup_create(jobs_key(p), JOBS_GROUP, id="0", mkstream=True)
+            except Exception as e:  # BUSYGROUP: already there
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    async def claim(self, stream_id: uuid.UUID, worker_id: str) -> Claim | int:
+        """Take ownership of a stream's generation. Returns a negative code when there is nothing to do:
+        -1 the stream is gone, -2 it already ended."""
+        k = self.keys(stream_id)
+        res = await self._claim(keys=[k.meta, k.queue_stats], args=[worker_id, int(time.time() * 1000)])
+        if int(res[0]) < 0:
+            return int(res[0])
+        fence, attempts, req, cancel, model, seq, jid = res
+        return Claim(stream_id, k, int(fence), int(attempts), GenerationRequest.from_canonical(req),
+                     _s(cancel), _s(model), int(seq), _s(jid))
+
+    async def append(self, claim: Claim, seq_before: int, seq_after: int,
+                     events: Sequence[tuple[str, bytes]]) -> AppendResult:
+        k = claim.keys
+        args: list[Any] = [claim.fence, k.channel, seq_before, seq_after]
+        for etype, data in events:
+            args.append(etype)
+            args.append(data)
+        code, detail = await self._append(keys=[k.meta, k.events], args=args)
+        code = int(code)
+        if code == 0:
+            return AppendResult(True, _s(detail))
+        if code == -2:
+            return AppendResult(False, "", seq=int(detail))
+        return AppendResult(False, _s(detail))
+
+    async def finish(self, claim: Claim, etype: str, data: dict[str, Any], *, status: str,
+                     usage: dict[str, Any], model: str = "", reason: str = "", compute_s: float = 0.0) -> str | None:
+        """Append the terminal event and close the stream. None: this claim no longer owns it."""
+        k = claim.keys
+        eid = await self._finish(
+            keys=[k.meta, k.events, k.aborted],
+            args=[claim.fence, k.channel, etype, encode_data(data), status, orjson.dumps(usage), model,
+                  f"{time.time():.6f}", reason, usage.get("prompt_tokens", 0),
+                  usage.get("completion_tokens", 0), f"{compute_s:.6f}"],
+        )
+        return None if eid is None else _s(eid)
+
+    async def renew(self, claim: Claim, worker_id: str) -> AppendResult:
+        k = claim.keys
+        code, cancel = await self._renew(keys=[k.meta, k.jobs], args=[claim.fence, JOBS_GROUP, worker_id,
+                                                                      claim.job_id])
+        return AppendResult(int(code) == 0, _s(cancel))
+
+
+def started_event(model: str) -> tuple[str, bytes]:
+    return EventType.STARTED, encode_data({"model": model})

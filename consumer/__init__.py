@@ -1,0 +1,1 @@
+"""The stateless HTTP/SSE API: create, read/resume/tail, status, cancel."""

@@ -1,0 +1,160 @@
+"""The HTTP routes of the contract. Handlers raise broker.errors; consumer.errors turns them into JSON."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from broker.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge, QueueFull
+from broker.events import parse_event_id
+from broker.request import parse_create_body
+from broker.settings import ConsumerSettings
+from broker.store import TERMINAL_STATUSES, Store, StreamStatus
+from consumer.hub import LiveHub
+from consumer.metrics import Metrics
+from consumer.reader import read_stream
+from consumer.sse import SSEResponse
+
+
+def _state(request: Request) -> tuple[ConsumerSettings, Store, LiveHub, Metrics]:
+    st = request.app.state
+    return st.settings, st.store, st.hub, st.metrics
+
+
+def _path_id(request: Request) -> uuid.UUID:
+    raw = request.path_params["stream_id"]
+    try:
+        if len(raw) != 36:
+            raise ValueError
+        return uuid.UUID(raw)
+    except ValueError:
+        raise NotFound("no stream with this id") from None  # could never have existed
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    return bytes(body)
+
+
+def _status_body(stream_id: uuid.UUID, st: StreamStatus) -> dict[str, object]:
+    body: dict[str, object] = {
+        "id": str(stream_id),
+        "status": st.status,
+        "model": st.model,
+        "created_at": datetime.fromtimestamp(st.created_at, UTC).isoformat().replace("+00:00", "Z"),
+    }
+    if st.usage is not None:
+        body["usage"] = st.usage
+    return body
+
+
+async def _known_status(store: Store, stream_id: uuid.UUID) -> StreamStatus:
+    st = await store.status(stream_id)
+    if st is None:
+        raise NotFound("no stream with this id")
+    return st
+
+
+async def create_stream(request: Request) -> Response:
+    settings, store, _, metrics = _state(request)
+    raw = await _read_body(request, settings.max_body_bytes)
+    sid, gen_request = parse_create_body(
+        raw, max_tokens_limit=settings.max_tokens_limit, default_max_tokens=settings.default_max_tokens
+    )
+    stream_id = sid or uuid.uuid4()
+    res = await store.create(stream_id, gen_request, default_model=request.app.state.default_model,
+                             max_queue=settings.max_queue, retention_s=settings.retention_s)
+    if res.outcome == "conflict":
+        raise Conflict("a stream with this id exists with a different request")
+    if res.outcome == "queue_full":
+        metrics.inc("rsb_creates_rejected_total")
+        raise QueueFull(f"the generation queue is full ({res.waiting} waiting)", retry_after_s=5)
+    created = res.outcome == "created"
+    metrics.inc("rsb_streams_created_total" if created else "rsb_creates_replayed_total")
+    return JSONResponse(
+        {"id": str(stream_id), "status": res.status, "events_url": f"/v1/streams/{stream_id}/events",
+         "created": created},
+        status_code=201 if created else 200,
+    )
+
+
+async def stream_events(request: Request) -> Response:
+    settings, store, hub, metrics = _state(request)
+    stream_id = _path_id(request)
+    resume = request.headers.get("last-event-id")
+    if resume is None:
+        resume = request.query_params.get("last_event_id")
+    resume = resume.strip() if resume is not None else None
+    resume_key = None
+    if resume:
+        resume_key = parse_event_id(resume)
+        if resume_key is None:
+            raise InvalidRequest("malformed resume id (Last-Event-ID / last_event_id)")
+    else:
+        resume = None
+    st = await _known_status(store, stream_id)
+    if st.status in TERMINAL_STATUSES and st.last_id is not None and resume_key is not None:
+        last_key = parse_event_id(st.last_id)
+        if last_key is not None and resume_key >= last_key:
+            return Response(status_code=204)
+    if resume is not None:
+        metrics.inc("rsb_resumes_total")
+    metrics.inc("rsb_reads_total")
+    return SSEResponse(
+        read_stream(store, hub, stream_id, resume, settings.heartbeat_s),
+        shutdown=request.app.state.draining,
+        send_timeout_s=settings.send_timeout_s,
+    )  # type: ignore[return-value]
+
+
+async def stream_status(request: Request) -> Response:
+    _, store, _, _ = _state(request)
+    stream_id = _path_id(request)
+    return JSONResponse(_status_body(stream_id, await _known_status(store, stream_id)))
+
+
+async def cancel_stream(request: Request) -> Response:
+    _, store, _, metrics = _state(request)
+    stream_id = _path_id(request)
+    status = await store.cancel(stream_id, "client")
+    if status is None:
+        raise NotFound("no stream with this id")
+    metrics.inc("rsb_cancels_total")
+    return JSONResponse({"id": str(stream_id), "status": status}, status_code=202)
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    _, store, _, _ = _state(request)
+    await store.redis.ping()
+    return JSONResponse({"status": "ready"})
+
+
+async def metrics_route(request: Request) -> Response:
+    _, _, _, metrics = _state(request)
+    return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+ROUTES = [
+    Route("/v1/streams", create_stream, methods=["POST"]),
+    Route("/v1/streams/{stream_id}/events", stream_events, methods=["GET"]),
+    Route("/v1/streams/{stream_id}", stream_status, methods=["GET"]),
+    Route("/v1/streams/{stream_id}/cancel", cancel_stream, methods=["POST"]),
+    Route("/healthz", healthz, methods=["GET"]),
+    Route("/readyz", readyz, methods=["GET"]),
+    Route("/metrics", metrics_route, methods=["GET"]),
+]

@@ -1,0 +1,1 @@
+"""Generator workers: claim jobs from Redis, run inference, append events to the stream."""

@@ -1,0 +1,82 @@
+"""The bounded hand-off from the inference thread to the event loop.
+
+The thread puts one piece of text per token; the loop takes everything available at once, so tokens
+that arrive while an append is in flight are coalesced into the next one. Putting costs a lock and,
+only when the loop is waiting, one ``call_soon_threadsafe``: cheap enough to keep per-token cost flat.
+When the loop falls behind (Redis slow or down) the thread blocks, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Batch:
+    pieces: list[str]
+    closed: bool  # the producer finished (or failed: see ``error``) and nothing more will come
+    error: BaseException | None = None
+
+
+class TokenHandoff:
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_pending: int) -> None:
+        self._loop = loop
+        self._items: deque[str] = deque()
+        self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)
+        self._max_pending = max_pending
+        self._ready = asyncio.Event()
+        self._waiting = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._abandoned = False
+
+    # -- producer (inference thread) -----------------------------------------------------------
+
+    def put(self, piece: str) -> bool:
+        """Hand over one token's text. Blocks while the buffer is full; False once the consumer left."""
+        with self._space:
+            while len(self._items) >= self._max_pending and not self._abandoned:
+                self._space.wait(timeout=0.5)
+            if self._abandoned:
+                return False
+            self._items.append(piece)
+            wake = self._waiting
+            self._waiting = False
+        if wake:
+            self._loop.call_soon_threadsafe(self._ready.set)
+        return True
+
+    def close(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._closed = True
+            self._error = error
+            self._waiting = False
+        self._loop.call_soon_threadsafe(self._ready.set)
+
+    # -- consumer (event loop) -----------------------------------------------------------------
+
+    async def get(self, timeout_s: float | None = None) -> Batch:
+        """Everything handed over so far (at least one piece unless closed or timed out)."""
+        while True:
+            with self._space:
+                if self._items or self._closed:
+                    pieces = list(self._items)
+                    self._items.clear()
+                    self._space.notify_all()
+                    return Batch(pieces, self._closed and not self._items, self._error)
+                self._waiting = True
+                self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout_s)
+            except TimeoutError:
+                return Batch([], False)
+
+    def abandon(self) -> None:
+        """The consumer stops reading: unblock the producer for good."""
+        with self._space:
+            self._abandoned = True
+            self._space.notify_all()

@@ -1,0 +1,67 @@
+"""The ``rsb generator`` process: build the engine, connect, run the worker until told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from broker.client import connect, connect_blocking
+from broker.settings import GeneratorSettings
+from broker.store import Store
+from generator.engine import Engine
+from generator.worker import Worker
+
+log = logging.getLogger("rsb.generator")
+
+
+def build_engine(settings: GeneratorSettings, *, ignore_eos: bool = False) -> Engine:
+    if settings.upstream_url:
+        raise SystemExit("--upstream is not available in this build yet; use --model")
+    from generator.llama_engine import LlamaEngine
+
+    model_path = settings.model_path
+    if model_path is None:
+        from generator.demo_model import ensure_demo_model
+
+        model_path = str(ensure_demo_model())
+        log.info("using the demo model (random weights, for trying rsb out)", extra={"model_path": model_path})
+    return LlamaEngine(model_path, n_threads=settings.n_threads, n_ctx=settings.n_ctx, ignore_eos=ignore_eos)
+
+
+async def serve(settings: GeneratorSettings, engine: Engine) -> None:
+    redis = connect(settings.broker.redis_url, max_connections=4, retries=1)
+    blocking = connect_blocking(settings.broker.redis_url)
+    worker = Worker(settings, engine, Store(redis, settings.broker.partitions), blocking)
+    task = asyncio.create_task(worker.run())
+    loop = asyncio.get_running_loop()
+    grace: list[asyncio.TimerHandle] = []
+
+    def on_signal() -> None:
+        if worker.stopping:  # second signal: stop now; the lease hands the job over
+            task.cancel()
+            return
+        log.info("stopping: no new jobs; finishing the one in flight", extra={"grace_s": settings.shutdown_grace_s})
+        worker.request_stop()
+        # Past the grace period the job is abandoned un-acked: its lease expires and another worker
+        # continues it from the text already appended.
+        grace.append(loop.call_later(settings.shutdown_grace_s, task.cancel))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    log.info("generator ready", extra={"worker_id": worker.worker_id, "model": engine.name})
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        for h in grace:
+            h.cancel()
+        await redis.aclose()
+        await blocking.aclose()
+        engine.close()
+
+
+def run_generator(settings: GeneratorSettings, *, ignore_eos: bool = False) -> None:
+    engine = build_engine(settings, ignore_eos=ignore_eos)
+    asyncio.run(serve(settings, engine))

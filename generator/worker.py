@@ -1,0 +1,361 @@
+"""The generator worker: a poll loop that claims one job at a time and runs it to a terminal event.
+
+Jobs live in each partition's job stream, read through the ``generators`` consumer group. A job is
+acknowledged only after its terminal event is in Redis, so a worker never holds the only copy of
+anything: if it dies, its pending entry goes idle and another worker's XAUTOCLAIM takes it over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from broker.events import EventType, encode_data
+from broker.keys import JOBS_GROUP, control_channel, jobs_key
+from broker.settings import GeneratorSettings
+from broker.store import Claim, Store, started_event
+from generator.engine import Engine, Generation
+from generator.handoff import TokenHandoff
+from generator.stops import StopFilter
+
+log = logging.getLogger("rsb.generator")
+
+# XREADGROUP BLOCK stays well under any socket timeout and bounds how long shutdown waits for the poll.
+POLL_BLOCK_MS = 2000
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(slots=True)
+class _Run:
+    """What the worker knows about the job in flight."""
+
+    claim: Claim
+    stop: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str = ""
+    fenced_out: bool = False
+    deadline_hit: bool = False
+
+
+class Backoff:
+    def __init__(self, base_s: float = 0.1, cap_s: float = 5.0) -> None:
+        self.base_s, self.cap_s, self.attempt = base_s, cap_s, 0
+
+    async def sleep(self) -> None:
+        delay = min(self.cap_s, self.base_s * 2**self.attempt) * random.uniform(0.5, 1.0)
+        self.attempt += 1
+        await asyncio.sleep(delay)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class Worker:
+    def __init__(self, settings: GeneratorSettings, engine: Engine, store: Store, blocking: Redis) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.store = store
+        self.blocking = blocking  # XREADGROUP BLOCK and pub/sub: no socket timeout
+        self.worker_id = settings.worker_id or default_worker_id()
+        self._stopping = asyncio.Event()
+        self._current: _Run | None = None
+        self.jobs_done = 0
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def request_stop(self) -> None:
+        """Stop claiming; the job in flight is finished (or handed over by the caller's grace timeout)."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        backoff = Backoff()
+        control = asyncio.create_task(self._listen_for_cancels(), name="cancel-listener")
+        try:
+            while not self._stopping.is_set():
+                try:
+                    await self.store.ensure_groups()
+                    job = await self._next_job()
+                    backoff.reset()
+                except TRANSIENT as e:
+                    log.warning("redis unavailable, retrying: %s", e)
+                    await backoff.sleep()
+                    continue
+                if job is not None:
+                    await self._run_job(*job)
+        finally:
+            control.cancel()
+            await asyncio.gather(control, return_exceptions=True)
+
+    # -- claiming ------------------------------------------------------------------------------
+
+    async def _next_job(self) -> tuple[int, str, uuid.UUID] | None:
+        """A job to run: first any whose owner stopped renewing its lease, then a new one."""
+        lease_ms = int(self.settings.lease_s * 1000)
+        for p in range(self.store.partitions):
+            res = await self.store.redis.xautoclaim(
+                jobs_key(p), JOBS_GROUP, self.worker_id, min_idle_time=lease_ms, start_id="0-0", count=1
+            )
+            for entry_id, fields in res[1]:
+                if fields:
+                    return p, entry_id.decode(), uuid.UUID(fields[b"sid"].decode())
+        streams: dict[Any, Any] = {jobs_key(p): ">" for p in range(self.store.partitions)}
+        res2 = await self.blocking.xreadgroup(JOBS_GROUP, self.worker_id, streams, count=1, block=POLL_BLOCK_MS)
+        for key, entries in res2 or []:
+            p = int(key.decode().split("{p", 1)[1].split("}", 1)[0])
+            for entry_id, fields in entries:
+                return p, entry_id.decode(), uuid.UUID(fields[b"sid"].decode())
+        return None
+
+    async def _ack(self, partition: int, entry_id: str) -> None:
+        await self._retry(lambda: self.store.redis.xack(jobs_key(partition), JOBS_GROUP, entry_id))
+
+    async def _retry(self, op: Any) -> Any:
+        """Run a Redis operation until it succeeds: the worker outlives Redis restarts."""
+        backoff = Backoff()
+        while True:
+            try:
+                return await op()
+            except TRANSIENT as e:
+                log.warning("redis unavailable, retrying: %s", e)
+                await backoff.sleep()
+
+    # -- running one job -----------------------------------------------------------------------
+
+    async def _run_job(self, partition: int, entry_id: str, stream_id: uuid.UUID) -> None:
+        claim = await self._retry(lambda: self.store.claim(stream_id, self.worker_id))
+        if isinstance(claim, int):  # gone or already finished: nothing to do but drop the job
+            await self._ack(partition, entry_id)
+            return
+        run = _Run(claim)
+        log.info("claimed", extra={"stream_id": str(stream_id), "attempt": claim.attempts})
+        if claim.attempts > self.settings.max_attempts:
+            await self._finish_error(run, "worker_lost", f"gave up after {claim.attempts - 1} attempts",
+                                     self._usage(0, claim.seq, None, None, None))
+        elif claim.cancel_reason:
+            await self._finish_cancelled(run, claim.cancel_reason, self._usage(0, claim.seq, None, None, None), 0.0)
+        else:
+            self._current = run
+            try:
+                await self._generate(run)
+            finally:
+                self._current = None
+        if not run.fenced_out:
+            await self._ack(partition, entry_id)
+        self.jobs_done += 1
+
+    async def _prefix_text(self, claim: Claim) -> tuple[str, bool]:
+        """The answer so far (from an earlier attempt) and whether ``started`` was already sent."""
+        text: list[str] = []
+        started = False
+        after: str | None = None
+        while True:
+            events = await self.store.read(claim.stream_id, after, count=1024)
+            if not events:
+                return "".join(text), started
+            for ev in events:
+                if ev.type == EventType.DELTA:
+                    text.append(ev.json()["text"])
+                elif ev.type == EventType.STARTED:
+                    started = True
+            after = events[-1].id
+
+    async def _generate(self, run: _Run) -> None:
+        claim = run.claim
+        req = claim.request
+        prefix, started = await self._retry(lambda: self._prefix_text(claim))
+        if not started:
+            res = await self._append_retrying(run, claim.seq, claim.seq, [started_event(self.engine.name)])
+            if res is None:
+                return
+        loop = asyncio.get_running_loop()
+        handoff = TokenHandoff(loop, self.settings.handoff_tokens)
+        remaining = max(0, req.max_tokens - claim.seq)
+        t_start = time.monotonic()
+        gen_holder: list[Generation] = []
+
+        def infer() -> None:
+            try:
+                gen = self.engine.start(req, prefix_text=prefix, max_tokens=remaining, stop=run.stop)
+                gen_holder.append(gen)
+                for piece in gen.pieces:
+                    if not handoff.put(piece):
+                        break
+                handoff.close()
+            except BaseException as e:  # handed to the loop, which ends the stream with `error`
+                handoff.close(e)
+
+        thread_done = asyncio.ensure_future(asyncio.to_thread(infer))
+        renewer = asyncio.create_task(self._renew_lease(run))
+        stops = StopFilter(req.stop)
+        seq = claim.seq  # tokens counted in Redis (all attempts)
+        tokens = claim.seq  # tokens generated (all attempts)
+        first_token_at: float | None = None
+        last_token_at: float | None = None
+        deadline = self.settings.max_generation_s
+        error: BaseException | None = None
+        try:
+            while True:
+                timeout = None
+                if deadline > 0:
+                    timeout = max(0.0, t_start + deadline - time.monotonic())
+                batch = await handoff.get(timeout_s=timeout if timeout is not None else 1.0)
+                now = time.monotonic()
+                if batch.pieces:
+                    if first_token_at is None:
+                        first_token_at = now
+                    last_token_at = now
+                    tokens += len(batch.pieces)
+                text = stops.feed("".join(batch.pieces))
+                if stops.stopped:
+                    run.stop.set()
+                if batch.closed:
+                    error = batch.error
+                    if error is None and not run.stop.is_set():
+                        text += stops.flush()
+                if text and not (run.fenced_out or run.cancel_reason):
+                    res = await self._append_retrying(run, seq, tokens, [(EventType.DELTA, encode_data({"text": text}))])
+                    if res is None:
+                        break
+                    seq = tokens
+                if run.cancel_reason or run.fenced_out:
+                    run.stop.set()
+                if deadline > 0 and now - t_start >= deadline and not batch.closed:
+                    run.deadline_hit = True
+                    run.stop.set()
+                if batch.closed:
+                    break
+        finally:
+            handoff.abandon()
+            renewer.cancel()
+            await asyncio.gather(thread_done, renewer, return_exceptions=True)
+        if run.fenced_out:
+            log.warning("lost the lease; another worker owns the stream",
+                        extra={"stream_id": str(claim.stream_id)})
+            return
+        compute_s = time.monotonic() - t_start
+        gen = gen_holder[0] if gen_holder else None
+        usage = self._usage(gen.prompt_tokens if gen else 0, tokens, t_start, first_token_at, last_token_at)
+        if run.cancel_reason:
+            await self._finish_cancelled(run, run.cancel_reason, usage, compute_s)
+        elif run.deadline_hit:
+            await self._finish_error(run, "deadline", f"generation exceeded {deadline:g} s", usage, compute_s)
+        elif error is not None:
+            code = getattr(error, "code", "engine")
+            log.error("engine failed: %s", type(error).__name__, extra={"stream_id": str(claim.stream_id)})
+            await self._finish_error(run, code, str(error) or type(error).__name__, usage, compute_s)
+        else:
+            reason = "stop" if stops.stopped else (gen.finish_reason if gen else "stop")
+            await self._finish(run, EventType.DONE, {"finish_reason": reason, "usage": usage}, "done", usage)
+
+    async def _append_retrying(self, run: _Run, seq_before: int, seq_after: int,
+                               events: Sequence[tuple[str, bytes]]) -> bool | None:
+        """Append, surviving Redis outages. None when this worker no longer owns the stream."""
+        backoff = Backoff()
+        while True:
+            try:
+                res = await self.store.append(run.claim, seq_before, seq_after, events)
+            except TRANSIENT as e:
+                log.warning("append failed, retrying: %s", e)
+                await backoff.sleep()
+                continue
+            if res.ok:
+                if res.cancel_reason and not run.cancel_reason:
+                    run.cancel_reason = res.cancel_reason
+                return True
+            if res.seq is not None and res.seq == seq_after:
+                return True  # an earlier try landed; its reply was lost
+            if res.cancel_reason and not run.cancel_reason:
+                run.cancel_reason = res.cancel_reason
+            run.fenced_out = True
+            return None
+
+    async def _renew_lease(self, run: _Run) -> None:
+        interval = max(0.05, self.settings.lease_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                res = await self.store.renew(run.claim, self.worker_id)
+            except (RedisError, OSError):
+                continue
+            if not res.ok:
+                run.fenced_out = True
+                run.stop.set()
+                return
+            if res.cancel_reason and not run.cancel_reason:
+                run.cancel_reason = res.cancel_reason
+                run.stop.set()
+
+    async def _listen_for_cancels(self) -> None:
+        """Cancel notices arrive here at once, even while prefill runs and nothing is appended."""
+        backoff = Backoff()
+        while True:
+            pubsub = self.blocking.pubsub()
+            try:
+                await pubsub.subscribe(control_channel())
+                backoff.reset()
+                async for msg in pubsub.listen():
+                    if msg["type"] != "message":
+                        continue
+                    run = self._current
+                    if run is not None and msg["data"].decode() == str(run.claim.stream_id):
+                        res = await self.store.renew(run.claim, self.worker_id)
+                        if res.cancel_reason and not run.cancel_reason:
+                            run.cancel_reason = res.cancel_reason
+                            run.stop.set()
+            except asyncio.CancelledError:
+                await pubsub.aclose()
+                raise
+            except (RedisError, OSError) as e:
+                log.warning("cancel listener lost redis: %s", e)
+                await pubsub.aclose()
+                await backoff.sleep()
+
+    # -- terminal events -----------------------------------------------------------------------
+
+    @staticmethod
+    def _usage(prompt_tokens: int, completion_tokens: int, t_start: float | None,
+               first: float | None, last: float | None) -> dict[str, Any]:
+        ttft_ms = None if first is None or t_start is None else round((first - t_start) * 1000, 3)
+        tpot_ms = None
+        if first is not None and last is not None and completion_tokens > 1 and last > first:
+            tpot_ms = round((last - first) * 1000 / (completion_tokens - 1), 3)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
+
+    async def _finish(self, run: _Run, etype: str, data: dict[str, Any], status: str, usage: dict[str, Any],
+                      reason: str = "", compute_s: float = 0.0) -> None:
+        eid = await self._retry(lambda: self.store.finish(
+            run.claim, etype, data, status=status, usage=usage, model=self.engine.name, reason=reason,
+            compute_s=compute_s))
+        if eid is None:
+            run.fenced_out = True
+        log.info("finished", extra={"stream_id": str(run.claim.stream_id), "status": status,
+                                    "completion_tokens": usage.get("completion_tokens")})
+
+    async def _finish_cancelled(self, run: _Run, reason: str, usage: dict[str, Any], compute_s: float) -> None:
+        await self._finish(run, EventType.CANCELLED, {"reason": reason, "usage": usage}, "cancelled", usage,
+                           reason, compute_s)
+
+    async def _finish_error(self, run: _Run, code: str, message: str, usage: dict[str, Any],
+                            compute_s: float = 0.0) -> None:
+        await self._finish(run, EventType.ERROR, {"code": code, "message": message, "usage": usage}, "error",
+                           usage, code, compute_s)

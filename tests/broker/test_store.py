@@ -1,0 +1,109 @@
+"""The atomic operations against a real redis-server: the races each Lua script closes."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from redis.asyncio import Redis
+
+from broker.client import connect
+from broker.events import EventType, encode_data
+from broker.request import GenerationRequest
+from broker.store import Claim, Store
+
+REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
+
+
+@pytest.fixture
+async def store(redis_server, redis_client):  # type: ignore[no-untyped-def]
+    r: Redis = connect(redis_server.url)
+    yield Store(r)
+    await r.aclose()
+
+
+def _delta(text: str) -> tuple[str, bytes]:
+    return EventType.DELTA, encode_data({"text": text})
+
+
+async def _claimed(store: Store, sid: uuid.UUID, worker: str = "w1") -> Claim:
+    claim = await store.claim(sid, worker)
+    assert isinstance(claim, Claim)
+    return claim
+
+
+async def test_concurrent_creates_enqueue_exactly_one_job(store: Store) -> None:
+    sid = uuid.uuid4()
+    results = await asyncio.gather(*(store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+                                     for _ in range(50)))
+    assert sorted(r.outcome for r in results) == ["created"] + ["exists"] * 49
+    assert await store.redis.xlen(store.keys(sid).jobs) == 1
+    other = GenerationRequest(None, "other", None, 32, 0.8, 0.95, None, (), False)
+    assert (await store.create(sid, other, default_model="m", max_queue=0, retention_s=60)).outcome == "conflict"
+
+
+async def test_queue_bound_is_enforced_atomically(store: Store) -> None:
+    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, default_model="m", max_queue=5, retention_s=60)
+                                     for _ in range(20)))
+    assert sum(r.outcome == "created" for r in results) == 5
+    assert sum(r.outcome == "queue_full" for r in results) == 15
+    assert await store.waiting() == 5
+
+
+async def test_a_zombie_cannot_append_or_finish_after_a_new_claim(store: Store) -> None:
+    sid = uuid.uuid4()
+    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+    zombie = await _claimed(store, sid, "w1")
+    assert (await store.append(zombie, 0, 1, [_delta("a")])).ok
+    owner = await _claimed(store, sid, "w2")  # takeover: w1 lost its lease
+    assert owner.fence == zombie.fence + 1 and owner.seq == 1
+    refused = await store.append(zombie, 1, 2, [_delta("zombie")])
+    assert not refused.ok and refused.seq is None
+    assert await store.finish(zombie, EventType.DONE, {"finish_reason": "stop", "usage": {}}, status="done",
+                              usage={}) is None
+    assert (await store.append(owner, 1, 2, [_delta("b")])).ok
+    texts = [e.json()["text"] for e in await store.read(sid, None) if e.type == "delta"]
+    assert texts == ["a", "b"]
+
+
+async def test_a_retried_append_whose_reply_was_lost_is_not_duplicated(store: Store) -> None:
+    sid = uuid.uuid4()
+    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+    claim = await _claimed(store, sid)
+    assert (await store.append(claim, 0, 3, [_delta("abc")])).ok
+    retry = await store.append(claim, 0, 3, [_delta("abc")])
+    assert not retry.ok and retry.seq == 3  # the caller learns its first try landed
+    assert [e.type for e in await store.read(sid, None)] == ["queued", "delta"]
+
+
+async def test_cancel_racing_claim_has_exactly_one_winner(store: Store) -> None:
+    for _ in range(20):
+        sid = uuid.uuid4()
+        await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+        claim, status = await asyncio.gather(store.claim(sid, "w"), store.cancel(sid, "client"))
+        events = [e.type for e in await store.read(sid, None)]
+        if isinstance(claim, Claim):  # the worker won: the cancel is pending for it to honour
+            assert status == "running" and events == ["queued"] and claim.cancel_reason in ("", "client")
+        else:  # the cancel won: the stream ended and the worker has nothing to do
+            assert claim == -2 and status == "cancelled" and events == ["queued", "cancelled"]
+
+
+async def test_finish_sets_status_usage_expiry_and_records_aborts(store: Store) -> None:
+    sid = uuid.uuid4()
+    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+    claim = await _claimed(store, sid)
+    usage = {"prompt_tokens": 3, "completion_tokens": 5, "ttft_ms": 1.0, "tpot_ms": 0.5}
+    eid = await store.finish(claim, EventType.CANCELLED, {"reason": "client", "usage": usage}, status="cancelled",
+                             usage=usage, model="demo", reason="client", compute_s=0.25)
+    assert eid is not None
+    st = await store.status(sid)
+    assert st is not None and st.status == "cancelled" and st.usage == usage and st.last_id == eid
+    assert st.model == "demo"
+    assert 0 < await store.redis.ttl(store.keys(sid).events) <= 60
+    records = await store.redis.xrange(store.keys(sid).aborted)
+    assert len(records) == 1 and records[0][1][b"reason"] == b"client"
+    assert records[0][1][b"completion_tokens"] == b"5" and records[0][1][b"max_tokens"] == b"32"
+    # A second finish (a retry, or a zombie) adds nothing.
+    assert await store.finish(claim, EventType.DONE, {}, status="done", usage={}) is None
+    assert len(await store.read(sid, None)) == 2

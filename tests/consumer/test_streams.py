@@ -1,0 +1,267 @@
+"""The core stream scenarios end to end: real redis-server, real `rsb generator` running llama.cpp on the
+demo model, real `rsb consumer` under uvicorn, read over HTTP with a strict SSE parser."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+import uuid
+
+import httpx
+import orjson
+from helpers import SSERead, create, read_sse, wait_status
+
+
+def _finished(stack, max_tokens: int = 48, **body) -> tuple[str, SSERead]:  # type: ignore[no-untyped-def]
+    with stack.client() as c:
+        r = create(c, max_tokens=max_tokens, **body)
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        full = read_sse(c, f"/v1/streams/{sid}/events")
+    assert full.status == 200
+    return sid, full
+
+
+def test_read_from_scratch_then_resume_from_every_event_gives_the_same_events(stack) -> None:  # type: ignore[no-untyped-def]
+    sid, full = _finished(stack, max_tokens=40, messages=[{"role": "user", "content": "Tell me a story"}])
+    types = [e.event for e in full.events]
+    assert types[0] == "queued" and types[1] == "started" and types[-1] == "done"
+    assert types.count("done") == 1 and set(types[2:-1]) == {"delta"}
+    assert full.headers["content-type"].startswith("text/event-stream")
+    assert full.headers["cache-control"] == "no-cache" and full.headers["x-accel-buffering"] == "no"
+    ids = full.ids
+    assert len(set(ids)) == len(ids) and ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+    done = full.events[-1].data
+    assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 40
+    assert {"prompt_tokens", "completion_tokens", "ttft_ms", "tpot_ms"} <= set(done["usage"])
+
+    with stack.client() as c:
+        for i, eid in enumerate(ids[:-1]):
+            by_header = read_sse(c, f"/v1/streams/{sid}/events", headers={"Last-Event-ID": eid})
+            by_query = read_sse(c, f"/v1/streams/{sid}/events", params={"last_event_id": eid})
+            expected = [(e.id, e.event, e.data) for e in full.events[i + 1:]]
+            assert [(e.id, e.event, e.data) for e in by_header.events] == expected
+            assert [(e.id, e.event, e.data) for e in by_query.events] == expected
+            # Whatever the resume point, what was read before plus what came after is the whole answer.
+            before = "".join(e.data["text"] for e in full.events[: i + 1] if e.event == "delta")
+            assert before + by_header.text == full.text
+        # The header wins over the query parameter.
+        both = read_sse(c, f"/v1/streams/{sid}/events", headers={"Last-Event-ID": ids[3]},
+                        params={"last_event_id": ids[1]})
+        assert both.events[0].id == ids[4]
+        # Resuming at the terminal event: 204, so EventSource stops reconnecting.
+        r = c.get(f"/v1/streams/{sid}/events", headers={"Last-Event-ID": ids[-1]})
+        assert r.status_code == 204
+
+
+def test_32_concurrent_identical_creates_make_one_stream_and_one_generation(stack, redis_client) -> None:  # type: ignore[no-untyped-def]
+    body = {"id": str(uuid.uuid4()), "prompt": "Once upon a time", "max_tokens": 24}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as ac:
+            return list(await asyncio.gather(*(ac.post("/v1/streams", json=body) for _ in range(32))))
+
+    responses = asyncio.run(burst())
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200] * 31 + [201]
+    assert sum(r.json()["created"] for r in responses) == 1
+    assert {r.json()["id"] for r in responses} == {body["id"]}
+    with stack.client() as c:
+        events = read_sse(c, f"/v1/streams/{body['id']}/events").events
+        assert [e.event for e in events].count("started") == 1
+        assert redis_client.xlen("rsb:{p0}:jobs") == 1
+        again = c.post("/v1/streams", json=body)
+        assert again.status_code == 200 and again.json()["status"] == "done" and not again.json()["created"]
+        other = c.post("/v1/streams", json={**body, "prompt": "Something else"})
+        assert other.status_code == 409 and other.json()["error"]["code"] == "conflict"
+
+
+def test_generation_goes_on_when_every_reader_left(stack) -> None:  # type: ignore[no-untyped-def]
+    with stack.client() as c:
+        sid = create(c, max_tokens=600).json()["id"]
+        first = read_sse(c, f"/v1/streams/{sid}/events", stop_after=3)  # then the reader leaves
+        assert len(first.events) == 3
+        status = wait_status(c, sid, {"done"})
+        assert status["usage"]["completion_tokens"] == 600
+        later = read_sse(c, f"/v1/streams/{sid}/events")
+        assert [e.id for e in later.events[:3]] == first.ids
+        assert later.events[-1].event == "done"
+        assert later.events[-1].data["usage"]["completion_tokens"] == 600
+
+
+def test_two_readers_receive_identical_events(stack) -> None:  # type: ignore[no-untyped-def]
+    with stack.client() as c:
+        sid = create(c, max_tokens=800).json()["id"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(lambda _: read_sse(httpx.Client(base_url=stack.base_url), f"/v1/streams/{sid}/events"),
+                        range(2))
+    assert [(e.id, e.event, e.data) for e in a.events] == [(e.id, e.event, e.data) for e in b.events]
+    assert a.events[-1].event == "done"
+
+
+def test_cancel_mid_generation_stops_inference_and_frees_the_worker(stack, redis_client) -> None:  # type: ignore[no-untyped-def]
+    max_tokens = 3800
+    with stack.client() as c:
+        sid = create(c, max_tokens=max_tokens).json()["id"]
+        head = read_sse(c, f"/v1/streams/{sid}/events", stop_after=4)
+        assert [e.event for e in head.events][:3] == ["queued", "started", "delta"]
+        r = c.post(f"/v1/streams/{sid}/cancel")
+        assert r.status_code == 202 and r.json()["id"] == sid
+        rest = read_sse(c, f"/v1/streams/{sid}/events", headers={"Last-Event-ID": head.ids[-1]})
+        last = rest.events[-1]
+        assert last.event == "cancelled" and last.data["reason"] == "client"
+        assert 0 < last.data["usage"]["completion_tokens"] < max_tokens
+        n = redis_client.xlen(f"rsb:{{p0}}:s:{sid}:events")
+        # The worker takes the next job at once, and nothing more is appended to the cancelled stream.
+        t0 = time.monotonic()
+        sid2 = create(c, max_tokens=8).json()["id"]
+        nxt = read_sse(c, f"/v1/streams/{sid2}/events")
+        assert nxt.events[-1].event == "done" and time.monotonic() - t0 < 5
+        assert redis_client.xlen(f"rsb:{{p0}}:s:{sid}:events") == n
+        st = c.get(f"/v1/streams/{sid}").json()
+        assert st["status"] == "cancelled" and st["usage"]["completion_tokens"] == last.data["usage"]["completion_tokens"]
+        # Cancelling again, or cancelling a finished stream, changes nothing.
+        again = c.post(f"/v1/streams/{sid}/cancel")
+        assert again.status_code == 202 and again.json()["status"] == "cancelled"
+        done = c.post(f"/v1/streams/{sid2}/cancel")
+        assert done.status_code == 202 and done.json()["status"] == "done"
+        assert redis_client.xlen(f"rsb:{{p0}}:s:{sid}:events") == n
+
+
+def test_cancel_while_queued_ends_the_stream_without_generating(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    with s.client() as c:
+        sid = create(c).json()["id"]
+        assert c.post(f"/v1/streams/{sid}/cancel").json()["status"] == "cancelled"
+        events = read_sse(c, f"/v1/streams/{sid}/events").events
+        assert [e.event for e in events] == ["queued", "cancelled"]
+        s.generator()
+        sid2 = create(c, max_tokens=4).json()["id"]
+        wait_status(c, sid2, {"done"})
+        assert [e.event for e in read_sse(c, f"/v1/streams/{sid}/events").events] == ["queued", "cancelled"]
+
+
+def test_heartbeat_comments_fill_every_silence(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer("--heartbeat-s", "0.5")  # no generator: the stream stays queued and silent
+    with s.client() as c:
+        sid = create(c).json()["id"]
+        t0 = time.monotonic()
+        with c.stream("GET", f"/v1/streams/{sid}/events") as r:
+            stamps = []
+            for chunk in r.iter_raw():
+                stamps.append((time.monotonic(), chunk))
+                if time.monotonic() - t0 > 3:
+                    break
+    comments = [t for t, ch in stamps if ch.startswith(b":")]
+    assert len(comments) >= 4
+    times = [t0] + [t for t, _ in stamps]
+    assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 0.9
+
+
+def test_500_live_readers_hold_a_small_bounded_number_of_redis_connections(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer("--heartbeat-s", "5")
+    with s.client() as c:
+        sids = [create(c, max_tokens=12).json()["id"] for _ in range(100)]
+    baseline = {cl["id"] for cl in redis_client.client_list()}
+
+    async def readers() -> list[str]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=s.base_url, limits=limits, timeout=120) as ac:
+            async def one(sid: str) -> str:
+                buf = b""
+                async with ac.stream("GET", f"/v1/streams/{sid}/events") as r:
+                    async for chunk in r.aiter_raw():
+                        buf += chunk
+                return "".join(orjson.loads(block.split(b"data: ", 1)[1])["text"]
+                               for block in buf.split(b"\n\n") if b"event: delta" in block)
+
+            tasks = [asyncio.create_task(one(sids[i % 100])) for i in range(500)]
+            deadline = time.monotonic() + 60
+            while True:
+                m = (await ac.get("/metrics")).text
+                readers = next(float(line.split()[1]) for line in m.splitlines()
+                               if line.startswith("rsb_connected_readers "))
+                if readers >= 500:
+                    break
+                assert time.monotonic() < deadline, f"only {readers} readers connected"
+                await asyncio.sleep(0.1)
+            conns = [cl for cl in redis_client.client_list() if cl["id"] not in baseline]
+            # The whole consumer: the command pool (8 at most) plus one pub/sub connection.
+            assert len(conns) <= 10, [cl["cmd"] for cl in conns]
+            s.generator()  # now the streams go live; every reader must still get its whole answer
+            return list(await asyncio.gather(*tasks))
+
+    texts = asyncio.run(readers())
+    with s.client() as c:
+        answers = {sid: read_sse(c, f"/v1/streams/{sid}/events").text for sid in sids}
+    assert all(answers.values())
+    assert texts == [answers[sids[i % 100]] for i in range(500)]
+    m = httpx.get(f"{s.base_url}/metrics").text
+    assert "rsb_connected_readers 0" in m
+
+
+def test_redis_unreachable_answers_503_with_retry_after(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    from broker.redis_server import free_port
+
+    s = stack_factory(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    s.consumer()
+    with s.client() as c:
+        r = create(c)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+        assert int(r.headers["retry-after"]) > 0
+        assert c.get("/readyz").status_code == 503
+        assert c.get("/healthz").status_code == 200
+
+
+def test_unicode_and_invalid_bytes_survive_every_resume_point(stack) -> None:  # type: ignore[no-untyped-def]
+    sid, full = _finished(stack, max_tokens=300, prompt="你好，世界 🌍 — naïve café")
+    text = full.text
+    assert any(ord(ch) > 127 for ch in text), "the demo model's answer should contain non-ASCII text"
+    with stack.client() as c:
+        for i, eid in enumerate(full.ids[:-1]):
+            rest = read_sse(c, f"/v1/streams/{sid}/events", headers={"Last-Event-ID": eid})
+            before = "".join(e.data["text"] for e in full.events[: i + 1] if e.event == "delta")
+            assert before + rest.text == text
+
+
+def test_crafted_unicode_deltas_roundtrip_exactly(redis_server, redis_client, stack_factory) -> None:  # type: ignore[no-untyped-def]
+    """Texts a model can produce that break naive SSE framing: CR, LF, U+2028, NUL, U+FFFD, emoji, CJK."""
+    import asyncio as aio
+
+    from broker.client import connect
+    from broker.events import EventType, encode_data
+    from broker.request import GenerationRequest
+    from broker.store import Store
+
+    pieces = ["你好", "世界", "🌍🚀", "\r\n", "line\nbreak", "\u2028sep\u2029", "nul\x00", "\ufffd",
+              'quote"\\', "é", " "]
+    sid = uuid.uuid4()
+
+    async def write() -> None:
+        r = connect(redis_server.url)
+        st = Store(r)
+        req = GenerationRequest(None, "x", None, 16, 0.8, 0.95, None, (), False)
+        await st.create(sid, req, default_model="m", max_queue=0, retention_s=60)
+        claim = await st.claim(sid, "w")
+        assert not isinstance(claim, int)
+        for n, p in enumerate(pieces):
+            res = await st.append(claim, n, n + 1, [(EventType.DELTA, encode_data({"text": p}))])
+            assert res.ok
+        await st.finish(claim, EventType.DONE, {"finish_reason": "stop", "usage": {}}, status="done", usage={})
+        await r.aclose()
+
+    aio.run(write())
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    with s.client() as c:
+        full = read_sse(c, f"/v1/streams/{sid}/events")
+        assert full.text == "".join(pieces)
+        for i, eid in enumerate(full.ids[:-1]):
+            rest = read_sse(c, f"/v1/streams/{sid}/events", params={"last_event_id": eid})
+            before = "".join(e.data["text"] for e in full.events[: i + 1] if e.event == "delta")
+            assert before + rest.text == "".join(pieces)
+

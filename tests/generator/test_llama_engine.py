@@ -1,0 +1,192 @@
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from broker.request import GenerationRequest, Message
+from generator.demo_model import DEMO_MODEL_NAME
+from generator.engine import Engine, Generation
+from generator.llama_engine import LlamaEngine, PromptTooLong
+
+
+def request(
+    prompt: str | None = "Once upon a time",
+    *,
+    messages: tuple[Message, ...] | None = None,
+    seed: int | None = 1,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+) -> GenerationRequest:
+    return GenerationRequest(
+        messages=messages,
+        prompt=None if messages is not None else prompt,
+        model=None,
+        max_tokens=16,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=(),
+        cancel_on_disconnect=False,
+    )
+
+
+def run(eng: LlamaEngine, req: GenerationRequest, max_tokens: int, prefix_text: str = "") -> tuple[Generation, list[str]]:
+    gen = eng.start(req, prefix_text=prefix_text, max_tokens=max_tokens, stop=threading.Event())
+    return gen, list(gen.pieces)
+
+
+def test_is_an_engine_named_after_the_model(engine: LlamaEngine, demo_gguf: Path) -> None:
+    e: Engine = engine
+    assert e.name == DEMO_MODEL_NAME
+    named = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=256, name="custom")
+    assert named.name == "custom"
+    named.close()
+    with pytest.raises(RuntimeError):
+        named.start(request(), prefix_text="", max_tokens=1, stop=threading.Event())
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 500])
+def test_ignore_eos_gives_exactly_max_tokens(engine: LlamaEngine, max_tokens: int) -> None:
+    for seed in (1, 2):
+        gen, pieces = run(engine, request(seed=seed), max_tokens)
+        assert len(pieces) == max_tokens
+        assert gen.finish_reason == "length"
+
+
+def test_eos_ends_with_stop_and_ignore_eos_never_samples_it(engine: LlamaEngine, engine_eos: LlamaEngine) -> None:
+    # Random weights sample EOS about once per vocabulary size; find seeds where it happens early.
+    stopped = []
+    for seed in range(40):
+        gen, pieces = run(engine_eos, request(seed=seed, temperature=1.5, top_p=1.0), 1500)
+        if gen.finish_reason == "stop":
+            assert len(pieces) < 1500
+            stopped.append(seed)
+        else:
+            assert len(pieces) == 1500
+        if len(stopped) == 3:
+            break
+    assert len(stopped) == 3
+    for seed in stopped:
+        gen, pieces = run(engine, request(seed=seed, temperature=1.5, top_p=1.0), 1500)
+        assert (len(pieces), gen.finish_reason) == (1500, "length")
+
+
+def test_stop_event_stops_before_the_next_decode(engine: LlamaEngine) -> None:
+    stop = threading.Event()
+    gen = engine.start(request(), prefix_text="", max_tokens=1000, stop=stop)
+    pieces = []
+    for piece in gen.pieces:
+        pieces.append(piece)
+        if len(pieces) == 5:
+            stop.set()
+    assert len(pieces) <= 6 and all(c == "\ufffd" for c in "".join(pieces[5:]))  # at most a flushed tail
+    # Tokens 1-4 were decoded to sample tokens 2-5; the 5th was never decoded.
+    assert engine._llm.n_tokens == gen.prompt_tokens + 4
+
+
+def test_stop_already_set_produces_nothing(engine: LlamaEngine) -> None:
+    stop = threading.Event()
+    stop.set()
+    gen = engine.start(request(), prefix_text="", max_tokens=10, stop=stop)
+    assert list(gen.pieces) == []
+
+
+def test_same_seed_same_text_across_sequential_generations(engine: LlamaEngine) -> None:
+    _, first = run(engine, request(seed=42), 200)
+    _, other = run(engine, request("Something else entirely", seed=42), 50)  # leaves the KV cache dirty
+    _, again = run(engine, request(seed=42), 200)
+    _, different = run(engine, request(seed=43), 200)
+    assert "".join(first) == "".join(again) != "".join(different)
+    assert first == again
+
+
+def test_greedy_ignores_the_seed(engine: LlamaEngine) -> None:
+    _, a = run(engine, request(seed=1, temperature=0.0), 50)
+    _, b = run(engine, request(seed=2, temperature=0.0), 50)
+    assert a == b
+
+
+def test_unseeded_requests_differ(engine: LlamaEngine) -> None:
+    texts = {"".join(run(engine, request(seed=None, temperature=1.0), 30)[1]) for _ in range(3)}
+    assert len(texts) > 1
+
+
+def test_messages_go_through_the_chat_template(engine: LlamaEngine) -> None:
+    msgs = (Message("system", "Be brief."), Message("user", "Hi there"))
+    expected = "<s><|system|>\nBe brief.</s>\n<|user|>\nHi there</s>\n<|assistant|>\n"
+    tokens = engine._llm.tokenize(expected.encode(), add_bos=False, special=True)
+    assert tokens[0] == engine._llm.token_bos() and tokens.count(engine._llm.token_eos()) == 2
+    assert engine.tokenize_prompt(request(messages=msgs)) == tokens
+    gen, pieces = run(engine, request(messages=msgs), 20)
+    assert gen.prompt_tokens == len(tokens) and len(pieces) == 20
+
+
+def test_plain_prompt_gets_bos_once(engine: LlamaEngine) -> None:
+    bos = engine._llm.token_bos()
+    assert engine.tokenize_prompt(request("Hello"))[0] == bos
+    assert engine.tokenize_prompt(request("<s>Hello")).count(bos) == 1
+    assert engine.tokenize_prompt(request("")) == [bos]
+
+
+def test_prefix_text_is_continued(engine: LlamaEngine) -> None:
+    req = request("The model")
+    first, pieces = run(engine, req, 30)
+    partial = "".join(pieces[:12])
+    cont, more = run(engine, req, 10, prefix_text=partial)
+    expected = len(engine._llm.tokenize(("The model" + partial).encode(), add_bos=True, special=True))
+    assert cont.prompt_tokens == expected > first.prompt_tokens
+    assert len(more) == 10
+    # The continuation is tokenized as one string with the prompt: no space or BOS is inserted between.
+    assert engine.tokenize_prompt(req, " world") == engine.tokenize_prompt(request("The model world"))
+
+
+def test_first_piece_keeps_its_leading_space(engine: LlamaEngine) -> None:
+    # After a text prompt the piece's space is real text; only after BOS (empty prompt) is it SPM's dummy.
+    leading = {run(engine, request("Hello", seed=s), 1)[1][0][:1] == " " for s in range(20)}
+    assert True in leading
+
+
+def test_prompt_too_long(demo_gguf: Path) -> None:
+    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=128)
+    try:
+        n_ctx = eng.n_ctx  # llama.cpp rounds the context up (to 256 here)
+        assert n_ctx >= 128
+        long_prompt = " the" * n_ctx
+        with pytest.raises(PromptTooLong) as err:
+            eng.start(request(long_prompt), prefix_text="", max_tokens=1, stop=threading.Event())
+        assert isinstance(err.value, ValueError) and str(n_ctx) in str(err.value)
+        n = len(eng.tokenize_prompt(request(" the" * 50)))
+        fits = n_ctx - 1 - n
+        gen, pieces = run(eng, request(" the" * 50), fits)
+        assert len(pieces) == fits
+        with pytest.raises(PromptTooLong):
+            eng.start(request(" the" * 50), prefix_text="", max_tokens=fits + 1, stop=threading.Event())
+        with pytest.raises(PromptTooLong):  # the continued answer counts too
+            eng.start(request(" the" * 50), prefix_text=" the", max_tokens=fits, stop=threading.Event())
+    finally:
+        eng.close()
+
+
+def test_an_abandoned_generation_does_not_deadlock_the_next(engine: LlamaEngine) -> None:
+    old = engine.start(request(), prefix_text="", max_tokens=100, stop=threading.Event())
+    assert len([next(old.pieces) for _ in range(3)]) == 3
+    _, pieces = run(engine, request(seed=5), 20)
+    assert len(pieces) == 20
+    assert list(old.pieces) == []  # it was ended, not resumed on a context that moved on
+
+
+def test_generations_from_two_threads_are_serialized(engine: LlamaEngine) -> None:
+    results: dict[int, str] = {}
+    _, solo = run(engine, request(seed=9), 300)
+
+    def work(i: int) -> None:
+        results[i] = "".join(run(engine, request(seed=9), 300)[1])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == {0: "".join(solo), 1: "".join(solo)}
