@@ -70,7 +70,9 @@ def broker_settings(a: argparse.Namespace, redis_url: str | None = None) -> Brok
     return BrokerSettings(redis_url=redis_url or a.redis_url or DEFAULT_REDIS_URL, partitions=a.partitions)
 
 
-def consumer_settings(a: argparse.Namespace, redis_url: str | None = None, default_model: str = "default") -> ConsumerSettings:
+def consumer_settings(
+    a: argparse.Namespace, redis_url: str | None = None, default_model: str = "default"
+) -> ConsumerSettings:
     return ConsumerSettings(
         broker=broker_settings(a, redis_url), host=a.host, port=a.port, heartbeat_s=a.heartbeat_s,
         max_body_bytes=a.max_body_bytes, max_queue=a.max_queue, abandon_after_s=a.abandon_after_s,

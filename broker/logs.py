@@ -34,3 +34,5 @@ def setup_logging(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # gguf's writer narrates every file it writes at INFO; the demo model build needs no narration.
+    logging.getLogger("gguf").setLevel(logging.WARNING)

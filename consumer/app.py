@@ -44,4 +44,4 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
             await redis.aclose()
             await blocking.aclose()
 
-    return Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)  # type: ignore[arg-type]
+    return Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)

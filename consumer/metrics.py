@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 
 class Metrics:
     def __init__(self) -> None:
-        self.counters: Counter[str] = Counter()
+        self.counters: dict[str, float] = {}
         self.gauges: dict[str, Callable[[], float]] = {}
         self.help: dict[str, str] = {}
 
     def inc(self, name: str, value: float = 1) -> None:
-        self.counters[name] += value
+        self.counters[name] = self.counters.get(name, 0.0) + value
 
     def gauge(self, name: str, fn: Callable[[], float], help_text: str) -> None:
         self.gauges[name] = fn

@@ -25,6 +25,9 @@ class ConsumerServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.draining.set()
         super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals after shutdown, which kills the process before `rsb up`
+        # can stop its generators and Redis server. A drained exit is a clean exit: status 0.
+        self._captured_signals.clear()
 
 
 def build_server(settings: ConsumerSettings, **uvicorn_options: object) -> ConsumerServer:

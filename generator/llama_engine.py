@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,12 @@ class LlamaEngine:
 
         # The first decode allocates compute buffers; pay that here rather than in the first request.
         llm.eval([self._bos if self._bos >= 0 else 0])
-        llm.reset()  # type: ignore[no-untyped-call]
+        self._reset()
+
+    def _reset(self) -> None:
+        # Through a typed alias: Llama.reset is unannotated.
+        reset: Callable[[], None] = self._llm.reset
+        reset()
 
     def _token_text(self, token: int) -> str:
         if token < 0:
@@ -180,7 +185,7 @@ class LlamaEngine:
             llm = self._llm
             # A full reset, not generate()'s prefix reuse: re-evaluating the whole prompt every time keeps
             # the arithmetic, and so a seeded answer, identical whatever ran before.
-            llm.reset()  # type: ignore[no-untyped-call]
+            self._reset()
             seed = request.seed
             if seed is None:
                 seed = secrets.randbelow(_RANDOM_SEED)

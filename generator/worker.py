@@ -93,7 +93,7 @@ class Worker:
             while not self._stopping.is_set():
                 try:
                     await self.store.ensure_groups()
-                    job = await self._next_job()
+                    job = await self._poll_unless_stopping()
                     backoff.reset()
                 except TRANSIENT as e:
                     log.warning("redis unavailable, retrying: %s", e)
@@ -107,18 +107,31 @@ class Worker:
 
     # -- claiming ------------------------------------------------------------------------------
 
+    async def _poll_unless_stopping(self) -> tuple[int, str, uuid.UUID] | None:
+        """Poll for a job, but let a stop request end the wait at once. An entry delivered to a poll
+        that is cancelled this way stays pending and is taken over after ``lease_s``: nothing is lost."""
+        poll = asyncio.ensure_future(self._next_job())
+        stop = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait({poll, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not poll.done():
+            poll.cancel()
+            await asyncio.gather(poll, return_exceptions=True)
+            return None
+        return poll.result()
+
     async def _next_job(self) -> tuple[int, str, uuid.UUID] | None:
         """A job to run: first any whose owner stopped renewing its lease, then a new one."""
         lease_ms = int(self.settings.lease_s * 1000)
         for p in range(self.store.partitions):
-            res = await self.store.redis.xautoclaim(
+            res: Any = await self.store.redis.xautoclaim(
                 jobs_key(p), JOBS_GROUP, self.worker_id, min_idle_time=lease_ms, start_id="0-0", count=1
             )
             for entry_id, fields in res[1]:
                 if fields:
                     return p, entry_id.decode(), uuid.UUID(fields[b"sid"].decode())
         streams: dict[Any, Any] = {jobs_key(p): ">" for p in range(self.store.partitions)}
-        res2 = await self.blocking.xreadgroup(JOBS_GROUP, self.worker_id, streams, count=1, block=POLL_BLOCK_MS)
+        res2: Any = await self.blocking.xreadgroup(JOBS_GROUP, self.worker_id, streams, count=1, block=POLL_BLOCK_MS)
         for key, entries in res2 or []:
             p = int(key.decode().split("{p", 1)[1].split("}", 1)[0])
             for entry_id, fields in entries:
@@ -231,8 +244,9 @@ class Worker:
                     error = batch.error
                     if error is None and not run.stop.is_set():
                         text += stops.flush()
-                if text and not (run.fenced_out or run.cancel_reason):
-                    res = await self._append_retrying(run, seq, tokens, [(EventType.DELTA, encode_data({"text": text}))])
+                if text and not run.fenced_out:
+                    delta = [(EventType.DELTA, encode_data({"text": text}))]
+                    res = await self._append_retrying(run, seq, tokens, delta)
                     if res is None:
                         break
                     seq = tokens

@@ -53,7 +53,7 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 class Proc:
     def __init__(self, argv: list[str], name: str, log_path: Path) -> None:
         self.argv, self.name, self.log_path = argv, name, log_path
-        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.log = open(log_path, "ab")  # closed in stop()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 

@@ -265,3 +265,61 @@ def test_crafted_unicode_deltas_roundtrip_exactly(redis_server, redis_client, st
             before = "".join(e.data["text"] for e in full.events[: i + 1] if e.event == "delta")
             assert before + rest.text == "".join(pieces)
 
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_reader_that_leaves_frees_what_it_held(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    with s.client() as c:
+        sids = [create(c).json()["id"] for _ in range(20)]  # no generator: they stay live and silent
+    clients = [httpx.Client(base_url=s.base_url, timeout=10) for _ in sids]
+    streams = [cl.stream("GET", f"/v1/streams/{sid}/events") for cl, sid in zip(clients, sids, strict=True)]
+    iterators = [st.__enter__().iter_raw() for st in streams]  # kept alive: a dropped iterator closes
+    for it in iterators:
+        assert b"event: queued" in next(it)  # the reader is tailing
+    assert _metric(s.base_url, "rsb_connected_readers") == 20
+    assert _metric(s.base_url, "rsb_live_channels") == 20
+    for st, cl in zip(streams, clients, strict=True):
+        st.__exit__(None, None, None)
+        cl.close()
+    deadline = time.monotonic() + 5
+    while _metric(s.base_url, "rsb_connected_readers") or _metric(s.base_url, "rsb_live_channels"):
+        assert time.monotonic() < deadline, "readers or subscriptions leaked after disconnect"
+        time.sleep(0.05)
+    channels = redis_client.execute_command("PUBSUB", "NUMSUB", *[f"rsb:{{p0}}:s:{sid}:live" for sid in sids])
+    assert all(n == 0 for n in channels[1::2])
+
+
+def test_consumer_shuts_down_promptly_with_readers_connected(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+    import signal as sig
+
+    s = stack_factory(redis_server.url)
+    proc, url = s.consumer()
+    with s.client() as c:
+        sid = create(c).json()["id"]
+    results: list[SSERead] = []
+
+    def reader() -> None:
+        with httpx.Client(base_url=url) as cl:
+            results.append(read_sse(cl, f"/v1/streams/{sid}/events", timeout_s=30))
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(reader) for _ in range(5)]
+        deadline = time.monotonic() + 10
+        while _metric(url, "rsb_connected_readers") < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        proc.signal(sig.SIGTERM)
+        assert proc.wait(10) == 0
+        elapsed = time.monotonic() - t0
+        for f in futures:
+            f.result()
+    assert elapsed < 3, f"shutdown took {elapsed:.1f}s with readers connected"
+    for r in results:  # each reader got a clean end at an event boundary and a reconnect hint
+        assert [e.event for e in r.events] == ["queued"] and r.retry == [1000]

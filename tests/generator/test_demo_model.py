@@ -42,7 +42,10 @@ def test_vocab_has_all_256_byte_tokens(demo_gguf: Path, demo_llm: llama_cpp.Llam
     assert sorted(pieces) == [bytes([b]) for b in range(256)]
 
 
-@pytest.mark.parametrize("text", ["你好，世界", "emoji 😀🎉 ok", "mixed 中文 and Ελληνικά \x00\x7f\t\n", "\U0010ffff"])
+@pytest.mark.parametrize(
+    "text",
+    ["你好\uff0c世界", "emoji 😀🎉 ok", "mixed 中文 and Ελληνικά \x00\x7f\t\n", "\U0010ffff"],
+)
 def test_tokenizing_unseen_characters_falls_back_to_bytes(demo_llm: llama_cpp.Llama, text: str) -> None:
     tokens = demo_llm.tokenize(text.encode(), add_bos=True, special=False)
     # After BOS llama strips the SPM dummy space, so the round trip is exact.

@@ -128,7 +128,7 @@ def test_llama_pieces_cache_and_grow_their_buffer(demo_llm: llama_cpp.Llama) -> 
         buf.raw = long_piece  # type: ignore[attr-defined]
         return len(long_piece)
 
-    pieces._to_piece = fake_to_piece  # type: ignore[assignment]
+    pieces._to_piece = fake_to_piece
     assert pieces(5) == long_piece
     assert pieces(5) == long_piece
     assert calls == [64, 200]
@@ -138,7 +138,8 @@ def test_matches_llama_detokenize_on_generated_tokens(demo_llm: llama_cpp.Llama)
     prompt = demo_llm.tokenize(b"Once upon a time", add_bos=True)
     demo_llm.reset()
     demo_llm.set_seed(3)
-    generated = list(itertools.islice(demo_llm.generate(prompt, temp=1.0, top_k=0, min_p=0.0), 400))  # default n_ctx is 512
+    # 400 tokens: the fixture's Llama has the default n_ctx of 512.
+    generated = list(itertools.islice(demo_llm.generate(prompt, temp=1.0, top_k=0, min_p=0.0), 400))
     detok = IncrementalDetokenizer(LlamaPieces.for_llama(demo_llm))
     text = "".join(detok.push(t) for t in generated) + detok.flush()
     # llama's detokenize strips a leading space only when the list starts with BOS, which these do not.

@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks of rsb: ``python3 -m bench SCENARIO [options]`` (see docs/benchmarks.md)."""
