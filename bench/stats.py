@@ -29,8 +29,8 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
             "max": float(ordered[-1])}
 
 
-def ratio(a: float, b: float) -> float:
+def ratio(a: float | None, b: float | None) -> float:
     """a / b, NaN when b is zero or either is NaN."""
-    if b == 0 or math.isnan(a) or math.isnan(b):
+    if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
         return math.nan
     return a / b

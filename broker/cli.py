@@ -64,6 +64,8 @@ def _add_generator_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "ignore-eos", action="store_true", help="never stop at end-of-sequence (benchmarks, tests)")
     _flag(p, "generator-grace-s", type=float, default=10.0,
           help="on SIGTERM, seconds to finish the job in flight before handing it over")
+    _flag(p, "disconnect-grace-s", type=float, default=5.0,
+          help="cancel_on_disconnect streams are cancelled after this long without a reader")
 
 
 def broker_settings(a: argparse.Namespace, redis_url: str | None = None) -> BrokerSettings:
@@ -86,7 +88,7 @@ def generator_settings(a: argparse.Namespace, redis_url: str | None = None) -> G
         broker=broker_settings(a, redis_url), model_path=a.model, upstream_url=a.upstream,
         worker_id=a.worker_id or "", lease_s=a.lease_s, max_attempts=a.max_attempts,
         max_generation_s=a.max_generation_s, n_threads=a.n_threads, n_ctx=a.n_ctx,
-        shutdown_grace_s=a.generator_grace_s,
+        shutdown_grace_s=a.generator_grace_s, disconnect_grace_s=a.disconnect_grace_s,
     )
 
 
@@ -114,7 +116,47 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Claim generation jobs from Redis and append their events.")
     _add_broker_flags(gen, redis_required=True)
     _add_generator_flags(gen)
+
+    report = sub.add_parser("report", help="what aborted generations cost (cancelled, abandoned, failed)",
+                            description="Aggregate the aborted-generation records over a time range.")
+    _add_broker_flags(report, redis_required=True)
+    _flag(report, "since", help="start of the range: unix seconds or ISO-8601 (UTC if no zone)")
+    _flag(report, "until", help="end of the range: unix seconds or ISO-8601 (UTC if no zone)")
+    _flag(report, "group-by", default="reason", help="reason, model or day")
+    _flag(report, "json", action="store_true", help="print JSON instead of a table")
+    _flag(report, "csv", action="store_true", help="print CSV instead of a table")
     return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import orjson
+
+    from broker.client import connect
+    from broker.errors import RsbError
+    from broker.report import aborted_report, parse_time, render_csv, render_table
+
+    async def run() -> dict[str, Any]:
+        redis = connect(args.redis_url)
+        try:
+            return await aborted_report(redis, args.partitions, since=parse_time(args.since, "since"),
+                                        until=parse_time(args.until, "until"), group_by=args.group_by)
+        finally:
+            await redis.aclose()
+
+    try:
+        report = asyncio.run(run())
+    except RsbError as e:
+        print(f"rsb report: {e.message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+    elif args.csv:
+        print(render_csv(report), end="")
+    else:
+        print(render_table(report))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         run_generator(generator_settings(args), ignore_eos=args.ignore_eos)
         return 0
+    if args.command == "report":
+        return _report(args)
     if args.command == "up":
         from broker.stack import run_stack
 

@@ -73,6 +73,10 @@ class StreamKeys:
     def aborted(self) -> str:
         return aborted_log_key(self.partition)
 
+    @property
+    def aborted_totals(self) -> str:
+        return aborted_totals_key(self.partition)
+
 
 def jobs_key(partition: int) -> str:
     """Redis Stream of job entries (field ``sid``), read by the ``generators`` consumer group."""
@@ -84,9 +88,10 @@ def queue_stats_key(partition: int) -> str:
     return f"{_tag(partition)}:qstats"
 
 
-def live_channel_prefix() -> str:
-    """Prefix every live channel starts with (for pattern subscriptions in tools and tests)."""
-    return f"{PREFIX}:*:s:*:live"
+def stream_key_prefix(partition: int) -> str:
+    """``<prefix><uuid>:meta`` / ``:events`` are a stream's keys: the claim script walks the waiting jobs
+    of its partition (same slot) with it to update their queue positions."""
+    return f"{_tag(partition)}:s:"
 
 
 def control_channel() -> str:
@@ -99,6 +104,6 @@ def aborted_log_key(partition: int) -> str:
     return f"{_tag(partition)}:aborted"
 
 
-def worker_registry_key() -> str:
-    """Sorted set of live workers by heartbeat time."""
-    return f"{PREFIX}:workers"
+def aborted_totals_key(partition: int) -> str:
+    """Hash of running totals of aborted generations, ``<reason>|<counter>`` fields, for /metrics."""
+    return f"{_tag(partition)}:aborted_totals"

@@ -1,36 +1,80 @@
 """The Lua scripts behind every multi-step change to a stream. Each runs atomically inside Redis.
 
 Meta hash fields (``StreamKeys.meta``): ``status`` (queued|running|done|cancelled|error), ``rh``
-(request hash), ``req`` (canonical request JSON), ``model``, ``max_tokens``, ``created_at``,
-``jid`` (job entry id), ``fence`` (claim counter), ``attempts``, ``worker``, ``cancel`` (reason of a
-pending cancel), ``last_id`` (terminal event id), ``usage`` (JSON), ``finished_at``, ``key_id``.
+(request hash), ``req`` (canonical request JSON), ``model``, ``max_tokens``, ``created_at``, ``jid``
+(job entry id), ``fence`` (claim counter), ``attempts``, ``worker``, ``claimed_at``, ``seq`` (tokens
+appended), ``cancel`` (reason of a pending cancel), ``last_id`` (terminal event id), ``usage`` (JSON),
+``finished_at``, ``key_id``, ``retention_s``, ``abandon_s``, ``cod`` (cancel_on_disconnect),
+``seen`` (last time a reader was connected, refreshed by consumer pods), ``read`` (ever read).
 
 Every appended event is also PUBLISHed on the stream's live channel as ``<id>\\n<type>\\n<data>`` so
 consumer pods can tail thousands of streams over one pub/sub connection; the stream stays the source of
 truth (a pod that misses a message re-reads the range).
+
+All keys a script touches share the partition's hash tag (broker.keys), so every script runs in one
+slot on Redis Cluster. Retrying a script whose reply was lost must be safe: CREATE and CANCEL are
+idempotent, APPEND carries a sequence number, FINISH and RELEASE check the fence and status.
 """
 
 from __future__ import annotations
 
+# Shared Lua: record an aborted generation in the partition's log and running totals (for the report
+# and /metrics). Arguments: meta fields (model, max_tokens, key_id), the record's own values.
+_RECORD_ABORT = """
+local function record_abort(log_key, totals_key, sid, ts, status, reason, model, max_tokens, key_id,
+                            prompt_tokens, completion_tokens, compute_s)
+  local saved = math.max(0, tonumber(max_tokens or '0') - tonumber(completion_tokens))
+  redis.call('XADD', log_key, 'MAXLEN', '~', 1000000, '*', 'sid', sid, 'ts', ts, 'status', status,
+    'reason', reason, 'model', model or '', 'max_tokens', max_tokens or '0', 'prompt_tokens', prompt_tokens,
+    'completion_tokens', completion_tokens, 'tokens_saved', saved, 'compute_s', compute_s, 'key_id', key_id or '')
+  redis.call('HINCRBY', totals_key, reason .. '|streams', 1)
+  redis.call('HINCRBY', totals_key, reason .. '|prompt_tokens', prompt_tokens)
+  redis.call('HINCRBY', totals_key, reason .. '|completion_tokens', completion_tokens)
+  redis.call('HINCRBY', totals_key, reason .. '|tokens_saved', saved)
+  redis.call('HINCRBYFLOAT', totals_key, reason .. '|compute_s', compute_s)
+end
+"""
+
+# Shared Lua: close a stream: terminal event, status, expiry of the stream and a tombstone that outlives
+# it (so an expired id answers 410, not 404, for another retention period, then vanishes too).
+_CLOSE = """
+local function close_stream(meta, events, tomb, channel, etype, data, status, usage, now, retention)
+  local eid = redis.call('XADD', events, '*', 't', etype, 'd', data)
+  redis.call('PUBLISH', channel, eid .. '\\n' .. etype .. '\\n' .. data)
+  redis.call('HSET', meta, 'status', status, 'usage', usage, 'last_id', eid, 'finished_at', now)
+  redis.call('HDEL', meta, 'worker')
+  redis.call('EXPIRE', meta, retention)
+  redis.call('EXPIRE', events, retention)
+  redis.call('SET', tomb, '1', 'EX', 2 * retention)
+  return eid
+end
+"""
+
 # Closes: two creates with one id racing (double generation), and create racing the queue bound.
 # EXISTS-then-HSET across round trips would let both callers see "absent" and both enqueue a job.
 CREATE = """
--- KEYS: meta, events, jobs, qstats
--- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s
+-- KEYS: meta, events, jobs, qstats, tombstone
+-- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s, abandon_s, cod
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local m = redis.call('HMGET', KEYS[1], 'rh', 'status')
   if m[1] == ARGV[2] then return {0, m[2]} end
   return {-1, m[2]}
 end
-local waiting = tonumber(redis.call('HGET', KEYS[4], 'waiting') or '0')
+if redis.call('EXISTS', KEYS[5]) == 1 then return {-2, 'expired'} end
+local q = redis.call('HMGET', KEYS[4], 'waiting', 'ema_job_s', 'busy')
+local waiting = tonumber(q[1] or '0')
 local max_queue = tonumber(ARGV[5])
-if max_queue > 0 and waiting >= max_queue then return {-3, tostring(waiting)} end
+if max_queue > 0 and waiting >= max_queue then return {-3, tostring(waiting), q[2] or '', q[3] or '0'} end
 local jid = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'rh', ARGV[2], 'req', ARGV[3], 'created_at', ARGV[4],
   'model', ARGV[6], 'max_tokens', ARGV[7], 'jid', jid, 'fence', 0, 'attempts', 0, 'key_id', ARGV[9],
-  'retention_s', ARGV[10])
+  'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0)
 redis.call('HINCRBY', KEYS[4], 'waiting', 1)
-local data = '{"position":' .. (waiting + 1) .. ',"eta_s":null}'
+local eta = 'null'
+if q[2] then
+  eta = string.format('%.3f', (waiting + 1) * tonumber(q[2]) / math.max(1, tonumber(q[3] or '1')))
+end
+local data = '{"position":' .. (waiting + 1) .. ',"eta_s":' .. eta .. '}'
 local eid = redis.call('XADD', KEYS[2], '*', 't', 'queued', 'd', data)
 redis.call('PUBLISH', ARGV[8], eid .. '\\n' .. 'queued' .. '\\n' .. data)
 return {1, 'queued'}
@@ -38,16 +82,52 @@ return {1, 'queued'}
 
 # Closes: two workers claiming one job (a crashed worker's entry reclaimed while it wakes up), and a
 # claim racing a cancel of a queued stream. The fence counter makes every earlier claimant a zombie
-# whose appends the APPEND and FINISH scripts refuse.
+# whose appends APPEND and FINISH refuse. Then, in the same step, the streams still waiting in this
+# partition learn their new queue position (the first POSITION_UPDATES of them; later ones as they
+# move up), so positions count down exactly once per claim.
 CLAIM = """
--- KEYS: meta, qstats ; ARGV: worker, now_ms
+-- KEYS: meta, qstats, jobs
+-- ARGV: worker, now_s, group, stream_key_prefix, position_updates
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
 local st = redis.call('HGET', KEYS[1], 'status')
 if st == 'done' or st == 'cancelled' or st == 'error' then return {-2} end
-if st == 'queued' then redis.call('HINCRBY', KEYS[2], 'waiting', -1) end
+local now = tonumber(ARGV[2])
+if st == 'queued' then
+  redis.call('HINCRBY', KEYS[2], 'waiting', -1)
+  redis.call('HINCRBY', KEYS[2], 'busy', 1)
+end
 local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'claimed_at', ARGV[2])
+local a = redis.call('HMGET', KEYS[1], 'abandon_s', 'seen', 'cancel')
+if not a[3] and tonumber(a[1] or '0') > 0 and now - tonumber(a[2] or now) > tonumber(a[1]) then
+  redis.call('HSET', KEYS[1], 'cancel', 'abandoned')
+end
+-- Queue positions of the streams still waiting behind this one.
+local last = nil
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
+  local name, lid = nil, nil
+  for i = 1, #g, 2 do
+    if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then lid = g[i + 1] end
+  end
+  if name == ARGV[3] then last = lid end
+end
+if last then
+  local q = redis.call('HMGET', KEYS[2], 'ema_job_s', 'busy')
+  local pos = 0
+  for _, e in ipairs(redis.call('XRANGE', KEYS[3], '(' .. last, '+', 'COUNT', tonumber(ARGV[5]))) do
+    local sid = e[2][2]
+    local wmeta = ARGV[4] .. sid .. ':meta'
+    if redis.call('HGET', wmeta, 'status') == 'queued' then
+      pos = pos + 1
+      local eta = 'null'
+      if q[1] then eta = string.format('%.3f', pos * tonumber(q[1]) / math.max(1, tonumber(q[2] or '1'))) end
+      local data = '{"position":' .. pos .. ',"eta_s":' .. eta .. '}'
+      local eid = redis.call('XADD', ARGV[4] .. sid .. ':events', '*', 't', 'queued', 'd', data)
+      redis.call('PUBLISH', ARGV[4] .. sid .. ':live', eid .. '\\n' .. 'queued' .. '\\n' .. data)
+    end
+  end
+end
 local m = redis.call('HMGET', KEYS[1], 'req', 'cancel', 'model', 'seq', 'jid')
 return {fence, attempts, m[1], m[2] or '', m[3] or '', m[4] or '0', m[5]}
 """
@@ -70,51 +150,48 @@ return {0, m[3] or ''}
 """
 
 # Closes: two terminal events (a zombie finishing after the new owner, or finish racing cancel-while-
-# queued), and the terminal event without its status/usage/expiry (a crash between separate writes).
-FINISH = """
--- KEYS: meta, events, aborted
+# queued), and a terminal event without its status/usage/expiry/abort record (a crash between writes).
+FINISH = _RECORD_ABORT + _CLOSE + """
+-- KEYS: meta, events, aborted, qstats, tombstone, aborted_totals
 -- ARGV: fence, channel, type, data, status, usage, model, now_s,
---       reason, prompt_tokens, completion_tokens, compute_s
-local m = redis.call('HMGET', KEYS[1], 'fence', 'status', 'model', 'max_tokens', 'key_id', 'retention_s')
+--       reason, prompt_tokens, completion_tokens, compute_s, sid
+local m = redis.call('HMGET', KEYS[1], 'fence', 'status', 'model', 'max_tokens', 'key_id', 'retention_s',
+  'claimed_at')
 if m[1] ~= ARGV[1] or m[2] ~= 'running' then return false end
-local eid = redis.call('XADD', KEYS[2], '*', 't', ARGV[3], 'd', ARGV[4])
-redis.call('PUBLISH', ARGV[2], eid .. '\\n' .. ARGV[3] .. '\\n' .. ARGV[4])
-if ARGV[7] ~= '' then m[3] = ARGV[7] end
-redis.call('HSET', KEYS[1], 'status', ARGV[5], 'usage', ARGV[6], 'last_id', eid, 'finished_at', ARGV[8],
-  'model', m[3] or '')
-redis.call('HDEL', KEYS[1], 'worker')
-local retention = tonumber(m[6] or '3600')
-redis.call('EXPIRE', KEYS[1], retention)
-redis.call('EXPIRE', KEYS[2], retention)
+local model = m[3]
+if ARGV[7] ~= '' then model = ARGV[7] end
+redis.call('HSET', KEYS[1], 'model', model or '')
+local now = tonumber(ARGV[8])
+local eid = close_stream(KEYS[1], KEYS[2], KEYS[5], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[8],
+  tonumber(m[6] or '3600'))
+-- Queue statistics behind ETAs and Retry-After: running jobs, and a moving average of job time.
+redis.call('HINCRBY', KEYS[4], 'busy', -1)
+local took = math.max(0, now - tonumber(m[7] or now))
+local ema = redis.call('HGET', KEYS[4], 'ema_job_s')
+if ema then took = 0.8 * tonumber(ema) + 0.2 * took end
+redis.call('HSET', KEYS[4], 'ema_job_s', string.format('%.6f', took))
 if ARGV[5] ~= 'done' then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', 1000000, '*', 'sid', string.match(KEYS[1], ':s:([^:]+):meta$'),
-    'ts', ARGV[8], 'status', ARGV[5], 'reason', ARGV[9], 'model', m[3] or '', 'max_tokens', m[4] or '0',
-    'prompt_tokens', ARGV[10], 'completion_tokens', ARGV[11], 'compute_s', ARGV[12], 'key_id', m[5] or '')
+  record_abort(KEYS[3], KEYS[6], ARGV[13], ARGV[8], ARGV[5], ARGV[9], model, m[4], m[5], ARGV[10], ARGV[11],
+    ARGV[12])
 end
 return eid
 """
 
 # Closes: cancel racing claim (a queued stream cancelled while a worker claims it: exactly one of them
 # wins, and the loser sees the other's status) and two cancels racing (one terminal event).
-CANCEL = """
--- KEYS: meta, events, qstats, aborted
+CANCEL = _RECORD_ABORT + _CLOSE + """
+-- KEYS: meta, events, qstats, aborted, tombstone, aborted_totals
 -- ARGV: reason, channel, cancelled_data, usage, now_s, control_channel, sid
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, ''} end
 local m = redis.call('HMGET', KEYS[1], 'status', 'model', 'max_tokens', 'key_id', 'retention_s')
 local st = m[1]
 if st == 'done' or st == 'cancelled' or st == 'error' then return {0, st} end
 if st == 'queued' then
-  local eid = redis.call('XADD', KEYS[2], '*', 't', 'cancelled', 'd', ARGV[3])
-  redis.call('PUBLISH', ARGV[2], eid .. '\\n' .. 'cancelled' .. '\\n' .. ARGV[3])
-  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'usage', ARGV[4], 'last_id', eid, 'finished_at', ARGV[5],
-    'cancel', ARGV[1])
+  redis.call('HSET', KEYS[1], 'cancel', ARGV[1])
+  close_stream(KEYS[1], KEYS[2], KEYS[5], ARGV[2], 'cancelled', ARGV[3], 'cancelled', ARGV[4], ARGV[5],
+    tonumber(m[5] or '3600'))
   redis.call('HINCRBY', KEYS[3], 'waiting', -1)
-  local retention = tonumber(m[5] or '3600')
-  redis.call('EXPIRE', KEYS[1], retention)
-  redis.call('EXPIRE', KEYS[2], retention)
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', 1000000, '*', 'sid', ARGV[7], 'ts', ARGV[5], 'status', 'cancelled',
-    'reason', ARGV[1], 'model', m[2] or '', 'max_tokens', m[3] or '0', 'prompt_tokens', 0,
-    'completion_tokens', 0, 'compute_s', 0, 'key_id', m[4] or '')
+  record_abort(KEYS[4], KEYS[6], ARGV[7], ARGV[5], 'cancelled', ARGV[1], m[2], m[3], m[4], 0, 0, 0)
   return {1, 'cancelled'}
 end
 if not redis.call('HGET', KEYS[1], 'cancel') then redis.call('HSET', KEYS[1], 'cancel', ARGV[1]) end
@@ -123,11 +200,40 @@ return {2, st}
 """
 
 # Keeps a running job's queue entry fresh, so XAUTOCLAIM by other workers (min idle = lease) only takes
-# jobs whose owner stopped renewing. Refused for a fenced-out owner, which then stops generating.
+# jobs whose owner stopped renewing. Refused for a fenced-out owner, which then stops generating. Also
+# where nobody-is-reading turns into a cancel: a stream unread for abandon_s, or (cancel_on_disconnect)
+# read once and then left without a reader for disconnect_grace_s.
 RENEW = """
--- KEYS: meta, jobs ; ARGV: fence, group, worker, jid
-local m = redis.call('HMGET', KEYS[1], 'fence', 'status', 'cancel')
+-- KEYS: meta, jobs ; ARGV: fence, group, worker, jid, now_s, disconnect_grace_s
+local m = redis.call('HMGET', KEYS[1], 'fence', 'status', 'cancel', 'abandon_s', 'cod', 'read', 'seen')
 if m[1] ~= ARGV[1] or m[2] ~= 'running' then return {-1, ''} end
 redis.call('XCLAIM', KEYS[2], ARGV[2], ARGV[3], 0, ARGV[4], 'JUSTID')
-return {0, m[3] or ''}
+if m[3] then return {0, m[3]} end
+local now, seen = tonumber(ARGV[5]), tonumber(m[7] or ARGV[5])
+local reason = ''
+if tonumber(m[4] or '0') > 0 and now - seen > tonumber(m[4]) then
+  reason = 'abandoned'
+elseif m[5] == '1' and m[6] == '1' and now - seen > tonumber(ARGV[6]) then
+  reason = 'disconnect'
+end
+if reason ~= '' then redis.call('HSET', KEYS[1], 'cancel', reason) end
+return {0, reason}
+"""
+
+# Hands a job over at once (a worker stopping past its grace period): its queue entry is made look
+# idle for longer than any lease, so the next XAUTOCLAIM takes it, and the fence stops this worker.
+RELEASE = """
+-- KEYS: meta, jobs ; ARGV: fence, group, worker, jid
+local m = redis.call('HMGET', KEYS[1], 'fence', 'status')
+if m[1] ~= ARGV[1] or m[2] ~= 'running' then return 0 end
+redis.call('XCLAIM', KEYS[2], ARGV[2], ARGV[3], 0, ARGV[4], 'IDLE', 2147483647, 'JUSTID')
+return 1
+"""
+
+# Records that a reader is connected (consumer pods call it every few seconds for each stream they
+# serve). Never creates the hash: touching an expired stream must not resurrect part of it.
+TOUCH = """
+-- KEYS: meta ; ARGV: now_s
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'seen', ARGV[1], 'read', 1) end
+return 0
 """

@@ -56,3 +56,6 @@ class GeneratorSettings:
     shutdown_grace_s: float = 10.0
     # Tokens the inference thread may run ahead of Redis before it waits (the bounded hand-off queue).
     handoff_tokens: int = 256
+    # cancel_on_disconnect: how long a stream may have no reader before it is cancelled (reconnects
+    # within this grace keep it going). Consumer pods refresh a stream's "seen" every TOUCH_INTERVAL_S.
+    disconnect_grace_s: float = 5.0

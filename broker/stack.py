@@ -23,7 +23,7 @@ def _generator_argv(args: argparse.Namespace, redis_url: str, model: str, index:
             "--partitions", str(args.partitions), "--lease-s", str(args.lease_s),
             "--max-attempts", str(args.max_attempts), "--max-generation-s", str(args.max_generation_s),
             "--n-ctx", str(args.n_ctx), "--log-level", args.log_level,
-            "--generator-grace-s", str(args.generator_grace_s)]
+            "--generator-grace-s", str(args.generator_grace_s), "--disconnect-grace-s", str(args.disconnect_grace_s)]
     if args.n_threads:
         argv += ["--n-threads", str(args.n_threads)]
     if args.ignore_eos:

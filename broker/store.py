@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -13,18 +14,21 @@ from redis.asyncio import Redis
 
 from broker import scripts
 from broker.events import Event, EventType, encode_data
-from broker.keys import JOBS_GROUP, StreamKeys, control_channel, jobs_key, queue_stats_key
+from broker.keys import JOBS_GROUP, StreamKeys, control_channel, jobs_key, queue_stats_key, stream_key_prefix
 from broker.request import GenerationRequest
 
 STATUSES = ("queued", "running", "done", "cancelled", "error")
 TERMINAL_STATUSES = frozenset({"done", "cancelled", "error"})
+# Waiting streams whose `queued` position is refreshed on each claim (bounds the claim script's work).
+POSITION_UPDATES = 32
 
 
 @dataclass(frozen=True, slots=True)
 class CreateResult:
-    outcome: str  # "created" | "exists" | "conflict" | "queue_full"
+    outcome: str  # "created" | "exists" | "conflict" | "expired" | "queue_full"
     status: str
     waiting: int = 0
+    retry_after_s: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +84,8 @@ class Store:
         self._finish = redis.register_script(scripts.FINISH)
         self._cancel = redis.register_script(scripts.CANCEL)
         self._renew = redis.register_script(scripts.RENEW)
+        self._release = redis.register_script(scripts.RELEASE)
+        self._touch = redis.register_script(scripts.TOUCH)
 
     def keys(self, stream_id: uuid.UUID) -> StreamKeys:
         return StreamKeys.of(stream_id, self.partitions)
@@ -94,23 +100,28 @@ class Store:
         default_model: str,
         max_queue: int,
         retention_s: int,
+        abandon_after_s: float = 0.0,
         key_id: str = "",
     ) -> CreateResult:
         k = self.keys(stream_id)
-        code, detail = await self._create(
-            keys=[k.meta, k.events, k.jobs, k.queue_stats],
+        res = await self._create(
+            keys=[k.meta, k.events, k.jobs, k.queue_stats, k.tombstone],
             args=[str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
                   max_queue, request.model or default_model, request.max_tokens, k.channel, key_id,
-                  retention_s],
+                  retention_s, abandon_after_s, int(request.cancel_on_disconnect)],
         )
-        code = int(code)
+        code = int(res[0])
         if code == 1:
             return CreateResult("created", "queued")
         if code == 0:
-            return CreateResult("exists", _s(detail))
+            return CreateResult("exists", _s(res[1]))
         if code == -1:
-            return CreateResult("conflict", _s(detail))
-        return CreateResult("queue_full", "", waiting=int(detail))
+            return CreateResult("conflict", _s(res[1]))
+        if code == -2:
+            return CreateResult("expired", "expired")
+        waiting, ema, busy = int(res[1]), _s(res[2]), int(res[3] or 0)
+        return CreateResult("queue_full", "", waiting=waiting,
+                            retry_after_s=retry_after_s(waiting - max_queue + 1, float(ema) if ema else None, busy))
 
     async def status(self, stream_id: uuid.UUID) -> StreamStatus | None:
         k = self.keys(stream_id)
@@ -137,13 +148,25 @@ class Store:
         entries: Any = await self.redis.xrange(k.events, min=start, max="+", count=count)
         return [Event.from_entry(eid, fields) for eid, fields in entries]
 
+    async def expired(self, stream_id: uuid.UUID) -> bool:
+        """Whether this id belonged to a stream that ended and passed its retention (410, not 404)."""
+        return bool(await self.redis.exists(self.keys(stream_id).tombstone))
+
+    async def touch(self, stream_ids: Sequence[uuid.UUID]) -> None:
+        """Record that these streams have a reader connected now (for abandon / cancel_on_disconnect)."""
+        now = f"{time.time():.3f}"
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for sid in stream_ids:
+                await self._touch(keys=[self.keys(sid).meta], args=[now], client=pipe)
+            await pipe.execute()
+
     async def cancel(self, stream_id: uuid.UUID, reason: str) -> str | None:
         """Request a cancel. Returns the status after the request (None: unknown stream)."""
         k = self.keys(stream_id)
         usage = orjson.dumps(empty_usage())
         data = encode_data({"reason": reason, "usage": empty_usage()})
         code, status = await self._cancel(
-            keys=[k.meta, k.events, k.queue_stats, k.aborted],
+            keys=[k.meta, k.events, k.queue_stats, k.aborted, k.tombstone, k.aborted_totals],
             args=[reason, k.channel, data, usage, f"{time.time():.6f}", control_channel(), str(stream_id)],
         )
         if int(code) == -1:
@@ -172,7 +195,9 @@ class Store:
         """Take ownership of a stream's generation. Returns a negative code when there is nothing to do:
         -1 the stream is gone, -2 it already ended."""
         k = self.keys(stream_id)
-        res = await self._claim(keys=[k.meta, k.queue_stats], args=[worker_id, int(time.time() * 1000)])
+        res = await self._claim(keys=[k.meta, k.queue_stats, k.jobs],
+                                args=[worker_id, f"{time.time():.6f}", JOBS_GROUP, stream_key_prefix(k.partition),
+                                      POSITION_UPDATES])
         if int(res[0]) < 0:
             return int(res[0])
         fence, attempts, req, cancel, model, seq, jid = res
@@ -199,18 +224,34 @@ class Store:
         """Append the terminal event and close the stream. None: this claim no longer owns it."""
         k = claim.keys
         eid = await self._finish(
-            keys=[k.meta, k.events, k.aborted],
+            keys=[k.meta, k.events, k.aborted, k.queue_stats, k.tombstone, k.aborted_totals],
             args=[claim.fence, k.channel, etype, encode_data(data), status, orjson.dumps(usage), model,
-                  f"{time.time():.6f}", reason, usage.get("prompt_tokens", 0),
-                  usage.get("completion_tokens", 0), f"{compute_s:.6f}"],
+                  f"{time.time():.6f}", reason or status, usage.get("prompt_tokens", 0),
+                  usage.get("completion_tokens", 0), f"{compute_s:.6f}", str(claim.stream_id)],
         )
         return None if eid is None else _s(eid)
 
-    async def renew(self, claim: Claim, worker_id: str) -> AppendResult:
+    async def renew(self, claim: Claim, worker_id: str, disconnect_grace_s: float) -> AppendResult:
+        """Extend the lease; the reply carries any cancel reason (incl. abandoned / disconnect)."""
         k = claim.keys
-        code, cancel = await self._renew(keys=[k.meta, k.jobs], args=[claim.fence, JOBS_GROUP, worker_id,
-                                                                      claim.job_id])
+        code, cancel = await self._renew(keys=[k.meta, k.jobs],
+                                         args=[claim.fence, JOBS_GROUP, worker_id, claim.job_id,
+                                               f"{time.time():.3f}", disconnect_grace_s])
         return AppendResult(int(code) == 0, _s(cancel))
+
+    async def release(self, claim: Claim, worker_id: str) -> bool:
+        """Hand the job over to the next worker that polls, without waiting for the lease to lapse."""
+        k = claim.keys
+        return bool(await self._release(keys=[k.meta, k.jobs], args=[claim.fence, JOBS_GROUP, worker_id,
+                                                                     claim.job_id]))
+
+
+def retry_after_s(behind: int, ema_job_s: float | None, busy: int) -> int:
+    """When a rejected create may succeed: the time for ``behind`` jobs to leave the queue at the observed
+    rate (a moving average of job time over the running workers), between 1 s and 60 s."""
+    if ema_job_s is None:
+        return 5
+    return max(1, min(60, math.ceil(behind * ema_job_s / max(1, busy))))
 
 
 def started_event(model: str) -> tuple[str, bytes]:

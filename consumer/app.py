@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 
 from broker.client import connect, connect_blocking
@@ -15,6 +16,19 @@ from consumer.errors import HANDLERS
 from consumer.hub import LiveHub
 from consumer.metrics import Metrics
 from consumer.routes import ROUTES
+
+# How often a pod records, per stream it serves, that a reader is connected. Must stay well under the
+# generators' --disconnect-grace-s and any --abandon-after-s.
+TOUCH_INTERVAL_S = 2.0
+
+
+async def _touch_readers(store: Store, hub: LiveHub) -> None:
+    while True:
+        await asyncio.sleep(TOUCH_INTERVAL_S)
+        ids = hub.stream_ids()
+        with contextlib.suppress(RedisError, OSError):
+            for i in range(0, len(ids), 1000):
+                await store.touch(ids[i:i + 1000])
 
 
 def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = None) -> Starlette:
@@ -36,10 +50,13 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
         app.state.metrics = metrics
         app.state.default_model = settings.default_model
         app.state.draining = draining or asyncio.Event()
+        toucher = asyncio.create_task(_touch_readers(app.state.store, hub), name="touch-readers")
         try:
             yield
         finally:
             app.state.draining.set()
+            toucher.cancel()
+            await asyncio.gather(toucher, return_exceptions=True)
             await hub.stop()
             await redis.aclose()
             await blocking.aclose()

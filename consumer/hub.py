@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import uuid
 from collections import deque
 from typing import Any
 
@@ -33,10 +34,11 @@ SUBSCRIBE_TIMEOUT_S = 5.0
 class Subscription:
     """One reader's live feed. Holds at most ``max_buffered`` events; past that it asks for a resync."""
 
-    __slots__ = ("_wake", "buffer", "channel", "max_buffered", "resync")
+    __slots__ = ("_wake", "buffer", "channel", "max_buffered", "resync", "stream_id")
 
-    def __init__(self, channel: bytes, max_buffered: int) -> None:
+    def __init__(self, channel: bytes, stream_id: uuid.UUID, max_buffered: int) -> None:
         self.channel = channel
+        self.stream_id = stream_id
         self.buffer: deque[Event] = deque()
         self.max_buffered = max_buffered
         self.resync = False
@@ -107,10 +109,14 @@ class LiveHub:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()
 
-    async def subscribe(self, channel: str) -> Subscription:
+    def stream_ids(self) -> list[uuid.UUID]:
+        """The streams that have at least one reader on this pod now."""
+        return [next(iter(subs)).stream_id for subs in self._subs.values() if subs]
+
+    async def subscribe(self, channel: str, stream_id: uuid.UUID) -> Subscription:
         """A live feed of ``channel``; returns once Redis confirmed the subscription (or a resync is due)."""
         ch = channel.encode()
-        sub = Subscription(ch, self._max_buffered)
+        sub = Subscription(ch, stream_id, self._max_buffered)
         subs = self._subs.get(ch)
         if subs:
             subs.add(sub)

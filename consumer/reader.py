@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -20,7 +21,9 @@ async def read_stream(
 ) -> AsyncIterator[Event | None]:
     """Every event after ``after_id``, in order, exactly once; ``None`` after each ``idle_s`` of silence
     (the caller sends a heartbeat). Ends after the terminal event."""
-    sub = await hub.subscribe(store.keys(stream_id).channel)
+    sub = await hub.subscribe(store.keys(stream_id).channel, stream_id)
+    with contextlib.suppress(RedisError, OSError):
+        await store.touch([stream_id])  # a reader is here now (cancel_on_disconnect counts from here)
     try:
         last = after_id
         last_key = parse_event_id(after_id) if after_id else (0, 0)

@@ -9,8 +9,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from broker.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge, QueueFull
+from broker.errors import Conflict, Expired, InvalidRequest, NotFound, PayloadTooLarge, QueueFull
 from broker.events import parse_event_id
+from broker.report import COUNTERS, aborted_report, aborted_totals, parse_time
 from broker.request import parse_create_body
 from broker.settings import ConsumerSettings
 from broker.store import TERMINAL_STATUSES, Store, StreamStatus
@@ -62,6 +63,8 @@ def _status_body(stream_id: uuid.UUID, st: StreamStatus) -> dict[str, object]:
 async def _known_status(store: Store, stream_id: uuid.UUID) -> StreamStatus:
     st = await store.status(stream_id)
     if st is None:
+        if await store.expired(stream_id):
+            raise Expired("this stream ended and passed its retention period")
         raise NotFound("no stream with this id")
     return st
 
@@ -74,12 +77,15 @@ async def create_stream(request: Request) -> Response:
     )
     stream_id = sid or uuid.uuid4()
     res = await store.create(stream_id, gen_request, default_model=request.app.state.default_model,
-                             max_queue=settings.max_queue, retention_s=settings.retention_s)
+                             max_queue=settings.max_queue, retention_s=settings.retention_s,
+                             abandon_after_s=settings.abandon_after_s)
     if res.outcome == "conflict":
         raise Conflict("a stream with this id exists with a different request")
+    if res.outcome == "expired":
+        raise Expired("a stream with this id existed and expired; use a new id")
     if res.outcome == "queue_full":
         metrics.inc("rsb_creates_rejected_total")
-        raise QueueFull(f"the generation queue is full ({res.waiting} waiting)", retry_after_s=5)
+        raise QueueFull(f"the generation queue is full ({res.waiting} waiting)", retry_after_s=res.retry_after_s)
     created = res.outcome == "created"
     metrics.inc("rsb_streams_created_total" if created else "rsb_creates_replayed_total")
     return JSONResponse(
@@ -134,6 +140,14 @@ async def cancel_stream(request: Request) -> Response:
     return JSONResponse({"id": str(stream_id), "status": status}, status_code=202)
 
 
+async def aborted_report_route(request: Request) -> Response:
+    settings, store, _, _ = _state(request)
+    q = request.query_params
+    report = await aborted_report(store.redis, settings.broker.partitions, since=parse_time(q.get("since"), "since"),
+                                  until=parse_time(q.get("until"), "until"), group_by=q.get("group_by", "reason"))
+    return JSONResponse(report)
+
+
 async def healthz(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
@@ -145,8 +159,21 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics_route(request: Request) -> Response:
-    _, _, _, metrics = _state(request)
-    return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+    settings, store, _, metrics = _state(request)
+    lines = [metrics.render()]
+    totals = await aborted_totals(store.redis, settings.broker.partitions)
+    for counter in COUNTERS:
+        name = f"rsb_aborted_{counter}_total"
+        lines.append(f"# HELP {name} aborted generations (cancelled, abandoned, failed): {counter}, by reason")
+        lines.append(f"# TYPE {name} counter")
+        for (reason, c), value in sorted(totals.items()):
+            if c == counter:
+                lines.append(f'{name}{{reason="{reason}"}} {value:g}')
+    waiting = await store.waiting()
+    lines.append("# HELP rsb_queue_waiting streams enqueued and not yet claimed by a worker")
+    lines.append("# TYPE rsb_queue_waiting gauge")
+    lines.append(f"rsb_queue_waiting {waiting}")
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
 ROUTES = [
@@ -154,6 +181,7 @@ ROUTES = [
     Route("/v1/streams/{stream_id}/events", stream_events, methods=["GET"]),
     Route("/v1/streams/{stream_id}", stream_status, methods=["GET"]),
     Route("/v1/streams/{stream_id}/cancel", cancel_stream, methods=["POST"]),
+    Route("/v1/reports/aborted", aborted_report_route, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),
     Route("/readyz", readyz, methods=["GET"]),
     Route("/metrics", metrics_route, methods=["GET"]),

@@ -35,6 +35,9 @@ _RANDOM_SEED = llama_cpp.LLAMA_DEFAULT_SEED
 class PromptTooLong(ValueError):
     """The prompt (plus the answer text being continued) leaves no room for ``max_tokens`` in the context."""
 
+    #: The stream's ``error`` event code (the worker reads ``code`` off engine exceptions).
+    code = "context_length_exceeded"
+
     def __init__(self, prompt_tokens: int, max_tokens: int, n_ctx: int) -> None:
         super().__init__(
             f"the prompt is {prompt_tokens} tokens; with max_tokens={max_tokens} it needs "
@@ -58,7 +61,13 @@ def physical_cores() -> int:
 
 class LlamaEngine:
     """``Engine`` over llama-cpp-python. Generations run one at a time: the context is held by a lock from
-    a generation's first ``next()`` until it ends or is closed."""
+    a generation's first ``next()`` until it ends or is closed; a generation the same thread left suspended
+    is ended when the next one starts.
+
+    Sampling follows the request's temperature and top_p (temperature 0 is greedy), with ``top_k`` as a
+    cost bound and no min_p/typical/repeat penalties. ``seed=None`` draws a random seed. A cancelled
+    generation (``stop`` set) ends without touching ``finish_reason``: the caller knows why it stopped.
+    ``ignore_eos`` masks every end-of-generation token, so answers run to ``max_tokens``."""
 
     def __init__(
         self,

@@ -39,14 +39,14 @@ async def serve(settings: GeneratorSettings, engine: Engine) -> None:
     grace: list[asyncio.TimerHandle] = []
 
     def on_signal() -> None:
-        if worker.stopping:  # second signal: stop now; the lease hands the job over
-            task.cancel()
+        if worker.stopping:  # second signal: hand the job over now
+            worker.hand_over()
             return
         log.info("stopping: no new jobs; finishing the one in flight", extra={"grace_s": settings.shutdown_grace_s})
         worker.request_stop()
-        # Past the grace period the job is abandoned un-acked: its lease expires and another worker
-        # continues it from the text already appended.
-        grace.append(loop.call_later(settings.shutdown_grace_s, task.cancel))
+        # Past the grace period the job goes back to the queue, and another worker continues it from the
+        # text already appended.
+        grace.append(loop.call_later(settings.shutdown_grace_s, worker.hand_over))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)

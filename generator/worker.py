@@ -52,6 +52,7 @@ class _Run:
     cancel_reason: str = ""
     fenced_out: bool = False
     deadline_hit: bool = False
+    handing_over: bool = False
 
 
 class Backoff:
@@ -83,8 +84,17 @@ class Worker:
         return self._stopping.is_set()
 
     def request_stop(self) -> None:
-        """Stop claiming; the job in flight is finished (or handed over by the caller's grace timeout)."""
+        """Stop claiming; the job in flight is finished (or handed over: see ``hand_over``)."""
         self._stopping.set()
+
+    def hand_over(self) -> None:
+        """Stop the job in flight without ending its stream: it goes back to the queue at once and another
+        worker continues it from the text already appended (a worker past its shutdown grace)."""
+        self._stopping.set()
+        run = self._current
+        if run is not None:
+            run.handing_over = True
+            run.stop.set()
 
     async def run(self) -> None:
         backoff = Backoff()
@@ -265,10 +275,15 @@ class Worker:
             log.warning("lost the lease; another worker owns the stream",
                         extra={"stream_id": str(claim.stream_id)})
             return
+        if run.handing_over:
+            released = await self._retry(lambda: self.store.release(claim, self.worker_id))
+            log.info("handed the job over", extra={"stream_id": str(claim.stream_id), "released": released})
+            run.fenced_out = True  # not ours to acknowledge any more
+            return
         compute_s = time.monotonic() - t_start
         gen = gen_holder[0] if gen_holder else None
         usage = self._usage(gen.prompt_tokens if gen else 0, tokens, t_start, first_token_at, last_token_at)
-        if run.cancel_reason:
+        if run.cancel_reason and not stops.stopped:
             await self._finish_cancelled(run, run.cancel_reason, usage, compute_s)
         elif run.deadline_hit:
             await self._finish_error(run, "deadline", f"generation exceeded {deadline:g} s", usage, compute_s)
@@ -307,7 +322,7 @@ class Worker:
         while True:
             await asyncio.sleep(interval)
             try:
-                res = await self.store.renew(run.claim, self.worker_id)
+                res = await self.store.renew(run.claim, self.worker_id, self.settings.disconnect_grace_s)
             except (RedisError, OSError):
                 continue
             if not res.ok:
@@ -331,7 +346,7 @@ class Worker:
                         continue
                     run = self._current
                     if run is not None and msg["data"].decode() == str(run.claim.stream_id):
-                        res = await self.store.renew(run.claim, self.worker_id)
+                        res = await self.store.renew(run.claim, self.worker_id, self.settings.disconnect_grace_s)
                         if res.cancel_reason and not run.cancel_reason:
                             run.cancel_reason = res.cancel_reason
                             run.stop.set()

@@ -167,7 +167,7 @@ def test_text_matches_a_bare_generate_loop_detokenized_by_llama(engine_eos: Llam
 
 
 def test_prompt_too_long(demo_gguf: Path) -> None:
-    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=128)
+    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=128, ignore_eos=True)
     try:
         n_ctx = eng.n_ctx  # llama.cpp rounds the context up (to 256 here)
         assert n_ctx >= 128
@@ -183,6 +183,12 @@ def test_prompt_too_long(demo_gguf: Path) -> None:
             eng.start(request(" the" * 50), prefix_text="", max_tokens=fits + 1, stop=threading.Event())
         with pytest.raises(PromptTooLong):  # the continued answer counts too
             eng.start(request(" the" * 50), prefix_text=" the", max_tokens=fits, stop=threading.Event())
+        # Past the PromptTooLong check (white box), generation still stops at the end of the context.
+        tokens = eng.tokenize_prompt(request(" the" * 50))
+        gen = Generation(prompt_tokens=len(tokens), pieces=iter(()), finish_reason="unset")
+        gen.pieces = eng._run(gen, request(" the" * 50), tokens, 10**6, threading.Event())
+        assert len(list(gen.pieces)) == n_ctx - len(tokens)
+        assert gen.finish_reason == "length"
     finally:
         eng.close()
 

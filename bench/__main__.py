@@ -1,0 +1,63 @@
+"""``python3 -m bench SCENARIO [options]`` runs one scenario (or ``all``) and writes bench/results/<name>.json."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+import traceback
+
+from bench.procs import raise_nofile
+from bench.report import write_json
+from bench.scenarios import SCENARIOS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python3 -m bench", description=__doc__)
+    sub = p.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
+    for name in SCENARIOS:
+        mod = importlib.import_module(f"bench.scenarios.{name}")
+        sp = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0],
+                            description=mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_args(sp)
+    all_p = sub.add_parser("all", help="every scenario with its (short) defaults")
+    all_p.add_argument("--skip", default="", help="comma-separated scenarios to leave out")
+    return p
+
+
+def run_one(name: str, args: argparse.Namespace) -> bool:
+    mod = importlib.import_module(f"bench.scenarios.{name}")
+    t0 = time.monotonic()
+    print(f"\n##### {name}", flush=True)
+    try:
+        result = mod.run(args)
+    except Exception:
+        traceback.print_exc()
+        return False
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    result["command"] = "python3 -m bench " + " ".join(sys.argv[1:])
+    write_json(name, result)
+    return True
+
+
+def main() -> int:
+    raise_nofile()
+    args = build_parser().parse_args()
+    if args.scenario != "all":
+        return 0 if run_one(args.scenario, args) else 1
+    skip = {s for s in args.skip.split(",") if s}
+    failed = []
+    for name in SCENARIOS:
+        if name in skip:
+            continue
+        sub = build_parser().parse_args([name])
+        if not run_one(name, sub):
+            failed.append(name)
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""``python3 -m bench.direct_app --port P --tokens-per-s 20``: the naive design rsb replaces.
+
+The engine runs inside the HTTP process and each request streams SSE straight from it: no Redis, no
+resume, no second process. Same ``PacedEngine`` and the same thread-to-loop hand-off
+(``generator.handoff.TokenHandoff``) as the rsb worker, so the difference in CPU is the broker's.
+``GET /idle`` holds an SSE response open with heartbeats only (the reference of the capacity scenario).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from bench.paced_engine import PacedEngine
+from bench.procs import raise_nofile
+from broker.request import parse_create_body
+from generator.handoff import TokenHandoff
+
+HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def build_app(tokens_per_s: float, heartbeat_s: float) -> Starlette:
+    engine = PacedEngine(tokens_per_s)
+
+    async def stream(request: Request) -> Response:
+        max_tokens = int(request.query_params.get("max_tokens", "100"))
+        _, req = parse_create_body(orjson.dumps({"prompt": "x", "max_tokens": max_tokens}),
+                                   max_tokens_limit=1 << 20, default_max_tokens=max_tokens)
+
+        async def events():  # type: ignore[no-untyped-def]
+            loop = asyncio.get_running_loop()
+            handoff = TokenHandoff(loop, 256)
+            stop = threading.Event()
+
+            def infer() -> None:
+                try:
+                    gen = engine.start(req, prefix_text="", max_tokens=max_tokens, stop=stop)
+                    for piece in gen.pieces:
+                        if not handoff.put(piece):
+                            break
+                    handoff.close()
+                except BaseException as e:
+                    handoff.close(e)
+
+            thread = asyncio.ensure_future(asyncio.to_thread(infer))
+            n = 0
+            try:
+                while True:
+                    batch = await handoff.get(timeout_s=1.0)
+                    if batch.pieces:
+                        n += 1
+                        data = orjson.dumps({"text": "".join(batch.pieces)})
+                        yield b"id: %d\nevent: delta\ndata: %s\n\n" % (n, data)
+                    if batch.closed:
+                        break
+                yield b'id: %d\nevent: done\ndata: {"finish_reason":"length"}\n\n' % (n + 1)
+            finally:
+                stop.set()
+                handoff.abandon()
+                await asyncio.gather(thread, return_exceptions=True)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
+
+    async def idle(request: Request) -> Response:
+        async def beats():  # type: ignore[no-untyped-def]
+            yield b": open\n\n"
+            while True:
+                await asyncio.sleep(heartbeat_s)
+                yield b": keep-alive\n\n"
+
+        return StreamingResponse(beats(), media_type="text/event-stream", headers=HEADERS)
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "t": time.time()})
+
+    return Starlette(routes=[Route("/stream", stream), Route("/idle", idle), Route("/healthz", healthz)])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python3 -m bench.direct_app", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--tokens-per-s", type=float, default=20.0)
+    p.add_argument("--heartbeat-s", type=float, default=15.0)
+    args = p.parse_args()
+    raise_nofile()
+    import concurrent.futures
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=2048))
+        config = uvicorn.Config(build_app(args.tokens_per_s, args.heartbeat_s), host="127.0.0.1", port=args.port,
+                                log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+        await uvicorn.Server(config).serve()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""A deterministic engine that emits tokens at a set rate: for broker-only scenarios, where the cost of
+inference would drown what is measured. Named as such in every result that uses it.
+
+Token ``i`` of a generation is the text ``"<i>:<unix time, µs>"`` followed by a space: the index lets a
+reader check order and completeness (also across a takeover: numbering continues after the answer
+text already appended), the time stamp is taken when the token is produced, just before the worker
+hands it to Redis, so a reader can compute append-to-receive latency per token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+from broker.request import GenerationRequest
+from generator.engine import Generation
+
+NAME = "paced-engine"
+
+
+def parse_tokens(text: str) -> list[tuple[int, float]]:
+    """The (index, produced-at unix time) of every paced token in a delta's text."""
+    out: list[tuple[int, float]] = []
+    for part in text.split():
+        i, _, t = part.partition(":")
+        out.append((int(i), float(t)))
+    return out
+
+
+class PacedEngine:
+    """``generator.engine.Engine``: ``tokens_per_s`` tokens per second per generation, on an absolute
+    schedule (no drift), stopping between tokens as soon as ``stop`` is set."""
+
+    def __init__(self, tokens_per_s: float, *, name: str = NAME) -> None:
+        if tokens_per_s <= 0:
+            raise ValueError("tokens_per_s must be positive")
+        self.name = name
+        self.period_s = 1.0 / tokens_per_s
+
+    def start(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int,
+              stop: threading.Event) -> Generation:
+        first = len(prefix_text.split())
+        gen = Generation(prompt_tokens=1, pieces=iter(()))
+        gen.pieces = self._run(gen, first, max_tokens, stop)
+        return gen
+
+    def _run(self, gen: Generation, first: int, max_tokens: int, stop: threading.Event) -> Iterator[str]:
+        t0 = time.monotonic()
+        for n in range(max_tokens):
+            delay = t0 + (n + 1) * self.period_s - time.monotonic()
+            if delay > 0 and stop.wait(delay):
+                gen.finish_reason = "stop"
+                return
+            if stop.is_set():
+                gen.finish_reason = "stop"
+                return
+            yield f"{first + n}:{time.time():.6f} "
+        gen.finish_reason = "length"
+
+    def close(self) -> None:
+        pass

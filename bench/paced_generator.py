@@ -1,0 +1,86 @@
+"""``python3 -m bench.paced_generator --redis-url URL --tokens-per-s 20 --workers N``
+
+N unmodified ``generator.worker.Worker`` loops in one process, each driving the deterministic
+``PacedEngine`` (a real rsb generator runs one Worker per process because one llama.cpp context runs one
+generation at a time; a paced engine has no such limit, so one process can stand in for N of them).
+Each Worker gets what ``generator.main.serve`` gives one: the shared command client, and a blocking
+client with room for its XREADGROUP BLOCK and its cancel listener.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import signal
+
+from redis.asyncio import BlockingConnectionPool, Redis
+
+from bench.paced_engine import PacedEngine
+from bench.procs import raise_nofile
+from broker.client import connect
+from broker.logs import setup_logging
+from broker.settings import BrokerSettings, GeneratorSettings
+from broker.store import Store
+from generator.worker import Worker
+
+log = logging.getLogger("rsb.bench.paced")
+
+
+def blocking_client(url: str, connections: int) -> Redis:
+    """Like ``broker.client.connect_blocking`` (no socket timeout) with room for ``connections``."""
+    pool = BlockingConnectionPool.from_url(url, max_connections=connections, timeout=5.0, socket_timeout=None,
+                                           socket_connect_timeout=2.0, socket_keepalive=True)
+    return Redis(connection_pool=pool)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    loop = asyncio.get_running_loop()
+    # Worker runs each generation's engine loop with asyncio.to_thread: one thread per generation.
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=args.workers + 8))
+    settings = GeneratorSettings(broker=BrokerSettings(redis_url=args.redis_url, partitions=args.partitions),
+                                 lease_s=args.lease_s, shutdown_grace_s=1.0)
+    redis = connect(args.redis_url, max_connections=args.pool, retries=1)
+    blocking = blocking_client(args.redis_url, 2 * args.workers + 2)
+    engine = PacedEngine(args.tokens_per_s)
+    store = Store(redis, args.partitions)
+    await store.ensure_groups()
+    workers = [Worker(settings, engine, store, blocking) for _ in range(args.workers)]
+    tasks = [asyncio.create_task(w.run()) for w in workers]
+
+    def on_signal() -> None:
+        for w in workers:
+            w.request_stop()
+        loop.call_later(settings.shutdown_grace_s, lambda: [t.cancel() for t in tasks])
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    print(f"paced generator ready: {args.workers} workers at {args.tokens_per_s} tokens/s", flush=True)
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks)
+    finally:
+        await redis.aclose()
+        await blocking.aclose()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python3 -m bench.paced_generator", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--tokens-per-s", type=float, default=20.0, help="tokens per second of each generation")
+    p.add_argument("--workers", type=int, default=1, help="concurrent generations (Worker loops)")
+    p.add_argument("--pool", type=int, default=16, help="command connections shared by the workers")
+    p.add_argument("--partitions", type=int, default=1)
+    p.add_argument("--lease-s", type=float, default=10.0)
+    p.add_argument("--log-level", default="warning")
+    args = p.parse_args()
+    raise_nofile()
+    setup_logging(args.log_level)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

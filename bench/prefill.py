@@ -1,0 +1,66 @@
+"""Streams written straight through rsb's Store (the same Lua scripts a worker uses), for scenarios that
+read: ``prefill(redis_url, streams, events)`` returns each stream's id and event ids."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import orjson
+
+from broker.client import connect
+from broker.events import EventType, encode_data
+from broker.request import parse_create_body
+from broker.store import Claim, Store, started_event
+
+BATCH = 256
+
+
+def delta_text(i: int) -> str:
+    """The text of delta ``i``: a word-sized piece, like one token."""
+    return f" tok{i}"
+
+
+async def _one(store: Store, events: int, finish: bool, prompt: str) -> tuple[str, list[str]]:
+    sid = uuid.uuid4()
+    _, req = parse_create_body(orjson.dumps({"prompt": prompt, "max_tokens": events}), max_tokens_limit=1 << 20,
+                               default_max_tokens=events)
+    await store.create(sid, req, default_model="prefill", max_queue=0, retention_s=3600)
+    claim = await store.claim(sid, "prefill")
+    assert isinstance(claim, Claim), claim
+    await store.append(claim, 0, 0, [started_event("prefill")])
+    # queued + started + deltas (+ done) = ``events`` events in all.
+    n_deltas = events - 2 - (1 if finish else 0)
+    seq = 0
+    for start in range(0, n_deltas, BATCH):
+        batch = [(str(EventType.DELTA), encode_data({"text": delta_text(i)}))
+                 for i in range(start, min(n_deltas, start + BATCH))]
+        res = await store.append(claim, seq, seq + len(batch), batch)
+        assert res.ok, res
+        seq += len(batch)
+    if finish:
+        usage = {"prompt_tokens": 1, "completion_tokens": seq, "ttft_ms": None, "tpot_ms": None}
+        await store.finish(claim, EventType.DONE, {"finish_reason": "length", "usage": usage}, status="done",
+                           usage=usage)
+    ids = [e.id for e in await store.read(sid, None, count=events + 10)]
+    assert len(ids) == events, (len(ids), events)
+    return str(sid), ids
+
+
+async def prefill_async(redis_url: str, streams: int, events: int, *, finish: bool = True) -> list[dict[str, Any]]:
+    redis = connect(redis_url)
+    store = Store(redis)
+    try:
+        out = []
+        for _ in range(streams):
+            sid, ids = await _one(store, events, finish, "prefill")
+            out.append({"id": sid, "event_ids": ids})
+        return out
+    finally:
+        await redis.aclose()
+
+
+def prefill(redis_url: str, streams: int, events: int, *, finish: bool = True) -> list[dict[str, Any]]:
+    """``streams`` streams of exactly ``events`` events (queued, started, deltas, and done when ``finish``)."""
+    return asyncio.run(prefill_async(redis_url, streams, events, finish=finish))

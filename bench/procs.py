@@ -1,0 +1,234 @@
+"""Starting and stopping the processes a scenario needs, each on a free port, and running load processes.
+
+Every rsb part is a real process started the way an operator would (``python3 -m broker.cli ...``); the
+load runs in its own process (``python3 -m bench.loadproc``) so it never shares a CPU budget or an event
+loop with the process under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from broker.redis_server import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG_DIR = Path(tempfile.gettempdir()) / "rsb-bench-logs"
+
+
+def raise_nofile(target: int = 20000) -> int:
+    """Raise this process's open-file limit (inherited by every child started after) as far as allowed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(target, hard) if hard != resource.RLIM_INFINITY else target
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+class Proc:
+    """A child process whose output goes to a log file under ``LOG_DIR``."""
+
+    def __init__(self, argv: list[str], name: str, *, env: dict[str, str] | None = None,
+                 cwd: Path = ROOT) -> None:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.log_path = LOG_DIR / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=full_env)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_line(self, needle: str, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while needle not in self.output():
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited:\n{self.output()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: no {needle!r} within {timeout_s}s:\n{self.output()[-3000:]}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def wait_http(url: str, proc: Proc, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.output()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.name} did not answer {url}")
+        time.sleep(0.05)
+
+
+def start_consumer(redis_url: str, *extra: str) -> tuple[Proc, str]:
+    """``rsb consumer`` on a free port; returns it and its base URL once /healthz answers."""
+    port = free_port()
+    p = Proc(python_module("broker.cli", "consumer", "--redis-url", redis_url, "--port", str(port),
+                           "--log-level", "warning", *extra), "consumer")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/healthz", p)
+    return p, url
+
+
+def start_paced_generator(redis_url: str, *, workers: int, tokens_per_s: float, extra: tuple[str, ...] = ()) -> Proc:
+    """``bench.paced_generator``: ``workers`` rsb Workers over the deterministic paced engine, one process."""
+    p = Proc(python_module("bench.paced_generator", "--redis-url", redis_url, "--workers", str(workers),
+                           "--tokens-per-s", str(tokens_per_s), *extra), "paced-generator")
+    p.wait_for_line("paced generator ready")
+    return p
+
+
+def start_llama_generator(redis_url: str, model: str, *extra: str) -> Proc:
+    """``rsb generator`` over llama.cpp (the real engine)."""
+    p = Proc(python_module("broker.cli", "generator", "--redis-url", redis_url, "--model", model,
+                           "--log-level", "info", *extra), "generator")
+    p.wait_for_line("generator ready")
+    return p
+
+
+def start_direct(tokens_per_s: float, *extra: str) -> tuple[Proc, str]:
+    """``bench.direct_app``: the naive design (engine in the HTTP process, SSE straight out, no Redis)."""
+    port = free_port()
+    p = Proc(python_module("bench.direct_app", "--port", str(port), "--tokens-per-s", str(tokens_per_s), *extra),
+             "direct")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/healthz", p)
+    return p, url
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@contextlib.contextmanager
+def procs() -> Iterator[list[Proc]]:
+    """A list to put started processes in; all are stopped (in reverse order) on exit."""
+    started: list[Proc] = []
+    try:
+        yield started
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+class Load:
+    """A load process: ``python3 -m bench.loadproc MODULE:FUNCTION`` with JSON keyword arguments.
+
+    It talks in JSON lines: it prints ``{"mark": name, ...}`` at each phase and, where the function asks,
+    waits for a line on stdin (``go()``); its last line is ``{"result": ...}``."""
+
+    def __init__(self, target: str, kwargs: dict[str, Any], name: str = "load") -> None:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.err_path = LOG_DIR / f"{name}-{os.getpid()}-{time.monotonic_ns()}.err"
+        self._err = open(self.err_path, "wb")  # noqa: SIM115 - closed in finish()
+        self.proc = subprocess.Popen(
+            python_module("bench.loadproc", target, json.dumps(kwargs)), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self._err, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+        self.marks: dict[str, dict[str, Any]] = {}
+        self.result: Any = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _line(self, timeout_s: float) -> dict[str, Any] | None:
+        out: IO[bytes] = self.proc.stdout  # type: ignore[assignment]
+        ready, _, _ = select.select([out], [], [], timeout_s)
+        if not ready:
+            raise TimeoutError(f"{self.name}: no output within {timeout_s}s")
+        raw = out.readline()
+        if not raw:
+            self.proc.wait()
+            raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.stderr()[-4000:]}")
+        msg: dict[str, Any] = json.loads(raw)
+        if "mark" in msg:
+            self.marks[msg["mark"]] = msg
+        if "result" in msg:
+            self.result = msg["result"]
+        return msg
+
+    def wait_mark(self, name: str, timeout_s: float = 300.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while name not in self.marks:
+            self._line(max(0.1, deadline - time.monotonic()))
+        return self.marks[name]
+
+    def go(self) -> None:
+        stdin: IO[bytes] = self.proc.stdin  # type: ignore[assignment]
+        stdin.write(b"go\n")
+        stdin.flush()
+
+    def finish(self, timeout_s: float = 300.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while self.result is None:
+            self._line(max(0.1, deadline - time.monotonic()))
+        self.proc.wait(timeout_s)
+        self._err.close()
+        return self.result
+
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_load(target: str, kwargs: dict[str, Any], timeout_s: float = 600.0) -> Any:
+    """Run a load function in its own process to the end and return its result."""
+    load = Load(target, kwargs)
+    try:
+        return load.finish(timeout_s)
+    finally:
+        load.kill()

@@ -1,0 +1,223 @@
+"""latency: append -> reader receives, with many live streams on one consumer process.
+
+rsb: ``--streams`` generations of the paced engine at ``--rate`` tokens/s each (in ``--gen-procs``
+paced-generator processes), every stream read over SSE by a separate load process. Each token carries the
+time it was produced (just before the worker hands it to Redis): latency = received - produced. A second
+measure uses the Redis entry id's millisecond (the time XADD ran): it excludes the worker's hand-off.
+Reference, same Redis, same run: bare redis-py XADD (writer process) -> XREAD BLOCK (reader process) at
+the same rate over the same number of streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+
+from bench import procs
+from bench.loadproc import Control
+from bench.paced_engine import parse_tokens
+from bench.report import print_goals, table, goal_row
+from bench.sampling import CpuWindow
+from bench.sseclient import client, create_stream, frames
+from bench.stats import ratio, summarize
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", type=int, default=1000, help="live streams (default 1000)")
+    p.add_argument("--rate", type=float, default=20.0, help="tokens/s per stream (default 20)")
+    p.add_argument("--warmup-s", type=float, default=5.0)
+    p.add_argument("--duration-s", type=float, default=15.0, help="measured window (default 15)")
+    p.add_argument("--gen-procs", type=int, default=2, help="paced-generator processes (default 2)")
+
+
+async def load_rsb(ctl: Control, base: str, streams: int, rate: float, warmup_s: float,
+                   duration_s: float) -> dict[str, Any]:
+    max_tokens = int(rate * (warmup_s + duration_s + 120))
+    lat: list[float] = []
+    lat_id: list[float] = []
+    window = [float("inf"), float("inf")]
+    connected = 0
+    all_connected = asyncio.Event()
+    errors: list[str] = []
+    sids: list[str] = []
+    sem = asyncio.Semaphore(64)
+    async with client() as http:
+
+        async def reader() -> None:
+            nonlocal connected
+            try:
+                async with sem:
+                    sid = await create_stream(http, base, max_tokens=max_tokens)
+                    sids.append(sid)
+                    ctx = http.stream("GET", f"{base}/v1/streams/{sid}/events")
+                    r = await ctx.__aenter__()
+                connected += 1
+                if connected == streams:
+                    all_connected.set()
+                try:
+                    async for f in frames(r):
+                        if f.event != b"delta":
+                            continue
+                        if f.t > window[1]:
+                            break
+                        text = f.data[9:-2].decode()  # {"text":"..."}
+                        for _, stamp in parse_tokens(text):
+                            if stamp >= window[0]:
+                                lat.append((f.t - stamp) * 1000)
+                        if f.t >= window[0] and f.id is not None:
+                            lat_id.append(f.t * 1000 - int(f.id.split(b"-")[0]))
+                finally:
+                    await ctx.__aexit__(None, None, None)
+            except (httpx.HTTPError, RuntimeError) as e:
+                errors.append(repr(e))
+                if len(errors) + connected >= streams:
+                    all_connected.set()
+
+        tasks = [asyncio.create_task(reader()) for _ in range(streams)]
+        await all_connected.wait()
+        window[0] = time.time() + warmup_s
+        window[1] = window[0] + duration_s
+        ctl.mark("connected", window=window)
+        await asyncio.sleep(warmup_s + duration_s + 1.0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        cancel_sem = asyncio.Semaphore(64)
+
+        async def cancel(sid: str) -> None:
+            async with cancel_sem:
+                await http.post(f"{base}/v1/streams/{sid}/cancel")
+
+        await asyncio.gather(*(cancel(s) for s in sids), return_exceptions=True)
+    return {"latency_ms": summarize(lat), "latency_from_xadd_ms": summarize(lat_id), "errors": errors[:5],
+            "n_errors": len(errors), "tokens_per_s": len(lat) / duration_s}
+
+
+async def ref_writer(ctl: Control, redis_url: str, streams: int, rate: float, seconds: float) -> dict[str, Any]:
+    r = aioredis.Redis.from_url(redis_url)
+    period = 1.0 / rate
+    chunks = 10  # spread each period's appends over the period, like independent producers
+    keys = [f"bench:ref:{i}" for i in range(streams)]
+    per = max(1, len(keys) // chunks)
+    groups = [keys[i:i + per] for i in range(0, len(keys), per)]
+    t0 = time.monotonic()
+    n = 0
+    sent = 0
+    while time.monotonic() - t0 < seconds:
+        for gi, g in enumerate(groups):
+            due = t0 + n * period + gi * period / len(groups)
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            pipe = r.pipeline(transaction=False)
+            stamp = f"{time.time():.6f}"
+            for k in g:
+                pipe.xadd(k, {"t": "delta", "d": stamp})
+            await pipe.execute()
+            sent += len(g)
+        n += 1
+    await r.aclose()
+    return {"sent": sent}
+
+
+async def ref_reader(ctl: Control, redis_url: str, streams: int, warmup_s: float, duration_s: float,
+                     keys_per_reader: int = 100) -> dict[str, Any]:
+    lat: list[float] = []
+    window = [time.time() + warmup_s, time.time() + warmup_s + duration_s]
+
+    async def read(keys: list[str]) -> None:
+        r = aioredis.Redis.from_url(redis_url, socket_timeout=None)
+        last: dict[str, str] = dict.fromkeys(keys, "0-0")
+        try:
+            while time.time() < window[1]:
+                res = await r.xread(last, block=1000)  # type: ignore[arg-type]
+                t = time.time()
+                for key, entries in res or []:
+                    for eid, fields in entries:
+                        stamp = float(fields[b"d"])
+                        if stamp >= window[0] and t <= window[1]:
+                            lat.append((t - stamp) * 1000)
+                    last[key.decode()] = entries[-1][0].decode()
+        finally:
+            await r.aclose()
+
+    keys = [f"bench:ref:{i}" for i in range(streams)]
+    tasks = [asyncio.create_task(read(keys[i:i + keys_per_reader])) for i in range(0, streams, keys_per_reader)]
+    await asyncio.sleep(0.5)
+    ctl.mark("ready")
+    await asyncio.gather(*tasks)
+    return {"latency_ms": summarize(lat), "tokens_per_s": len(lat) / duration_s}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"params": {"streams": args.streams, "rate": args.rate, "warmup_s": args.warmup_s,
+                                      "duration_s": args.duration_s, "gen_procs": args.gen_procs},
+                           "engine": "paced (deterministic, bench/paced_engine.py)"}
+    with procs.redis_server() as server, procs.procs() as started:
+        consumer, base = procs.start_consumer(server.url)
+        started.append(consumer)
+        per = -(-args.streams // args.gen_procs)
+        gens = [procs.start_paced_generator(server.url, workers=per, tokens_per_s=args.rate)
+                for _ in range(args.gen_procs)]
+        started.extend(gens)
+        load = procs.Load("bench.scenarios.latency:load_rsb",
+                          {"base": base, "streams": args.streams, "rate": args.rate, "warmup_s": args.warmup_s,
+                           "duration_s": args.duration_s})
+        try:
+            load.wait_mark("connected", 300)
+            time.sleep(args.warmup_s)
+            cpu_c = CpuWindow([consumer.pid]).start()
+            cpu_g = CpuWindow([g.pid for g in gens]).start()
+            time.sleep(args.duration_s)
+            cpu_c.stop()
+            cpu_g.stop()
+            out["rsb"] = load.finish(120)
+        finally:
+            load.kill()
+        out["rsb"]["consumer_cores"] = cpu_c.cores
+        out["rsb"]["generators_cores"] = cpu_g.cores
+        for p in reversed(started):
+            p.stop()
+        started.clear()
+        import redis as sync_redis
+
+        sync_redis.Redis.from_url(server.url).flushall()
+        # Reference: bare XADD -> XREAD on the same Redis.
+        reader = procs.Load("bench.scenarios.latency:ref_reader",
+                            {"redis_url": server.url, "streams": args.streams, "warmup_s": args.warmup_s + 1.0,
+                             "duration_s": args.duration_s}, name="ref-reader")
+        try:
+            reader.wait_mark("ready", 60)
+            writer = procs.Load("bench.scenarios.latency:ref_writer",
+                                {"redis_url": server.url, "streams": args.streams, "rate": args.rate,
+                                 "seconds": args.warmup_s + args.duration_s + 2.0}, name="ref-writer")
+            try:
+                out["reference"] = reader.finish(300)
+                out["reference"]["writer"] = writer.finish(60)
+            finally:
+                writer.kill()
+        finally:
+            reader.kill()
+
+    rsb, ref = out["rsb"]["latency_ms"], out["reference"]["latency_ms"]
+    rows = [["rsb (produced->received)", rsb["n"], rsb["p50"], rsb["p99"], rsb["max"]],
+            ["rsb (XADD id ms->received)", out["rsb"]["latency_from_xadd_ms"]["n"],
+             out["rsb"]["latency_from_xadd_ms"]["p50"], out["rsb"]["latency_from_xadd_ms"]["p99"],
+             out["rsb"]["latency_from_xadd_ms"]["max"]],
+            ["reference XADD->XREAD", ref["n"], ref["p50"], ref["p99"], ref["max"]]]
+    print(table(f"\n== latency: {args.streams} streams x {args.rate:g} tokens/s, one consumer (ms)",
+                ["path", "samples", "p50", "p99", "max"], rows))
+    print(f"consumer {out['rsb']['consumer_cores']:.2f} cores, paced generators {out['rsb']['generators_cores']:.2f}"
+          f" cores, delivered {out['rsb']['tokens_per_s']:.0f} tokens/s (offered {args.streams * args.rate:.0f}),"
+          f" errors {out['rsb']['n_errors']}")
+    r99 = ratio(rsb["p99"], ref["p99"])
+    out["p99_ratio_to_reference"] = r99
+    out["goals"] = {"p99_le_10ms": rsb["p99"] <= 10.0, "p99_within_3x_reference": r99 <= 3.0}
+    print_goals("latency", [goal_row("p99 (ms)", rsb["p99"], "<= 10 ms", rsb["p99"] <= 10.0),
+                            goal_row("p99 / reference p99", r99, "<= 3x", r99 <= 3.0, "x")])
+    return out

@@ -1,0 +1,65 @@
+"""A lean SSE reader for load processes (httpx asyncio). It parses only the framing, so one load
+process can keep up with thousands of connections; ``data`` stays raw bytes for the caller."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+
+@dataclass(slots=True)
+class Frame:
+    id: bytes | None
+    event: bytes | None  # None for a comment (heartbeat)
+    data: bytes
+    t: float  # unix time the chunk holding the frame's end was received
+
+
+def client(max_connections: int | None = None, *, timeout_s: float = 600.0, keepalive: bool = True) -> httpx.AsyncClient:
+    """An AsyncClient without a connection cap and with a long read timeout, for SSE load."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None if keepalive else 0)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0))
+
+
+def parse_frame(block: bytes, t: float) -> Frame:
+    fid = event = None
+    data = b""
+    for line in block.split(b"\n"):
+        if line.startswith(b"id: "):
+            fid = line[4:]
+        elif line.startswith(b"event: "):
+            event = line[7:]
+        elif line.startswith(b"data: "):
+            data = line[6:]
+    return Frame(fid, event, data, t)
+
+
+async def frames(response: httpx.Response) -> AsyncIterator[Frame]:
+    """The frames of an open SSE response, as they arrive."""
+    buf = b""
+    async for chunk in response.aiter_raw():
+        t = time.time()
+        buf += chunk
+        if b"\n\n" not in buf:
+            continue
+        *blocks, buf = buf.split(b"\n\n")
+        for block in blocks:
+            if block:
+                yield parse_frame(block, t)
+
+
+async def create_stream(http: httpx.AsyncClient, base: str, **body: Any) -> str:
+    """POST /v1/streams with a fresh id; returns the id."""
+    sid = str(uuid.uuid4())
+    payload = {"id": sid, "prompt": "bench", **body}
+    r = await http.post(f"{base}/v1/streams", content=orjson.dumps(payload),
+                        headers={"content-type": "application/json"})
+    if r.status_code not in (200, 201):
+        raise RuntimeError(f"create failed: {r.status_code} {r.text}")
+    return sid

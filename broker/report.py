@@ -1,0 +1,123 @@
+"""The aborted-generation report: what cancelled, abandoned and failed generations cost.
+
+Records are written atomically with each stream's terminal event (broker.scripts) into one Redis Stream
+per partition; entry ids are millisecond timestamps, so a time range is an id range.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from redis.asyncio import Redis
+
+from broker.errors import InvalidRequest
+from broker.keys import aborted_log_key, aborted_totals_key
+
+GROUP_BYS = ("reason", "model", "day")
+COUNTERS = ("streams", "prompt_tokens", "completion_tokens", "tokens_saved", "compute_s")
+PAGE = 5000
+
+
+def parse_time(raw: str | None, name: str) -> float | None:
+    """Unix seconds or an ISO-8601 date/time (UTC if no zone)."""
+    if raw is None or raw == "":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidRequest(f"'{name}' must be unix seconds or an ISO-8601 time") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()
+
+
+def _key(record: dict[bytes, bytes], group_by: str) -> str:
+    if group_by == "day":
+        return datetime.fromtimestamp(float(record[b"ts"]), UTC).strftime("%Y-%m-%d")
+    return record.get(group_by.encode(), b"").decode()
+
+
+def _zero() -> dict[str, float]:
+    return dict.fromkeys(COUNTERS, 0)
+
+
+def _add(acc: dict[str, float], record: dict[bytes, bytes]) -> None:
+    acc["streams"] += 1
+    for c in ("prompt_tokens", "completion_tokens", "tokens_saved"):
+        acc[c] += int(record.get(c.encode(), b"0"))
+    acc["compute_s"] += float(record.get(b"compute_s", b"0"))
+
+
+async def aborted_report(redis: Redis, partitions: int, *, since: float | None = None, until: float | None = None,
+                         group_by: str = "reason") -> dict[str, Any]:
+    if group_by not in GROUP_BYS:
+        raise InvalidRequest(f"'group_by' must be one of {', '.join(GROUP_BYS)}")
+    lo = "-" if since is None else f"{int(since * 1000)}-0"
+    hi = "+" if until is None else f"{int(until * 1000)}-{2**64 - 1}"
+    groups: dict[str, dict[str, float]] = {}
+    total = _zero()
+    for p in range(partitions):
+        start = lo
+        while True:
+            entries: Any = await redis.xrange(aborted_log_key(p), min=start, max=hi, count=PAGE)
+            for _, record in entries:
+                _add(groups.setdefault(_key(record, group_by), _zero()), record)
+                _add(total, record)
+            if len(entries) < PAGE:
+                break
+            start = "(" + entries[-1][0].decode()
+    rows = [{group_by: k, **_rounded(v)} for k, v in sorted(groups.items())]
+    return {"group_by": group_by, "since": since, "until": until, "rows": rows, "total": _rounded(total)}
+
+
+def _rounded(acc: dict[str, float]) -> dict[str, float]:
+    return {k: (round(v, 6) if k == "compute_s" else int(v)) for k, v in acc.items()}
+
+
+async def aborted_totals(redis: Redis, partitions: int) -> dict[tuple[str, str], float]:
+    """Running totals by (reason, counter), for Prometheus counters."""
+    out: dict[tuple[str, str], float] = {}
+    for p in range(partitions):
+        raw: Any = await redis.hgetall(aborted_totals_key(p))
+        for field, value in raw.items():
+            reason, _, counter = field.decode().partition("|")
+            out[(reason, counter)] = out.get((reason, counter), 0.0) + float(value)
+    return out
+
+
+def render_table(report: dict[str, Any]) -> str:
+    key = report["group_by"]
+    header = [key, *COUNTERS]
+    rows: list[list[str]] = [[str(r[key]), *(_fmt(r[c]) for c in COUNTERS)] for r in report["rows"]]
+    rows.append(["total", *(_fmt(report["total"][c]) for c in COUNTERS)])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:  # the group column left-aligned, numbers right-aligned
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def render_csv(report: dict[str, Any]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow([report["group_by"], *COUNTERS])
+    rows: Iterable[dict[str, Any]] = report["rows"]
+    for r in rows:
+        w.writerow([r[report["group_by"]], *(r[c] for c in COUNTERS)])
+    return buf.getvalue()
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3f}" if isinstance(v, float) and not float(v).is_integer() else f"{int(v)}"
+
+
