@@ -191,6 +191,13 @@ class Store:
                 if "BUSYGROUP" not in str(e):
                     raise
 
+    async def ack(self, partition: int, job_id: str) -> None:
+        """Drop a finished job from its queue: acknowledged and deleted, so the queue does not grow."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(jobs_key(partition), JOBS_GROUP, job_id)
+            pipe.xdel(jobs_key(partition), job_id)
+            await pipe.execute()
+
     async def claim(self, stream_id: uuid.UUID, worker_id: str) -> Claim | int:
         """Take ownership of a stream's generation. Returns a negative code when there is nothing to do:
         -1 the stream is gone, -2 it already ended."""

@@ -22,9 +22,9 @@ from consumer.routes import ROUTES
 TOUCH_INTERVAL_S = 2.0
 
 
-async def _touch_readers(store: Store, hub: LiveHub) -> None:
+async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
     while True:
-        await asyncio.sleep(TOUCH_INTERVAL_S)
+        await asyncio.sleep(interval_s)
         ids = hub.stream_ids()
         with contextlib.suppress(RedisError, OSError):
             for i in range(0, len(ids), 1000):
@@ -50,7 +50,10 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
         app.state.metrics = metrics
         app.state.default_model = settings.default_model
         app.state.draining = draining or asyncio.Event()
-        toucher = asyncio.create_task(_touch_readers(app.state.store, hub), name="touch-readers")
+        # A read stream must never look unread for abandon_after_s: touch well within it.
+        interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
+                                                                                settings.abandon_after_s / 3)
+        toucher = asyncio.create_task(_touch_readers(app.state.store, hub, interval_s), name="touch-readers")
         try:
             yield
         finally:

@@ -149,7 +149,7 @@ class Worker:
         return None
 
     async def _ack(self, partition: int, entry_id: str) -> None:
-        await self._retry(lambda: self.store.redis.xack(jobs_key(partition), JOBS_GROUP, entry_id))
+        await self._retry(lambda: self.store.ack(partition, entry_id))
 
     async def _retry(self, op: Any) -> Any:
         """Run a Redis operation until it succeeds: the worker outlives Redis restarts."""

@@ -28,6 +28,14 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A larger demo model (~700 tokens/s on one thread): slow enough to kill a worker mid-answer."""
+    from generator.demo_model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("slow-model") / "slow.gguf", embd=256, layers=4)
+
+
+@pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """One real redis-server for the session; tests that kill or restart Redis use `own_redis`."""
     server = RedisServer().start()
@@ -98,8 +106,8 @@ class Stack:
         self.procs.append(p)
         return p
 
-    def generator(self, *extra: str, ignore_eos: bool = True, wait: bool = True) -> Proc:
-        args = ["generator", "--redis-url", self.redis_url, "--model", str(self.model), "--n-threads", "1",
+    def generator(self, *extra: str, ignore_eos: bool = True, wait: bool = True, model: Path | None = None) -> Proc:
+        args = ["generator", "--redis-url", self.redis_url, "--model", str(model or self.model), "--n-threads", "1",
                 "--log-level", "info", *extra]
         if ignore_eos:
             args.append("--ignore-eos")

@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio import BlockingConnectionPool
 
 from bench import procs
 from bench.loadproc import Control
@@ -50,17 +51,15 @@ async def load_sse(ctl: Control, base: str, sids: list[str], readers: int, durat
                             return
 
     ctl.mark("start")
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
     await asyncio.gather(*(reader(i) for i in range(readers)))
     wall = time.monotonic() - t0
-    return {"events": sum(counts), "wall_s": wall, "events_per_s": sum(counts) / wall}
+    return {"events": sum(counts), "wall_s": wall, "events_per_s": sum(counts) / wall,
+            "load_cores": (time.process_time() - c0) / wall}
 
 
 async def load_xrange(ctl: Control, redis_url: str, sids: list[str], readers: int,
                       duration_s: float) -> dict[str, Any]:
-    r = aioredis.Redis.from_url(redis_url, max_connections=8)
-    from redis.asyncio import BlockingConnectionPool
-
     r = aioredis.Redis(connection_pool=BlockingConnectionPool.from_url(redis_url, max_connections=8))
     keys = [StreamKeys.of(uuid.UUID(s), 1).events for s in sids]
     counts = [0] * readers
@@ -98,14 +97,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             load.wait_mark("start", 60)
             cpu = CpuWindow([consumer.pid]).start()
-            cpu_load = CpuWindow([load.pid]).start()
             out["rsb"] = load.finish(args.duration_s + 120)
             cpu.stop()
-            cpu_load.stop()
         finally:
             load.kill()
         out["rsb"]["consumer_cores"] = cpu.cores
-        out["rsb"]["load_cores"] = cpu_load.cores
         consumer.stop()
         out["reference"] = procs.run_load("bench.scenarios.throughput:load_xrange",
                                           {"redis_url": server.url, "sids": sids, "readers": args.readers,

@@ -70,7 +70,8 @@ def test_32_concurrent_identical_creates_make_one_stream_and_one_generation(stac
     with stack.client() as c:
         events = read_sse(c, f"/v1/streams/{body['id']}/events").events
         assert [e.event for e in events].count("started") == 1
-        assert redis_client.xlen("rsb:{p0}:jobs") == 1
+        assert redis_client.xinfo_stream("rsb:{p0}:jobs")["entries-added"] == 1  # one job ever enqueued
+        assert redis_client.hget(f"rsb:{{p0}}:s:{body['id']}:meta", "attempts") == b"1"
         again = c.post("/v1/streams", json=body)
         assert again.status_code == 200 and again.json()["status"] == "done" and not again.json()["created"]
         other = c.post("/v1/streams", json={**body, "prompt": "Something else"})

@@ -1,0 +1,155 @@
+"""Generation that survives failures: real worker processes SIGKILLed, SIGSTOPped and SIGTERMed mid-answer.
+
+Every scenario checks what a user would notice: the events a reader that stayed connected saw, those of a
+reader that resumed across the failure and those of a reader that came afterwards are identical, gap-free
+and duplicate-free, and the answer has exactly max_tokens tokens."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from helpers import SSERead, create, read_sse, wait_status
+
+MAX_TOKENS = 1500
+
+
+def _key(e) -> tuple[str | None, str | None, object]:  # type: ignore[no-untyped-def]
+    return (e.id, e.event, e.data)
+
+
+def _assert_seamless(full: SSERead, max_tokens: int) -> None:
+    types = [e.event for e in full.events]
+    assert types[0] == "queued" and types.count("started") == 1 and types[-1] == "done", types[:5]
+    assert set(types[types.index("started") + 1:-1]) == {"delta"}
+    ids = full.ids
+    assert len(ids) == len(set(ids)) and ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+    usage = full.events[-1].data["usage"]
+    assert usage["completion_tokens"] == max_tokens
+
+
+def _three_readers(s, sid: str, failure) -> tuple[SSERead, SSERead, SSERead]:  # type: ignore[no-untyped-def]
+    """A reader connected throughout, one that leaves before the failure and resumes after it, and one that
+    reads everything afterwards."""
+    stayed: list[SSERead] = []
+    with s.client() as c:
+        t = threading.Thread(target=lambda: stayed.append(read_sse(s.client(), f"/v1/streams/{sid}/events")))
+        t.start()
+        head = read_sse(c, f"/v1/streams/{sid}/events", stop_after=40)
+        failure()
+        tail = read_sse(c, f"/v1/streams/{sid}/events", headers={"Last-Event-ID": head.ids[-1]})
+        t.join(120)
+        resumed = SSERead(200, tail.headers, head.events + tail.events, [], [])
+        after = read_sse(c, f"/v1/streams/{sid}/events")
+    return stayed[0], resumed, after
+
+
+def test_sigkilled_worker_is_taken_over_and_the_answer_continues_seamlessly(
+        stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    victim = s.generator("--lease-s", "1", model=slow_model)
+    with s.client() as c:
+        sid = create(c, max_tokens=MAX_TOKENS).json()["id"]
+
+    def crash() -> None:
+        victim.signal(signal.SIGKILL)
+        victim.wait(5)
+        s.generator("--lease-s", "1", model=slow_model)  # the survivor takes the job over within the lease
+
+    stayed, resumed, after = _three_readers(s, sid, crash)
+    _assert_seamless(after, MAX_TOKENS)
+    assert [_key(e) for e in stayed.events] == [_key(e) for e in after.events]
+    assert [_key(e) for e in resumed.events] == [_key(e) for e in after.events]
+    assert redis_client.hget(f"rsb:{{p0}}:s:{sid}:meta", "attempts") == b"2"
+
+
+def test_a_zombie_worker_that_wakes_up_appends_nothing(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    zombie = s.generator("--lease-s", "1", model=slow_model)
+    with s.client() as c:
+        sid = create(c, max_tokens=MAX_TOKENS).json()["id"]
+        read_sse(c, f"/v1/streams/{sid}/events", stop_after=30)
+        zombie.signal(signal.SIGSTOP)  # frozen mid-answer: its lease lapses
+        s.generator("--lease-s", "1", model=slow_model)
+        deadline = time.monotonic() + 30
+        while redis_client.hget(f"rsb:{{p0}}:s:{sid}:meta", "attempts") != b"2":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        zombie.signal(signal.SIGCONT)  # wakes up believing it still owns the stream
+        wait_status(c, sid, {"done"})
+        full = read_sse(c, f"/v1/streams/{sid}/events")
+    _assert_seamless(full, MAX_TOKENS)
+    time.sleep(0.5)
+    assert "lost the lease" in zombie.output()
+    assert redis_client.xlen(f"rsb:{{p0}}:s:{sid}:events") == len(full.events)
+
+
+def test_sigterm_past_the_grace_period_hands_the_job_over_at_once(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    leaving = s.generator("--lease-s", "30", "--generator-grace-s", "0.2", model=slow_model)
+    with s.client() as c:
+        sid = create(c, max_tokens=MAX_TOKENS).json()["id"]
+
+    def term() -> None:
+        leaving.signal(signal.SIGTERM)
+        assert leaving.wait(10) == 0
+        # A 30 s lease would delay a crash takeover; a handed-over job is taken at once.
+        s.generator("--lease-s", "30", model=slow_model)
+
+    t0 = time.monotonic()
+    stayed, resumed, after = _three_readers(s, sid, term)
+    assert time.monotonic() - t0 < 20
+    _assert_seamless(after, MAX_TOKENS)
+    assert [_key(e) for e in stayed.events] == [_key(e) for e in after.events] == [_key(e) for e in resumed.events]
+    assert "handed the job over" in leaving.output()
+
+
+def test_sigterm_within_the_grace_period_finishes_the_job_in_flight(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    gen = s.generator("--generator-grace-s", "30")
+    with s.client() as c:
+        sid = create(c, max_tokens=3000).json()["id"]
+        read_sse(c, f"/v1/streams/{sid}/events", stop_after=5)
+        gen.signal(signal.SIGTERM)
+        assert gen.wait(30) == 0
+        st = c.get(f"/v1/streams/{sid}").json()
+        assert st["status"] == "done" and st["usage"]["completion_tokens"] == 3000
+        # It stopped claiming: a new stream waits for another worker.
+        sid2 = create(c, max_tokens=4).json()["id"]
+        time.sleep(0.5)
+        assert c.get(f"/v1/streams/{sid2}").json()["status"] == "queued"
+
+
+def test_attempts_exhausted_end_the_stream_with_worker_lost(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    victim = s.generator("--lease-s", "1", "--max-attempts", "1", model=slow_model)
+    with s.client() as c:
+        sid = create(c, max_tokens=MAX_TOKENS).json()["id"]
+        read_sse(c, f"/v1/streams/{sid}/events", stop_after=10)
+        victim.signal(signal.SIGKILL)
+        victim.wait(5)
+        s.generator("--lease-s", "1", "--max-attempts", "1", model=slow_model)
+        wait_status(c, sid, {"error"})
+        events = read_sse(c, f"/v1/streams/{sid}/events").events
+    assert events[-1].event == "error" and events[-1].data["code"] == "worker_lost"
+    assert 0 < events[-1].data["usage"]["completion_tokens"] < MAX_TOKENS
+
+
+def test_deadline_ends_the_generation_with_error_deadline(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    s.generator("--max-generation-s", "0.5", model=slow_model)
+    with s.client() as c:
+        sid = create(c, max_tokens=MAX_TOKENS).json()["id"]
+        events = read_sse(c, f"/v1/streams/{sid}/events").events
+        assert events[-1].event == "error" and events[-1].data["code"] == "deadline"
+        assert 0 < events[-1].data["usage"]["completion_tokens"] < MAX_TOKENS
+        # The worker is free again straight away.
+        sid2 = create(c, max_tokens=5).json()["id"]
+        assert read_sse(c, f"/v1/streams/{sid2}/events").events[-1].event == "done"
