@@ -176,20 +176,25 @@ class Load:
         )
         self.marks: dict[str, dict[str, Any]] = {}
         self.result: Any = None
+        self._buf = b""
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def _line(self, timeout_s: float) -> dict[str, Any] | None:
+        """The next JSON line (our own buffer: select() cannot see data already in a file object's buffer)."""
         out: IO[bytes] = self.proc.stdout  # type: ignore[assignment]
-        ready, _, _ = select.select([out], [], [], timeout_s)
-        if not ready:
-            raise TimeoutError(f"{self.name}: no output within {timeout_s}s")
-        raw = out.readline()
-        if not raw:
-            self.proc.wait()
-            raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.stderr()[-4000:]}")
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([out], [], [], timeout_s)
+            if not ready:
+                raise TimeoutError(f"{self.name}: no output within {timeout_s}s")
+            chunk = os.read(out.fileno(), 1 << 16)
+            if not chunk:
+                self.proc.wait()
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.stderr()[-4000:]}")
+            self._buf += chunk
+        raw, self._buf = self._buf.split(b"\n", 1)
         msg: dict[str, Any] = json.loads(raw)
         if "mark" in msg:
             self.marks[msg["mark"]] = msg

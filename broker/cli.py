@@ -48,6 +48,7 @@ def _add_consumer_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "send-timeout-s", type=float, default=30.0,
           help="a reader whose connection accepts no event for this long is dropped (it can resume)")
     _flag(p, "shutdown-grace-s", type=float, default=5.0, help="seconds to drain connections on SIGTERM")
+    _flag(p, "api-keys", help="JSON file of API keys; when set, every /v1 route needs 'Authorization: Bearer'")
 
 
 def _add_generator_flags(p: argparse.ArgumentParser) -> None:
@@ -64,6 +65,8 @@ def _add_generator_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "ignore-eos", action="store_true", help="never stop at end-of-sequence (benchmarks, tests)")
     _flag(p, "generator-grace-s", type=float, default=10.0,
           help="on SIGTERM, seconds to finish the job in flight before handing it over")
+    _flag(p, "concurrency", type=int, default=1,
+          help="generations one worker runs at once (in-process llama.cpp: 1; an --upstream server: more)")
     _flag(p, "disconnect-grace-s", type=float, default=5.0,
           help="cancel_on_disconnect streams are cancelled after this long without a reader")
 
@@ -79,7 +82,7 @@ def consumer_settings(
         broker=broker_settings(a, redis_url), host=a.host, port=a.port, heartbeat_s=a.heartbeat_s,
         max_body_bytes=a.max_body_bytes, max_queue=a.max_queue, abandon_after_s=a.abandon_after_s,
         retention_s=a.retention_s, max_tokens_limit=a.max_tokens_limit, send_timeout_s=a.send_timeout_s,
-        shutdown_grace_s=a.shutdown_grace_s, default_model=default_model,
+        shutdown_grace_s=a.shutdown_grace_s, default_model=default_model, api_keys_file=a.api_keys,
     )
 
 
@@ -88,7 +91,7 @@ def generator_settings(a: argparse.Namespace, redis_url: str | None = None) -> G
         broker=broker_settings(a, redis_url), model_path=a.model, upstream_url=a.upstream,
         worker_id=a.worker_id or "", lease_s=a.lease_s, max_attempts=a.max_attempts,
         max_generation_s=a.max_generation_s, n_threads=a.n_threads, n_ctx=a.n_ctx,
-        shutdown_grace_s=a.generator_grace_s, disconnect_grace_s=a.disconnect_grace_s,
+        shutdown_grace_s=a.generator_grace_s, disconnect_grace_s=a.disconnect_grace_s, concurrency=a.concurrency,
     )
 
 

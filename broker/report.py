@@ -57,7 +57,8 @@ def _add(acc: dict[str, float], record: dict[bytes, bytes]) -> None:
 
 
 async def aborted_report(redis: Redis, partitions: int, *, since: float | None = None, until: float | None = None,
-                         group_by: str = "reason") -> dict[str, Any]:
+                         group_by: str = "reason", key_id: str | None = None) -> dict[str, Any]:
+    """Aggregate the aborted records in [since, until]; only ``key_id``'s when given (a tenant's view)."""
     if group_by not in GROUP_BYS:
         raise InvalidRequest(f"'group_by' must be one of {', '.join(GROUP_BYS)}")
     lo = "-" if since is None else f"{int(since * 1000)}-0"
@@ -69,6 +70,8 @@ async def aborted_report(redis: Redis, partitions: int, *, since: float | None =
         while True:
             entries: Any = await redis.xrange(aborted_log_key(p), min=start, max=hi, count=PAGE)
             for _, record in entries:
+                if key_id is not None and record.get(b"key_id", b"").decode() != key_id:
+                    continue
                 _add(groups.setdefault(_key(record, group_by), _zero()), record)
                 _add(total, record)
             if len(entries) < PAGE:

@@ -56,9 +56,10 @@ CREATE = """
 -- KEYS: meta, events, jobs, qstats, tombstone
 -- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s, abandon_s, cod
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local m = redis.call('HMGET', KEYS[1], 'rh', 'status')
-  if m[1] == ARGV[2] then return {0, m[2]} end
-  return {-1, m[2]}
+  local m = redis.call('HMGET', KEYS[1], 'rh', 'status', 'key_id')
+  -- Another tenant's stream is a conflict whatever the body: its status is not theirs to see.
+  if m[1] == ARGV[2] and (m[3] or '') == ARGV[9] then return {0, m[2]} end
+  return {-1, ''}
 end
 if redis.call('EXISTS', KEYS[5]) == 1 then return {-2, 'expired'} end
 local q = redis.call('HMGET', KEYS[4], 'waiting', 'ema_job_s', 'busy')

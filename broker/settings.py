@@ -39,6 +39,8 @@ class ConsumerSettings:
     send_timeout_s: float = 30.0
     # The model name recorded for streams created without one.
     default_model: str = "default"
+    # JSON file of API keys (consumer.auth); None: no authentication.
+    api_keys_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,9 @@ class GeneratorSettings:
     shutdown_grace_s: float = 10.0
     # Tokens the inference thread may run ahead of Redis before it waits (the bounded hand-off queue).
     handoff_tokens: int = 256
+    # Generations run at once by one worker. In-process llama.cpp has one context: 1. Upstream servers
+    # batch requests, so a worker driving one can run several.
+    concurrency: int = 1
     # cancel_on_disconnect: how long a stream may have no reader before it is cancelled (reconnects
     # within this grace keep it going). Consumer pods refresh a stream's "seen" every TOUCH_INTERVAL_S.
     disconnect_grace_s: float = 5.0

@@ -53,6 +53,7 @@ class StreamStatus:
     last_id: str | None
     cancel_on_disconnect: bool
     max_tokens: int
+    key_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,7 @@ class Store:
     async def status(self, stream_id: uuid.UUID) -> StreamStatus | None:
         k = self.keys(stream_id)
         raw = await self.redis.hmget(
-            k.meta, ["status", "model", "created_at", "usage", "last_id", "req", "max_tokens"]
+            k.meta, ["status", "model", "created_at", "usage", "last_id", "req", "max_tokens", "key_id"]
         )
         if raw[0] is None:
             return None
@@ -139,6 +140,7 @@ class Store:
             last_id=_s(raw[4]) or None,
             cancel_on_disconnect=bool(req.get("cancel_on_disconnect", False)),
             max_tokens=int(raw[6] or 0),
+            key_id=_s(raw[7]),
         )
 
     async def read(self, stream_id: uuid.UUID, after_id: str | None, count: int = 512) -> list[Event]:

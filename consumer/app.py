@@ -12,9 +12,12 @@ from starlette.applications import Starlette
 from broker.client import connect, connect_blocking
 from broker.settings import ConsumerSettings
 from broker.store import Store
+from consumer import openai_compat, web
+from consumer.auth import ApiKeys
 from consumer.errors import HANDLERS
 from consumer.hub import LiveHub
 from consumer.metrics import Metrics
+from consumer.middleware import AuthMiddleware
 from consumer.routes import ROUTES
 
 # How often a pod records, per stream it serves, that a reader is connected. Must stay well under the
@@ -64,4 +67,9 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
             await redis.aclose()
             await blocking.aclose()
 
-    return Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
+    api_keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else ApiKeys.disabled()
+    app = Starlette(routes=[*ROUTES, *openai_compat.ROUTES, *web.ROUTES], exception_handlers=HANDLERS,
+                    lifespan=lifespan)
+    app.state.api_keys = api_keys
+    app.add_middleware(AuthMiddleware, keys=api_keys)
+    return app

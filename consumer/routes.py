@@ -15,6 +15,7 @@ from broker.report import COUNTERS, aborted_report, aborted_totals, parse_time
 from broker.request import parse_create_body
 from broker.settings import ConsumerSettings
 from broker.store import TERMINAL_STATUSES, Store, StreamStatus
+from consumer.auth import ensure_owner, principal
 from consumer.hub import LiveHub
 from consumer.metrics import Metrics
 from consumer.reader import read_stream
@@ -60,12 +61,14 @@ def _status_body(stream_id: uuid.UUID, st: StreamStatus) -> dict[str, object]:
     return body
 
 
-async def _known_status(store: Store, stream_id: uuid.UUID) -> StreamStatus:
+async def _known_status(store: Store, stream_id: uuid.UUID, caller: str) -> StreamStatus:
+    """The stream's status, if it exists and belongs to the caller (else 404, or 410 once expired)."""
     st = await store.status(stream_id)
     if st is None:
         if await store.expired(stream_id):
             raise Expired("this stream ended and passed its retention period")
         raise NotFound("no stream with this id")
+    ensure_owner(st.key_id, caller)
     return st
 
 
@@ -78,7 +81,7 @@ async def create_stream(request: Request) -> Response:
     stream_id = sid or uuid.uuid4()
     res = await store.create(stream_id, gen_request, default_model=request.app.state.default_model,
                              max_queue=settings.max_queue, retention_s=settings.retention_s,
-                             abandon_after_s=settings.abandon_after_s)
+                             abandon_after_s=settings.abandon_after_s, key_id=principal(request))
     if res.outcome == "conflict":
         raise Conflict("a stream with this id exists with a different request")
     if res.outcome == "expired":
@@ -109,7 +112,7 @@ async def stream_events(request: Request) -> Response:
             raise InvalidRequest("malformed resume id (Last-Event-ID / last_event_id)")
     else:
         resume = None
-    st = await _known_status(store, stream_id)
+    st = await _known_status(store, stream_id, principal(request))
     if st.status in TERMINAL_STATUSES and st.last_id is not None and resume_key is not None:
         last_key = parse_event_id(st.last_id)
         if last_key is not None and resume_key >= last_key:
@@ -127,12 +130,13 @@ async def stream_events(request: Request) -> Response:
 async def stream_status(request: Request) -> Response:
     _, store, _, _ = _state(request)
     stream_id = _path_id(request)
-    return JSONResponse(_status_body(stream_id, await _known_status(store, stream_id)))
+    return JSONResponse(_status_body(stream_id, await _known_status(store, stream_id, principal(request))))
 
 
 async def cancel_stream(request: Request) -> Response:
     _, store, _, metrics = _state(request)
     stream_id = _path_id(request)
+    await _known_status(store, stream_id, principal(request))
     status = await store.cancel(stream_id, "client")
     if status is None:
         raise NotFound("no stream with this id")
@@ -144,7 +148,8 @@ async def aborted_report_route(request: Request) -> Response:
     settings, store, _, _ = _state(request)
     q = request.query_params
     report = await aborted_report(store.redis, settings.broker.partitions, since=parse_time(q.get("since"), "since"),
-                                  until=parse_time(q.get("until"), "until"), group_by=q.get("group_by", "reason"))
+                                  until=parse_time(q.get("until"), "until"), group_by=q.get("group_by", "reason"),
+                                  key_id=principal(request) if request.app.state.api_keys.enabled else None)
     return JSONResponse(report)
 
 

@@ -76,7 +76,7 @@ class Worker:
         self.blocking = blocking  # XREADGROUP BLOCK and pub/sub: no socket timeout
         self.worker_id = settings.worker_id or default_worker_id()
         self._stopping = asyncio.Event()
-        self._current: _Run | None = None
+        self._running: dict[uuid.UUID, _Run] = {}
         self.jobs_done = 0
 
     @property
@@ -91,27 +91,42 @@ class Worker:
         """Stop the job in flight without ending its stream: it goes back to the queue at once and another
         worker continues it from the text already appended (a worker past its shutdown grace)."""
         self._stopping.set()
-        run = self._current
-        if run is not None:
+        for run in self._running.values():
             run.handing_over = True
             run.stop.set()
 
     async def run(self) -> None:
+        """The poll loop: while fewer than ``concurrency`` jobs run, claim the next one."""
         backoff = Backoff()
         control = asyncio.create_task(self._listen_for_cancels(), name="cancel-listener")
+        slots = asyncio.Semaphore(max(1, self.settings.concurrency))
+        jobs: set[asyncio.Task[None]] = set()
         try:
             while not self._stopping.is_set():
+                await slots.acquire()
                 try:
                     await self.store.ensure_groups()
                     job = await self._poll_unless_stopping()
                     backoff.reset()
                 except TRANSIENT as e:
+                    slots.release()
                     log.warning("redis unavailable, retrying: %s", e)
                     await backoff.sleep()
                     continue
-                if job is not None:
-                    await self._run_job(*job)
+                if job is None:
+                    slots.release()
+                    continue
+                task = asyncio.create_task(self._run_job(*job))
+                jobs.add(task)
+
+                def done(t: asyncio.Task[None]) -> None:
+                    jobs.discard(t)
+                    slots.release()
+
+                task.add_done_callback(done)
         finally:
+            if jobs:  # finished within the grace period, or handed over by hand_over()
+                await asyncio.gather(*jobs, return_exceptions=True)
             control.cancel()
             await asyncio.gather(control, return_exceptions=True)
 
@@ -120,6 +135,8 @@ class Worker:
     async def _poll_unless_stopping(self) -> tuple[int, str, uuid.UUID] | None:
         """Poll for a job, but let a stop request end the wait at once. An entry delivered to a poll
         that is cancelled this way stays pending and is taken over after ``lease_s``: nothing is lost."""
+        if self._stopping.is_set():  # never claim (XAUTOCLAIM) a job just handed over by this very worker
+            return None
         poll = asyncio.ensure_future(self._next_job())
         stop = asyncio.ensure_future(self._stopping.wait())
         await asyncio.wait({poll, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -176,11 +193,11 @@ class Worker:
         elif claim.cancel_reason:
             await self._finish_cancelled(run, claim.cancel_reason, self._usage(0, claim.seq, None, None, None), 0.0)
         else:
-            self._current = run
+            self._running[stream_id] = run
             try:
                 await self._generate(run)
             finally:
-                self._current = None
+                del self._running[stream_id]
         if not run.fenced_out:
             await self._ack(partition, entry_id)
         self.jobs_done += 1
@@ -344,8 +361,8 @@ class Worker:
                 async for msg in pubsub.listen():
                     if msg["type"] != "message":
                         continue
-                    run = self._current
-                    if run is not None and msg["data"].decode() == str(run.claim.stream_id):
+                    run = self._running.get(uuid.UUID(msg["data"].decode()))
+                    if run is not None:
                         res = await self.store.renew(run.claim, self.worker_id, self.settings.disconnect_grace_s)
                         if res.cancel_reason and not run.cancel_reason:
                             run.cancel_reason = res.cancel_reason

@@ -1,0 +1,7 @@
+"""OpenAI-compatible views onto rsb streams (chat.completions, Responses background mode)."""
+
+from __future__ import annotations
+
+from starlette.routing import BaseRoute
+
+ROUTES: list[BaseRoute] = []
