@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -28,7 +29,8 @@ async def read_stream(
         last = after_id
         last_key = parse_event_id(after_id) if after_id else (0, 0)
         need_range = True
-        waited = 0.0
+        # Heartbeats are due idle_s after whatever was yielded last, event or heartbeat.
+        next_beat = time.monotonic() + idle_s
         while True:
             if need_range:
                 # Replay (or catch up after a resync) from the stream itself, page by page.
@@ -37,14 +39,15 @@ async def read_stream(
                         page = await store.read(stream_id, last, count=REPLAY_PAGE)
                     except (RedisError, OSError):
                         # Redis is away: keep the reader with heartbeats; the hub's reconnect resyncs us.
-                        if not await sub.wait(min(idle_s, RETRY_READ_S)):
-                            if (waited := waited + RETRY_READ_S) >= idle_s:
-                                waited = 0.0
-                                yield None
+                        await sub.wait(min(RETRY_READ_S, max(0.0, next_beat - time.monotonic())))
+                        if time.monotonic() >= next_beat:
+                            yield None
+                            next_beat = time.monotonic() + idle_s
                         sub.take()
                         continue
                     for ev in page:
                         yield ev
+                        next_beat = time.monotonic() + idle_s
                         if ev.is_terminal:
                             return
                     if page:
@@ -53,8 +56,9 @@ async def read_stream(
                     if len(page) < REPLAY_PAGE:
                         break
                 need_range = False
-            if not await sub.wait(idle_s):
+            if not await sub.wait(max(0.0, next_beat - time.monotonic())):
                 yield None
+                next_beat = time.monotonic() + idle_s
                 continue
             events, resync = sub.take()
             if resync:
@@ -65,6 +69,7 @@ async def read_stream(
                 if last_key is not None and key is not None and key <= last_key:
                     continue  # already replayed from the range
                 yield ev
+                next_beat = time.monotonic() + idle_s
                 last, last_key = ev.id, key
                 if ev.is_terminal:
                     return
