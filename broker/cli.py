@@ -49,6 +49,13 @@ def _add_consumer_flags(p: argparse.ArgumentParser) -> None:
           help="a reader whose connection accepts no event for this long is dropped (it can resume)")
     _flag(p, "shutdown-grace-s", type=float, default=5.0, help="seconds to drain connections on SIGTERM")
     _flag(p, "api-keys", help="JSON file of API keys; when set, every /v1 route needs 'Authorization: Bearer'")
+    _flag(p, "read-token-secret", help="secret signing read tokens (default: derived from the API keys file)")
+    _flag(p, "read-token-ttl-s", type=int, default=900, help="lifetime of the read tokens issued at create")
+    _flag(p, "max-messages", type=int, default=1024, help="most messages one request may carry")
+    _flag(p, "max-prompt-chars", type=int, default=200_000, help="longest prompt (or messages' content in all)")
+    _flag(p, "max-streams-per-ip", type=int, default=0,
+          help="open SSE streams one client address may hold on this pod (0 = no limit)")
+    _flag(p, "cors-origins", default="", help="comma-separated origins allowed by CORS (default: none; '*' for any)")
 
 
 def _add_generator_flags(p: argparse.ArgumentParser) -> None:
@@ -83,6 +90,9 @@ def consumer_settings(
         max_body_bytes=a.max_body_bytes, max_queue=a.max_queue, abandon_after_s=a.abandon_after_s,
         retention_s=a.retention_s, max_tokens_limit=a.max_tokens_limit, send_timeout_s=a.send_timeout_s,
         shutdown_grace_s=a.shutdown_grace_s, default_model=default_model, api_keys_file=a.api_keys,
+        read_token_secret=a.read_token_secret, read_token_ttl_s=a.read_token_ttl_s, max_messages=a.max_messages,
+        max_prompt_chars=a.max_prompt_chars, max_streams_per_ip=a.max_streams_per_ip,
+        cors_origins=tuple(o.strip() for o in a.cors_origins.split(",") if o.strip()),
     )
 
 

@@ -20,6 +20,7 @@ _FIELDS = frozenset(
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 128
 MAX_MESSAGES = 1024
+MAX_PROMPT_CHARS = 200_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +108,8 @@ def parse_stream_id(raw: object) -> uuid.UUID:
 
 
 def parse_create_body(
-    raw: bytes, *, max_tokens_limit: int, default_max_tokens: int
+    raw: bytes, *, max_tokens_limit: int, default_max_tokens: int, max_messages: int = MAX_MESSAGES,
+    max_prompt_chars: int = MAX_PROMPT_CHARS,
 ) -> tuple[uuid.UUID | None, GenerationRequest]:
     """Validate a ``POST /v1/streams`` body. Raises InvalidRequest with a message a user can act on."""
     try:
@@ -131,10 +133,12 @@ def parse_create_body(
         if not isinstance(body["prompt"], str):
             raise InvalidRequest("'prompt' must be a string")
         prompt = body["prompt"]
+        if len(prompt) > max_prompt_chars:
+            raise InvalidRequest(f"'prompt' is longer than {max_prompt_chars} characters")
     else:
         raw_msgs = body["messages"]
-        if not isinstance(raw_msgs, list) or not raw_msgs or len(raw_msgs) > MAX_MESSAGES:
-            raise InvalidRequest(f"'messages' must be a non-empty list of at most {MAX_MESSAGES} messages")
+        if not isinstance(raw_msgs, list) or not raw_msgs or len(raw_msgs) > max_messages:
+            raise InvalidRequest(f"'messages' must be a non-empty list of at most {max_messages} messages")
         out = []
         for i, m in enumerate(raw_msgs):
             if not isinstance(m, dict) or set(m) - {"role", "content"}:
@@ -145,6 +149,8 @@ def parse_create_body(
                 raise InvalidRequest(f"messages[{i}].content must be a string")
             out.append(Message(m["role"], m["content"]))
         messages = tuple(out)
+        if sum(len(m.content) for m in messages) > max_prompt_chars:
+            raise InvalidRequest(f"the messages' content is longer than {max_prompt_chars} characters in all")
 
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not 0 < len(model) <= 256):

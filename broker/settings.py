@@ -41,6 +41,15 @@ class ConsumerSettings:
     default_model: str = "default"
     # JSON file of API keys (consumer.auth); None: no authentication.
     api_keys_file: str | None = None
+    # Secret that signs read tokens (default: derived from the keys file, the same on every pod).
+    read_token_secret: str | None = None
+    read_token_ttl_s: int = 900
+    max_messages: int = 1024
+    max_prompt_chars: int = 200_000
+    # Open SSE streams one client address may hold on this pod (0: no limit).
+    max_streams_per_ip: int = 0
+    # Origins allowed to call the API from a browser on another origin (CORS); empty: none.
+    cors_origins: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 
 from broker.client import connect, connect_blocking
 from broker.settings import ConsumerSettings
@@ -16,6 +17,7 @@ from consumer import openai_compat, web
 from consumer.auth import ApiKeys
 from consumer.errors import HANDLERS
 from consumer.hub import LiveHub
+from consumer.limits import ConnectionLimiter
 from consumer.metrics import Metrics
 from consumer.middleware import AuthMiddleware
 from consumer.routes import ROUTES
@@ -67,9 +69,16 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
             await redis.aclose()
             await blocking.aclose()
 
-    api_keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else ApiKeys.disabled()
+    api_keys = (ApiKeys.load(settings.api_keys_file, settings.read_token_secret) if settings.api_keys_file
+                else ApiKeys.disabled())
     app = Starlette(routes=[*ROUTES, *openai_compat.ROUTES, *web.ROUTES], exception_handlers=HANDLERS,
                     lifespan=lifespan)
     app.state.api_keys = api_keys
+    app.state.limiter = ConnectionLimiter(settings.max_streams_per_ip)
     app.add_middleware(AuthMiddleware, keys=api_keys)
+    if settings.cors_origins:  # outermost, so preflights and 401s carry the CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type",
+                                                                           "Last-Event-ID"],
+                           expose_headers=["Retry-After"], max_age=600)
     return app

@@ -10,10 +10,13 @@ The keys file is JSON: ``{"keys": [{"id": "alice", "sha256": "<hex sha256 of the
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import re
 import secrets
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +43,11 @@ class ApiKey:
 
 
 class ApiKeys:
-    def __init__(self, keys: list[ApiKey]) -> None:
+    def __init__(self, keys: list[ApiKey], token_secret: bytes = b"") -> None:
         self._by_id = {k.id: k for k in keys}
+        # Signs read tokens. Pods that share the keys file share the secret unless one is configured.
+        self.token_secret = token_secret or hashlib.sha256(
+            b"rsb-read-token|" + b"|".join(k.id.encode() + k.sha256 for k in keys)).digest()
 
     @property
     def enabled(self) -> bool:
@@ -55,7 +61,7 @@ class ApiKeys:
         return cls([])
 
     @classmethod
-    def load(cls, path: str | Path) -> ApiKeys:
+    def load(cls, path: str | Path, token_secret: str | None = None) -> ApiKeys:
         raw = orjson.loads(Path(path).read_bytes())
         keys = []
         for entry in raw.get("keys", []):
@@ -65,7 +71,7 @@ class ApiKeys:
             keys.append(ApiKey(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {}))))
         if not keys:
             raise ValueError(f"{path}: no keys")
-        return cls(keys)
+        return cls(keys, token_secret.encode() if token_secret else b"")
 
     def authenticate(self, authorization: str | None) -> str:
         """The key id of a valid ``Bearer <id>.<secret>``; raises Unauthorized otherwise."""
@@ -82,6 +88,31 @@ class ApiKeys:
         if not (hmac.compare_digest(digest, expected) and key is not None):
             raise Unauthorized("invalid api key")
         return key.id
+
+
+    # -- read tokens: EventSource cannot send headers, so a create answers a signed, short-lived token
+    #    that reads (events, status) exactly one stream, for its owner only.
+
+    def _sign(self, stream_id: uuid.UUID, key_id: str, exp: int) -> str:
+        mac = hmac.new(self.token_secret, f"{stream_id}|{key_id}|{exp}".encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(mac[:24]).decode().rstrip("=")
+
+    def issue_read_token(self, stream_id: uuid.UUID, key_id: str, ttl_s: int) -> str:
+        exp = int(time.time()) + ttl_s
+        return f"{exp}.{key_id}.{self._sign(stream_id, key_id, exp)}"
+
+    def check_read_token(self, token: str, stream_id: uuid.UUID) -> str:
+        """The key id the token was issued to, if it is valid for this stream now; else Unauthorized."""
+        exp_raw, _, rest = token.partition(".")
+        key_id, _, sig = rest.partition(".")
+        if not exp_raw.isdigit() or len(exp_raw) > 12 or self._by_id.get(key_id) is None:
+            raise Unauthorized("invalid read token")
+        exp = int(exp_raw)
+        if not hmac.compare_digest(sig.encode(), self._sign(stream_id, key_id, exp).encode()):
+            raise Unauthorized("invalid read token")
+        if exp < time.time():
+            raise Unauthorized("read token expired; create the stream again (same id and body) for a fresh one")
+        return key_id
 
 
 def new_key(key_id: str) -> tuple[str, dict[str, str]]:

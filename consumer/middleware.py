@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import re
+import uuid
+from urllib.parse import parse_qs
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from consumer.auth import ApiKeys, Unauthorized
 from consumer.errors import error_response
+
+# The routes a read token opens (EventSource and a status poll): GET only, one stream.
+_READABLE = re.compile(r"\A/v1/streams/([0-9a-fA-F-]{36})(/events)?\Z")
 
 
 class AuthMiddleware:
@@ -23,9 +30,21 @@ class AuthMiddleware:
                 authorization = value.decode("latin-1")
                 break
         try:
-            scope["rsb.key_id"] = self.keys.authenticate(authorization)
+            scope["rsb.key_id"] = self._authenticate(scope, authorization)
         except Unauthorized as e:
             response = error_response(401, e.code, e.message, {"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def _authenticate(self, scope: Scope, authorization: str | None) -> str:
+        if authorization is None and scope["method"] == "GET":
+            m = _READABLE.match(scope["path"])
+            token = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
+            if m is not None and token:
+                try:
+                    stream_id = uuid.UUID(m.group(1))
+                except ValueError:
+                    raise Unauthorized("invalid read token") from None
+                return self.keys.check_read_token(token[0], stream_id)
+        return self.keys.authenticate(authorization)

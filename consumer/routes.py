@@ -17,6 +17,7 @@ from broker.settings import ConsumerSettings
 from broker.store import TERMINAL_STATUSES, Store, StreamStatus
 from consumer.auth import ensure_owner, principal
 from consumer.hub import LiveHub
+from consumer.limits import ConnectionLimiter, Counted
 from consumer.metrics import Metrics
 from consumer.reader import read_stream
 from consumer.sse import SSEResponse
@@ -75,8 +76,11 @@ async def _known_status(store: Store, stream_id: uuid.UUID, caller: str) -> Stre
 async def create_stream(request: Request) -> Response:
     settings, store, _, metrics = _state(request)
     raw = await _read_body(request, settings.max_body_bytes)
+    key_max_tokens = int(_key_limit(request, principal(request), "max_tokens"))
+    max_tokens = min(settings.max_tokens_limit, key_max_tokens) if key_max_tokens else settings.max_tokens_limit
     sid, gen_request = parse_create_body(
-        raw, max_tokens_limit=settings.max_tokens_limit, default_max_tokens=settings.default_max_tokens
+        raw, max_tokens_limit=max_tokens, default_max_tokens=min(settings.default_max_tokens, max_tokens),
+        max_messages=settings.max_messages, max_prompt_chars=settings.max_prompt_chars,
     )
     stream_id = sid or uuid.uuid4()
     res = await store.create(stream_id, gen_request, default_model=request.app.state.default_model,
@@ -91,11 +95,14 @@ async def create_stream(request: Request) -> Response:
         raise QueueFull(f"the generation queue is full ({res.waiting} waiting)", retry_after_s=res.retry_after_s)
     created = res.outcome == "created"
     metrics.inc("rsb_streams_created_total" if created else "rsb_creates_replayed_total")
-    return JSONResponse(
-        {"id": str(stream_id), "status": res.status, "events_url": f"/v1/streams/{stream_id}/events",
-         "created": created},
-        status_code=201 if created else 200,
-    )
+    body: dict[str, object] = {"id": str(stream_id), "status": res.status,
+                               "events_url": f"/v1/streams/{stream_id}/events", "created": created}
+    keys = request.app.state.api_keys
+    if keys.enabled:  # for EventSource, which cannot send an Authorization header
+        token = keys.issue_read_token(stream_id, principal(request), settings.read_token_ttl_s)
+        body["read_token"] = token
+        body["events_url"] = f"/v1/streams/{stream_id}/events?token={token}"
+    return JSONResponse(body, status_code=201 if created else 200)
 
 
 async def stream_events(request: Request) -> Response:
@@ -117,14 +124,25 @@ async def stream_events(request: Request) -> Response:
         last_key = parse_event_id(st.last_id)
         if last_key is not None and resume_key >= last_key:
             return Response(status_code=204)
+    caller = principal(request)
+    ip = request.client.host if request.client else ""
+    limiter: ConnectionLimiter = request.app.state.limiter
+    limiter.acquire(ip, caller, int(_key_limit(request, caller, "max_sse")))
     if resume is not None:
         metrics.inc("rsb_resumes_total")
     metrics.inc("rsb_reads_total")
-    return SSEResponse(
+    response = SSEResponse(
         read_stream(store, hub, stream_id, resume, settings.heartbeat_s),
         shutdown=request.app.state.draining,
         send_timeout_s=settings.send_timeout_s,
-    )  # type: ignore[return-value]
+    )
+    return Counted(response, limiter, ip, caller)  # type: ignore[return-value]
+
+
+def _key_limit(request: Request, key_id: str, name: str) -> float:
+    """A per-key limit from the API keys file (0: none)."""
+    key = request.app.state.api_keys.get(key_id)
+    return float(key.limits.get(name, 0)) if key is not None else 0.0
 
 
 async def stream_status(request: Request) -> Response:

@@ -1,0 +1,127 @@
+"""Limits enforced at exactly their values, with clear errors; read tokens; CORS."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import orjson
+import pytest
+from helpers import create, read_sse
+
+from consumer.auth import new_key
+
+
+@pytest.fixture
+def limited(stack_factory, redis_server, redis_client, tmp_path):  # type: ignore[no-untyped-def]
+    alice, alice_entry = new_key("alice")
+    bob, bob_entry = new_key("bob")
+    alice_entry["limits"] = {"max_tokens": 50, "max_sse": 3}
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [alice_entry, bob_entry]}))
+    s = stack_factory(redis_server.url)
+    s.consumer("--api-keys", str(keys), "--max-messages", "3", "--max-prompt-chars", "100",
+               "--max-streams-per-ip", "5", "--cors-origins", "https://app.example", "--read-token-ttl-s", "2")
+    return s, {"Authorization": f"Bearer {alice}"}, {"Authorization": f"Bearer {bob}"}
+
+
+def _open(url: str, n: int, headers: dict[str, str], sid: str) -> tuple[list[httpx.Client], list[int]]:
+    """Open n SSE connections and keep them open; returns the clients and the status codes."""
+    clients, codes = [], []
+    for _ in range(n):
+        cl = httpx.Client(base_url=url, headers=headers, timeout=10)
+        resp = cl.send(cl.build_request("GET", f"/v1/streams/{sid}/events"), stream=True)
+        codes.append(resp.status_code)
+        if resp.status_code == 200:
+            clients.append(cl)  # kept open until the caller closes it
+        else:
+            resp.read()
+            cl.close()
+    return clients, codes
+
+
+def test_request_limits_at_exactly_their_values(limited) -> None:  # type: ignore[no-untyped-def]
+    s, alice, bob = limited
+    with s.client() as c:
+        c.headers.update(alice)
+        assert create(c, max_tokens=50).status_code == 201
+        r = create(c, max_tokens=51)  # alice's key caps max_tokens at 50
+        assert r.status_code == 400 and "50" in r.json()["error"]["message"]
+        c.headers.update(bob)
+        assert create(c, max_tokens=51).status_code == 201  # bob has no such cap
+        msgs = [{"role": "user", "content": "x"}] * 3
+        assert create(c, messages=msgs).status_code == 201
+        assert create(c, messages=msgs + msgs[:1]).status_code == 400
+        assert create(c, prompt="p" * 100).status_code == 201
+        r = create(c, prompt="p" * 101)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+        assert create(c, messages=[{"role": "user", "content": "y" * 60}, {"role": "user", "content": "z" * 41}]
+                      ).status_code == 400
+
+
+def test_open_streams_per_key_and_per_ip_at_exactly_their_limits(limited) -> None:  # type: ignore[no-untyped-def]
+    s, alice, bob = limited
+    with s.client() as c:
+        c.headers.update(alice)
+        sid_a = create(c).json()["id"]
+        c.headers.update(bob)
+        sid_b = create(c).json()["id"]
+    opened, codes = _open(s.base_url, 4, alice, sid_a)
+    assert codes == [200, 200, 200, 429]  # alice: max_sse 3
+    more, codes_b = _open(s.base_url, 3, bob, sid_b)
+    assert codes_b == [200, 200, 429]  # 5 per address in all
+    r = httpx.get(f"{s.base_url}/v1/streams/{sid_b}/events", headers=bob)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_connections"
+    assert int(r.headers["retry-after"]) >= 1
+    for cl in opened + more:
+        cl.close()
+    deadline = time.monotonic() + 5
+    while True:  # closed connections are counted out: the limit frees up again
+        code = _open(s.base_url, 1, alice, sid_a)
+        if code[1] == [200]:
+            code[0][0].close()
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_read_tokens_open_one_stream_for_a_short_time(limited) -> None:  # type: ignore[no-untyped-def]
+    s, alice, _ = limited
+    with s.client() as c:
+        c.headers.update(alice)
+        body = create(c).json()
+        other = create(c).json()
+    token = body["read_token"]
+    assert body["events_url"] == f"/v1/streams/{body['id']}/events?token={token}"
+    with httpx.Client(base_url=s.base_url, timeout=10) as anon:  # like EventSource: no headers
+        first = read_sse(anon, body["events_url"], stop_after=1)
+        assert first.status == 200 and first.events[0].event == "queued"
+        assert anon.get(f"/v1/streams/{body['id']}", params={"token": token}).status_code == 200
+        assert anon.get(f"/v1/streams/{other['id']}/events", params={"token": token}).status_code == 401
+        assert anon.post(f"/v1/streams/{body['id']}/cancel", params={"token": token}).status_code == 401
+        tampered = token[:-2] + ("AA" if not token.endswith("AA") else "BB")
+        assert anon.get(f"/v1/streams/{body['id']}", params={"token": tampered}).status_code == 401
+        time.sleep(3.1)  # ttl 2 s
+        r = anon.get(f"/v1/streams/{body['id']}", params={"token": token})
+        assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
+
+
+def test_cors_allowlist(limited) -> None:  # type: ignore[no-untyped-def]
+    s, alice, _ = limited
+    pre = httpx.options(f"{s.base_url}/v1/streams", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.get(f"{s.base_url}/v1/streams/{uuid.uuid4()}", headers={"Origin": "https://evil.example", **alice})
+    assert "access-control-allow-origin" not in r.headers
+    bad = httpx.options(f"{s.base_url}/v1/streams", headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert bad.status_code == 400
+
+
+def test_cors_is_off_by_default(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    r = httpx.get(f"{s.base_url}/healthz", headers={"Origin": "https://app.example"})
+    assert "access-control-allow-origin" not in r.headers
