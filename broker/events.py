@@ -29,6 +29,7 @@ TERMINAL_TYPES: frozenset[str] = frozenset({EventType.DONE, EventType.CANCELLED,
 # Redis Stream ids: "<ms>-<seq>", both unsigned 64-bit. Anything else is not an id we issued.
 _EVENT_ID = re.compile(r"\A(\d{1,20})-(\d{1,20})\Z")
 _U64_MAX = 2**64 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def parse_event_id(raw: str) -> tuple[int, int] | None:
@@ -43,8 +44,22 @@ def parse_event_id(raw: str) -> tuple[int, int] | None:
 
 
 def encode_data(data: dict[str, Any]) -> bytes:
-    """One line of JSON: orjson never emits a raw newline (it escapes them inside strings)."""
-    return orjson.dumps(data)
+    """One line of JSON: orjson never emits a raw newline (it escapes them inside strings). Text that is
+    not valid Unicode (lone surrogates, which no UTF-8 decoder produces) becomes U+FFFD, never an error."""
+    try:
+        return orjson.dumps(data)
+    except TypeError:
+        return orjson.dumps(_scrub(data))
+
+
+def _scrub(value: Any) -> Any:
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {k: _scrub(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_scrub(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,28 +8,28 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from redis.asyncio import Redis
-
+from broker.client import RedisClient
 from broker.errors import InvalidRequest
 from broker.keys import aborted_log_key, aborted_totals_key
 
 GROUP_BYS = ("reason", "model", "day")
 COUNTERS = ("streams", "prompt_tokens", "completion_tokens", "tokens_saved", "compute_s")
 PAGE = 5000
+_MAX_MS = 2**63 - 1
+_UNIX_SECONDS = re.compile(r"\A[0-9]{1,12}(\.[0-9]{1,9})?\Z")
 
 
 def parse_time(raw: str | None, name: str) -> float | None:
     """Unix seconds or an ISO-8601 date/time (UTC if no zone)."""
     if raw is None or raw == "":
         return None
-    try:
+    if _UNIX_SECONDS.match(raw):
         return float(raw)
-    except ValueError:
-        pass
     try:
         dt = datetime.fromisoformat(raw.replace("Z", "+00:00"))
     except ValueError:
@@ -56,19 +56,20 @@ def _add(acc: dict[str, float], record: dict[bytes, bytes]) -> None:
     acc["compute_s"] += float(record.get(b"compute_s", b"0"))
 
 
-async def aborted_report(redis: Redis, partitions: int, *, since: float | None = None, until: float | None = None,
+async def aborted_report(redis: RedisClient, partitions: int, *, since: float | None = None, until: float | None = None,
                          group_by: str = "reason", key_id: str | None = None) -> dict[str, Any]:
     """Aggregate the aborted records in [since, until]; only ``key_id``'s when given (a tenant's view)."""
     if group_by not in GROUP_BYS:
         raise InvalidRequest(f"'group_by' must be one of {', '.join(GROUP_BYS)}")
-    lo = "-" if since is None else f"{int(since * 1000)}-0"
-    hi = "+" if until is None else f"{int(until * 1000)}-{2**64 - 1}"
+    # Entry ids are "<unix ms>-<seq>": clamp the range to what ids can hold.
+    lo = "-" if since is None else f"{min(max(0, int(since * 1000)), _MAX_MS)}-0"
+    hi = "+" if until is None else f"{min(max(0, int(until * 1000)), _MAX_MS)}-{2**64 - 1}"
     groups: dict[str, dict[str, float]] = {}
     total = _zero()
     for p in range(partitions):
         start = lo
         while True:
-            entries: Any = await redis.xrange(aborted_log_key(p), min=start, max=hi, count=PAGE)
+            entries: Any = await redis.xrange(aborted_log_key(p, partitions), min=start, max=hi, count=PAGE)
             for _, record in entries:
                 if key_id is not None and record.get(b"key_id", b"").decode() != key_id:
                     continue
@@ -85,11 +86,11 @@ def _rounded(acc: dict[str, float]) -> dict[str, float]:
     return {k: (round(v, 6) if k == "compute_s" else int(v)) for k, v in acc.items()}
 
 
-async def aborted_totals(redis: Redis, partitions: int) -> dict[tuple[str, str], float]:
+async def aborted_totals(redis: RedisClient, partitions: int) -> dict[tuple[str, str], float]:
     """Running totals by (reason, counter), for Prometheus counters."""
     out: dict[tuple[str, str], float] = {}
     for p in range(partitions):
-        raw: Any = await redis.hgetall(aborted_totals_key(p))
+        raw: Any = await redis.hgetall(aborted_totals_key(p, partitions))
         for field, value in raw.items():
             reason, _, counter = field.decode().partition("|")
             out[(reason, counter)] = out.get((reason, counter), 0.0) + float(value)

@@ -92,6 +92,8 @@ def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     v = body.get(name)
     if v is None:
         return None
+    if isinstance(v, float) and v.is_integer():  # 7.0 is an integer in JSON (and JSON Schema)
+        v = int(v)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise InvalidRequest(f"'{name}' must be an integer between {lo} and {hi}")
     return v
@@ -124,7 +126,7 @@ def parse_create_body(
 
     sid = None if body.get("id") is None else parse_stream_id(body["id"])
 
-    has_messages, has_prompt = body.get("messages") is not None, body.get("prompt") is not None
+    has_messages, has_prompt = "messages" in body, "prompt" in body
     if has_messages == has_prompt:
         raise InvalidRequest("exactly one of 'messages' and 'prompt' is required")
     messages: tuple[Message, ...] | None = None
@@ -143,7 +145,7 @@ def parse_create_body(
         for i, m in enumerate(raw_msgs):
             if not isinstance(m, dict) or set(m) - {"role", "content"}:
                 raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content'")
-            if m.get("role") not in ROLES:
+            if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
                 raise InvalidRequest(f"messages[{i}].role must be one of system, user, assistant")
             if not isinstance(m.get("content"), str):
                 raise InvalidRequest(f"messages[{i}].content must be a string")

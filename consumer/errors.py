@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from redis.exceptions import RedisError
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -44,5 +46,6 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal", "internal error")
 
 
-HANDLERS = {RsbError: rsb_error, HTTPException: http_error, RedisError: redis_error,
+HANDLERS = {RsbError: rsb_error, HTTPException: http_error, RedisConnectionError: redis_error,
+            RedisTimeoutError: redis_error, BusyLoadingError: redis_error,
             Exception: internal_error}

@@ -19,6 +19,7 @@ from consumer.auth import ensure_owner, principal
 from consumer.hub import LiveHub
 from consumer.limits import ConnectionLimiter, Counted
 from consumer.metrics import Metrics
+from consumer.openapi import build_openapi
 from consumer.reader import read_stream
 from consumer.sse import SSEResponse
 
@@ -108,17 +109,12 @@ async def create_stream(request: Request) -> Response:
 async def stream_events(request: Request) -> Response:
     settings, store, hub, metrics = _state(request)
     stream_id = _path_id(request)
-    resume = request.headers.get("last-event-id")
-    if resume is None:
-        resume = request.query_params.get("last_event_id")
-    resume = resume.strip() if resume is not None else None
-    resume_key = None
-    if resume:
-        resume_key = parse_event_id(resume)
-        if resume_key is None:
-            raise InvalidRequest("malformed resume id (Last-Event-ID / last_event_id)")
-    else:
-        resume = None
+    header, query = request.headers.get("last-event-id"), request.query_params.get("last_event_id")
+    for raw in (header, query):  # both are checked, though the header wins: bad input is never ignored
+        if raw and parse_event_id(raw) is None:
+            raise InvalidRequest("malformed resume id (Last-Event-ID / last_event_id): use an event's id as sent")
+    resume = (header if header is not None else query) or None
+    resume_key = parse_event_id(resume) if resume else None
     st = await _known_status(store, stream_id, principal(request))
     if st.status in TERMINAL_STATUSES and st.last_id is not None and resume_key is not None:
         last_key = parse_event_id(st.last_id)
@@ -171,6 +167,13 @@ async def aborted_report_route(request: Request) -> Response:
     return JSONResponse(report)
 
 
+async def openapi_route(request: Request) -> Response:
+    settings = request.app.state.settings
+    return JSONResponse(build_openapi(request.app.state.api_keys.enabled, max_tokens=settings.max_tokens_limit,
+                                      max_messages=settings.max_messages,
+                                      max_prompt_chars=settings.max_prompt_chars))
+
+
 async def healthz(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
@@ -205,6 +208,7 @@ ROUTES = [
     Route("/v1/streams/{stream_id}", stream_status, methods=["GET"]),
     Route("/v1/streams/{stream_id}/cancel", cancel_stream, methods=["POST"]),
     Route("/v1/reports/aborted", aborted_report_route, methods=["GET"]),
+    Route("/openapi.json", openapi_route, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),
     Route("/readyz", readyz, methods=["GET"]),
     Route("/metrics", metrics_route, methods=["GET"]),

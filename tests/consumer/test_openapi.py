@@ -1,0 +1,25 @@
+"""schemathesis against /openapi.json on a real consumer: every route, many generated examples, no 5xx,
+every response conforming to the spec."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+
+
+@pytest.fixture
+def api_schema(stack_factory, redis_server, redis_client):  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer("--max-tokens-limit", "512", "--max-prompt-chars", "2000", "--max-messages", "16")
+    s.generator()  # streams the fuzzer creates end quickly, so reading their events terminates
+    return schemathesis.openapi.from_url(f"{s.base_url}/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_every_route_conforms_and_never_fails(case) -> None:  # type: ignore[no-untyped-def]
+    case.call_and_validate()
