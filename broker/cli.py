@@ -31,7 +31,10 @@ def _add_broker_flags(p: argparse.ArgumentParser, *, redis_required: bool) -> No
           help="Redis URL, e.g. redis://host:6379/0 or rediss://user:pass@host:6380/0"
           + ("" if redis_required else "; without it a private Redis server is started and stopped by rsb"))
     _flag(p, "partitions", type=int, default=1,
-          help="job/key partitions; fixed per deployment (1 = strict FIFO on one server)")
+          help="job/key partitions; fixed per deployment (1 = strict FIFO on one server; on a Redis Cluster "
+          "a few per master: their hash slots are spread evenly over all masters)")
+    _flag(p, "redis-cluster", action="store_true",
+          help="--redis-url is one node of a Redis Cluster (same as a redis+cluster:// URL)")
     _flag(p, "log-level", default="info", help="debug, info, warning or error")
 
 
@@ -56,6 +59,7 @@ def _add_consumer_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "max-streams-per-ip", type=int, default=0,
           help="open SSE streams one client address may hold on this pod (0 = no limit)")
     _flag(p, "cors-origins", default="", help="comma-separated origins allowed by CORS (default: none; '*' for any)")
+    _flag(p, "log-content", action="store_true", help="log prompts at create (off by default: users' data)")
 
 
 def _add_generator_flags(p: argparse.ArgumentParser) -> None:
@@ -79,7 +83,8 @@ def _add_generator_flags(p: argparse.ArgumentParser) -> None:
 
 
 def broker_settings(a: argparse.Namespace, redis_url: str | None = None) -> BrokerSettings:
-    return BrokerSettings(redis_url=redis_url or a.redis_url or DEFAULT_REDIS_URL, partitions=a.partitions)
+    return BrokerSettings(redis_url=redis_url or a.redis_url or DEFAULT_REDIS_URL, partitions=a.partitions,
+                          cluster=a.redis_cluster)
 
 
 def consumer_settings(
@@ -92,7 +97,7 @@ def consumer_settings(
         shutdown_grace_s=a.shutdown_grace_s, default_model=default_model, api_keys_file=a.api_keys,
         read_token_secret=a.read_token_secret, read_token_ttl_s=a.read_token_ttl_s, max_messages=a.max_messages,
         max_prompt_chars=a.max_prompt_chars, max_streams_per_ip=a.max_streams_per_ip,
-        cors_origins=tuple(o.strip() for o in a.cors_origins.split(",") if o.strip()),
+        cors_origins=tuple(o.strip() for o in a.cors_origins.split(",") if o.strip()), log_content=a.log_content,
     )
 
 
@@ -138,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(report, "group-by", default="reason", help="reason, model or day")
     _flag(report, "json", action="store_true", help="print JSON instead of a table")
     _flag(report, "csv", action="store_true", help="print CSV instead of a table")
+
+    from broker.cli_client import register
+
+    register(sub)  # rsb chat / tail / status, and rsb generator's --upstream-* flags
     return parser
 
 
@@ -151,7 +160,7 @@ def _report(args: argparse.Namespace) -> int:
     from broker.report import aborted_report, parse_time, render_csv, render_table
 
     async def run() -> dict[str, Any]:
-        redis = connect(args.redis_url)
+        redis = connect(args.redis_url, cluster=args.redis_cluster)
         try:
             return await aborted_report(redis, args.partitions, since=parse_time(args.since, "since"),
                                         until=parse_time(args.until, "until"), group_by=args.group_by)
@@ -177,6 +186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from broker.logs import setup_logging
 
     setup_logging(args.log_level)
+    from broker.cli_client import dispatch
+
+    rc = dispatch(args)  # the client commands, and rsb generator --upstream
+    if rc is not None:
+        return rc
     if args.command == "consumer":
         from consumer.server import run_consumer
 

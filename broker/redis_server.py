@@ -11,13 +11,41 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
 
 class RedisServerError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca_cert: Path
+    cert: Path
+    key: Path
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """A throwaway CA and a server certificate for 127.0.0.1/localhost (tests, local TLS trials)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, cert = (directory / n for n in ("ca.key", "ca.crt", "server.key", "server.csr",
+                                                          "server.crt"))
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+
+    def run(*cmd: str) -> None:
+        subprocess.run(["openssl", *cmd], check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "2",
+        "-subj", "/CN=rsb test CA")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=localhost")
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial", "-out", str(cert),
+        "-days", "2", "-extfile", str(ext))
+    return TlsFiles(ca, cert, key)
 
 
 def find_server_binary() -> str:
@@ -42,8 +70,11 @@ class RedisServer:
     same port and data directory (so AOF data survives a restart)."""
 
     def __init__(self, port: int | None = None, *, appendonly: bool = False, data_dir: str | None = None,
-                 binary: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+                 binary: str | None = None, extra_args: tuple[str, ...] = (), password: str | None = None,
+                 tls: TlsFiles | None = None) -> None:
         self.port = port or free_port()
+        self.password = password
+        self.tls = tls
         self.appendonly = appendonly
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="rsb-redis-"))
@@ -53,18 +84,28 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        if self.tls is not None:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={quote(str(self.tls.ca_cert), safe='')}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
+        listen = ["--port", str(self.port)]
+        if self.tls is not None:
+            listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
+                      "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca_cert),
+                      "--tls-auth-clients", "no"]
+        if self.password:
+            listen += ["--requirepass", self.password]
         args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+            self.binary, *listen, "--bind", "127.0.0.1", "--dir", str(self.data_dir),
             "--save", "", "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", "everysec", "--protected-mode", "no", "--daemonize", "no",
             "--maxclients", "20000", *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:

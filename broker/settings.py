@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def redact_url(url: str) -> str:
+    """A Redis URL fit for logs: the password replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
 def env(name: str, default: str | None = None) -> str | None:
@@ -18,6 +29,8 @@ class BrokerSettings:
     redis_url: str = DEFAULT_REDIS_URL
     # Part of every key's address: fixed per deployment (see broker.keys).
     partitions: int = 1
+    # redis_url names a Redis Cluster (also implied by a redis+cluster:// URL).
+    cluster: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +63,8 @@ class ConsumerSettings:
     max_streams_per_ip: int = 0
     # Origins allowed to call the API from a browser on another origin (CORS); empty: none.
     cors_origins: tuple[str, ...] = ()
+    # Log request content (prompts). Off by default: prompts are the users' data.
+    log_content: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,3 +88,9 @@ class GeneratorSettings:
     # cancel_on_disconnect: how long a stream may have no reader before it is cancelled (reconnects
     # within this grace keep it going). Consumer pods refresh a stream's "seen" every TOUCH_INTERVAL_S.
     disconnect_grace_s: float = 5.0
+    # --upstream: the protocol ("openai" or "ollama"; None: from the URL), the model name sent upstream
+    # (None: the first one the server lists), a bearer key, and the longest silence between two chunks.
+    upstream_api: str | None = None
+    upstream_model: str | None = None
+    upstream_api_key: str | None = None
+    upstream_timeout_s: float = 600.0

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from broker.redis_server import RedisServer
+from broker.settings import redact_url
 
 log = logging.getLogger("rsb.up")
 
@@ -28,6 +29,8 @@ def _generator_argv(args: argparse.Namespace, redis_url: str, model: str, index:
         argv += ["--n-threads", str(args.n_threads)]
     if args.ignore_eos:
         argv.append("--ignore-eos")
+    if args.redis_cluster:
+        argv.append("--redis-cluster")
     return argv
 
 
@@ -58,8 +61,8 @@ def run_stack(args: argparse.Namespace) -> int:
         settings = consumer_settings(args, redis_url, default_model=default_model)
         api = build_server(settings)
         url = f"http://{settings.host}:{settings.port}"
-        print(f"rsb is up: {url}  (redis: {redis_url}, model: {default_model if not args.model else model})",
-              flush=True)
+        shown_model = model if args.model else default_model
+        print(f"rsb is up: {url}  (redis: {redact_url(redis_url)}, model: {shown_model})", flush=True)
         api.run()
         return 0
     finally:

@@ -57,7 +57,7 @@ _CREATED = {
                    "events_url": {"type": "string"}, "created": {"type": "boolean"},
                    "read_token": {"type": "string"}},
 }
-_CREATE_BODY = {
+_CREATE_BODY: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "properties": {

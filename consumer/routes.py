@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from datetime import UTC, datetime
 
@@ -22,6 +23,8 @@ from consumer.metrics import Metrics
 from consumer.openapi import build_openapi
 from consumer.reader import read_stream
 from consumer.sse import SSEResponse
+
+log = logging.getLogger("rsb.consumer")
 
 
 def _state(request: Request) -> tuple[ConsumerSettings, Store, LiveHub, Metrics]:
@@ -95,6 +98,11 @@ async def create_stream(request: Request) -> Response:
         metrics.inc("rsb_creates_rejected_total")
         raise QueueFull(f"the generation queue is full ({res.waiting} waiting)", retry_after_s=res.retry_after_s)
     created = res.outcome == "created"
+    extra: dict[str, object] = {"stream_id": str(stream_id), "key_id": principal(request), "created": created}
+    if settings.log_content:
+        extra["prompt"] = gen_request.prompt if gen_request.prompt is not None else [
+            {"role": m.role, "content": m.content} for m in gen_request.messages or ()]
+    log.info("create", extra=extra)
     metrics.inc("rsb_streams_created_total" if created else "rsb_creates_replayed_total")
     body: dict[str, object] = {"id": str(stream_id), "status": res.status,
                                "events_url": f"/v1/streams/{stream_id}/events", "created": created}
