@@ -98,7 +98,7 @@ async def create_stream(request: Request) -> Response:
         metrics.inc("rsb_creates_rejected_total")
         raise QueueFull(f"the generation queue is full ({res.waiting} waiting)", retry_after_s=res.retry_after_s)
     created = res.outcome == "created"
-    extra: dict[str, object] = {"stream_id": str(stream_id), "key_id": principal(request), "created": created}
+    extra: dict[str, object] = {"stream_id": str(stream_id), "key_id": principal(request), "new_stream": created}
     if settings.log_content:
         extra["prompt"] = gen_request.prompt if gen_request.prompt is not None else [
             {"role": m.role, "content": m.content} for m in gen_request.messages or ()]

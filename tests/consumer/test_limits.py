@@ -125,3 +125,69 @@ def test_cors_is_off_by_default(stack_factory, redis_server, redis_client) -> No
     s.consumer()
     r = httpx.get(f"{s.base_url}/healthz", headers={"Origin": "https://app.example"})
     assert "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.timeout(300)
+def test_a_flood_from_one_key_leaves_other_keys_streams_unaffected(stack_factory, redis_server, redis_client,
+                                                                   slow_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+    import statistics
+
+    alice, alice_entry = new_key("alice")
+    bob, bob_entry = new_key("bob")
+    alice_entry["limits"] = {"max_sse": 20}
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [alice_entry, bob_entry]}))
+    s = stack_factory(redis_server.url)
+    s.consumer("--api-keys", str(keys))
+    s.generator(model=slow_model)
+    a_headers, b_headers = {"Authorization": f"Bearer {alice}"}, {"Authorization": f"Bearer {bob}"}
+    with s.client() as c:
+        c.headers.update(a_headers)
+        target = create(c).json()["id"]  # alice floods reads of her own (queued) stream
+
+    async def bob_stream(max_tokens: int) -> list[float]:
+        """Delay from append (the event id's milliseconds) to receipt, per delta of a new bob stream."""
+        async with httpx.AsyncClient(base_url=s.base_url, headers=b_headers, timeout=60) as bc:
+            sid = (await bc.post("/v1/streams", json={"prompt": "hi", "max_tokens": max_tokens})).json()["id"]
+            delays, buf = [], b""
+            async with bc.stream("GET", f"/v1/streams/{sid}/events") as r:
+                async for chunk in r.aiter_raw():
+                    now_ms = time.time() * 1000
+                    buf += chunk
+                    while b"\n\n" in buf:
+                        block, buf = buf.split(b"\n\n", 1)
+                        if b"event: delta" in block:
+                            eid = block.split(b"\n", 1)[0].split(b": ", 1)[1].decode()
+                            delays.append(now_ms - int(eid.split("-")[0]))
+            return delays
+
+    open_now, most_open = 0, 0
+
+    async def flood() -> list[int]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=s.base_url, headers=a_headers, limits=limits, timeout=60) as ac:
+            async def attempt() -> int:
+                nonlocal open_now, most_open
+                async with ac.stream("GET", f"/v1/streams/{target}/events") as r:
+                    if r.status_code == 200:
+                        open_now += 1
+                        most_open = max(most_open, open_now)
+                        await asyncio.sleep(1)  # hold the allowed ones open through the flood
+                        open_now -= 1
+                    return r.status_code
+            return list(await asyncio.gather(*(attempt() for _ in range(2000))))
+
+    async def scenario() -> tuple[list[float], list[float], list[int]]:
+        before = await bob_stream(1500)
+        during_task = asyncio.create_task(bob_stream(1500))
+        codes = await flood()
+        return before, await during_task, codes
+
+    before, during, codes = asyncio.run(scenario())
+    assert most_open == 20  # never more open than the key's limit...
+    assert set(codes) == {200, 429} and codes.count(429) > 1000  # ...and every other attempt refused
+    assert len(before) > 100 and len(during) > 100  # bob's answers arrived whole
+    p99 = lambda xs: statistics.quantiles(xs, n=100)[98]  # noqa: E731
+    print(f"bob's delivery delay p99: before {p99(before):.1f} ms, during the flood {p99(during):.1f} ms")
+    assert p99(during) < max(500.0, 10 * p99(before))
