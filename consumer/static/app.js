@@ -1,0 +1,516 @@
+// The chat page. Every answer is an rsb stream named by a UUID chosen here; the conversation (stream ids
+// and prompts) and each stream's progress (text so far + the id of the last event it includes) live in
+// localStorage, so a reload shows the text at once and resumes from the last event id: nothing is lost,
+// nothing is shown twice. /?stream=<uuid> opens any existing stream (another tab, another device).
+
+import { cancelStream, createStream, RsbStream, streamStatus, TERMINAL_EVENTS, uuid4 } from "./rsb-client.js";
+import { IncrementalMarkdown } from "./markdown.js";
+
+const CHAT_KEY = "rsb.chat.v1"; // {turns: [{id, prompt, body, createdAt}]}
+const SETTINGS_KEY = "rsb.settings.v1"; // {maxTokens, apiKey}
+const streamKey = (id) => `rsb.stream.v1.${id}`; // a Snapshot, see Turn.snapshot()
+const UUID_RE = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+const TERMINAL_STATUSES = new Set(["done", "cancelled", "error"]);
+// Writing the whole answer to localStorage per token would cost more than rendering it; a snapshot is
+// always self-consistent (text and last event id together), so a lost write only means a longer replay.
+const PERSIST_EVERY_MS = 400;
+// A (re)connection first replays stored events in a burst: that is not generation speed.
+const RATE_SETTLE_MS = 250;
+const RATE_WINDOW_MS = 2000;
+
+const $ = (sel, root = document) => root.querySelector(sel);
+
+// --- storage (never fatal: private mode, quota, disabled storage) ----------------------------------
+
+function load(key) {
+  try {
+    const raw = localStorage.getItem(key);
+    return raw ? JSON.parse(raw) : null;
+  } catch {
+    return null;
+  }
+}
+
+function save(key, value) {
+  try {
+    localStorage.setItem(key, JSON.stringify(value));
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+function remove(key) {
+  try {
+    localStorage.removeItem(key);
+  } catch {
+    // nothing to do
+  }
+}
+
+const settings = { maxTokens: 256, apiKey: "", ...(load(SETTINGS_KEY) || {}) };
+
+// --- one answer --------------------------------------------------------------------------------------
+
+class Turn {
+  constructor({ id, prompt = null, body = null, createdAt = null }, container) {
+    this.id = id;
+    this.prompt = prompt;
+    this.body = body; // the create request, kept so a reload before its answer can retry it as is
+    this.createdAt = createdAt; // Date.now() at send, for the client-side time to first token
+    this.sentHere = false; // sent from this page (not restored by a reload or another tab)
+    const saved = load(streamKey(id)) || {};
+    this.text = saved.text || "";
+    this.lastEventId = saved.lastEventId || null;
+    this.status = saved.status || (body ? "creating" : "connecting");
+    this.model = saved.model || null;
+    this.queued = saved.queued || null;
+    this.usage = saved.usage || null;
+    this.detail = saved.detail || null; // finish_reason, cancel reason or error message
+    this.ttftMs = saved.ttftMs ?? null;
+    this.deltas = saved.deltas || 0;
+    // The snapshot must not claim text past its last event id: if the two disagree, replay everything.
+    if (!this.lastEventId && this.text) {
+      this.text = "";
+      this.deltas = 0;
+    }
+    this.reader = null;
+    this.rate = null;
+    this.rateSamples = [];
+    this.countFrom = Infinity;
+    this.persistTimer = null;
+    this.frame = null;
+    this.el = $("#turn-template").content.firstElementChild.cloneNode(true);
+    this.el.dataset.streamId = id;
+    const userEl = $(".user", this.el);
+    if (prompt === null) {
+      userEl.classList.add("shared");
+      userEl.textContent = `Stream ${id}`;
+    } else {
+      userEl.textContent = prompt;
+    }
+    $(".share", this.el).href = `/?stream=${encodeURIComponent(id)}`;
+    this.md = new IncrementalMarkdown($(".blocks", this.el), $(".tail", this.el));
+    container.appendChild(this.el);
+    this.render();
+  }
+
+  get live() {
+    return !TERMINAL_STATUSES.has(this.status);
+  }
+
+  snapshot() {
+    return {
+      text: this.text, lastEventId: this.lastEventId, status: this.status, model: this.model,
+      queued: this.queued, usage: this.usage, detail: this.detail, ttftMs: this.ttftMs, deltas: this.deltas,
+    };
+  }
+
+  persist(now = false) {
+    if (now) {
+      clearTimeout(this.persistTimer);
+      this.persistTimer = null;
+      if (!save(streamKey(this.id), this.snapshot())) {
+        // Over quota: keep what a resume needs, a replay from the start brings the text back.
+        save(streamKey(this.id), { ...this.snapshot(), text: "", lastEventId: null, deltas: 0 });
+      }
+      return;
+    }
+    if (this.persistTimer === null) this.persistTimer = setTimeout(() => this.persist(true), PERSIST_EVERY_MS);
+  }
+
+  async start() {
+    if (!this.live) return;
+    const opts = { baseUrl: "", apiKey: settings.apiKey || null };
+    if (this.status === "creating") {
+      try {
+        // Same id and body on every retry (and after a reload): at most one generation, ever.
+        this.createAbort = new AbortController();
+        await createStream(this.body, { ...opts, signal: this.createAbort.signal });
+      } catch (e) {
+        if (e.name === "AbortError") return;
+        this.fail(e);
+        return;
+      } finally {
+        this.createAbort = null;
+      }
+      this.status = "queued";
+      this.persist(true);
+      this.render();
+    }
+    this.reader = new RsbStream(this.id, {
+      ...opts,
+      lastEventId: this.lastEventId,
+      onEvent: (e) => this.onEvent(e),
+      onState: (state, info) => this.onState(state, info),
+    });
+    try {
+      const end = await this.reader.done;
+      if (end.type === "ended" && this.live) {
+        // 204: our last event was already the terminal one; the snapshot lagged. Ask for the status.
+        const st = await streamStatus(this.id, opts).catch(() => null);
+        if (st) this.finish(st.status, st.usage || null, null);
+      }
+    } catch (e) {
+      this.fail(e);
+    }
+  }
+
+  onEvent(e) {
+    const d = e.data || {};
+    // First, so that every snapshot written from here on (finish() writes one) includes this event.
+    this.lastEventId = e.id || this.lastEventId;
+    switch (e.type) {
+      case "queued":
+        this.status = "queued";
+        this.queued = { position: d.position, eta_s: d.eta_s ?? null };
+        break;
+      case "started":
+        this.status = "running";
+        this.model = d.model || null;
+        this.queued = null;
+        break;
+      case "delta": {
+        // Only the tab that sent the prompt saw the wait live; a reload's replay says nothing about it.
+        if (this.deltas === 0 && this.sentHere && this.ttftMs === null) this.ttftMs = Date.now() - this.createdAt;
+        this.status = "running";
+        this.text += d.text || "";
+        this.deltas += 1;
+        break;
+      }
+      case "done":
+        this.finish("done", d.usage, d.finish_reason);
+        break;
+      case "cancelled":
+        this.finish("cancelled", d.usage, d.reason);
+        break;
+      case "error":
+        this.finish("error", d.usage, d.message || d.code);
+        break;
+      default:
+        break; // a newer server's event type: nothing to show, but it moved the resume point
+    }
+    if (!TERMINAL_EVENTS.has(e.type)) {
+      this.persist();
+      this.schedule();
+    }
+  }
+
+  onState(state, info) {
+    if (state === "open") this.countFrom = performance.now() + RATE_SETTLE_MS;
+    app.connection(state, info);
+  }
+
+  finish(status, usage, detail) {
+    this.status = status;
+    this.usage = usage || this.usage;
+    this.detail = detail || null;
+    this.queued = null;
+    this.persist(true);
+    this.render(true);
+    app.update();
+  }
+
+  fail(error) {
+    this.status = "error";
+    this.detail = error.message || String(error);
+    if (error.status === 401) this.detail += " (set the API key in Settings)";
+    this.persist(true);
+    this.render(true);
+    app.update();
+  }
+
+  async stop() {
+    if (!this.live) return;
+    this.el.dataset.stopping = "1";
+    this.render();
+    if (this.createAbort) this.createAbort.abort();
+    try {
+      if (this.reader) {
+        await this.reader.cancel(); // the reader reads on to the `cancelled` event
+      } else {
+        await cancelStream(this.id, { apiKey: settings.apiKey || null });
+        this.start();
+      }
+    } catch (e) {
+      if (e.status === 404 && !this.reader) {
+        this.finish("cancelled", null, "client"); // stopped before the server ever saw it
+      } else {
+        app.notice(`Stop failed: ${e.message}`);
+      }
+    } finally {
+      delete this.el.dataset.stopping;
+    }
+  }
+
+  close() {
+    this.reader?.close();
+    this.createAbort?.abort();
+    if (this.persistTimer !== null) this.persist(true);
+  }
+
+  // Batches every event of a frame into one DOM update. Hidden tabs get no animation frames; a timer
+  // keeps their snapshot and text moving (slowly) so switching back shows no stale answer.
+  schedule() {
+    if (this.frame !== null) return;
+    if (document.visibilityState === "hidden") {
+      this.frame = setTimeout(() => {
+        this.frame = null;
+        this.render();
+      }, 500);
+    } else {
+      this.frame = requestAnimationFrame(() => {
+        this.frame = null;
+        this.render();
+      });
+    }
+  }
+
+  measureRate() {
+    const now = performance.now();
+    if (now < this.countFrom || this.status !== "running") {
+      this.rateSamples = [];
+      return;
+    }
+    this.rateSamples.push([now, this.deltas]);
+    while (this.rateSamples.length > 2 && now - this.rateSamples[0][0] > RATE_WINDOW_MS) this.rateSamples.shift();
+    const [t0, n0] = this.rateSamples[0];
+    if (now - t0 >= 300) this.rate = ((this.deltas - n0) * 1000) / (now - t0);
+  }
+
+  render(final = false) {
+    const stickToBottom = app.nearBottom();
+    const finished = !this.live;
+    this.md.update(this.text, finished);
+    this.el.dataset.status = this.status;
+    this.el.dataset.deltas = String(this.deltas);
+    this.el.classList.toggle("finished", finished);
+    const set = (sel, text) => {
+      const node = $(sel, this.el);
+      node.hidden = text === null;
+      if (text !== null && node.textContent !== text) node.textContent = text;
+    };
+    set(".status", this.statusText());
+    set(".model", this.model ? `model ${this.model}` : null);
+    $(".demo-note", this.el).hidden = !(this.model && /demo/i.test(this.model));
+    // What the user waited (queue included) when this page saw it; else the server's own measure.
+    const ttft = this.ttftMs ?? this.usage?.ttft_ms ?? null;
+    set(".ttft", ttft !== null ? `TTFT ${formatMs(ttft)}` : null);
+    $(".ttft", this.el).title = this.ttftMs !== null ? "from Send to the first token, as seen by this page"
+      : "time to first token, measured by the server";
+    if (!finished) this.measureRate();
+    let rate = null;
+    if (finished && this.usage?.tpot_ms > 0) rate = `${(1000 / this.usage.tpot_ms).toFixed(1)} tok/s`;
+    else if (!finished && this.rate !== null && this.status === "running") rate = `${this.rate.toFixed(1)} tok/s`;
+    set(".rate", rate);
+    const tokens = this.usage?.completion_tokens ?? (this.deltas || null);
+    set(".tokens", tokens !== null ? `${tokens} tokens` : null);
+    if (finished || final) {
+      const pre = $(".raw pre", this.el);
+      if (pre.textContent !== this.text) pre.textContent = this.text;
+    }
+    if (stickToBottom) app.scrollToBottom();
+  }
+
+  statusText() {
+    if (this.el.dataset.stopping) return "stopping…";
+    switch (this.status) {
+      case "creating":
+        return "sending…";
+      case "connecting":
+        return "connecting…";
+      case "queued": {
+        if (!this.queued) return "queued";
+        const eta = this.queued.eta_s == null ? "ETA unknown" : `ETA ~${formatSeconds(this.queued.eta_s)}`;
+        return `queued: position ${this.queued.position}, ${eta}`;
+      }
+      case "running":
+        return "generating…";
+      case "done":
+        return this.detail === "length" ? "done (max tokens reached)" : "done";
+      case "cancelled":
+        return `cancelled${this.detail ? ` (${this.detail})` : ""}`;
+      case "error":
+        return `error: ${this.detail || "unknown"}`;
+      default:
+        return this.status;
+    }
+  }
+}
+
+function formatMs(ms) {
+  return ms < 1000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(1)} s`;
+}
+
+function formatSeconds(s) {
+  if (s < 60) return `${Math.max(1, Math.round(s))} s`;
+  return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+}
+
+// --- the page ----------------------------------------------------------------------------------------
+
+const app = {
+  turns: [],
+  shared: null, // the stream id of a /?stream= view
+
+  init() {
+    const params = new URLSearchParams(location.search);
+    const shared = params.get("stream");
+    $("#max-tokens").value = settings.maxTokens;
+    $("#api-key").value = settings.apiKey;
+    if (shared !== null) {
+      if (!UUID_RE.test(shared)) {
+        this.notice("That link's stream id is not a UUID.");
+        return;
+      }
+      this.shared = shared.toLowerCase();
+      document.body.classList.add("shared-view");
+      $("#back").hidden = false;
+      $("#new-chat").hidden = true;
+      $("#composer").hidden = true;
+      this.addTurn({ id: this.shared }).start();
+    } else {
+      for (const t of load(CHAT_KEY)?.turns || []) this.addTurn(t).start();
+    }
+    this.bind();
+    this.update();
+    this.scrollToBottom();
+  },
+
+  bind() {
+    $("#composer").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      this.send();
+    });
+    $("#prompt").addEventListener("keydown", (ev) => {
+      if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
+        ev.preventDefault();
+        this.send();
+      }
+    });
+    $("#stop").addEventListener("click", () => this.current()?.stop());
+    $("#new-chat").addEventListener("click", () => this.newChat());
+    $("#max-tokens").addEventListener("change", (ev) => {
+      const n = Number(ev.target.value);
+      if (Number.isInteger(n) && n > 0) settings.maxTokens = n;
+      save(SETTINGS_KEY, settings);
+    });
+    $("#api-key").addEventListener("change", (ev) => {
+      settings.apiKey = ev.target.value.trim();
+      save(SETTINGS_KEY, settings);
+    });
+    // Leaving or hiding the page: write the latest snapshot now, the timer may never fire.
+    addEventListener("pagehide", () => this.turns.forEach((t) => t.persist(true)));
+    document.addEventListener("visibilitychange", () => {
+      if (document.visibilityState === "hidden") this.turns.forEach((t) => t.persist(true));
+    });
+    // Another tab of this chat sent a prompt: show and follow it here too.
+    addEventListener("storage", (ev) => {
+      if (ev.key !== CHAT_KEY || this.shared) return;
+      const known = new Set(this.turns.map((t) => t.id));
+      const turns = load(CHAT_KEY)?.turns || [];
+      if (!turns.length) return;
+      for (const t of turns) if (!known.has(t.id)) this.addTurn({ ...t, createdAt: null }).start();
+      this.update();
+    });
+  },
+
+  addTurn(record) {
+    $("#empty").hidden = true;
+    const turn = new Turn(record, $("#conversation"));
+    this.turns.push(turn);
+    return turn;
+  },
+
+  current() {
+    return this.turns.find((t) => t.live) || null;
+  },
+
+  messages(prompt) {
+    const messages = [];
+    for (const t of this.turns) {
+      if (t.prompt === null) continue;
+      messages.push({ role: "user", content: t.prompt });
+      if (t.text) messages.push({ role: "assistant", content: t.text });
+    }
+    messages.push({ role: "user", content: prompt });
+    return messages;
+  },
+
+  send() {
+    const prompt = $("#prompt").value.trim();
+    if (!prompt || this.current() || this.shared) return;
+    const maxTokens = Number($("#max-tokens").value);
+    if (Number.isInteger(maxTokens) && maxTokens > 0) settings.maxTokens = maxTokens;
+    save(SETTINGS_KEY, settings);
+    const id = uuid4();
+    const record = { id, prompt, createdAt: Date.now(),
+      body: { id, messages: this.messages(prompt), max_tokens: settings.maxTokens } };
+    // Recorded before the request leaves: a reload mid-request retries it with the same id.
+    const chat = load(CHAT_KEY) || { turns: [] };
+    chat.turns.push(record);
+    save(CHAT_KEY, chat);
+    $("#prompt").value = "";
+    const turn = this.addTurn(record);
+    turn.sentHere = true;
+    turn.persist(true);
+    turn.start();
+    this.update();
+    this.scrollToBottom();
+  },
+
+  newChat() {
+    if (this.current()) return;
+    for (const t of this.turns) {
+      t.close();
+      t.el.remove();
+      remove(streamKey(t.id));
+    }
+    this.turns = [];
+    remove(CHAT_KEY);
+    $("#empty").hidden = false;
+    this.update();
+  },
+
+  update() {
+    const live = this.current();
+    $("#stop").hidden = !live;
+    $("#send").disabled = Boolean(live);
+    $("#new-chat").disabled = Boolean(live);
+    if (!live) this.connection("idle", {});
+  },
+
+  connection(state, info) {
+    const el = $("#connection");
+    const labels = {
+      idle: "idle", connecting: "connecting…", open: "live", ended: "idle", failed: "failed",
+      retrying: `reconnecting in ${((info?.delayMs || 0) / 1000).toFixed(1)} s`,
+    };
+    el.dataset.state = state;
+    el.textContent = labels[state] || state;
+    if (state === "retrying" && info?.error) el.title = String(info.error.message || info.error);
+  },
+
+  notice(text) {
+    const el = $("#notice");
+    el.textContent = text;
+    el.hidden = false;
+    clearTimeout(this.noticeTimer);
+    this.noticeTimer = setTimeout(() => {
+      el.hidden = true;
+    }, 8000);
+  },
+
+  nearBottom() {
+    const s = document.scrollingElement;
+    return s.scrollHeight - s.scrollTop - s.clientHeight < 80;
+  },
+
+  scrollToBottom() {
+    const s = document.scrollingElement;
+    s.scrollTop = s.scrollHeight;
+  },
+};
+
+window.rsbPage = app; // for the console and for tests
+app.init();
