@@ -1,0 +1,415 @@
+"""The upstream engine (``rsb generator --upstream URL``) against a real OpenAI-compatible server:
+llama-cpp-python's own (``python3 -m llama_cpp.server``) on the demo models, started as a process.
+
+Ollama's native API has no real server here (Ollama is not installable from the registries this project
+uses), so its request and response translation is tested as pure functions only; no fake stands in for it.
+
+llama-cpp-python's server runs one request at a time (the others wait for its lock) and reports no usage
+when streaming. Greedy sampling (temperature 0) makes its answers repeatable, so what arrives through rsb
+can be compared with what the server answers directly."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers import create, read_sse, wait_status
+
+from broker.redis_server import free_port
+from broker.request import GenerationRequest, Message
+from generator.upstream_engine import (
+    CONTINUE_INSTRUCTION,
+    SurrogateJoiner,
+    UpstreamEngine,
+    UpstreamError,
+    UpstreamGeneration,
+    base_url,
+    detect_api,
+    ollama_request,
+    openai_request,
+    parse_ollama_line,
+    parse_openai_event,
+    stream_pieces,
+)
+
+STORY = [{"role": "user", "content": "Tell me a story"}]
+
+
+class LlamaServer:
+    """llama-cpp-python's OpenAI-compatible server, one process, on a free port."""
+
+    def __init__(self, model: Path, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # closed in stop()
+        # --interrupt_requests False: by default a new request makes the one streaming end early, which
+        # would cut answers short as soon as two generations overlap.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(self.port),
+             "--n_threads", "1", "--n_ctx", "8192", "--interrupt_requests", "False"],
+            stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, f"llama_cpp.server died:\n{self.output()}"
+            assert time.monotonic() < deadline, f"llama_cpp.server did not come up:\n{self.output()}"
+            time.sleep(0.2)
+        self.model_id = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def chat_posts(self) -> int:
+        """Chat requests the server has received (its access log: headers go out before the lock is held)."""
+        return self.output().count("POST /v1/chat/completions")
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Keep the server busy with a long answer for the duration of the block, so other requests wait
+        in its queue. Asked with logprobs: then this server streams, and so notices the disconnect at the
+        end of the block, token by token (without them it withholds every delta after the first invalid
+        UTF-8 byte, which random weights produce early, and only notices at the end of the answer)."""
+        with httpx.stream("POST", f"{self.url}/v1/chat/completions", timeout=60, json={
+                "messages": STORY, "max_tokens": 3000, "temperature": 0.0, "stream": True,
+                "logprobs": True, "top_logprobs": 1}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept: dropping a started iterator closes the connection
+            next(lines)  # generating
+            yield
+
+    def assert_free(self) -> None:
+        """A short request is answered at once: nothing else is left running or queued."""
+        t0 = time.monotonic()
+        self.chat([{"role": "user", "content": "hi"}], 4)
+        assert time.monotonic() - t0 < 5.0
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+        """The same request answered directly (not streamed), greedy."""
+        r = httpx.post(f"{self.url}/v1/chat/completions", timeout=120,
+                       json={"messages": messages, "max_tokens": max_tokens, "temperature": 0.0})
+        r.raise_for_status()
+        return dict(r.json())
+
+    def chat_deltas(self, messages: list[dict[str, str]], max_tokens: int) -> list[str]:
+        """The same request streamed directly: the text of each delta, empty ones included."""
+        deltas: list[str] = []
+        with httpx.stream("POST", f"{self.url}/v1/chat/completions", timeout=120, json={
+                "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    content = json.loads(line[5:])["choices"][0]["delta"].get("content")
+                    if content is not None:
+                        deltas.append(content)
+        return deltas
+
+    def complete(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        r = httpx.post(f"{self.url}/v1/completions", timeout=120,
+                       json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0})
+        r.raise_for_status()
+        return dict(r.json())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def upstream(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    server = LlamaServer(demo_model, tmp_path_factory.mktemp("upstream") / "llama-server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_upstream(slow_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    """On the larger demo model: its greedy answer to STORY runs thousands of tokens without an EOS."""
+    server = LlamaServer(slow_model, tmp_path_factory.mktemp("slow-upstream") / "llama-server.log")
+    yield server
+    server.stop()
+
+
+def _request(**kw: Any) -> GenerationRequest:
+    fields: dict[str, Any] = {"messages": None, "prompt": None, "model": None, "max_tokens": 16,
+                              "temperature": 0.0, "top_p": 0.95, "seed": None, "stop": (),
+                              "cancel_on_disconnect": False}
+    fields.update(kw)
+    return GenerationRequest(**fields)
+
+
+def _chat_request(messages: list[dict[str, str]], **kw: Any) -> GenerationRequest:
+    return _request(messages=tuple(Message(m["role"], m["content"]) for m in messages), **kw)
+
+
+# -- translation, as pure functions ----------------------------------------------------------------
+
+
+def test_openai_requests_carry_every_field() -> None:
+    req = _chat_request(STORY, temperature=0.7, top_p=0.9, seed=42, stop=("\n\n", "END"))
+    path, body = openai_request(req, prefix_text="", max_tokens=100, model="m")
+    assert path == "/v1/chat/completions"
+    assert body == {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 100,
+                    "temperature": 0.7, "top_p": 0.9, "model": "m", "seed": 42, "stop": ["\n\n", "END"],
+                    "messages": STORY}
+    path, body = openai_request(_request(prompt="Once"), prefix_text=" upon", max_tokens=5, model=None)
+    assert path == "/v1/completions"
+    assert body["prompt"] == "Once upon" and "model" not in body and "seed" not in body and "stop" not in body
+
+
+def test_a_chat_continued_after_a_crash_asks_the_model_to_go_on() -> None:
+    _, body = openai_request(_chat_request(STORY), prefix_text="Once upon", max_tokens=5, model=None)
+    assert body["messages"] == [*STORY, {"role": "assistant", "content": "Once upon"},
+                                {"role": "user", "content": CONTINUE_INSTRUCTION}]
+
+
+def test_ollama_requests_map_to_options() -> None:
+    req = _chat_request(STORY, temperature=0.2, top_p=0.5, seed=7, stop=("x",))
+    path, body = ollama_request(req, prefix_text="", max_tokens=64, model="llama3")
+    assert path == "/api/chat"
+    assert body == {"model": "llama3", "stream": True, "messages": STORY,
+                    "options": {"num_predict": 64, "temperature": 0.2, "top_p": 0.5, "seed": 7, "stop": ["x"]}}
+    path, body = ollama_request(_request(prompt="Once"), prefix_text=" upon", max_tokens=3, model="llama3")
+    assert path == "/api/generate"
+    assert body["prompt"] == "Once upon" and body["raw"] is True and "seed" not in body["options"]
+
+
+def test_openai_stream_records_are_read_as_tokens_ends_and_usage() -> None:
+    role = parse_openai_event('{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}', chat=True)
+    assert role.piece is None  # the turn's opening, not a token
+    tok = parse_openai_event('{"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}', chat=True)
+    assert tok.piece == "Hi" and tok.finish_reason is None
+    partial = parse_openai_event('{"choices":[{"delta":{"content":""},"finish_reason":null}]}', chat=True)
+    assert partial.piece == ""  # a token that ends inside a character still counts
+    end = parse_openai_event('{"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}', chat=True)
+    assert end.piece is None and end.finish_reason == "length"
+    last = parse_openai_event('{"choices":[{"index":0,"text":"!","finish_reason":"eos"}]}', chat=False)
+    assert last.piece == "!" and last.finish_reason == "stop"
+    usage = parse_openai_event('{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":30}}', chat=True)
+    assert (usage.piece, usage.prompt_tokens, usage.completion_tokens) == (None, 12, 30)
+    assert parse_openai_event("[DONE]", chat=True).done
+    with pytest.raises(UpstreamError, match="out of memory") as e:
+        parse_openai_event('{"error":{"message":"out of memory","code":500}}', chat=True)
+    assert e.value.code == "upstream"
+
+
+def test_ollama_stream_lines_are_read_as_tokens_ends_and_usage() -> None:
+    tok = parse_ollama_line('{"model":"m","message":{"role":"assistant","content":"Hi"},"done":false}', chat=True)
+    assert tok.piece == "Hi" and not tok.done
+    gen = parse_ollama_line('{"model":"m","response":" there","done":false}', chat=False)
+    assert gen.piece == " there"
+    end = parse_ollama_line('{"model":"m","response":"","done":true,"done_reason":"length",'
+                            '"prompt_eval_count":9,"eval_count":20}', chat=False)
+    assert (end.piece, end.finish_reason, end.prompt_tokens, end.completion_tokens, end.done) == (
+        None, "length", 9, 20, True)
+    stop = parse_ollama_line('{"message":{"role":"assistant","content":""},"done":true,"done_reason":"stop"}',
+                             chat=True)
+    assert stop.finish_reason == "stop"
+    with pytest.raises(UpstreamError, match="model 'x' not found"):
+        parse_ollama_line('{"error":"model \'x\' not found"}', chat=True)
+
+
+def _sse(*records: str) -> list[str]:
+    return [line for r in records for line in (f"data: {r}", "")]
+
+
+def test_tokens_merged_into_one_delta_are_counted_from_the_reported_usage() -> None:
+    """vLLM's shape: role opening, deltas (one carrying two tokens), the finish, then include_usage."""
+    lines = [": keep-alive", "", *_sse(
+        '{"choices":[{"delta":{"role":"assistant","content":""},"finish_reason":null}]}',
+        '{"choices":[{"delta":{"content":"Hel"},"finish_reason":null}]}',
+        '{"choices":[{"delta":{"content":""},"finish_reason":null}]}',
+        '{"choices":[{"delta":{"content":"lo \u00e9"},"finish_reason":null}]}',
+        '{"choices":[{"delta":{"content":"!"},"finish_reason":"length"}]}',
+        '{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":4}}',
+        "[DONE]")]
+    gen = UpstreamGeneration(prompt_tokens=0, pieces=iter(()))
+    pieces = list(stream_pieces(lines, api="openai", chat=True, generation=gen, max_tokens=4,
+                                stop=threading.Event()))
+    assert pieces == ["Hel", "lo \u00e9", "!", ""]
+    assert (gen.prompt_tokens, gen.completion_tokens, gen.finish_reason) == (5, 4, "length")
+
+
+def test_ollama_lines_become_pieces_and_counts() -> None:
+    lines = ['{"message":{"role":"assistant","content":"Hi"},"done":false}',
+             '{"message":{"role":"assistant","content":" you"},"done":false}', "",
+             '{"message":{"role":"assistant","content":""},"done":true,"done_reason":"stop",'
+             '"prompt_eval_count":7,"eval_count":2}']
+    gen = UpstreamGeneration(prompt_tokens=0, pieces=iter(()))
+    assert list(stream_pieces(lines, api="ollama", chat=True, generation=gen, max_tokens=10,
+                              stop=threading.Event())) == ["Hi", " you"]
+    assert (gen.prompt_tokens, gen.completion_tokens, gen.finish_reason) == (7, 2, "stop")
+
+
+def test_a_stream_cut_before_its_end_is_an_error_unless_we_stopped_it() -> None:
+    lines = _sse('{"choices":[{"text":"a","finish_reason":null}]}')
+    gen = UpstreamGeneration(prompt_tokens=0, pieces=iter(()))
+    with pytest.raises(UpstreamError, match="before the answer ended"):
+        list(stream_pieces(lines, api="openai", chat=False, generation=gen, max_tokens=10, stop=threading.Event()))
+    stop = threading.Event()
+    stop.set()
+    assert list(stream_pieces(lines, api="openai", chat=False, generation=gen, max_tokens=10, stop=stop)) == []
+
+
+def test_the_protocol_comes_from_the_flag_or_the_url() -> None:
+    assert detect_api("http://h:8000") == "openai"
+    assert detect_api("http://h:11434/api") == "ollama"
+    assert detect_api("http://h:11434", "ollama") == "ollama"
+    with pytest.raises(ValueError):
+        detect_api("http://h", "grpc")
+    assert base_url("http://h:8000/v1/", "openai") == "http://h:8000"
+    assert base_url("http://h:11434/api", "ollama") == "http://h:11434"
+
+
+def test_a_character_split_into_two_escaped_surrogates_comes_out_whole() -> None:
+    j = SurrogateJoiner()
+    assert j.push("a\ud83d") == "a"
+    assert j.push("\ude00b") == "\U0001f600b"
+    assert j.push("\ud83d") == "" and j.flush() == "\ufffd"
+
+
+# -- the engine against a real server -----------------------------------------------------------
+
+
+def test_the_engine_streams_what_the_upstream_generates(upstream: LlamaServer) -> None:
+    engine = UpstreamEngine(upstream.url + "/v1")
+    try:
+        assert engine.name == upstream.model_id  # listed by the server
+        gen = engine.start(_chat_request(STORY), prefix_text="", max_tokens=200, stop=threading.Event())
+        pieces = list(gen.pieces)
+        direct = upstream.chat(STORY, 200)
+        assert "".join(pieces) == direct["choices"][0]["message"]["content"]
+        assert gen.finish_reason == direct["choices"][0]["finish_reason"] == "length"
+        # No usage when this server streams: one piece per delta with text (it sends empty ones too, and
+        # merges a token that ends inside a character into the next).
+        deltas = upstream.chat_deltas(STORY, 200)
+        assert pieces == [d for d in deltas if d] and len(pieces) <= 200
+
+        # A prompt continued after a crash: completed exactly as the prompt plus the answer so far.
+        gen = engine.start(_request(prompt="Hello"), prefix_text=" the", max_tokens=30, stop=threading.Event())
+        text = "".join(gen.pieces)
+        assert text == upstream.complete("Hello the", 30)["choices"][0]["text"]
+    finally:
+        engine.close()
+
+
+def test_stop_aborts_a_request_still_waiting_in_the_upstream(slow_upstream: LlamaServer) -> None:
+    """Our request waits in the server's queue with nothing to read: setting stop must still end it at once,
+    and the server must drop it, not run it once it is free."""
+    engine = UpstreamEngine(slow_upstream.url)
+    try:
+        with slow_upstream.busy():
+            posts = slow_upstream.chat_posts()
+            stop = threading.Event()
+            gen = engine.start(_chat_request(STORY), prefix_text="", max_tokens=3000, stop=stop)
+            got: list[str] = []
+            reader = threading.Thread(target=lambda: got.extend(gen.pieces))
+            reader.start()
+            deadline = time.monotonic() + 10
+            while slow_upstream.chat_posts() == posts:  # our request is at the server, waiting
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            time.sleep(0.3)
+            assert reader.is_alive()
+            t0 = time.monotonic()
+            stop.set()
+            reader.join(5)
+            assert not reader.is_alive() and time.monotonic() - t0 < 2.0
+            assert got == []
+        # Had our request stayed queued, it would now run its 3000 tokens ahead of this one.
+        slow_upstream.assert_free()
+    finally:
+        engine.close()
+
+
+def test_an_http_error_from_the_upstream_is_an_upstream_error(upstream: LlamaServer) -> None:
+    engine = UpstreamEngine(upstream.url)
+    try:
+        # 8192-token context: a prompt this long plus max_tokens cannot fit, and the server says so.
+        gen = engine.start(_request(prompt="the " * 9000), prefix_text="", max_tokens=4, stop=threading.Event())
+        with pytest.raises(UpstreamError) as e:
+            list(gen.pieces)
+        assert e.value.code == "upstream" and "upstream" in str(e.value)
+    finally:
+        engine.close()
+
+
+# -- rsb generator --upstream, end to end ------------------------------------------------------
+
+
+def test_cancel_aborts_the_upstream_request(
+        stack_factory, redis_server, redis_client, slow_upstream: LlamaServer) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    s.generator("--upstream", slow_upstream.url, ignore_eos=False)
+    with s.client() as c, slow_upstream.busy():
+        posts = slow_upstream.chat_posts()
+        sid = create(c, messages=STORY, max_tokens=3000, temperature=0.0).json()["id"]
+        deadline = time.monotonic() + 30
+        while slow_upstream.chat_posts() == posts:  # the generation is at the upstream, in its queue
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert c.get(f"/v1/streams/{sid}").json()["status"] == "running"
+        t0 = time.monotonic()
+        assert c.post(f"/v1/streams/{sid}/cancel").status_code == 202
+        read = read_sse(c, f"/v1/streams/{sid}/events", timeout_s=10)
+        assert time.monotonic() - t0 < 5.0
+    end = read.events[-1]
+    assert end.event == "cancelled" and end.data["reason"] == "client"
+    assert end.data["usage"]["completion_tokens"] == 0
+    # The upstream dropped the request: had it stayed queued, it would now be generating 3000 tokens.
+    slow_upstream.assert_free()
+
+
+def test_concurrency_two_runs_two_generations_at_once(
+        stack_factory, redis_server, redis_client, slow_upstream: LlamaServer) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    s.generator("--upstream", slow_upstream.url, "--concurrency", "2", ignore_eos=False)
+    with s.client() as c:
+        with slow_upstream.busy():  # both generations wait at the upstream while it is busy
+            posts = slow_upstream.chat_posts()
+            sids = [create(c, messages=STORY, max_tokens=40, temperature=0.0).json()["id"] for _ in range(2)]
+            deadline = time.monotonic() + 30
+            while slow_upstream.chat_posts() < posts + 2:  # one worker process has both requests open
+                assert time.monotonic() < deadline, slow_upstream.output()[-2000:]
+                time.sleep(0.05)
+            assert [c.get(f"/v1/streams/{sid}").json()["status"] for sid in sids] == ["running", "running"]
+        reads = [read_sse(c, f"/v1/streams/{sid}/events") for sid in sids]
+    answer = slow_upstream.chat(STORY, 40)["choices"][0]["message"]["content"]
+    for read in reads:  # greedy: both the upstream's whole answer, neither cut short by the other
+        assert read.events[-1].event == "done" and read.events[-1].data["finish_reason"] == "length"
+        assert read.text == answer
+
+
+def test_an_unreachable_upstream_ends_the_stream_with_error(
+        stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    s.generator("--upstream", f"http://127.0.0.1:{free_port()}", ignore_eos=False)
+    with s.client() as c:
+        sid = create(c, prompt="Hello", max_tokens=8).json()["id"]
+        read = read_sse(c, f"/v1/streams/{sid}/events", timeout_s=30)
+        st = wait_status(c, sid, {"error"})
+    end = read.events[-1]
+    assert end.event == "error" and end.data["code"] == "upstream"
+    assert "unreachable" in end.data["message"] or "Connect" in end.data["message"]
+    assert st["status"] == "error"
