@@ -107,6 +107,8 @@ def generator_settings(a: argparse.Namespace, redis_url: str | None = None) -> G
         worker_id=a.worker_id or "", lease_s=a.lease_s, max_attempts=a.max_attempts,
         max_generation_s=a.max_generation_s, n_threads=a.n_threads, n_ctx=a.n_ctx,
         shutdown_grace_s=a.generator_grace_s, disconnect_grace_s=a.disconnect_grace_s, concurrency=a.concurrency,
+        upstream_api=a.upstream_api, upstream_model=a.upstream_model, upstream_api_key=a.upstream_api_key,
+        upstream_timeout_s=a.upstream_timeout_s,
     )
 
 
@@ -188,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level)
     from broker.cli_client import dispatch
 
-    rc = dispatch(args)  # the client commands, and rsb generator --upstream
+    rc = dispatch(args)  # the client commands
     if rc is not None:
         return rc
     if args.command == "consumer":

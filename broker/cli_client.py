@@ -5,7 +5,6 @@ from ``build_parser`` and ``dispatch`` from ``main``."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import Any, TextIO
@@ -51,10 +50,10 @@ def _add_upstream_flags(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``chat``, ``tail`` and ``status`` to ``rsb``, and the upstream flags to ``rsb generator``."""
-    gen = sub.choices.get("generator")
-    if gen is not None:
-        _add_upstream_flags(gen)
+    """Add ``chat``, ``tail`` and ``status`` to ``rsb``, and the upstream flags to ``rsb generator``/``up``."""
+    for name in ("generator", "up"):
+        if name in sub.choices:
+            _add_upstream_flags(sub.choices[name])
 
     chat = sub.add_parser(
         "chat", help="start a generation and stream its answer to the terminal",
@@ -89,8 +88,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def dispatch(args: argparse.Namespace) -> int | None:
     """Run the command if it is one of this module's (None: not ours, broker.cli goes on)."""
-    if args.command == "generator" and getattr(args, "upstream", None):
-        return _upstream_generator(args)
     if args.command not in CLIENT_COMMANDS:
         return None
     from broker.sdk import RetryPolicy
@@ -106,17 +103,6 @@ def dispatch(args: argparse.Namespace) -> int | None:
         return EXIT_INTERRUPTED
     finally:
         client.close()
-
-
-def _upstream_generator(args: argparse.Namespace) -> int:
-    from broker.cli import generator_settings
-    from generator.main import run_generator
-
-    settings = dataclasses.replace(
-        generator_settings(args), upstream_api=args.upstream_api, upstream_model=args.upstream_model,
-        upstream_api_key=args.upstream_api_key, upstream_timeout_s=args.upstream_timeout_s)
-    run_generator(settings, ignore_eos=args.ignore_eos)
-    return 0
 
 
 def _fail(command: str, err: RsbClientError) -> int:

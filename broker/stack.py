@@ -20,7 +20,14 @@ log = logging.getLogger("rsb.up")
 
 
 def _generator_argv(args: argparse.Namespace, redis_url: str, model: str, index: int) -> list[str]:
-    argv = [sys.executable, "-m", "broker.cli", "generator", "--redis-url", redis_url, "--model", model,
+    engine = ["--model", model]
+    if args.upstream:
+        engine = ["--upstream", args.upstream, "--upstream-timeout-s", str(args.upstream_timeout_s),
+                  "--concurrency", str(args.concurrency)]
+        for flag in ("upstream_api", "upstream_model"):  # the key goes by environment: argv is public
+            if getattr(args, flag):
+                engine += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+    argv = [sys.executable, "-m", "broker.cli", "generator", "--redis-url", redis_url, *engine,
             "--partitions", str(args.partitions), "--lease-s", str(args.lease_s),
             "--max-attempts", str(args.max_attempts), "--max-generation-s", str(args.max_generation_s),
             "--n-ctx", str(args.n_ctx), "--log-level", args.log_level,
@@ -49,7 +56,9 @@ def run_stack(args: argparse.Namespace) -> int:
                                                                "data_dir": str(server.data_dir)})
         model = args.model
         default_model = "default"
-        if not model:
+        if args.upstream:
+            default_model = args.upstream_model or "upstream"
+        elif not model:
             from generator.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 
             model = str(ensure_demo_model())
@@ -57,7 +66,10 @@ def run_stack(args: argparse.Namespace) -> int:
             log.info("no --model: using the demo model (random weights; its text is gibberish)",
                      extra={"model": DEMO_MODEL_NAME, "path": model})
         for i in range(max(1, args.generators)):
-            generators.append(subprocess.Popen(_generator_argv(args, redis_url, model, i), env=os.environ.copy()))
+            env = os.environ.copy()
+            if args.upstream_api_key:
+                env["RSB_UPSTREAM_API_KEY"] = args.upstream_api_key
+            generators.append(subprocess.Popen(_generator_argv(args, redis_url, model, i), env=env))
         settings = consumer_settings(args, redis_url, default_model=default_model)
         api = build_server(settings)
         url = f"http://{settings.host}:{settings.port}"
