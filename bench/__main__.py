@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import time
 import traceback
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0],
                             description=mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_args(sp)
+        sp.add_argument("--tag", default="", help="suffix of the result file: bench/results/<scenario>-<tag>.json")
     all_p = sub.add_parser("all", help="every scenario with its (short) defaults")
     all_p.add_argument("--skip", default="", help="comma-separated scenarios to leave out")
     return p
@@ -37,11 +39,17 @@ def run_one(name: str, args: argparse.Namespace) -> bool:
         return False
     result["wall_s"] = round(time.monotonic() - t0, 1)
     result["command"] = "python3 -m bench " + " ".join(sys.argv[1:])
-    write_json(name, result)
+    tag = getattr(args, "tag", "")
+    write_json(f"{name}-{tag}" if tag else name, result)
     return True
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # so every started process and Redis server is stopped on the way out
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     raise_nofile()
     args = build_parser().parse_args()
     if args.scenario != "all":

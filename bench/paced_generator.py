@@ -13,7 +13,9 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import faulthandler
 import logging
+import os
 import signal
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -55,8 +57,20 @@ async def serve(args: argparse.Namespace) -> None:
             w.request_stop()
         loop.call_later(settings.shutdown_grace_s, lambda: [t.cancel() for t in tasks])
 
+    def dump_tasks() -> None:  # SIGUSR2: where every task is awaiting, into a file, for diagnosis
+        import io
+
+        buf = io.StringIO()
+        for t in asyncio.all_tasks():
+            t.print_stack(file=buf)
+        path = f"/tmp/rsb-paced-generator-tasks-{os.getpid()}.txt"
+        with open(path, "w") as f:
+            f.write(buf.getvalue())
+        print(f"tasks written to {path}", flush=True)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    loop.add_signal_handler(signal.SIGUSR2, dump_tasks)
     print(f"paced generator ready: {args.workers} workers at {args.tokens_per_s} tokens/s", flush=True)
     try:
         with contextlib.suppress(asyncio.CancelledError):
@@ -78,6 +92,7 @@ def main() -> None:
     p.add_argument("--log-level", default="warning")
     args = p.parse_args()
     raise_nofile()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # thread stacks on demand, for diagnosis
     setup_logging(args.log_level)
     asyncio.run(serve(args))
 

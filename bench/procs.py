@@ -46,7 +46,7 @@ class Proc:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.log_path = LOG_DIR / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "wb")
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=full_env)
 
@@ -169,7 +169,7 @@ class Load:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.err_path = LOG_DIR / f"{name}-{os.getpid()}-{time.monotonic_ns()}.err"
-        self._err = open(self.err_path, "wb")  # noqa: SIM115 - closed in finish()
+        self._err = open(self.err_path, "wb")
         self.proc = subprocess.Popen(
             python_module("bench.loadproc", target, json.dumps(kwargs)), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self._err, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),

@@ -21,7 +21,8 @@ class Frame:
     t: float  # unix time the chunk holding the frame's end was received
 
 
-def client(max_connections: int | None = None, *, timeout_s: float = 600.0, keepalive: bool = True) -> httpx.AsyncClient:
+def client(max_connections: int | None = None, *, timeout_s: float = 600.0,
+           keepalive: bool = True) -> httpx.AsyncClient:
     """An AsyncClient without a connection cap and with a long read timeout, for SSE load."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None if keepalive else 0)
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0))

@@ -208,8 +208,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     over_first, over_last = (first - b_first) / w * 1000, (last - b_last) / w * 1000
     out["rsb"]["overhead_ms_per_token_first_window"] = over_first
     out["rsb"]["overhead_ms_per_token_last_window"] = over_last
-    print(table(f"\n== generator: {args.tokens} tokens, demo model {args.embd}x{args.layers}, {args.n_threads} thread(s),"
-                f" median of {args.rounds}",
+    print(table(f"\n== generator: {args.tokens} tokens, demo model {args.embd}x{args.layers}, "
+                f"{args.n_threads} thread(s), median of {args.rounds}",
                 ["path", "tokens/s", f"first {w} s", f"last {w} s", "runs tokens/s"],
                 [["bare Llama.generate", b_tps, med(bare_runs, "first_window_s"), med(bare_runs, "last_window_s"),
                   " ".join(f"{r['tokens_per_s']:.0f}" for r in bare_runs)],
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         goal_row("rsb / bare tokens/s", rr * 100, ">= 97%", rr >= 0.97, "%"),
         goal_row(f"last {w} / first {w} time (rsb)", lf, "<= 1.0", lf <= 1.0),
         ["  same, bare engine alone", fmt(out["bare"]["last_over_first_window"]), "(info)", "-"],
-        goal_row(f"rsb overhead ms/token, last {w} vs first", over_last, f"<= {over_first:.3f}",
-                 out["goals"]["overhead_flat"]),
+        goal_row(f"rsb overhead ms/token, last {w} vs first", over_last,
+                 f"<= {max(over_first, 0.0) + 0.005:.3f}", out["goals"]["overhead_flat"]),
     ])
     return out
