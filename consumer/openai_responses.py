@@ -1,0 +1,353 @@
+"""The Responses API in background mode: ``POST /v1/responses``, ``GET /v1/responses/{id}`` (with
+``stream=true&starting_after=N`` to resume its events) and ``POST /v1/responses/{id}/cancel``.
+
+A response is an rsb stream: ``resp_<hex of the stream UUID>``. Its Responses events are a pure function of
+the stream's events, folded from the first one (``ResponseView``), so their ``sequence_number`` s are the
+same on every read: resuming after N replays the stream from its start and sends what comes after N.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp
+
+from broker.errors import NotFound
+from broker.events import Event, EventType, parse_event_id
+from broker.request import GenerationRequest
+from broker.store import StreamStatus
+from consumer.auth import principal
+from consumer.openai_common import (
+    Connection,
+    Deferred,
+    SSEView,
+    create_stream,
+    event_frame,
+    fold_to_end,
+    invalid,
+    read_json,
+    tail,
+    text_of,
+    usage_tokens,
+)
+from consumer.reader import REPLAY_PAGE
+from consumer.routes import _known_status, _state
+
+_ID = re.compile(r"\Aresp_([0-9a-fA-F]{32})\Z")
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+# How long a cancel waits for the generation to stop, to answer with the final state. The worker stops at
+# its next append (milliseconds); past this the answer shows the state as it is.
+CANCEL_WAIT_S = 5.0
+
+
+def response_id(stream_id: uuid.UUID) -> str:
+    return f"resp_{stream_id.hex}"
+
+
+def _path_stream_id(request: Request) -> uuid.UUID:
+    m = _ID.match(request.path_params["response_id"])
+    if m is None:
+        raise NotFound("no response with this id")  # could never have existed
+    return uuid.UUID(hex=m.group(1))
+
+
+def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    prompt, completion = usage_tokens(usage)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+class ResponseView:
+    """Folds one stream's events, in order from the first, into Responses events and the Response object.
+
+    rsb event     Responses events
+    (before all)  response.created
+    first queued  response.queued
+    started       response.in_progress, response.output_item.added, response.content_part.added
+    delta         response.output_text.delta
+    terminal      response.output_text.done, response.content_part.done, response.output_item.done (when
+                  started), then response.completed (done, stop), response.incomplete (done, length:
+                  max_output_tokens; or cancelled: status "cancelled"), response.failed (error)
+
+    OpenAI's stream has no event for a cancelled response; ``response.incomplete`` is the terminal event
+    that clients already handle for "ended before its end", and its response says ``cancelled``.
+    """
+
+    def __init__(self, stream_id: uuid.UUID, st: StreamStatus, req: GenerationRequest | None,
+                 default_model: str) -> None:
+        self.id = response_id(stream_id)
+        self.item_id = f"msg_{stream_id.hex}"
+        # Only what never changes goes into the objects, so every read folds to the same events: the
+        # request as stored, not StreamStatus.model (the engine's name replaces it when the stream ends).
+        self.created_at = int(st.created_at)
+        self.model = (req.model if req is not None else None) or default_model
+        self.temperature = req.temperature if req is not None else None
+        self.top_p = req.top_p if req is not None else None
+        self.max_output_tokens = st.max_tokens
+        self.seq = 0
+        self.status = "queued"
+        self.queued = False
+        self.started = False
+        self.ended = False
+        self.parts: list[str] = []
+        self.usage: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None
+        self.incomplete: dict[str, Any] | None = None
+        self.completed_at: int | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def _event(self, type_: str, **fields: Any) -> dict[str, Any]:
+        ev = {"type": type_, **fields, "sequence_number": self.seq}
+        self.seq += 1
+        return ev
+
+    def _part(self) -> dict[str, Any]:
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+
+    def _item(self) -> dict[str, Any]:
+        if not self.ended:
+            status = "in_progress"
+        else:
+            status = "completed" if self.status == "completed" else "incomplete"
+        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status,
+                "content": [self._part()] if self.started else []}
+
+    def response(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
+            # Every rsb generation runs detached from its connections: background, whatever was asked.
+            "background": True, "completed_at": self.completed_at, "error": self.error,
+            "incomplete_details": self.incomplete, "instructions": None,
+            "max_output_tokens": self.max_output_tokens, "metadata": {}, "model": self.model,
+            "output": [self._item()] if self.started else [], "parallel_tool_calls": False,
+            "previous_response_id": None, "temperature": self.temperature, "top_p": self.top_p,
+            "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "truncation": "disabled",
+            "usage": _usage(self.usage),
+        }
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._event("response.created", response=self.response())]
+
+    def _start(self) -> list[dict[str, Any]]:
+        self.status = "in_progress"
+        out = [self._event("response.in_progress", response=self.response())]
+        self.started = True
+        out.append(self._event("response.output_item.added", output_index=0, item=self._item()))
+        out.append(self._event("response.content_part.added", item_id=self.item_id, output_index=0,
+                               content_index=0, part=self._part()))
+        return out
+
+    def feed(self, ev: Event) -> list[dict[str, Any]]:
+        if self.ended:
+            return []
+        if ev.type == EventType.QUEUED:
+            if self.queued or self.started:
+                return []  # later positions in the queue: the Response object has no field for them
+            self.queued = True
+            return [self._event("response.queued", response=self.response())]
+        if ev.type == EventType.STARTED:
+            return [] if self.started else self._start()
+        if ev.type == EventType.DELTA:
+            out = [] if self.started else self._start()
+            text = ev.json()["text"]
+            self.parts.append(text)
+            out.append(self._event("response.output_text.delta", item_id=self.item_id, output_index=0,
+                                   content_index=0, delta=text, logprobs=[]))
+            return out
+        if not ev.is_terminal:
+            return []  # an event type this view does not know: nothing to say about it
+        return self._end(ev)
+
+    def _end(self, ev: Event) -> list[dict[str, Any]]:
+        data = ev.json()
+        self.usage = data.get("usage")
+        key = parse_event_id(ev.id)  # the server's clock when the stream ended (ids are Redis times)
+        self.completed_at = key[0] // 1000 if key is not None else None
+        if ev.type == EventType.DONE and data.get("finish_reason") != "length":
+            self.status, final = "completed", "response.completed"
+        elif ev.type == EventType.DONE:
+            self.status, final = "incomplete", "response.incomplete"
+            self.incomplete = {"reason": "max_output_tokens"}
+        elif ev.type == EventType.CANCELLED:
+            self.status, final = "cancelled", "response.incomplete"
+        else:
+            self.status, final = "failed", "response.failed"
+            # ResponseError.code is a closed list; rsb's code (deadline, worker_lost, engine) goes in the text.
+            self.error = {"code": "server_error",
+                          "message": f"{data.get('code', 'engine')}: {data.get('message', 'generation failed')}"}
+        self.ended = True
+        out = []
+        if self.started:
+            out.append(self._event("response.output_text.done", item_id=self.item_id, output_index=0,
+                                   content_index=0, text=self.text, logprobs=[]))
+            out.append(self._event("response.content_part.done", item_id=self.item_id, output_index=0,
+                                   content_index=0, part=self._part()))
+            out.append(self._event("response.output_item.done", output_index=0, item=self._item()))
+        out.append(self._event(final, response=self.response()))
+        return out
+
+
+def _input_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise invalid("'instructions' must be a string", "instructions")
+        messages.append({"role": "system", "content": instructions})
+    raw = body.get("input")
+    if isinstance(raw, str):
+        messages.append({"role": "user", "content": raw})
+        return messages
+    if not isinstance(raw, list) or not raw:
+        raise invalid("'input' must be a string or a non-empty list of messages", "input")
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+            raise invalid(f"input[{i}]: only message items are supported, not {kind!r}", "input")
+        role = _ROLES.get(str(item.get("role")))
+        if role is None:
+            raise invalid(f"input[{i}].role must be one of system, developer, user, assistant", "input")
+        messages.append({"role": role, "content": text_of(item.get("content"), f"input[{i}]", _TEXT_PARTS)})
+    return messages
+
+
+def _responses_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The rsb create body for a Responses request. What rsb cannot honour is refused, not ignored."""
+    messages = _input_messages(body)
+    if body.get("tools"):
+        raise invalid("'tools' are not supported", "tools")
+    for name in ("previous_response_id", "conversation", "prompt"):
+        if body.get(name) is not None:
+            raise invalid(f"'{name}' is not supported", name)
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise invalid("only the text format is supported", "text")
+    if body.get("top_logprobs"):
+        raise invalid("logprobs are not supported", "top_logprobs")
+    # seed and stop are not Responses parameters; accepted (extra_body) because rsb has them.
+    return {"messages": messages, "max_tokens": body.get("max_output_tokens"), "model": body.get("model"),
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "seed": body.get("seed"),
+            "stop": body.get("stop")}
+
+
+def _flag(value: object, name: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid(f"'{name}' must be true or false", name)
+    return value
+
+
+async def new_view(request: Request, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
+    _, store, _, _ = _state(request)
+    # The stored request (meta field ``req``, see broker.scripts); Store.status does not return it.
+    raw = await store.redis.hget(store.keys(stream_id).meta, "req")
+    req = GenerationRequest.from_canonical(raw.encode() if isinstance(raw, str) else raw) if raw else None
+    return ResponseView(stream_id, st, req, request.app.state.default_model)
+
+
+async def _frames(request: Request, stream_id: uuid.UUID, view: ResponseView,
+                  after: int) -> AsyncIterator[Event | None]:
+    for e in view.opening():
+        if e["sequence_number"] > after:
+            yield event_frame(e)
+    async with aclosing(tail(request, stream_id)) as events:
+        async for ev in events:
+            if ev is None:
+                yield None
+                continue
+            for e in view.feed(ev):
+                if e["sequence_number"] > after:
+                    yield event_frame(e)
+
+
+async def _snapshot(request: Request, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
+    """The response as it stands: every event so far, without waiting for more."""
+    _, store, _, _ = _state(request)
+    view = await new_view(request, stream_id, st)
+    last = None
+    while True:
+        page = await store.read(stream_id, last, count=REPLAY_PAGE)
+        for ev in page:
+            view.feed(ev)
+        if len(page) < REPLAY_PAGE:
+            return view
+        last = page[-1].id
+
+
+async def _serve_events(request: Request, conn: Connection, stream_id: uuid.UUID, st: StreamStatus,
+                        after: int) -> ASGIApp:
+    view = await new_view(request, stream_id, st)
+    # On shutdown the stream just ends: a client resumes with starting_after, as after any dropped connection.
+    return conn.serve(SSEView(request, stream_id, _frames(request, stream_id, view, after), b""))
+
+
+async def create_response(request: Request) -> ASGIApp:
+    body = await read_json(request)
+    stream = _flag(body.get("stream"), "stream")
+    background = _flag(body.get("background"), "background")
+    rsb_body = _responses_body(body)
+    renames = {"max_tokens": "max_output_tokens", "messages": "input"}
+    if not stream and background:
+        stream_id, st = await create_stream(request, rsb_body, renames)
+        return JSONResponse((await _snapshot(request, stream_id, st)).response())
+    with Connection(request) as conn:
+        stream_id, st = await create_stream(request, rsb_body, renames)
+        if stream:
+            return await _serve_events(request, conn, stream_id, st, -1)
+
+        async def to_end() -> Response:
+            view = await new_view(request, stream_id, st)
+            await fold_to_end(request, stream_id, view.feed)
+            return JSONResponse(view.response())
+
+        return conn.serve(Deferred(request, stream_id, to_end))
+
+
+async def retrieve_response(request: Request) -> ASGIApp:
+    _, store, _, _ = _state(request)
+    stream_id = _path_stream_id(request)
+    q = request.query_params
+    stream = q.get("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise invalid("'stream' must be true or false", "stream")
+    raw_after = q.get("starting_after")
+    after = -1
+    if raw_after is not None:
+        if not raw_after.isdigit() or len(raw_after) > 18:
+            raise invalid("'starting_after' must be a sequence number (an integer from 0)", "starting_after")
+        after = int(raw_after)
+    st = await _known_status(store, stream_id, principal(request))
+    if stream == "false":
+        return JSONResponse((await _snapshot(request, stream_id, st)).response())
+    with Connection(request) as conn:
+        return await _serve_events(request, conn, stream_id, st, after)
+
+
+async def cancel_response(request: Request) -> ASGIApp:
+    _, store, _, metrics = _state(request)
+    stream_id = _path_stream_id(request)
+    st = await _known_status(store, stream_id, principal(request))
+    if await store.cancel(stream_id, "client") is None:
+        raise NotFound("no response with this id")
+    metrics.inc("rsb_cancels_total")
+    # Answer with the state after the generation stopped (OpenAI's cancel answers "cancelled"); a
+    # stream that had already ended is answered as it is (cancelling it changes nothing).
+    view = await new_view(request, stream_id, st)
+    if not await fold_to_end(request, stream_id, view.feed, timeout_s=CANCEL_WAIT_S):
+        view = await _snapshot(request, stream_id, st)
+    return JSONResponse(view.response())

@@ -1,0 +1,401 @@
+"""The OpenAI-compatible views, driven by the real ``openai`` SDK (sync and async clients) against a real
+stack: redis-server, `rsb generator` running llama.cpp, `rsb consumer`. Every OpenAI object is checked
+against the rsb stream behind it, read over the native SSE route."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from helpers import SSERead, read_sse, wait_status
+
+from consumer.auth import new_key
+
+CHAT = [{"role": "user", "content": "Tell me a story"}]
+
+
+def _client(base_url: str, api_key: str = "unused", **kwargs: Any) -> openai.OpenAI:
+    # No retries unless a test asks: a retry would hide the status the server answered.
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=kwargs.pop("max_retries", 0),
+                         **kwargs)
+
+
+def _native(base_url: str, stream_id: str, headers: dict[str, str] | None = None) -> SSERead:
+    with httpx.Client(base_url=base_url, timeout=30, headers=headers) as c:
+        full = read_sse(c, f"/v1/streams/{stream_id}/events")
+    assert full.status == 200 and full.events[-1].event in ("done", "cancelled", "error")
+    return full
+
+
+def _stream_id(response_id: str) -> str:
+    assert response_id.startswith("resp_")
+    return str(uuid.UUID(hex=response_id[len("resp_"):]))
+
+
+def _dumps(events: list[Any]) -> list[dict[str, Any]]:
+    return [e.model_dump() for e in events]
+
+
+def _metrics(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics").text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_chat_stream_is_the_rsb_stream_read_as_chunks(stack) -> None:  # type: ignore[no-untyped-def]
+    client = _client(stack.base_url)
+    raw = client.chat.completions.with_raw_response.create(
+        model="story-model", messages=CHAT, max_tokens=32, stream=True, stream_options={"include_usage": True})
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    sid = raw.headers["x-rsb-stream-id"]
+    chunks = list(raw.parse())
+    assert {(c.id, c.object, c.created, c.model) for c in chunks} == {
+        (f"chatcmpl-{uuid.UUID(sid).hex}", "chat.completion.chunk", chunks[0].created, "story-model")}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *body, final, usage_chunk = chunks
+    assert [c.choices[0].finish_reason for c in body] == [None] * len(body)
+    assert final.choices[0].finish_reason == "length" and final.choices[0].delta.content is None
+    text = "".join(c.choices[0].delta.content or "" for c in body)
+
+    native = _native(stack.base_url, sid)
+    assert text == native.text and text
+    usage = native.events[-1].data["usage"]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == usage["completion_tokens"] == 32
+    assert usage_chunk.usage.prompt_tokens == usage["prompt_tokens"] > 0
+    assert usage_chunk.usage.total_tokens == 32 + usage["prompt_tokens"]
+
+
+def test_chat_without_stream_answers_the_whole_completion_once_it_ends(stack) -> None:  # type: ignore[no-untyped-def]
+    client = _client(stack.base_url)
+    parts = [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story"}]
+    messages: Any = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}]
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=messages, max_completion_tokens=20,
+                                                           temperature=0.5, top_p=0.9, seed=7, stop=["\n\n\n"])
+    sid = raw.headers["x-rsb-stream-id"]
+    completion = raw.parse()
+    native = _native(stack.base_url, sid)
+    assert completion.object == "chat.completion" and completion.id == f"chatcmpl-{uuid.UUID(sid).hex}"
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == native.text
+    assert choice.finish_reason == native.events[-1].data["finish_reason"] == "length"
+    usage = native.events[-1].data["usage"]
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (usage["prompt_tokens"], 20)
+    # What was stored is this native request (a retry of it is "identical": 200, created false): the developer
+    # message became the system one, the text parts were joined, every sampling parameter was carried over.
+    native_body = {"id": sid, "model": "m", "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "seed": 7,
+                   "stop": ["\n\n\n"], "messages": [{"role": "system", "content": "Be brief."},
+                                                     {"role": "user", "content": "Tell me a story"}]}
+    with httpx.Client(base_url=stack.base_url) as c:
+        r = c.post("/v1/streams", json=native_body)
+        assert r.status_code == 200 and r.json()["created"] is False and r.json()["status"] == "done"
+        assert c.post("/v1/streams", json={**native_body, "seed": 8}).status_code == 409
+
+
+def test_responses_stream_resumes_after_any_sequence_number_with_no_gap_and_no_duplicate(stack) -> None:  # type: ignore[no-untyped-def]
+    client = _client(stack.base_url)
+    head = []
+    with client.responses.create(model="m", input="Tell me a story", max_output_tokens=40, background=True,
+                                 stream=True) as stream:
+        for event in stream:
+            head.append(event)
+            if event.type == "response.output_text.delta" and len(head) >= 8:
+                break  # the connection drops mid-answer
+    assert head[0].type == "response.created"
+    rid = head[0].response.id
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=head[-1].sequence_number))
+    events = head + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    n_deltas = types.count("response.output_text.delta")
+    assert types == ["response.created", "response.queued", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * n_deltas,
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.incomplete"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    native = _native(stack.base_url, _stream_id(rid))
+    assert text == native.text and text
+    assert n_deltas == [e.event for e in native.events].count("delta")
+    assert events[-4].text == events[-3].part.text == events[-2].item.content[0].text == text
+    final = events[-1].response
+    assert final.id == rid and final.status == "incomplete" and final.output_text == text
+    assert final.incomplete_details is not None and final.incomplete_details.reason == "max_output_tokens"
+    assert final.usage is not None and final.usage.output_tokens == 40
+
+    # The same events on every read, live or replayed: resuming after any N gives exactly what follows N.
+    full = list(client.responses.retrieve(rid, stream=True))
+    assert _dumps(full) == _dumps(events)
+    for n in range(len(full)):
+        assert _dumps(list(client.responses.retrieve(rid, stream=True, starting_after=n))) == _dumps(full[n + 1:])
+
+    retrieved = client.responses.retrieve(rid)
+    assert retrieved.model_dump() == final.model_dump()
+
+
+def test_responses_report_completed_on_a_stop_sequence_and_wait_without_background(stack) -> None:  # type: ignore[no-untyped-def]
+    client = _client(stack.base_url)
+    # Stop sequences are not a Responses parameter; rsb takes them from extra_body. These letters end any
+    # English-like gibberish well before 200 tokens, so the answer ends with "stop": status completed.
+    r = client.responses.create(model="m", input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+                                instructions="Answer briefly.", max_output_tokens=200,
+                                extra_body={"stop": ["e", "a", "o", "i"], "seed": 3})
+    native = _native(stack.base_url, _stream_id(r.id))
+    assert native.events[-1].data["finish_reason"] == "stop"
+    assert r.status == "completed" and r.output_text == native.text and r.incomplete_details is None
+    assert r.usage is not None and r.usage.output_tokens == native.events[-1].data["usage"]["completion_tokens"]
+    assert r.completed_at is not None and r.completed_at >= r.created_at
+    assert client.responses.retrieve(r.id).model_dump() == r.model_dump()
+    last = list(client.responses.retrieve(r.id, stream=True))[-1]
+    assert last.type == "response.completed" and last.response.model_dump() == r.model_dump()
+
+    # background without stream: answered at once, then polled.
+    bg = client.responses.create(model="m", input="Hello", max_output_tokens=16, background=True)
+    assert bg.status in ("queued", "in_progress") and bg.background
+    deadline = time.monotonic() + 60
+    while (bg := client.responses.retrieve(bg.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert bg.status == "incomplete" and bg.output_text == _native(stack.base_url, _stream_id(bg.id)).text
+
+
+async def test_the_async_client_streams_chat_and_responses(stack) -> None:  # type: ignore[no-untyped-def]
+    async with openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0) as client:
+        raw = await client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=24,
+                                                                     stream=True)
+        chunks = [c async for c in raw.parse()]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == _native(stack.base_url, raw.headers["x-rsb-stream-id"]).text
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+        stream = await client.responses.create(model="m", input="Hello", max_output_tokens=24, background=True,
+                                               stream=True)
+        events = [e async for e in stream]
+        rid = events[0].response.id
+        resumed = [e async for e in await client.responses.retrieve(rid, stream=True, starting_after=6)]
+        assert _dumps(resumed) == _dumps(events[7:])
+        retrieved = await client.responses.retrieve(rid)
+        assert retrieved.output_text == _native(stack.base_url, _stream_id(rid)).text
+
+
+def test_cancel_stops_a_long_generation(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    s.generator(model=slow_model)
+    client = _client(s.base_url)
+    r = client.responses.create(model="m", input="Tell me a long story", max_output_tokens=4000, background=True)
+    deadline = time.monotonic() + 60
+    while not (r := client.responses.retrieve(r.id)).output_text:
+        assert time.monotonic() < deadline and r.status in ("queued", "in_progress")
+        time.sleep(0.05)
+    assert r.status == "in_progress" and r.output[0].status == "in_progress"
+
+    cancelled = client.responses.cancel(r.id)
+    assert cancelled.status == "cancelled" and cancelled.output[0].status == "incomplete"
+    assert cancelled.usage is not None and 0 < cancelled.usage.output_tokens < 4000
+    assert client.responses.retrieve(r.id).model_dump() == cancelled.model_dump()
+    assert client.responses.cancel(r.id).model_dump() == cancelled.model_dump()  # idempotent
+    native = _native(s.base_url, _stream_id(r.id))
+    assert native.events[-1].event == "cancelled" and native.events[-1].data["reason"] == "client"
+    assert cancelled.output_text == native.text
+    last = list(client.responses.retrieve(r.id, stream=True))[-1]
+    assert last.type == "response.incomplete" and last.response.status == "cancelled"
+
+    # A chat stream whose generation is cancelled (here through the native route) ends in an error the SDK
+    # raises, after the text generated so far.
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=4000, stream=True)
+    sid = raw.headers["x-rsb-stream-id"]
+    got = []
+    with pytest.raises(openai.APIError) as e:
+        for chunk in raw.parse():
+            got.append(chunk.choices[0].delta.content or "")
+            if len(got) == 5:
+                assert httpx.post(f"{s.base_url}/v1/streams/{sid}/cancel").status_code == 202
+    assert isinstance(e.value.body, dict) and e.value.body["code"] == "cancelled"
+    assert "".join(got) == _native(s.base_url, sid).text
+
+
+def test_a_failed_generation_is_an_error_for_chat_and_a_failed_response(  # type: ignore[no-untyped-def]
+        stack_factory, redis_server, redis_client, slow_model) -> None:
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    s.generator("--max-generation-s", "0.5", model=slow_model)  # every long answer ends in error: deadline
+    client = _client(s.base_url, max_retries=2)
+    with pytest.raises(openai.APIError) as e:
+        list(client.chat.completions.create(model="m", messages=CHAT, max_tokens=4000, stream=True))
+    assert isinstance(e.value.body, dict) and e.value.body["code"] == "deadline"
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="m", messages=CHAT, max_tokens=4000)
+    assert e.value.status_code == 502 and e.value.response.headers["x-should-retry"] == "false"
+    assert isinstance(e.value.body, dict) and e.value.body["code"] == "deadline"
+    assert _metrics(s.base_url)["rsb_streams_created_total"] == 2  # the SDK did not retry into a new one
+
+    events = list(client.responses.create(model="m", input="Hi", max_output_tokens=4000, stream=True))
+    assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
+    error = events[-1].response.error
+    assert error is not None and error.code == "server_error" and error.message.startswith("deadline")
+    assert events[-1].response.output_text == _native(s.base_url, _stream_id(events[0].response.id)).text
+    assert client.responses.retrieve(events[0].response.id).model_dump() == events[-1].response.model_dump()
+
+
+def test_a_draining_pod_ends_response_streams_for_a_resume_and_chat_streams_with_an_error(  # type: ignore[no-untyped-def]
+        stack_factory, redis_server, redis_client, slow_model) -> None:
+    s = stack_factory(redis_server.url)
+    first, _ = s.consumer()
+    _, second_url = s.consumer()
+    s.generator(model=slow_model)
+    # A long generation holds the only worker, so the two below wait in the queue while the pod drains.
+    with s.client() as c:
+        blocker = c.post("/v1/streams", json={"prompt": "x", "max_tokens": 3500}).json()["id"]
+        # Running before the others come: no queue-position event reaches them while the pod drains.
+        wait_status(c, blocker, {"running"})
+    client = _client(s.base_url)
+    stream = client.responses.create(model="m", input="Tell me a story", max_output_tokens=16, background=True,
+                                     stream=True)
+    chat = client.chat.completions.create(model="m", messages=CHAT, max_tokens=8, stream=True)
+    head = [next(stream), next(stream)]
+    assert [e.type for e in head] == ["response.created", "response.queued"]
+    # Both readers tailing and past their first Redis calls: a drain that lands inside a redis-py call can
+    # lose its cancellation on Python 3.11 (asyncio.wait_for), which is the SSE layer's to handle, not ours.
+    deadline = time.monotonic() + 10
+    while _metrics(s.base_url).get("rsb_connected_readers", 0) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)
+    first.signal(signal.SIGTERM)
+    # The pod ends the stream at an event boundary: no exception (the SDK would choke on a bare "retry:"
+    # field), no terminal event, so the client knows to resume.
+    head += list(stream)
+    assert [e.type for e in head] == ["response.created", "response.queued"]
+    with pytest.raises(openai.APIError) as e:
+        list(chat)  # a chat completion cannot be resumed through the SDK: an error, not a silent end
+    assert isinstance(e.value.body, dict) and e.value.body["code"] == "shutting_down"
+    assert first.wait(10) == 0
+
+    assert httpx.post(f"{second_url}/v1/streams/{blocker}/cancel").status_code == 202
+    other = _client(second_url)
+    rid = head[0].response.id
+    rest = list(other.responses.retrieve(rid, stream=True, starting_after=head[-1].sequence_number))
+    events = head + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == _native(second_url, _stream_id(rid)).text
+
+
+def test_bad_requests_get_openai_errors_and_create_nothing(stack) -> None:  # type: ignore[no-untyped-def]
+    client = _client(stack.base_url)
+    bad_chats: list[tuple[dict[str, Any], str]] = [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+        ({"messages": CHAT, "temperature": 3}, "temperature"),
+        ({"messages": CHAT, "top_p": 1.5}, "top_p"),
+        ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+        ({"messages": CHAT, "max_completion_tokens": 10**9}, "max_completion_tokens"),
+        ({"messages": CHAT, "seed": -1}, "seed"),
+        ({"messages": CHAT, "n": 2}, "n"),
+        ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": CHAT, "logprobs": True}, "logprobs"),
+        ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ]
+    for kwargs, param in bad_chats:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="m", stream=stream, **kwargs)
+            body = e.value.body
+            assert e.value.status_code == 400 and isinstance(body, dict), kwargs
+            assert body["param"] == param and body["type"] == "invalid_request_error", (kwargs, body)
+
+    bad_responses: list[tuple[dict[str, Any], str]] = [
+        ({"input": []}, "input"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"input": "x", "previous_response_id": "resp_" + uuid.uuid4().hex}, "previous_response_id"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "temperature": -1}, "temperature"),
+    ]
+    for kwargs, param in bad_responses:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.responses.create(model="m", background=True, stream=stream, **kwargs)
+            assert isinstance(e.value.body, dict) and e.value.body["param"] == param, (kwargs, e.value.body)
+
+    for rid in ("resp_nope", "resp_" + uuid.uuid4().hex, str(uuid.uuid4())):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(rid)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(rid, stream=True)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.cancel(rid)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+    with httpx.Client(base_url=stack.base_url) as c:
+        for path in ("/v1/chat/completions", "/v1/responses"):
+            for body in (b"{not json", b"[1]"):
+                r = c.post(path, content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+            r = c.post(path, content=b"x" * (2 * 1024 * 1024))
+            assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+        rid = "resp_" + uuid.uuid4().hex
+        assert c.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "-1"}).status_code == 400
+        assert c.get(f"/v1/responses/{rid}", params={"stream": "maybe"}).status_code == 400
+    assert "rsb_streams_created_total" not in _metrics(stack.base_url)
+    assert [m.id for m in client.models.list()] == ["default"]
+
+
+def test_an_idempotency_key_makes_retries_land_on_one_generation(stack) -> None:  # type: ignore[no-untyped-def]
+    client = _client(stack.base_url, max_retries=2)
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    first = client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=8,
+                                                             extra_headers=key)
+    again = client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=8, stream=True,
+                                                             extra_headers=key)
+    assert first.headers["x-rsb-stream-id"] == again.headers["x-rsb-stream-id"]
+    text = "".join(c.choices[0].delta.content or "" for c in again.parse() if c.choices)
+    assert first.parse().choices[0].message.content == text
+    metrics = _metrics(stack.base_url)
+    assert metrics["rsb_streams_created_total"] == 1 and metrics["rsb_creates_replayed_total"] == 1
+    # The same key with another request: a conflict the SDK must not retry.
+    with pytest.raises(openai.ConflictError) as e:
+        client.chat.completions.create(model="m", messages=CHAT, max_tokens=9, extra_headers=key)
+    assert e.value.response.headers["x-should-retry"] == "false"
+    assert _metrics(stack.base_url)["rsb_streams_created_total"] == 1
+
+
+def test_tenants_see_only_their_own_responses(stack_factory, redis_server, redis_client, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    alice_key, alice_entry = new_key("alice")
+    bob_key, bob_entry = new_key("bob")
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [alice_entry, bob_entry]}))
+    s = stack_factory(redis_server.url)
+    s.consumer("--api-keys", str(keys))
+    s.generator()
+    alice, bob = _client(s.base_url, alice_key), _client(s.base_url, bob_key)
+    with pytest.raises(openai.AuthenticationError):
+        _client(s.base_url, "alice.wrong").responses.create(model="m", input="x")
+    r = alice.responses.create(model="m", input="Hello", max_output_tokens=8)
+    assert r.status == "incomplete"
+    for call in (lambda: bob.responses.retrieve(r.id), lambda: bob.responses.retrieve(r.id, stream=True),
+                 lambda: bob.responses.cancel(r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert alice.responses.retrieve(r.id).model_dump() == r.model_dump()
+    # One Idempotency-Key, two tenants: two streams, no conflict and nothing shared.
+    key = {"Idempotency-Key": "same"}
+    a = alice.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=8, extra_headers=key)
+    b = bob.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=8, extra_headers=key)
+    assert a.headers["x-rsb-stream-id"] != b.headers["x-rsb-stream-id"]
+    sid = a.headers["x-rsb-stream-id"]
+    bob_http = {"Authorization": f"Bearer {bob_key}"}
+    assert httpx.get(f"{s.base_url}/v1/streams/{sid}", headers=bob_http).status_code == 404
+    alice_http = {"Authorization": f"Bearer {alice_key}"}
+    assert a.parse().choices[0].message.content == _native(s.base_url, sid, alice_http).text
