@@ -20,5 +20,8 @@ RUN useradd --create-home rsb
 USER rsb
 ENV RSB_HOST=0.0.0.0 RSB_PORT=8000 RSB_CACHE_DIR=/home/rsb/.cache/rsb
 EXPOSE 8000
+# rsb is PID 1 and handles SIGTERM itself: a consumer drains its SSE readers (retry hint, clean close) and a
+# generator finishes or hands over its job. See docs/deployment.md for the grace periods.
+STOPSIGNAL SIGTERM
 ENTRYPOINT ["rsb"]
 CMD ["up", "--host", "0.0.0.0"]

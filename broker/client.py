@@ -1,8 +1,21 @@
-"""Redis connections. One factory, so every role gets the same timeouts, retries and keepalive."""
+"""Redis connections. One factory, so every role gets the same timeouts, retries and keepalive.
+
+A URL names a standalone server (``redis://host:port/0``, ``rediss://``) or a Redis Cluster
+(``redis+cluster://host:port``, ``rediss+cluster://``, or any URL with ``cluster=True``: the
+``--redis-cluster`` flag): any one node is enough, the client discovers the others. Every key of one
+stream, and of one partition's job queue, shares a hash tag (broker.keys), so each script and each
+multi-key command stays in one slot; what must span slots (polling many job queues, tailing many
+streams) is grouped per slot by the generator and per node by the consumer's live hub.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -12,6 +25,41 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 COMMAND_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+# Either kind of client: the commands rsb uses have the same signatures on both.
+RedisClient = Redis | RedisCluster
+
+
+def is_cluster_url(url: str) -> bool:
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def plain_url(url: str) -> str:
+    """The URL with a ``+cluster`` scheme turned into the plain one redis-py parses."""
+    parts = urlsplit(url)
+    if parts.scheme in CLUSTER_SCHEMES:
+        parts = parts._replace(scheme=CLUSTER_SCHEMES[parts.scheme])
+    return urlunsplit(parts)
+
+
+def cluster_url(url: str) -> str:
+    """The same server(s) as a cluster URL (``--redis-cluster`` with a plain ``redis://`` URL)."""
+    parts = urlsplit(url)
+    if parts.scheme in CLUSTER_SCHEMES:
+        return url
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError("Redis Cluster has only database 0: drop the /<db> from --redis-url")
+    return urlunsplit(parts._replace(scheme=f"{parts.scheme}+cluster", path=""))
+
+
+def node_url(url: str, host: str, port: int) -> str:
+    """A standalone URL for one node of a cluster, keeping the credentials and TLS of ``url``."""
+    parts = urlsplit(plain_url(url))
+    auth = parts.netloc.rpartition("@")[0]
+    netloc = f"{auth}@{host}:{port}" if auth else f"{host}:{port}"
+    return urlunsplit(parts._replace(netloc=netloc, path=""))
+
 
 def _retry(retries: int) -> Retry:
     # Retrying a script whose reply was lost may run it twice: every script is written to be safe
@@ -20,9 +68,57 @@ def _retry(retries: int) -> Retry:
                  supported_errors=(RedisConnectionError, RedisTimeoutError))
 
 
-def connect(url: str, *, max_connections: int = 8, retries: int = 3) -> Redis:
+class _GatedPipeline(ClusterPipeline):
+    """A cluster pipeline that waits for the client's gate like a single command does."""
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        client = self.cluster_client
+        assert isinstance(client, BoundedRedisCluster)
+        async with client.gate:
+            return await super().execute(raise_on_error, allow_redirections)
+
+
+class BoundedRedisCluster(RedisCluster):
+    """redis-py's async cluster client raises MaxConnectionsError once a node's ``max_connections`` are
+    busy, where the standalone BlockingConnectionPool waits for one. A burst of requests must queue, not
+    fail: a semaphore of the same size gates every command and pipeline, so a node never needs more than
+    ``max_connections`` connections (each command uses one connection of one node at a time)."""
+
+    gate: asyncio.Semaphore
+    source_url: str
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        async with self.gate:
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            return super().pipeline(transaction, shard_hint)  # raises, as upstream does
+        return _GatedPipeline(self, transaction)  # type: ignore[abstract]  # as upstream's pipeline()
+
+
+def _cluster(url: str, *, max_connections: int, retries: int, socket_timeout: float | None) -> BoundedRedisCluster:
+    client = BoundedRedisCluster.from_url(
+        plain_url(url),
+        max_connections=max_connections,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_keepalive=True,
+        retry=_retry(max(1, retries)),
+    )
+    assert isinstance(client, BoundedRedisCluster)
+    client.gate = asyncio.Semaphore(max_connections)
+    client.source_url = url
+    return client
+
+
+def connect(url: str, *, max_connections: int = 8, retries: int = 3, cluster: bool = False) -> RedisClient:
     """A client for non-blocking commands. The pool blocks (not fails) when all connections are busy,
-    so however many requests a process serves, it never holds more than ``max_connections``."""
+    so however many requests a process serves, it never holds more than ``max_connections`` (per node,
+    on a cluster)."""
+    if cluster or is_cluster_url(url):
+        return _cluster(cluster_url(url), max_connections=max_connections, retries=retries,
+                        socket_timeout=COMMAND_TIMEOUT_S)
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
@@ -35,12 +131,30 @@ def connect(url: str, *, max_connections: int = 8, retries: int = 3) -> Redis:
     return Redis(connection_pool=pool, retry=_retry(retries))
 
 
-def connect_blocking(url: str) -> Redis:
+def connect_blocking(url: str, *, max_connections: int = 2, cluster: bool = False) -> RedisClient:
     """A client for blocking reads (XREADGROUP BLOCK, pub/sub). redis-py does not extend the socket
-    timeout for BLOCK, so these connections have none; TCP keepalive detects a dead server instead."""
+    timeout for BLOCK, so these connections have none; TCP keepalive detects a dead server instead.
+    On a cluster, pub/sub does not go through this client's pool: see ``connect_node``."""
+    if cluster or is_cluster_url(url):
+        return _cluster(cluster_url(url), max_connections=max_connections, retries=0, socket_timeout=None)
     pool = BlockingConnectionPool.from_url(
         url,
-        max_connections=2,
+        max_connections=max_connections,
+        timeout=COMMAND_TIMEOUT_S,
+        socket_timeout=None,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_keepalive=True,
+    )
+    return Redis(connection_pool=pool, retry=_retry(0))
+
+
+def connect_node(cluster: RedisCluster, host: str, port: int) -> Redis:
+    """A standalone client for one cluster node, for its sharded pub/sub connection (SSUBSCRIBE only
+    works on the node that owns the channel's slot). One connection, no socket timeout."""
+    url = getattr(cluster, "source_url", None) or f"redis://{host}:{port}"
+    pool = BlockingConnectionPool.from_url(
+        node_url(url, host, port),
+        max_connections=1,
         timeout=COMMAND_TIMEOUT_S,
         socket_timeout=None,
         socket_connect_timeout=CONNECT_TIMEOUT_S,

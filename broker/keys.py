@@ -7,13 +7,25 @@ finish, cancel) inside one hash slot, so the schema runs unchanged on Redis Clus
 
 ``partitions`` is part of the stored data's address: choose it once per deployment (1 is strict
 first-come-first-served on one server; a cluster wants a few per master).
+
+The hash tag of partition ``i`` of ``N`` is chosen so that the N tags' hash slots are spread evenly over
+the 16384 slots: tag ``p<i>`` when its slot already falls in the middle half of the i-th N-th of the slot
+space, else the first ``p<i>-<k>`` that does. Plain ``p0``..``pN-1`` would not do: CRC16 clusters them
+(p0, p1 and p2 all land on the first two masters of a 3-master cluster). Redis Cluster (``redis-cli
+--cluster create``, and managed offerings) gives each master a contiguous, equal share of the slots, so
+evenly spaced slots put ``N / masters`` partitions on every master. Keeping each slot within the middle
+half of its N-th leaves room for the boundaries to be off by a few slots. With ``N = 1`` the tag is
+``p0``, whatever its slot. The mapping is a pure function of (i, N): every process agrees on it.
 """
 
 from __future__ import annotations
 
+import functools
 import uuid
 import zlib
 from dataclasses import dataclass
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 PREFIX = "rsb"
 JOBS_GROUP = "generators"
@@ -26,8 +38,30 @@ def partition_of(stream_id: uuid.UUID, partitions: int) -> int:
     return zlib.crc32(stream_id.bytes) % partitions
 
 
-def _tag(partition: int) -> str:
-    return f"{PREFIX}:{{p{partition}}}"
+@functools.cache
+def partition_tag(partition: int, partitions: int) -> str:
+    """The hash tag (without braces) of partition ``partition`` of ``partitions``; see the module doc."""
+    if not 0 <= partition < max(1, partitions):
+        raise ValueError(f"partition {partition} out of range for {partitions} partitions")
+    if partitions <= 1:
+        return "p0"
+    width = REDIS_CLUSTER_HASH_SLOTS / partitions
+    lo, hi = partition * width + width / 4, (partition + 1) * width - width / 4
+    candidate, k = f"p{partition}", 0
+    # Each try lands in the window with probability 1/(2N): a few dozen CRC16s at most, once per process.
+    while not lo <= key_slot(candidate.encode()) < hi:
+        k += 1
+        candidate = f"p{partition}-{k}"
+    return candidate
+
+
+def partition_slot(partition: int, partitions: int) -> int:
+    """The Redis Cluster hash slot of every key of this partition."""
+    return key_slot(partition_tag(partition, partitions).encode())
+
+
+def _tag(partition: int, partitions: int) -> str:
+    return f"{PREFIX}:{{{partition_tag(partition, partitions)}}}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,74 +70,85 @@ class StreamKeys:
 
     stream_id: uuid.UUID
     partition: int
+    partitions: int = 1
 
     @classmethod
     def of(cls, stream_id: uuid.UUID, partitions: int) -> StreamKeys:
-        return cls(stream_id, partition_of(stream_id, partitions))
+        return cls(stream_id, partition_of(stream_id, partitions), partitions)
+
+    @property
+    def _tag(self) -> str:
+        return _tag(self.partition, self.partitions)
 
     @property
     def meta(self) -> str:
         """Hash: request, status, fence token, usage. See broker.scripts for its fields."""
-        return f"{_tag(self.partition)}:s:{self.stream_id}:meta"
+        return f"{self._tag}:s:{self.stream_id}:meta"
 
     @property
     def events(self) -> str:
         """Redis Stream: the stream's events, in order; entry ids are the SSE event ids."""
-        return f"{_tag(self.partition)}:s:{self.stream_id}:events"
+        return f"{self._tag}:s:{self.stream_id}:events"
 
     @property
     def tombstone(self) -> str:
         """Tiny key left after retention so an expired stream answers 410, not 404."""
-        return f"{_tag(self.partition)}:s:{self.stream_id}:gone"
+        return f"{self._tag}:s:{self.stream_id}:gone"
 
     @property
     def channel(self) -> str:
         """Pub/sub channel on which every appended event is also published, for live tailing."""
-        return f"{_tag(self.partition)}:s:{self.stream_id}:live"
+        return f"{self._tag}:s:{self.stream_id}:live"
 
     @property
     def jobs(self) -> str:
-        return jobs_key(self.partition)
+        return jobs_key(self.partition, self.partitions)
 
     @property
     def queue_stats(self) -> str:
-        return queue_stats_key(self.partition)
+        return queue_stats_key(self.partition, self.partitions)
 
     @property
     def aborted(self) -> str:
-        return aborted_log_key(self.partition)
+        return aborted_log_key(self.partition, self.partitions)
 
     @property
     def aborted_totals(self) -> str:
-        return aborted_totals_key(self.partition)
+        return aborted_totals_key(self.partition, self.partitions)
+
+    @property
+    def control(self) -> str:
+        return control_channel(self.partition, self.partitions)
 
 
-def jobs_key(partition: int) -> str:
+def jobs_key(partition: int, partitions: int) -> str:
     """Redis Stream of job entries (field ``sid``), read by the ``generators`` consumer group."""
-    return f"{_tag(partition)}:jobs"
+    return f"{_tag(partition, partitions)}:jobs"
 
 
-def queue_stats_key(partition: int) -> str:
+def queue_stats_key(partition: int, partitions: int) -> str:
     """Hash of queue counters for a partition: ``waiting`` (enqueued, not yet claimed)."""
-    return f"{_tag(partition)}:qstats"
+    return f"{_tag(partition, partitions)}:qstats"
 
 
-def stream_key_prefix(partition: int) -> str:
+def stream_key_prefix(partition: int, partitions: int) -> str:
     """``<prefix><uuid>:meta`` / ``:events`` are a stream's keys: the claim script walks the waiting jobs
     of its partition (same slot) with it to update their queue positions."""
-    return f"{_tag(partition)}:s:"
+    return f"{_tag(partition, partitions)}:s:"
 
 
-def control_channel() -> str:
-    """Pub/sub channel carrying cancel notices (payload: stream id) to all workers."""
-    return f"{PREFIX}:{_CONTROL}:cancel"
+def control_channel(partition: int, partitions: int) -> str:
+    """Pub/sub channel carrying cancel notices (payload: stream id) of one partition's streams to the
+    workers. Per partition, in the partition's slot, so that on Redis Cluster the cancel script can
+    SPUBLISH it from the stream's own shard instead of broadcasting over the whole cluster bus."""
+    return f"{_tag(partition, partitions)}:{_CONTROL}:cancel"
 
 
-def aborted_log_key(partition: int) -> str:
+def aborted_log_key(partition: int, partitions: int) -> str:
     """Redis Stream of aborted-generation records (one per partition, so ``finish`` can write it atomically)."""
-    return f"{_tag(partition)}:aborted"
+    return f"{_tag(partition, partitions)}:aborted"
 
 
-def aborted_totals_key(partition: int) -> str:
+def aborted_totals_key(partition: int, partitions: int) -> str:
     """Hash of running totals of aborted generations, ``<reason>|<counter>`` fields, for /metrics."""
-    return f"{_tag(partition)}:aborted_totals"
+    return f"{_tag(partition, partitions)}:aborted_totals"

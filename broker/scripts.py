@@ -12,8 +12,16 @@ consumer pods can tail thousands of streams over one pub/sub connection; the str
 truth (a pod that misses a message re-reads the range).
 
 All keys a script touches share the partition's hash tag (broker.keys), so every script runs in one
-slot on Redis Cluster. Retrying a script whose reply was lost must be safe: CREATE and CANCEL are
-idempotent, APPEND carries a sequence number, FINISH and RELEASE check the fence and status.
+slot on Redis Cluster; that includes the keys the CLAIM script builds inside Lua (the waiting streams of
+its own partition) and the channels it publishes on. Retrying a script whose reply was lost must be safe:
+CREATE and CANCEL are idempotent, APPEND carries a sequence number, FINISH and RELEASE check the fence
+and status.
+
+On Redis Cluster the scripts SPUBLISH instead (``for_cluster``): a plain PUBLISH is broadcast over the
+cluster bus to every node, so its cost grows with the cluster, and a subscriber may sit on any node.
+A sharded channel lives on the shard that owns its slot (the stream's own), and a consumer pod tails all
+its streams with one SSUBSCRIBE connection per master. SPUBLISH needs Redis 7; the standalone default
+keeps PUBLISH, which every server rsb can embed supports.
 """
 
 from __future__ import annotations
@@ -232,9 +240,26 @@ return 1
 """
 
 # Records that a reader is connected (consumer pods call it every few seconds for each stream they
-# serve). Never creates the hash: touching an expired stream must not resurrect part of it.
+# serve), for any number of streams of one partition (one slot) in one call. Never creates a hash:
+# touching an expired stream must not resurrect part of it.
 TOUCH = """
--- KEYS: meta ; ARGV: now_s
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'seen', ARGV[1], 'read', 1) end
+-- KEYS: meta, meta, ... (one partition) ; ARGV: now_s
+for _, meta in ipairs(KEYS) do
+  if redis.call('EXISTS', meta) == 1 then redis.call('HSET', meta, 'seen', ARGV[1], 'read', 1) end
+end
 return 0
 """
+
+# Drops a finished job from its queue: acknowledged and deleted in one step (a MULTI would do on one
+# server, but a script is the one atomic form that works the same on Redis Cluster).
+ACK = """
+-- KEYS: jobs ; ARGV: group, entry_id
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('XDEL', KEYS[1], ARGV[2])
+"""
+
+
+def for_cluster(script: str) -> str:
+    """The script with every publish sharded (see the module doc). Each channel a script publishes on
+    carries the hash tag of the keys it writes, so SPUBLISH stays inside the script's slot."""
+    return script.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")

@@ -10,17 +10,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from broker import scripts
+from broker.client import RedisClient
 from broker.events import Event, EventType, encode_data
-from broker.keys import JOBS_GROUP, StreamKeys, control_channel, jobs_key, queue_stats_key, stream_key_prefix
+from broker.keys import JOBS_GROUP, StreamKeys, jobs_key, queue_stats_key, stream_key_prefix
 from broker.request import GenerationRequest
 
 STATUSES = ("queued", "running", "done", "cancelled", "error")
 TERMINAL_STATUSES = frozenset({"done", "cancelled", "error"})
 # Waiting streams whose `queued` position is refreshed on each claim (bounds the claim script's work).
 POSITION_UPDATES = 32
+# Streams touched per script call: bounds one call's time inside Redis (a script blocks the server).
+TOUCH_BATCH = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,19 +77,31 @@ def _s(v: bytes | str | None) -> str:
 
 
 class Store:
-    """What both roles do to Redis. Holds no state beyond the client and the registered scripts."""
+    """What both roles do to Redis. Holds no state beyond the client and the registered scripts.
 
-    def __init__(self, redis: Redis, partitions: int = 1) -> None:
+    Works unchanged on a standalone server and on Redis Cluster (``redis`` a RedisCluster): every call
+    touches the keys of one partition, i.e. one hash slot, except the per-partition loops below."""
+
+    def __init__(self, redis: RedisClient, partitions: int = 1) -> None:
         self.redis = redis
         self.partitions = partitions
-        self._create = redis.register_script(scripts.CREATE)
-        self._claim = redis.register_script(scripts.CLAIM)
-        self._append = redis.register_script(scripts.APPEND)
-        self._finish = redis.register_script(scripts.FINISH)
-        self._cancel = redis.register_script(scripts.CANCEL)
-        self._renew = redis.register_script(scripts.RENEW)
-        self._release = redis.register_script(scripts.RELEASE)
-        self._touch = redis.register_script(scripts.TOUCH)
+        self.cluster = isinstance(redis, RedisCluster)
+
+        def register(text: str) -> Any:
+            return redis.register_script(scripts.for_cluster(text) if self.cluster else text)
+
+        self._create = register(scripts.CREATE)
+        self._claim = register(scripts.CLAIM)
+        self._append = register(scripts.APPEND)
+        self._finish = register(scripts.FINISH)
+        self._cancel = register(scripts.CANCEL)
+        self._renew = register(scripts.RENEW)
+        self._release = register(scripts.RELEASE)
+        self._touch = register(scripts.TOUCH)
+        self._ack = register(scripts.ACK)
+
+    def jobs_key(self, partition: int) -> str:
+        return jobs_key(partition, self.partitions)
 
     def keys(self, stream_id: uuid.UUID) -> StreamKeys:
         return StreamKeys.of(stream_id, self.partitions)
@@ -155,12 +170,16 @@ class Store:
         return bool(await self.redis.exists(self.keys(stream_id).tombstone))
 
     async def touch(self, stream_ids: Sequence[uuid.UUID]) -> None:
-        """Record that these streams have a reader connected now (for abandon / cancel_on_disconnect)."""
+        """Record that these streams have a reader connected now (for abandon / cancel_on_disconnect).
+        One script call per partition (its keys share a slot), whatever the number of streams."""
         now = f"{time.time():.3f}"
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for sid in stream_ids:
-                await self._touch(keys=[self.keys(sid).meta], args=[now], client=pipe)
-            await pipe.execute()
+        by_partition: dict[int, list[str]] = {}
+        for sid in stream_ids:
+            k = self.keys(sid)
+            by_partition.setdefault(k.partition, []).append(k.meta)
+        for metas in by_partition.values():
+            for i in range(0, len(metas), TOUCH_BATCH):
+                await self._touch(keys=metas[i:i + TOUCH_BATCH], args=[now])
 
     async def cancel(self, stream_id: uuid.UUID, reason: str) -> str | None:
         """Request a cancel. Returns the status after the request (None: unknown stream)."""
@@ -169,7 +188,7 @@ class Store:
         data = encode_data({"reason": reason, "usage": empty_usage()})
         code, status = await self._cancel(
             keys=[k.meta, k.events, k.queue_stats, k.aborted, k.tombstone, k.aborted_totals],
-            args=[reason, k.channel, data, usage, f"{time.time():.6f}", control_channel(), str(stream_id)],
+            args=[reason, k.channel, data, usage, f"{time.time():.6f}", k.control, str(stream_id)],
         )
         if int(code) == -1:
             return None
@@ -179,7 +198,7 @@ class Store:
         """Streams enqueued and not yet claimed, over all partitions."""
         total = 0
         for p in range(self.partitions):
-            total += int(await self.redis.hget(queue_stats_key(p), "waiting") or 0)
+            total += int(await self.redis.hget(queue_stats_key(p, self.partitions), "waiting") or 0)
         return total
 
     # -- generator side ------------------------------------------------------------------------
@@ -188,24 +207,22 @@ class Store:
         """Create the job queues' consumer group on every partition (idempotent)."""
         for p in range(self.partitions):
             try:
-                await self.redis.xgroup_create(jobs_key(p), JOBS_GROUP, id="0", mkstream=True)
+                await self.redis.xgroup_create(self.jobs_key(p), JOBS_GROUP, id="0", mkstream=True)
             except Exception as e:  # BUSYGROUP: already there
                 if "BUSYGROUP" not in str(e):
                     raise
 
     async def ack(self, partition: int, job_id: str) -> None:
         """Drop a finished job from its queue: acknowledged and deleted, so the queue does not grow."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xack(jobs_key(partition), JOBS_GROUP, job_id)
-            pipe.xdel(jobs_key(partition), job_id)
-            await pipe.execute()
+        await self._ack(keys=[self.jobs_key(partition)], args=[JOBS_GROUP, job_id])
 
     async def claim(self, stream_id: uuid.UUID, worker_id: str) -> Claim | int:
         """Take ownership of a stream's generation. Returns a negative code when there is nothing to do:
         -1 the stream is gone, -2 it already ended."""
         k = self.keys(stream_id)
         res = await self._claim(keys=[k.meta, k.queue_stats, k.jobs],
-                                args=[worker_id, f"{time.time():.6f}", JOBS_GROUP, stream_key_prefix(k.partition),
+                                args=[worker_id, f"{time.time():.6f}", JOBS_GROUP,
+                                      stream_key_prefix(k.partition, k.partitions),
                                       POSITION_UPDATES])
         if int(res[0]) < 0:
             return int(res[0])

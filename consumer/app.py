@@ -41,14 +41,19 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        redis = connect(settings.broker.redis_url, max_connections=settings.redis_pool_size)
-        blocking = connect_blocking(settings.broker.redis_url)
+        cluster = settings.broker.cluster
+        redis = connect(settings.broker.redis_url, max_connections=settings.redis_pool_size, cluster=cluster)
+        # Standalone: the hub's one pub/sub connection comes from here. Cluster: the hub opens one per master
+        # itself and uses this client only for the slot map.
+        blocking = connect_blocking(settings.broker.redis_url, cluster=cluster)
         hub = LiveHub(blocking)
         await hub.start()
         metrics = Metrics()
         metrics.gauge("rsb_connected_readers", lambda: hub.readers, "SSE readers tailing a stream on this pod")
         metrics.gauge("rsb_live_channels", lambda: hub.channels, "streams this pod is subscribed to")
         metrics.gauge("rsb_live_hub_reconnects", lambda: hub.reconnects, "pub/sub reconnects since start")
+        metrics.gauge("rsb_live_hub_connections", lambda: hub.connections,
+                      "pub/sub connections to Redis (1, or one per master on a cluster)")
         app.state.settings = settings
         app.state.store = Store(redis, settings.broker.partitions)
         app.state.hub = hub

@@ -1,8 +1,10 @@
-"""Live tailing for every reader of this pod over ONE pub/sub connection.
+"""Live tailing for every reader of this pod over ONE pub/sub connection (one per master on a cluster).
 
-Appends are PUBLISHed (by the append scripts) on the stream's channel with the event itself, so a pod
-needs no Redis connection per reader and no XREAD per reader per event: it subscribes a channel while
-at least one local reader tails that stream and fans each message out to that stream's readers.
+Appends are PUBLISHed (by the append scripts; SPUBLISHed on Redis Cluster) on the stream's channel with
+the event itself, so a pod needs no Redis connection per reader and no XREAD per reader per event: it
+subscribes a channel while at least one local reader tails that stream and fans each message out to that
+stream's readers. broker.pubsub routes the channels to connections: one on a standalone server, one per
+master that owns a tailed stream's slot on a cluster.
 
 The Redis Stream stays the source of truth. A reader replays from the stream only after its
 subscription is confirmed (so nothing appended in between is missed), skips live events it already
@@ -13,18 +15,16 @@ have been lost while down) or when the reader fell so far behind that its buffer
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import random
 import uuid
 from collections import deque
-from typing import Any
+from collections.abc import Iterable
 
-from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
+from broker.client import RedisClient
 from broker.events import Event
+from broker.pubsub import Channels
 
 log = logging.getLogger("rsb.consumer.hub")
 
@@ -32,7 +32,9 @@ SUBSCRIBE_TIMEOUT_S = 5.0
 
 
 class Subscription:
-    """One reader's live feed. Holds at most ``max_buffered`` events; past that it asks for a resync."""
+    """One reader's live feed. Holds at most ``max_buffered`` events; past that it drops them and asks for
+    a resync: a reader that falls behind (a slow client) costs at most ``max_buffered`` events of memory
+    here, and catches up from the Redis Stream, page by page, at its own pace."""
 
     __slots__ = ("_wake", "buffer", "channel", "max_buffered", "resync", "stream_id")
 
@@ -65,7 +67,9 @@ class Subscription:
             return True
         self._wake.clear()
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout_s)
+            # asyncio.timeout, not wait_for: a cancellation racing the wake-up must not be swallowed.
+            async with asyncio.timeout(timeout_s):
+                await self._wake.wait()
         except TimeoutError:
             return False
         return True
@@ -79,15 +83,12 @@ class Subscription:
 
 
 class LiveHub:
-    def __init__(self, redis: Redis, *, max_buffered: int = 1024) -> None:
-        self._redis = redis
+    def __init__(self, redis: RedisClient, *, max_buffered: int = 256) -> None:
         self._max_buffered = max_buffered
         self._subs: dict[bytes, set[Subscription]] = {}
-        self._confirmations: dict[bytes, deque[asyncio.Future[None]]] = {}
-        self._pubsub: PubSub | None = None
-        self._connected = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self.reconnects = 0
+        # The confirmation each channel's first reader waits for; later readers wait behind it.
+        self._pending: dict[bytes, asyncio.Future[None]] = {}
+        self._channels = Channels(redis, on_message=self._on_message, on_reset=self._on_reset)
 
     @property
     def readers(self) -> int:
@@ -97,17 +98,20 @@ class LiveHub:
     def channels(self) -> int:
         return len(self._subs)
 
+    @property
+    def connections(self) -> int:
+        """Pub/sub connections this pod holds: 1, or one per master in use on a cluster."""
+        return self._channels.connections
+
+    @property
+    def reconnects(self) -> int:
+        return self._channels.reconnects
+
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="live-hub")
+        await self._channels.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        if self._pubsub is not None:
-            with contextlib.suppress(Exception):
-                await self._pubsub.aclose()
+        await self._channels.stop()
 
     def stream_ids(self) -> list[uuid.UUID]:
         """The streams that have at least one reader on this pod now."""
@@ -121,30 +125,35 @@ class LiveHub:
         if subs:
             subs.add(sub)
             # A subscription is in place, but possibly not confirmed yet: wait behind its confirmation.
-            pending = self._confirmations.get(ch)
-            if pending:
-                await self._await_confirmation(sub, pending[-1])
+            pending = self._pending.get(ch)
+            if pending is not None and not pending.done():
+                await self._await_confirmation(sub, pending)
             return sub
         self._subs[ch] = {sub}
-        ps = self._pubsub
-        if ps is None or not self._connected.is_set():
-            sub.request_resync()  # the (re)connect resubscribes everything, then resyncs every reader
-            return sub
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._confirmations.setdefault(ch, deque()).append(fut)
         try:
-            await ps.subscribe(ch)
+            fut = await self._channels.subscribe(ch)
         except (RedisError, OSError):
+            fut = None
+        if fut is None:  # not connected: the (re)connect subscribes it, then resets (resyncs) its readers
             sub.request_resync()
             return sub
-        await self._await_confirmation(sub, fut)
+        self._pending[ch] = fut
+        try:
+            await self._await_confirmation(sub, fut)
+        finally:
+            if self._pending.get(ch) is fut:
+                del self._pending[ch]
         return sub
 
-    async def _await_confirmation(self, sub: Subscription, fut: asyncio.Future[None]) -> None:
+    @staticmethod
+    async def _await_confirmation(sub: Subscription, fut: asyncio.Future[None]) -> None:
         try:
-            await asyncio.wait_for(asyncio.shield(fut), SUBSCRIBE_TIMEOUT_S)
-        except (TimeoutError, RedisError, OSError, asyncio.CancelledError) as e:
-            if isinstance(e, asyncio.CancelledError) and not fut.cancelled():
+            async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
+                await asyncio.shield(fut)  # shared by every reader of the channel: never cancel it
+        except (TimeoutError, RedisError, OSError):
+            sub.request_resync()  # not confirmed: replay after the (re)connect confirms it instead
+        except asyncio.CancelledError:
+            if not fut.cancelled():
                 raise
             sub.request_resync()
 
@@ -156,75 +165,18 @@ class LiveHub:
         if subs:
             return
         del self._subs[sub.channel]
-        ps = self._pubsub
-        if ps is not None and self._connected.is_set():
-            asyncio.get_running_loop().create_task(self._unsubscribe(ps, sub.channel))
+        self._pending.pop(sub.channel, None)
+        self._channels.unsubscribe(sub.channel)
 
-    async def _unsubscribe(self, ps: PubSub, channel: bytes) -> None:
-        if channel in self._subs:  # a new reader came back meanwhile
-            return
-        with contextlib.suppress(RedisError, OSError):
-            await ps.unsubscribe(channel)
+    def _on_message(self, channel: bytes, data: bytes) -> None:
+        subs = self._subs.get(channel)
+        if subs:
+            event = Event.from_payload(data)
+            for sub in subs:
+                sub.push(event)
 
-    # -- the one connection --------------------------------------------------------------------
-
-    async def _run(self) -> None:
-        attempt = 0
-        while True:
-            ps = self._redis.pubsub()
-            try:
-                await ps.connect()
-                channels = list(self._subs)
-                if channels:
-                    await ps.subscribe(*channels)
-                self._pubsub = ps
-                self._connected.set()
-                if attempt:
-                    self.reconnects += 1
-                    log.info("live hub reconnected", extra={"channels": len(channels)})
-                attempt = 0
-                # After (re)subscribing, anything published while we were away is only in the streams.
-                for subs in self._subs.values():
-                    for sub in subs:
-                        sub.request_resync()
-                await self._dispatch(ps)
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError) as e:
-                self._connected.clear()
-                self._pubsub = None
-                for futs in self._confirmations.values():
-                    for f in futs:
-                        if not f.done():
-                            f.set_exception(e if isinstance(e, RedisError) else RedisError(str(e)))
-                self._confirmations.clear()
-                for subs in self._subs.values():
-                    for sub in subs:
-                        sub.request_resync()
-                with contextlib.suppress(Exception):
-                    await ps.aclose()
-                delay = min(5.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0)
-                attempt += 1
-                log.warning("live hub lost redis, reconnecting in %.2fs: %s", delay, e)
-                await asyncio.sleep(delay)
-
-    async def _dispatch(self, ps: PubSub) -> None:
-        while True:
-            msg: dict[str, Any] | None = await ps.get_message(ignore_subscribe_messages=False, timeout=30.0)
-            if msg is None:
-                continue
-            kind = msg["type"]
-            if kind == "message":
-                subs = self._subs.get(msg["channel"])
-                if subs:
-                    event = Event.from_payload(msg["data"])
-                    for sub in subs:
-                        sub.push(event)
-            elif kind == "subscribe":
-                futs = self._confirmations.get(msg["channel"])
-                if futs:
-                    fut = futs.popleft()
-                    if not futs:
-                        del self._confirmations[msg["channel"]]
-                    if not fut.done():
-                        fut.set_result(None)
+    def _on_reset(self, channels: Iterable[bytes]) -> None:
+        # Messages of these channels may have been lost: their readers re-read the range from the stream.
+        for ch in channels:
+            for sub in self._subs.get(ch, ()):
+                sub.request_resync()

@@ -18,7 +18,14 @@ log = logging.getLogger("rsb.generator")
 
 def build_engine(settings: GeneratorSettings, *, ignore_eos: bool = False) -> Engine:
     if settings.upstream_url:
-        raise SystemExit("--upstream is not available in this build yet; use --model")
+        from generator.upstream_engine import UpstreamEngine
+
+        try:
+            return UpstreamEngine(settings.upstream_url, api=settings.upstream_api, model=settings.upstream_model,
+                                  api_key=settings.upstream_api_key, timeout_s=settings.upstream_timeout_s,
+                                  ignore_eos=ignore_eos)
+        except ValueError as e:  # an unknown --upstream-api
+            raise SystemExit(f"rsb generator: {e}") from None
     from generator.llama_engine import LlamaEngine
 
     model_path = settings.model_path
@@ -31,8 +38,10 @@ def build_engine(settings: GeneratorSettings, *, ignore_eos: bool = False) -> En
 
 
 async def serve(settings: GeneratorSettings, engine: Engine) -> None:
-    redis = connect(settings.broker.redis_url, max_connections=4, retries=1)
-    blocking = connect_blocking(settings.broker.redis_url)
+    b = settings.broker
+    redis = connect(b.redis_url, max_connections=4, retries=1, cluster=b.cluster)
+    # One blocking XREADGROUP per hash slot polled (one on a standalone server) plus the cancel listener.
+    blocking = connect_blocking(b.redis_url, max_connections=b.partitions + 1, cluster=b.cluster)
     worker = Worker(settings, engine, Store(redis, settings.broker.partitions), blocking)
     task = asyncio.create_task(worker.run())
     loop = asyncio.get_running_loop()

@@ -3,11 +3,19 @@
 Jobs live in each partition's job stream, read through the ``generators`` consumer group. A job is
 acknowledged only after its terminal event is in Redis, so a worker never holds the only copy of
 anything: if it dies, its pending entry goes idle and another worker's XAUTOCLAIM takes it over.
+
+Polling: one blocking XREADGROUP per group of job streams that share a hash slot: all of them in one
+call on a standalone server, one call per partition on Redis Cluster (a multi-key command must stay in
+one slot). The polls of a cluster run side by side and outlive one ``_next_job`` call; an entry that a
+poll brings when this worker cannot start it is handed back at once (made look idle for longer than any
+lease), so the next XAUTOCLAIM, by any worker, takes it: a worker keeps no job it has not started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import random
@@ -15,17 +23,18 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from broker.client import RedisClient
 from broker.events import EventType, encode_data
-from broker.keys import JOBS_GROUP, control_channel, jobs_key
+from broker.keys import JOBS_GROUP, control_channel, partition_slot
+from broker.pubsub import Channels
 from broker.settings import GeneratorSettings
 from broker.store import Claim, Store, started_event
 from generator.engine import Engine, Generation
@@ -36,7 +45,22 @@ log = logging.getLogger("rsb.generator")
 
 # XREADGROUP BLOCK stays well under any socket timeout and bounds how long shutdown waits for the poll.
 POLL_BLOCK_MS = 2000
+# How long a finished generation waits for its lease renewer to stop (it is mid-command at worst).
+RENEWER_STOP_S = 1.0
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# XCLAIM ... IDLE this: an entry handed back looks idle for longer than any lease, so XAUTOCLAIM takes it.
+HAND_BACK_IDLE_MS = 2**31 - 1
+
+Job = tuple[int, str, uuid.UUID]  # partition, job entry id, stream id
+
+
+@dataclass(slots=True)
+class _PollGroup:
+    """Job streams read by one XREADGROUP: all partitions on a standalone server; on a cluster, those
+    whose keys share one hash slot (usually one partition)."""
+
+    keys: dict[str, int]  # jobs key -> partition
+    task: asyncio.Task[list[Job]] | None = None
 
 
 def default_worker_id() -> str:
@@ -53,6 +77,7 @@ class _Run:
     fenced_out: bool = False
     deadline_hit: bool = False
     handing_over: bool = False
+    generation_over: bool = False
 
 
 class Backoff:
@@ -69,7 +94,7 @@ class Backoff:
 
 
 class Worker:
-    def __init__(self, settings: GeneratorSettings, engine: Engine, store: Store, blocking: Redis) -> None:
+    def __init__(self, settings: GeneratorSettings, engine: Engine, store: Store, blocking: RedisClient) -> None:
         self.settings = settings
         self.engine = engine
         self.store = store
@@ -78,6 +103,23 @@ class Worker:
         self._stopping = asyncio.Event()
         self._running: dict[uuid.UUID, _Run] = {}
         self.jobs_done = 0
+        self._groups = self._poll_groups()
+        self._polling = False  # a _next_job call is waiting for the polls
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def _poll_groups(self) -> list[_PollGroup]:
+        n = self.store.partitions
+        if not self.store.cluster:
+            return [_PollGroup({self.store.jobs_key(p): p for p in range(n)})]
+        by_slot: dict[int, dict[str, int]] = {}
+        for p in range(n):
+            by_slot.setdefault(partition_slot(p, n), {})[self.store.jobs_key(p)] = p
+        return [_PollGroup(keys) for keys in by_slot.values()]
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @property
     def stopping(self) -> bool:
@@ -125,14 +167,15 @@ class Worker:
 
                 task.add_done_callback(done)
         finally:
+            await self._cancel_polls()
             if jobs:  # finished within the grace period, or handed over by hand_over()
                 await asyncio.gather(*jobs, return_exceptions=True)
             control.cancel()
-            await asyncio.gather(control, return_exceptions=True)
+            await asyncio.gather(control, *self._background, return_exceptions=True)
 
     # -- claiming ------------------------------------------------------------------------------
 
-    async def _poll_unless_stopping(self) -> tuple[int, str, uuid.UUID] | None:
+    async def _poll_unless_stopping(self) -> Job | None:
         """Poll for a job, but let a stop request end the wait at once. An entry delivered to a poll
         that is cancelled this way stays pending and is taken over after ``lease_s``: nothing is lost."""
         if self._stopping.is_set():  # never claim (XAUTOCLAIM) a job just handed over by this very worker
@@ -144,26 +187,89 @@ class Worker:
         if not poll.done():
             poll.cancel()
             await asyncio.gather(poll, return_exceptions=True)
+            await self._cancel_polls()
             return None
         return poll.result()
 
-    async def _next_job(self) -> tuple[int, str, uuid.UUID] | None:
+    async def _next_job(self) -> Job | None:
         """A job to run: first any whose owner stopped renewing its lease, then a new one."""
         lease_ms = int(self.settings.lease_s * 1000)
         for p in range(self.store.partitions):
             res: Any = await self.store.redis.xautoclaim(
-                jobs_key(p), JOBS_GROUP, self.worker_id, min_idle_time=lease_ms, start_id="0-0", count=1
+                self.store.jobs_key(p), JOBS_GROUP, self.worker_id, min_idle_time=lease_ms, start_id="0-0", count=1
             )
             for entry_id, fields in res[1]:
                 if fields:
                     return p, entry_id.decode(), uuid.UUID(fields[b"sid"].decode())
-        streams: dict[Any, Any] = {jobs_key(p): ">" for p in range(self.store.partitions)}
-        res2: Any = await self.blocking.xreadgroup(JOBS_GROUP, self.worker_id, streams, count=1, block=POLL_BLOCK_MS)
-        for key, entries in res2 or []:
-            p = int(key.decode().split("{p", 1)[1].split("}", 1)[0])
-            for entry_id, fields in entries:
-                return p, entry_id.decode(), uuid.UUID(fields[b"sid"].decode())
+        for group in self._groups:
+            if group.task is None:
+                group.task = asyncio.create_task(self._read_group(group))
+                group.task.add_done_callback(functools.partial(self._on_poll_done, group))
+        self._polling = True
+        try:
+            await asyncio.wait([g.task for g in self._groups if g.task is not None],
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._polling = False
+        jobs: list[Job] = []
+        error: BaseException | None = None
+        for group in self._groups:
+            task = group.task
+            if task is None or not task.done():
+                continue
+            group.task = None
+            if task.cancelled():
+                continue
+            if task.exception() is not None:
+                error = error or task.exception()
+                continue
+            jobs.extend(task.result())
+        if jobs:
+            # A multi-key XREADGROUP COUNT 1 may bring one entry per stream, and polls of several slots
+            # may end together: run one, hand the rest back.
+            if len(jobs) > 1:
+                self._spawn(self._hand_back(jobs[1:]))
+            return jobs[0]
+        if error is not None:
+            raise error
         return None
+
+    async def _read_group(self, group: _PollGroup) -> list[Job]:
+        streams: dict[Any, Any] = dict.fromkeys(group.keys, ">")
+        res: Any = await self.blocking.xreadgroup(JOBS_GROUP, self.worker_id, streams, count=1, block=POLL_BLOCK_MS)
+        jobs: list[Job] = []
+        for key, entries in res or []:
+            p = group.keys[key.decode() if isinstance(key, bytes) else key]
+            for entry_id, fields in entries:
+                jobs.append((p, entry_id.decode(), uuid.UUID(fields[b"sid"].decode())))
+        return jobs
+
+    def _on_poll_done(self, group: _PollGroup, task: asyncio.Task[list[Job]]) -> None:
+        """A poll ended while no ``_next_job`` waits for it (the worker is busy): hand back what it got."""
+        if self._polling or group.task is not task:
+            return  # _next_job collects it (or already did)
+        group.task = None
+        if task.cancelled() or task.exception() is not None:
+            return  # the next poll retries; an entry a failed poll got is taken over after lease_s
+        jobs = task.result()
+        if jobs:
+            self._spawn(self._hand_back(jobs))
+
+    async def _hand_back(self, jobs: Iterable[Job]) -> None:
+        """Make delivered, unstarted entries look long idle: the next XAUTOCLAIM (any worker's, this
+        one's included) takes them at once, instead of after a lease."""
+        for p, entry_id, _ in jobs:
+            try:
+                await self.store.redis.xclaim(self.store.jobs_key(p), JOBS_GROUP, self.worker_id, 0, [entry_id],
+                                              idle=HAND_BACK_IDLE_MS, justid=True)
+            except (RedisError, OSError) as e:  # it is still pending: taken over after lease_s
+                log.warning("could not hand a job back: %s", e)
+
+    async def _cancel_polls(self) -> None:
+        tasks = [g.task for g in self._groups if g.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _ack(self, partition: int, entry_id: str) -> None:
         await self._retry(lambda: self.store.ack(partition, entry_id))
@@ -286,8 +392,10 @@ class Worker:
                     break
         finally:
             handoff.abandon()
+            run.generation_over = True  # the renewer's own stop flag: cancellation alone can be swallowed
             renewer.cancel()
-            await asyncio.gather(thread_done, renewer, return_exceptions=True)
+            await asyncio.gather(thread_done, return_exceptions=True)
+            await asyncio.wait({renewer}, timeout=RENEWER_STOP_S)
         if run.fenced_out:
             log.warning("lost the lease; another worker owns the stream",
                         extra={"stream_id": str(claim.stream_id)})
@@ -336,11 +444,16 @@ class Worker:
 
     async def _renew_lease(self, run: _Run) -> None:
         interval = max(0.05, self.settings.lease_s / 3)
-        while True:
+        while not run.generation_over:
             await asyncio.sleep(interval)
             try:
                 res = await self.store.renew(run.claim, self.worker_id, self.settings.disconnect_grace_s)
             except (RedisError, OSError):
+                # redis-py may turn our own cancellation mid-command into a connection error: a cancelled
+                # renewer must stop, or the job waits on it forever (renewed, never finished).
+                task = asyncio.current_task()
+                if run.generation_over or (task is not None and task.cancelling()):
+                    raise asyncio.CancelledError from None
                 continue
             if not res.ok:
                 run.fenced_out = True
@@ -351,29 +464,41 @@ class Worker:
                 run.stop.set()
 
     async def _listen_for_cancels(self) -> None:
-        """Cancel notices arrive here at once, even while prefill runs and nothing is appended."""
+        """Cancel notices arrive here at once, even while prefill runs and nothing is appended. One pub/sub
+        connection (one per master on a cluster) carries the control channels of every partition; it
+        reconnects by itself, and a notice lost meanwhile is still seen at the next lease renewal."""
+
+        def on_message(channel: bytes, data: bytes) -> None:
+            with contextlib.suppress(ValueError):
+                run = self._running.get(uuid.UUID(data.decode()))
+                if run is not None:
+                    self._spawn(self._check_cancel(run))
+
+        channels = Channels(self.blocking, on_message=on_message, on_reset=lambda _: None)
         backoff = Backoff()
-        while True:
-            pubsub = self.blocking.pubsub()
-            try:
-                await pubsub.subscribe(control_channel())
-                backoff.reset()
-                async for msg in pubsub.listen():
-                    if msg["type"] != "message":
-                        continue
-                    run = self._running.get(uuid.UUID(msg["data"].decode()))
-                    if run is not None:
-                        res = await self.store.renew(run.claim, self.worker_id, self.settings.disconnect_grace_s)
-                        if res.cancel_reason and not run.cancel_reason:
-                            run.cancel_reason = res.cancel_reason
-                            run.stop.set()
-            except asyncio.CancelledError:
-                await pubsub.aclose()
-                raise
-            except (RedisError, OSError) as e:
-                log.warning("cancel listener lost redis: %s", e)
-                await pubsub.aclose()
-                await backoff.sleep()
+        try:
+            await channels.start()
+            n = self.store.partitions
+            for p in range(n):
+                while True:
+                    try:
+                        await channels.subscribe(control_channel(p, n).encode())
+                        break
+                    except (RedisError, OSError) as e:  # e.g. no slot map yet: the cluster is unreachable
+                        log.warning("cancel listener cannot subscribe yet: %s", e)
+                        await backoff.sleep()
+            await asyncio.Event().wait()  # until cancelled at shutdown; the shards run on their own
+        finally:
+            await channels.stop()
+
+    async def _check_cancel(self, run: _Run) -> None:
+        try:
+            res = await self.store.renew(run.claim, self.worker_id, self.settings.disconnect_grace_s)
+        except (RedisError, OSError):
+            return  # the renewal loop asks again within lease_s / 3
+        if res.cancel_reason and not run.cancel_reason:
+            run.cancel_reason = res.cancel_reason
+            run.stop.set()
 
     # -- terminal events -----------------------------------------------------------------------
 

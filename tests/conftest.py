@@ -167,3 +167,226 @@ def stack(stack_factory, redis_server: RedisServer, redis_client: redis.Redis) -
     s.generator()
     s.consumer("--heartbeat-s", "1")
     return s
+
+
+# -- Redis Cluster ------------------------------------------------------------------------------------
+
+
+class RedisClusterServers:
+    """A real Redis Cluster of ``masters`` redis-server processes (no replicas) on free ports, created with
+    ``redis-cli --cluster create`` like an operator would."""
+
+    def __init__(self, masters: int = 3) -> None:
+        # Each node needs a client port and a cluster-bus port (by default port + 10000, which may be taken or
+        # past 65535): pick both explicitly, holding the sockets until all are chosen so none repeats.
+        import socket
+
+        held: list[socket.socket] = []
+        for _ in range(2 * masters):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            held.append(sock)
+        ports = [int(sock.getsockname()[1]) for sock in held]
+        for sock in held:
+            sock.close()
+        self.nodes = [RedisServer(ports[2 * i], extra_args=(
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
+            "--cluster-port", str(ports[2 * i + 1]))) for i in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    @property
+    def ports(self) -> list[int]:
+        return [n.port for n in self.nodes]
+
+    def start(self) -> RedisClusterServers:
+        import shutil
+
+        for n in self.nodes:
+            n.start()
+        cli = shutil.which("redis-cli")
+        assert cli, "redis-cli is needed to create a cluster (Debian package redis-tools)"
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 30
+        for p in self.ports:
+            client = redis.Redis(port=p)
+            try:
+                while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                    assert time.monotonic() < deadline, "the cluster did not reach cluster_state:ok"
+                    time.sleep(0.05)
+            finally:
+                client.close()
+        return self
+
+    def client(self) -> redis.RedisCluster:
+        return redis.RedisCluster(host="127.0.0.1", port=self.ports[0])
+
+    def flush(self) -> None:
+        for p in self.ports:
+            client = redis.Redis(port=p)
+            try:
+                client.flushall()
+            finally:
+                client.close()
+
+    def cleanup(self) -> None:
+        for n in self.nodes:
+            n.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServers]:
+    """One real 3-master Redis Cluster for the session; ``cluster_client`` flushes it per test."""
+    cluster = RedisClusterServers(3)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.cleanup()
+
+
+@pytest.fixture
+def cluster_client(redis_cluster: RedisClusterServers) -> Iterator[redis.RedisCluster]:
+    redis_cluster.flush()
+    client = redis_cluster.client()
+    yield client
+    client.close()
+
+
+# -- nginx in front of consumers ----------------------------------------------------------------------
+
+NGINX_CONF = ROOT / "deploy" / "nginx.conf"
+
+
+def render_nginx_conf(listen_port: int, upstream_ports: list[int], tmp: Path) -> str:
+    """deploy/nginx.conf (the one compose mounts), with the upstream `server` lines and the `listen` port
+    for this machine, and logs/temp files under ``tmp``. Every SSE setting is the file's own."""
+    import re
+
+    text = NGINX_CONF.read_text()
+    servers = "\n".join(f"        server 127.0.0.1:{p} max_fails=0;" for p in upstream_ports)
+    text, n = re.subn(r"^\s*server consumer:8000[^;]*;", servers, text, flags=re.M)
+    assert n == 1, "deploy/nginx.conf: expected one `server consumer:8000 ...;` line in the upstream"
+    text, n = re.subn(r"listen 8080;", f"listen 127.0.0.1:{listen_port};", text)
+    assert n == 1, "deploy/nginx.conf: expected one `listen 8080;`"
+    local = (f"    access_log {tmp}/access.log;\n    client_body_temp_path {tmp}/body;\n"
+             f"    proxy_temp_path {tmp}/proxy;\n")
+    text, n = re.subn(r"^http \{\n", "http {\n" + local, text, flags=re.M)
+    assert n == 1
+    return text
+
+
+class Nginx:
+    """A real nginx running deploy/nginx.conf in front of the given consumer ports."""
+
+    def __init__(self, upstream_ports: list[int], tmp: Path) -> None:
+        import shutil
+
+        binary = shutil.which("nginx") or "/usr/sbin/nginx"
+        assert Path(binary).exists(), "nginx is needed (Debian package nginx; scripts/test.sh installs it)"
+        self.port = free_port()
+        self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        conf = tmp / "nginx.conf"
+        conf.write_text(render_nginx_conf(self.port, upstream_ports, tmp))
+        argv = [binary, "-p", str(tmp), "-c", str(conf), "-e", str(tmp / "error.log"),
+                "-g", f"daemon off; pid {tmp}/nginx.pid; user root;"]
+        check = subprocess.run([*argv[:-2], "-t"], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+        self.proc = Proc(argv, "nginx", tmp / "nginx-stdout.log")
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert self.proc.alive(), (tmp / "error.log").read_text()
+            assert time.monotonic() < deadline, "nginx did not come up"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.stop(5)
+
+
+@pytest.fixture
+def nginx_factory(tmp_path: Path) -> Iterator[object]:
+    started: list[Nginx] = []
+
+    def make(upstream_ports: list[int]) -> Nginx:
+        n = Nginx(upstream_ports, tmp_path / f"nginx-{len(started)}")
+        started.append(n)
+        return n
+
+    yield make
+    for n in started:
+        n.stop()
+
+
+# -- a reader that reconnects like a browser's EventSource -----------------------------------------------
+
+
+class ResumingRead:
+    """What a reconnecting reader saw: every event once (by id), how each connection ended, when each event
+    arrived (wall clock, to compare with the event id's millisecond part: the append time in Redis)."""
+
+    def __init__(self) -> None:
+        from helpers import SSE
+
+        self.events: list[SSE] = []
+        self.received_at: list[float] = []
+        self.ends: list[str] = []  # per connection: "clean" (the server ended the body) or "error"
+        self.retry: list[int] = []
+        self.errors: list[str] = []
+        self.done = False
+
+    @property
+    def ids(self) -> list[str]:
+        return [e.id for e in self.events if e.id is not None]
+
+
+def read_resuming(base_url: str, sid: str, *, max_connections: int = 10, timeout_s: float = 60.0,
+                  into: ResumingRead | None = None) -> ResumingRead:
+    """Read a stream to its terminal event, reconnecting with Last-Event-ID whenever a connection ends
+    early (a draining pod's clean close, a killed pod's cut): what a browser's EventSource does, without
+    the `retry:` wait. Each connection is new, so a balancer may send it to another pod."""
+    from helpers import SSE, parse_sse_block
+
+    out = into or ResumingRead()
+    deadline = time.monotonic() + timeout_s
+    while not out.done:
+        assert len(out.ends) < max_connections, f"gave up after {len(out.ends)} connections: {out.ends}"
+        assert time.monotonic() < deadline, "the stream did not end in time"
+        headers = {"Last-Event-ID": out.ids[-1]} if out.events else {}
+        try:
+            with httpx.Client(base_url=base_url, timeout=httpx.Timeout(10.0)) as c, \
+                    c.stream("GET", f"/v1/streams/{sid}/events", headers=headers) as r:
+                if r.status_code == 204:  # resumed at the terminal event
+                    out.done = True
+                    out.ends.append("clean")
+                    break
+                assert r.status_code == 200, r.status_code
+                buf = b""
+                for chunk in r.iter_raw():
+                    buf += chunk
+                    while b"\n\n" in buf:
+                        block, buf = buf.split(b"\n\n", 1)
+                        parsed = parse_sse_block(block)
+                        if isinstance(parsed, SSE):
+                            out.events.append(parsed)
+                            out.received_at.append(time.time())
+                            if parsed.event in ("done", "cancelled", "error"):
+                                out.done = True
+                        elif parsed[0] == "retry":
+                            out.retry.append(int(parsed[1]))
+                assert buf == b"", f"a clean close mid-event: {buf!r}"
+            out.ends.append("clean")
+        except (httpx.HTTPError, OSError) as e:
+            out.ends.append("error")  # cut mid-stream: a partial event was dropped, and is read again
+            out.errors.append(repr(e))
+            time.sleep(0.05)
+    return out

@@ -1,0 +1,320 @@
+"""Subscribing to many channels over few connections, on a standalone server or a Redis Cluster.
+
+Standalone: one pub/sub connection (SUBSCRIBE) carries every channel. Redis Cluster: channels are
+sharded (the scripts SPUBLISH them, see broker.scripts) and SSUBSCRIBE only works on the master that
+owns the channel's slot, so there is one connection per master that owns at least one subscribed
+channel: never more connections than masters, however many channels.
+
+The owner of a ``Channels`` gets three things: messages (``on_message``), confirmations (the future
+``subscribe`` returns resolves once Redis acknowledged the subscription, so anything published after
+that is delivered), and resets (``on_reset``): channels whose messages may have been lost (the connection
+dropped, or the slot moved to another master) and which are subscribed again; a reset is reported twice,
+when the loss is seen and once the new subscription is confirmed, so whoever re-reads the source of truth
+at the second report misses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import RedisError
+
+from broker.client import RedisClient, connect_node
+
+log = logging.getLogger("rsb.pubsub")
+
+OnMessage = Callable[[bytes, bytes], None]
+OnReset = Callable[[Iterable[bytes]], None]
+
+# A dispatch loop wakes at least this often even when no message comes (cheap; lets cancellation in).
+_IDLE_WAKE_S = 30.0
+
+
+class _Shard:
+    """One pub/sub connection and the channels it should hold; reconnects (and resubscribes) by itself."""
+
+    def __init__(self, owner: Channels, name: str, connect: Callable[[], PubSub], sharded: bool) -> None:
+        self.owner = owner
+        self.name = name
+        self._connect = connect
+        self._sharded = sharded
+        self._msg_type = "smessage" if sharded else "message"
+        self._ack_type = "ssubscribe" if sharded else "subscribe"
+        self._unack_type = "sunsubscribe" if sharded else "unsubscribe"
+        self.channels: set[bytes] = set()
+        self._confirmations: dict[bytes, deque[asyncio.Future[None]]] = {}
+        # Channels subscribed again after a loss: their confirmation is reported as a reset.
+        self._resubscribed: set[bytes] = set()
+        # Unsubscribes we sent and whose reply has not come: any other unsubscribe reply is the server
+        # dropping the channel (its slot moved to another master).
+        self._unsubscribing: dict[bytes, int] = {}
+        self._pubsub: PubSub | None = None
+        self._connected = asyncio.Event()
+        # Orders subscribe/unsubscribe commands with the checks that decide them (see unsubscribe).
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self.reconnects = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"pubsub-{self.name or 'main'}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        await self._close()
+
+    async def _close(self) -> None:
+        ps, self._pubsub = self._pubsub, None
+        self._connected.clear()
+        if ps is not None:
+            with contextlib.suppress(Exception):
+                await ps.aclose()  # disconnects its connection (never the pool: others may share it)
+
+    async def subscribe(self, ch: bytes) -> asyncio.Future[None] | None:
+        """Subscribe ``ch``; the future resolves on Redis's confirmation. None: not connected now; the
+        (re)connect subscribes it and reports a reset."""
+        self.channels.add(ch)
+        async with self._lock:
+            ps = self._pubsub
+            if ps is None or not self._connected.is_set():
+                return None
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._confirmations.setdefault(ch, deque()).append(fut)
+            await self._send_subscribe(ps, [ch])
+        return fut
+
+    async def _send_subscribe(self, ps: PubSub, channels: list[bytes]) -> None:
+        if not self._sharded:
+            await ps.subscribe(*channels)
+            return
+        # One SSUBSCRIBE may only name channels of one slot (else CROSSSLOT): one per partition's slot.
+        by_slot: dict[int, list[bytes]] = {}
+        for ch in channels:
+            by_slot.setdefault(key_slot(ch), []).append(ch)
+        for group in by_slot.values():
+            await ps.ssubscribe(*group)
+
+    def resubscribe(self, ch: bytes) -> None:
+        """Report ``ch`` as reset once its next subscription is confirmed (it moved here from a master
+        that lost its slot)."""
+        self._resubscribed.add(ch)
+
+    def unsubscribe(self, ch: bytes) -> None:
+        self.channels.discard(ch)
+        ps = self._pubsub
+        if ps is not None and self._connected.is_set():
+            asyncio.get_running_loop().create_task(self._unsubscribe(ps, ch))
+
+    async def _unsubscribe(self, ps: PubSub, ch: bytes) -> None:
+        # Under the lock: a subscribe of the same channel that comes meanwhile is either sent before this
+        # check (and the channel is wanted again: no unsubscribe) or after the UNSUBSCRIBE (and wins).
+        async with self._lock:
+            if ch in self.channels or ps is not self._pubsub:
+                return
+            self._unsubscribing[ch] = self._unsubscribing.get(ch, 0) + 1
+            with contextlib.suppress(RedisError, OSError):
+                await (ps.sunsubscribe(ch) if self._sharded else ps.unsubscribe(ch))
+
+    async def _run(self) -> None:
+        attempt = 0
+        while True:
+            ps = self._connect()
+            try:
+                await ps.connect()
+                async with self._lock:
+                    # Every channel is (re)subscribed here, and reset once confirmed: its readers were told
+                    # of the loss when the connection dropped (or started reading before we connected).
+                    channels = list(self.channels)
+                    self._resubscribed.update(channels)
+                    if channels:
+                        await self._send_subscribe(ps, channels)
+                    self._unsubscribing.clear()
+                    self._pubsub = ps
+                    self._connected.set()
+                if attempt:
+                    self.reconnects += 1
+                    log.info("pub/sub reconnected", extra={"node": self.name, "channels": len(channels)})
+                attempt = 0
+                await self._dispatch(ps)
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as e:
+                self._connected.clear()
+                self._pubsub = None
+                err = e if isinstance(e, RedisError) else RedisError(str(e))
+                for futs in self._confirmations.values():
+                    for f in futs:
+                        if not f.done():
+                            f.set_exception(err)
+                            f.exception()  # retrieved: nobody may be waiting on a resubscription's future
+                self._confirmations.clear()
+                self._resubscribed.clear()
+                if self.channels:
+                    self.owner.on_reset(list(self.channels))
+                with contextlib.suppress(Exception):
+                    await ps.aclose()
+                # A node that failed may not own these slots any more (failover, resharding): look again.
+                await self.owner.reroute(self)
+                if not self.channels and self.owner.retire(self):
+                    return
+                delay = min(5.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0)
+                attempt += 1
+                log.warning("pub/sub lost redis, reconnecting in %.2fs: %s", delay, e, extra={"node": self.name})
+                await asyncio.sleep(delay)
+
+    async def _dispatch(self, ps: PubSub) -> None:
+        while True:
+            msg: dict[str, Any] | None = await ps.get_message(ignore_subscribe_messages=False, timeout=_IDLE_WAKE_S)
+            if msg is None:
+                continue
+            kind, ch = msg["type"], msg["channel"]
+            if kind == self._msg_type:
+                self.owner.on_message(ch, msg["data"])
+            elif kind == self._ack_type:
+                futs = self._confirmations.get(ch)
+                if futs:
+                    fut = futs.popleft()
+                    if not futs:
+                        del self._confirmations[ch]
+                    if not fut.done():
+                        fut.set_result(None)
+                if ch in self._resubscribed:
+                    self._resubscribed.discard(ch)
+                    if ch in self.channels:
+                        self.owner.on_reset([ch])
+            elif kind == self._unack_type:
+                pending = self._unsubscribing.get(ch, 0)
+                if pending > 1:
+                    self._unsubscribing[ch] = pending - 1
+                elif pending == 1:
+                    del self._unsubscribing[ch]
+                elif ch in self.channels:
+                    # Not ours: the server dropped the channel because its slot moved to another master.
+                    self.owner.on_reset([ch])
+                    asyncio.get_running_loop().create_task(self.owner.reroute(self))
+
+
+class Channels:
+    """Channels of one process over one pub/sub connection per server (standalone) or per master (cluster)."""
+
+    def __init__(self, redis: RedisClient, *, on_message: OnMessage, on_reset: OnReset) -> None:
+        self._redis = redis
+        self._cluster = redis if isinstance(redis, RedisCluster) else None
+        self.on_message = on_message
+        self.on_reset = on_reset
+        self._shards: dict[str, _Shard] = {}
+        self._where: dict[bytes, _Shard] = {}
+        self._retired_reconnects = 0
+        self._reroute_lock = asyncio.Lock()
+
+    @property
+    def connections(self) -> int:
+        """Pub/sub connections held (or being re-established) now."""
+        return len(self._shards)
+
+    @property
+    def reconnects(self) -> int:
+        return self._retired_reconnects + sum(s.reconnects for s in self._shards.values())
+
+    async def start(self) -> None:
+        if self._cluster is None:
+            # Connect now, so the first readers find a live connection and need no resync.
+            self._shard("", lambda: self._redis.pubsub(), sharded=False)
+            return
+        with contextlib.suppress(RedisError, OSError):
+            await self._cluster.initialize()  # the slot map; retried at the first subscribe otherwise
+
+    async def stop(self) -> None:
+        shards = list(self._shards.values())
+        self._shards.clear()
+        self._where.clear()
+        await asyncio.gather(*(s.stop() for s in shards), return_exceptions=True)
+
+    async def subscribe(self, ch: bytes, *, moved: bool = False) -> asyncio.Future[None] | None:
+        """See ``_Shard.subscribe``. Raises RedisError/OSError when the command could not be sent."""
+        shard = self._where.get(ch)
+        if shard is None:
+            shard = await self._shard_for(ch)
+            self._where[ch] = shard
+        if moved:
+            shard.resubscribe(ch)
+        return await shard.subscribe(ch)
+
+    def unsubscribe(self, ch: bytes) -> None:
+        shard = self._where.pop(ch, None)
+        if shard is not None:
+            shard.unsubscribe(ch)
+
+    async def _shard_for(self, ch: bytes) -> _Shard:
+        if self._cluster is None:
+            return self._shard("", lambda: self._redis.pubsub(), sharded=False)
+        cluster = self._cluster
+        await cluster.initialize()
+        node = cluster.get_node_from_key(ch.decode())
+        if node is None:
+            raise RedisError(f"no master owns the slot of {ch!r}")
+        host, port = node.host, int(node.port)
+        return self._shard(node.name, lambda: _node_pubsub(cluster, host, port), sharded=True)
+
+    def _shard(self, name: str, connect: Callable[[], PubSub], *, sharded: bool) -> _Shard:
+        shard = self._shards.get(name)
+        if shard is None:
+            shard = self._shards[name] = _Shard(self, name, connect, sharded)
+            shard.start()
+        return shard
+
+    def retire(self, shard: _Shard) -> bool:
+        """Drop a shard left with no channels (its node failed and its slots moved): connections stay
+        bounded by the masters in use. False when it got channels meanwhile."""
+        if shard.channels or self._shards.get(shard.name) is not shard:
+            return False
+        del self._shards[shard.name]
+        self._retired_reconnects += shard.reconnects
+        return True
+
+    async def reroute(self, shard: _Shard) -> None:
+        """Cluster: refresh the slot map and move the channels this master no longer owns to their owner.
+        Their readers are reset (messages published while the slot moved may be lost)."""
+        cluster = self._cluster
+        if cluster is None:
+            return
+        async with self._reroute_lock:
+            try:
+                await cluster.nodes_manager.initialize()
+            except (RedisError, OSError) as e:
+                log.warning("could not refresh the cluster's slot map: %s", e)
+                return
+            moved: list[bytes] = []
+            for ch in list(shard.channels):
+                try:
+                    node = cluster.get_node_from_key(ch.decode())
+                except RedisError:
+                    continue
+                if node is None or node.name == shard.name:
+                    continue
+                shard.channels.discard(ch)
+                self._where.pop(ch, None)
+                moved.append(ch)
+            for ch in moved:
+                with contextlib.suppress(RedisError, OSError):
+                    await self.subscribe(ch, moved=True)
+            if moved:
+                log.info("channels moved to another master", extra={"node": shard.name, "channels": len(moved)})
+                self.on_reset(moved)
+
+
+def _node_pubsub(cluster: RedisCluster, host: str, port: int) -> PubSub:
+    client: Redis = connect_node(cluster, host, port)
+    return client.pubsub()

@@ -1,0 +1,70 @@
+"""Draining a pod (what Kubernetes does on every rollout): on SIGTERM a consumer stops accepting, tells each SSE
+reader to reconnect (`retry:` then a clean close at an event boundary) and exits well within its grace period;
+through nginx the readers land on the other pod and end with every event exactly once."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+from conftest import ResumingRead, read_resuming
+from helpers import create, read_sse
+
+
+def _readers(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("rsb_connected_readers "))
+
+
+def test_sigterm_moves_every_reader_to_the_other_pod_without_loss(stack_factory, redis_server, redis_client,  # type: ignore[no-untyped-def]
+                                                                  nginx_factory, slow_model) -> None:
+    s = stack_factory(redis_server.url)
+    pods = [s.consumer("--heartbeat-s", "1", "--shutdown-grace-s", "5") for _ in range(2)]
+    nginx = nginx_factory([int(url.rsplit(":", 1)[1]) for _, url in pods])
+    with httpx.Client(base_url=nginx.url, timeout=10) as c:
+        # One stream generating, two still queued (their readers hear heartbeats): both kinds must drain.
+        sids = [create(c, max_tokens=400).json()["id"] for _ in range(3)]
+    s.generator(model=slow_model)
+    results = [ResumingRead() for _ in range(12)]
+    threads = [threading.Thread(target=read_resuming, args=(nginx.url, sids[i % 3]), kwargs={"into": r})
+               for i, r in enumerate(results)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while sum(_readers(u) for _, u in pods) < 12 or not all(r.events for r in results):
+        assert time.monotonic() < deadline, "readers did not connect"
+        time.sleep(0.05)
+    (proc, url), (_, other) = pods
+    drained = int(_readers(url))
+    assert 0 < drained < 12, "least_conn spreads the readers over both pods"
+
+    t0 = time.monotonic()
+    proc.signal(signal.SIGTERM)
+    # While it drains, the service keeps answering through nginx (the other pod takes the requests).
+    with httpx.Client(base_url=nginx.url, timeout=10) as c:
+        assert create(c, max_tokens=4).status_code == 201
+    assert proc.wait(10) == 0
+    took = time.monotonic() - t0
+    print(f"\ndrained {drained} readers; the pod exited after {took:.2f}s")
+    assert took < 3, "streams end at once on SIGTERM; nothing waits for the grace period"
+    try:
+        httpx.get(f"{url}/healthz", timeout=2)
+        raise AssertionError("the drained pod still accepts connections")
+    except httpx.ConnectError:
+        pass
+
+    for t in threads:
+        t.join(90)
+    with httpx.Client(base_url=other, timeout=30) as c:
+        whole = {sid: read_sse(c, f"/v1/streams/{sid}/events") for sid in sids}
+    moved = [r for r in results if len(r.ends) > 1]
+    assert len(moved) == drained, [r.ends for r in results]
+    for i, r in enumerate(results):
+        expected = whole[sids[i % 3]]
+        assert r.done and r.ids == expected.ids, (i, r.ends)
+        assert [(e.event, e.data) for e in r.events] == [(e.event, e.data) for e in expected.events]
+    for r in moved:  # told to reconnect, and cut only at an event boundary
+        assert r.ends[0] == "clean" and r.retry == [1000], (r.ends, r.errors)
+    assert all(w.events[-1].event == "done" for w in whole.values())

@@ -1,0 +1,96 @@
+"""Through a real nginx running deploy/nginx.conf (least_conn over two real `rsb consumer` processes): each
+event reaches the browser within milliseconds of its append, and a reader whose pod is drained (SIGTERM)
+or killed (SIGKILL) mid-stream resumes on the other pod through nginx with nothing lost or repeated."""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import ResumingRead, read_resuming
+from helpers import create, read_sse
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def _front(stack_factory, redis_server, nginx_factory):  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    pods = [s.consumer("--heartbeat-s", "1", "--shutdown-grace-s", "3") for _ in range(2)]
+    nginx = nginx_factory([int(url.rsplit(":", 1)[1]) for _, url in pods])
+    return s, pods, nginx
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_events_reach_the_reader_through_nginx_within_milliseconds(stack_factory, redis_server, redis_client,  # type: ignore[no-untyped-def]
+                                                                    nginx_factory, slow_model) -> None:
+    s, _, nginx = _front(stack_factory, redis_server, nginx_factory)
+    with httpx.Client(base_url=nginx.url, timeout=10) as c:
+        sid = create(c, max_tokens=1500).json()["id"]  # queued: no generator yet
+    result = ResumingRead()
+    reader = threading.Thread(target=read_resuming, args=(nginx.url, sid), kwargs={"into": result})
+    reader.start()
+    _wait(lambda: len(result.events) >= 1, 10, "the reader never got `queued`")
+    s.generator(model=slow_model)  # every delta from now on is appended while the reader tails live
+    reader.join(60)
+    assert result.done and result.ends == ["clean"]
+    lat = [(t * 1000 - int(e.id.split("-")[0])) for e, t in zip(result.events, result.received_at, strict=True)
+           if e.event == "delta"]
+    assert len(lat) >= 100
+    q = statistics.quantiles(lat, n=100)
+    print(f"\nnginx delivery latency over {len(lat)} deltas: p50 {q[49]:.1f} ms, p99 {q[98]:.1f} ms, "
+          f"max {max(lat):.1f} ms")
+    assert q[98] < 100, f"p99 {q[98]:.1f} ms: something buffers the stream"
+    with httpx.Client(base_url=nginx.url, timeout=10) as c:
+        full = read_sse(c, f"/v1/streams/{sid}/events", headers={"Accept-Encoding": "gzip"})
+    # Headers survive the proxy, and nginx does not compress the stream even when asked to.
+    assert full.headers["content-type"].startswith("text/event-stream")
+    assert "content-encoding" not in full.headers
+    assert [e.id for e in full.events] == result.ids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_reader_survives_its_pod_going_away_mid_stream(stack_factory, redis_server, redis_client,  # type: ignore[no-untyped-def]
+                                                         nginx_factory, slow_model, sig) -> None:
+    s, pods, nginx = _front(stack_factory, redis_server, nginx_factory)
+    s.generator(model=slow_model)
+    with httpx.Client(base_url=nginx.url, timeout=10) as c:
+        sid = create(c, max_tokens=1200).json()["id"]
+    result = ResumingRead()
+    reader = threading.Thread(target=read_resuming, args=(nginx.url, sid), kwargs={"into": result})
+    reader.start()
+    _wait(lambda: sum(e.event == "delta" for e in result.events) >= 20, 20, "no deltas")
+    serving = [(proc, url) for proc, url in pods if _metric(url, "rsb_connected_readers") == 1]
+    assert len(serving) == 1, "exactly one pod serves the reader"
+    proc, _ = serving[0]
+    at_kill = len(result.events)
+    t0 = time.monotonic()
+    proc.signal(sig)
+    if sig == signal.SIGTERM:
+        assert proc.wait(10) == 0
+        print(f"\ndrained pod exited after {time.monotonic() - t0:.2f}s")
+        assert time.monotonic() - t0 < 4  # --shutdown-grace-s 3, and well before it: streams end at once
+    reader.join(60)
+    assert result.done, result.ends
+    assert len(result.ends) >= 2 and at_kill < len(result.events)
+    if sig == signal.SIGTERM:  # a clean end at an event boundary, with the reconnect hint
+        assert result.ends[0] == "clean" and result.retry == [1000], (result.ends, result.errors)
+    # The reader's events are the stream's: in order, none missing, none twice.
+    survivor = next(u for p, u in pods if p is not proc)
+    with httpx.Client(base_url=survivor, timeout=10) as c:
+        whole = read_sse(c, f"/v1/streams/{sid}/events")
+    assert result.ids == whole.ids and len(set(result.ids)) == len(result.ids)
+    assert [(e.event, e.data) for e in result.events] == [(e.event, e.data) for e in whole.events]
+    assert whole.events[-1].event == "done" and whole.events[-1].data["usage"]["completion_tokens"] == 1200
