@@ -123,15 +123,21 @@ async def stream_events(request: Request) -> Response:
             raise InvalidRequest("malformed resume id (Last-Event-ID / last_event_id): use an event's id as sent")
     resume = (header if header is not None else query) or None
     resume_key = parse_event_id(resume) if resume else None
-    st = await _known_status(store, stream_id, principal(request))
-    if st.status in TERMINAL_STATUSES and st.last_id is not None and resume_key is not None:
-        last_key = parse_event_id(st.last_id)
-        if last_key is not None and resume_key >= last_key:
-            return Response(status_code=204)
     caller = principal(request)
     ip = request.client.host if request.client else ""
     limiter: ConnectionLimiter = request.app.state.limiter
+    # Counted before any Redis round trip: a flood past the limit is refused at the lowest cost.
     limiter.acquire(ip, caller, int(_key_limit(request, caller, "max_sse")))
+    try:
+        st = await _known_status(store, stream_id, caller)
+    except BaseException:
+        limiter.release(ip, caller)
+        raise
+    if st.status in TERMINAL_STATUSES and st.last_id is not None and resume_key is not None:
+        last_key = parse_event_id(st.last_id)
+        if last_key is not None and resume_key >= last_key:
+            limiter.release(ip, caller)
+            return Response(status_code=204)
     if resume is not None:
         metrics.inc("rsb_resumes_total")
     metrics.inc("rsb_reads_total")
