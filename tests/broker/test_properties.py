@@ -78,7 +78,7 @@ def test_the_request_validator_accepts_or_raises_invalid_request_only(body: obje
     except TypeError:  # lone surrogates cannot be JSON: the server sees them as invalid bytes
         raw = repr(body).encode("utf-8", "surrogatepass")
     try:
-        sid, req = parse_create_body(raw, max_tokens_limit=4096, default_max_tokens=16)
+        _, req = parse_create_body(raw, max_tokens_limit=4096, default_max_tokens=16)
     except InvalidRequest as e:
         assert e.message
         return
