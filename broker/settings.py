@@ -44,7 +44,7 @@ class ConsumerSettings:
     abandon_after_s: float = 0.0
     retention_s: int = 3600
     # Redis connections for ordinary commands; live tailing uses one more (pub/sub), whatever the readers.
-    redis_pool_size: int = 8
+    redis_pool_size: int = 7
     max_tokens_limit: int = 32768
     default_max_tokens: int = 256
     shutdown_grace_s: float = 5.0

@@ -57,6 +57,12 @@ class StreamStatus:
     cancel_on_disconnect: bool
     max_tokens: int
     key_id: str
+    abandon_s: float = 0.0
+
+    @property
+    def watched(self) -> bool:
+        """Whether the generation depends on having readers (so pods must record that it has some)."""
+        return self.status not in TERMINAL_STATUSES and (self.cancel_on_disconnect or self.abandon_s > 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +148,7 @@ class Store:
     async def status(self, stream_id: uuid.UUID) -> StreamStatus | None:
         k = self.keys(stream_id)
         raw = await self.redis.hmget(
-            k.meta, ["status", "model", "created_at", "usage", "last_id", "req", "max_tokens", "key_id"]
+            k.meta, ["status", "model", "created_at", "usage", "last_id", "req", "max_tokens", "key_id", "abandon_s"]
         )
         if raw[0] is None:
             return None
@@ -156,6 +162,7 @@ class Store:
             cancel_on_disconnect=bool(req.get("cancel_on_disconnect", False)),
             max_tokens=int(raw[6] or 0),
             key_id=_s(raw[7]),
+            abandon_s=float(raw[8] or 0),
         )
 
     async def read(self, stream_id: uuid.UUID, after_id: str | None, count: int = 512) -> list[Event]:

@@ -36,11 +36,13 @@ class Subscription:
     a resync: a reader that falls behind (a slow client) costs at most ``max_buffered`` events of memory
     here, and catches up from the Redis Stream, page by page, at its own pace."""
 
-    __slots__ = ("_wake", "buffer", "channel", "max_buffered", "resync", "stream_id")
+    __slots__ = ("_wake", "buffer", "channel", "max_buffered", "resync", "stream_id", "watched")
 
-    def __init__(self, channel: bytes, stream_id: uuid.UUID, max_buffered: int) -> None:
+    def __init__(self, channel: bytes, stream_id: uuid.UUID, max_buffered: int, watched: bool = False) -> None:
         self.channel = channel
         self.stream_id = stream_id
+        # Whether the stream's generation depends on having readers (cancel_on_disconnect, abandonment).
+        self.watched = watched
         self.buffer: deque[Event] = deque()
         self.max_buffered = max_buffered
         self.resync = False
@@ -114,13 +116,18 @@ class LiveHub:
         await self._channels.stop()
 
     def stream_ids(self) -> list[uuid.UUID]:
-        """The streams that have at least one reader on this pod now."""
-        return [next(iter(subs)).stream_id for subs in self._subs.values() if subs]
+        """The watched streams (see Subscription.watched) that have at least one reader on this pod now."""
+        out = []
+        for subs in self._subs.values():
+            first = next(iter(subs), None)
+            if first is not None and first.watched:
+                out.append(first.stream_id)
+        return out
 
-    async def subscribe(self, channel: str, stream_id: uuid.UUID) -> Subscription:
+    async def subscribe(self, channel: str, stream_id: uuid.UUID, *, watched: bool = False) -> Subscription:
         """A live feed of ``channel``; returns once Redis confirmed the subscription (or a resync is due)."""
         ch = channel.encode()
-        sub = Subscription(ch, stream_id, self._max_buffered)
+        sub = Subscription(ch, stream_id, self._max_buffered, watched)
         subs = self._subs.get(ch)
         if subs:
             subs.add(sub)

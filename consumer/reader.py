@@ -18,13 +18,32 @@ RETRY_READ_S = 1.0
 
 
 async def read_stream(
-    store: Store, hub: LiveHub, stream_id: uuid.UUID, after_id: str | None, idle_s: float
+    store: Store, hub: LiveHub, stream_id: uuid.UUID, after_id: str | None, idle_s: float, *, watched: bool = True
 ) -> AsyncIterator[Event | None]:
     """Every event after ``after_id``, in order, exactly once; ``None`` after each ``idle_s`` of silence
-    (the caller sends a heartbeat). Ends after the terminal event."""
-    sub = await hub.subscribe(store.keys(stream_id).channel, stream_id)
-    with contextlib.suppress(RedisError, OSError):
-        await store.touch([stream_id])  # a reader is here now (cancel_on_disconnect counts from here)
+    (the caller sends a heartbeat). Ends after the terminal event. ``watched``: record that the stream
+    has a reader (for cancel_on_disconnect and abandonment)."""
+    batches = read_batches(store, hub, stream_id, after_id, idle_s, watched=watched)
+    try:
+        async for batch in batches:
+            if batch is None:
+                yield None
+                continue
+            for ev in batch:
+                yield ev
+    finally:
+        await batches.aclose()  # type: ignore[attr-defined]
+
+
+async def read_batches(
+    store: Store, hub: LiveHub, stream_id: uuid.UUID, after_id: str | None, idle_s: float, *, watched: bool = True
+) -> AsyncIterator[list[Event] | None]:
+    """``read_stream`` by the batch: a replay page, or all the live events that arrived together, so the
+    response can write them in one send (one syscall, one loop iteration) instead of one per event."""
+    sub = await hub.subscribe(store.keys(stream_id).channel, stream_id, watched=watched)
+    if watched:
+        with contextlib.suppress(RedisError, OSError):
+            await store.touch([stream_id])  # a reader is here now (cancel_on_disconnect counts from here)
     try:
         last = after_id
         last_key = parse_event_id(after_id) if after_id else (0, 0)
@@ -45,12 +64,13 @@ async def read_stream(
                             next_beat = time.monotonic() + idle_s
                         sub.take()
                         continue
-                    for ev in page:
-                        yield ev
-                        next_beat = time.monotonic() + idle_s
-                        if ev.is_terminal:
-                            return
+                    end = next((i for i, ev in enumerate(page) if ev.is_terminal), None)
+                    if end is not None:
+                        yield page[: end + 1]
+                        return
                     if page:
+                        yield page
+                        next_beat = time.monotonic() + idle_s
                         last = page[-1].id
                         last_key = parse_event_id(last)
                     if len(page) < REPLAY_PAGE:
@@ -64,14 +84,19 @@ async def read_stream(
             if resync:
                 need_range = True
                 continue
+            fresh: list[Event] = []
             for ev in events:
                 key = parse_event_id(ev.id)
                 if last_key is not None and key is not None and key <= last_key:
                     continue  # already replayed from the range
-                yield ev
-                next_beat = time.monotonic() + idle_s
+                fresh.append(ev)
                 last, last_key = ev.id, key
                 if ev.is_terminal:
+                    break
+            if fresh:
+                yield fresh
+                next_beat = time.monotonic() + idle_s
+                if fresh[-1].is_terminal:
                     return
     finally:
         hub.unsubscribe(sub)

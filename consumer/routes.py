@@ -21,7 +21,7 @@ from consumer.hub import LiveHub
 from consumer.limits import ConnectionLimiter, Counted
 from consumer.metrics import Metrics
 from consumer.openapi import build_openapi
-from consumer.reader import read_stream
+from consumer.reader import read_batches
 from consumer.sse import SSEResponse
 
 log = logging.getLogger("rsb.consumer")
@@ -142,7 +142,7 @@ async def stream_events(request: Request) -> Response:
         metrics.inc("rsb_resumes_total")
     metrics.inc("rsb_reads_total")
     response = SSEResponse(
-        read_stream(store, hub, stream_id, resume, settings.heartbeat_s),
+        read_batches(store, hub, stream_id, resume, settings.heartbeat_s, watched=st.watched),
         shutdown=request.app.state.draining,
         send_timeout_s=settings.send_timeout_s,
     )

@@ -47,7 +47,7 @@ async def _cancel_all(*tasks: asyncio.Task[Any]) -> None:
 class SSEResponse:
     def __init__(
         self,
-        events: AsyncIterator[Event | None],
+        events: AsyncIterator[Event | list[Event] | None],
         *,
         shutdown: asyncio.Event,
         send_timeout_s: float = 30.0,
@@ -85,16 +85,22 @@ class SSEResponse:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def _stream(self, send: Send) -> None:
-        async for ev in self.events:
-            chunk = HEARTBEAT if ev is None else ev.to_sse()
+        async for item in self.events:
+            # A batch (replay page, events that arrived together) goes out in one send: per-send costs
+            # (a loop iteration, a syscall) dominate per-event costs.
+            if item is None:
+                chunk, n = HEARTBEAT, 0
+            elif isinstance(item, list):
+                chunk, n = b"".join(ev.to_sse() for ev in item), len(item)
+            else:
+                chunk, n = item.to_sse(), 1
             # A reader that stops reading is dropped after send_timeout_s instead of pinning memory;
             # it can resume from its last event id. (asyncio.timeout, not wait_for: before Python 3.12
             # wait_for can swallow a cancellation that races with the send completing, and the stream
             # would go on after the response ended.)
             async with asyncio.timeout(self.send_timeout_s):
                 await self._send(send, chunk)
-            if ev is not None:
-                self.sent_events += 1
+            self.sent_events += n
 
     @staticmethod
     async def _wait_disconnect(receive: Receive) -> None:
