@@ -108,6 +108,11 @@ class StreamKeys:
     def queue_stats(self) -> str:
         return queue_stats_key(self.partition, self.partitions)
 
+    def tenant(self, key_id: str) -> str:
+        """Hash of an API key's counters in this partition (``active``: unfinished generations). Key ids
+        are validated (``[A-Za-z0-9_-]{1,64}``) when the keys file is loaded."""
+        return f"{self._tag}:tenant:{key_id or '-'}"
+
     @property
     def aborted(self) -> str:
         return aborted_log_key(self.partition, self.partitions)

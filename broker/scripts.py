@@ -47,6 +47,9 @@ end
 # it (so an expired id answers 410, not 404, for another retention period, then vanishes too).
 _CLOSE = """
 local function close_stream(meta, events, tomb, channel, etype, data, status, usage, now, retention)
+  -- The creating key's count of unfinished generations in this partition (same slot as the stream).
+  local tk = redis.call('HGET', meta, 'tk')
+  if tk then redis.call('HINCRBY', tk, 'active', -1) end
   local eid = redis.call('XADD', events, '*', 't', etype, 'd', data)
   redis.call('PUBLISH', channel, eid .. '\\n' .. etype .. '\\n' .. data)
   redis.call('HSET', meta, 'status', status, 'usage', usage, 'last_id', eid, 'finished_at', now)
@@ -61,8 +64,9 @@ end
 # Closes: two creates with one id racing (double generation), and create racing the queue bound.
 # EXISTS-then-HSET across round trips would let both callers see "absent" and both enqueue a job.
 CREATE = """
--- KEYS: meta, events, jobs, qstats, tombstone
--- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s, abandon_s, cod
+-- KEYS: meta, events, jobs, qstats, tombstone, tenant
+-- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s, abandon_s, cod,
+--       max_active (the key's unfinished generations allowed in this partition; 0: no limit)
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local m = redis.call('HMGET', KEYS[1], 'rh', 'status', 'key_id')
   -- Another tenant's stream is a conflict whatever the body: its status is not theirs to see.
@@ -74,10 +78,18 @@ local q = redis.call('HMGET', KEYS[4], 'waiting', 'ema_job_s', 'busy')
 local waiting = tonumber(q[1] or '0')
 local max_queue = tonumber(ARGV[5])
 if max_queue > 0 and waiting >= max_queue then return {-3, tostring(waiting), q[2] or '', q[3] or '0'} end
+local max_active = tonumber(ARGV[13])
+if max_active > 0 and tonumber(redis.call('HGET', KEYS[6], 'active') or '0') >= max_active then
+  return {-4, tostring(max_active), q[2] or '', q[3] or '0'}
+end
 local jid = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'rh', ARGV[2], 'req', ARGV[3], 'created_at', ARGV[4],
   'model', ARGV[6], 'max_tokens', ARGV[7], 'jid', jid, 'fence', 0, 'attempts', 0, 'key_id', ARGV[9],
   'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0)
+if ARGV[9] ~= '' then
+  redis.call('HSET', KEYS[1], 'tk', KEYS[6])
+  redis.call('HINCRBY', KEYS[6], 'active', 1)
+end
 redis.call('HINCRBY', KEYS[4], 'waiting', 1)
 local eta = 'null'
 if q[2] then

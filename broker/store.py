@@ -28,7 +28,7 @@ TOUCH_BATCH = 500
 
 @dataclass(frozen=True, slots=True)
 class CreateResult:
-    outcome: str  # "created" | "exists" | "conflict" | "expired" | "queue_full"
+    outcome: str  # "created" | "exists" | "conflict" | "expired" | "queue_full" | "key_busy"
     status: str
     waiting: int = 0
     retry_after_s: int = 0
@@ -124,13 +124,18 @@ class Store:
         retention_s: int,
         abandon_after_s: float = 0.0,
         key_id: str = "",
+        max_active: int = 0,
     ) -> CreateResult:
+        """``max_active``: the key's unfinished (queued or running) generations allowed. Counted per
+        partition, so that the check and the count are one atomic step: with P partitions each allows
+        ceil(max_active / P) (exact with the default single partition)."""
         k = self.keys(stream_id)
+        per_partition = 0 if max_active <= 0 else -(-max_active // self.partitions)
         res = await self._create(
-            keys=[k.meta, k.events, k.jobs, k.queue_stats, k.tombstone],
+            keys=[k.meta, k.events, k.jobs, k.queue_stats, k.tombstone, k.tenant(key_id)],
             args=[str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
                   max_queue, request.model or default_model, request.max_tokens, k.channel, key_id,
-                  retention_s, abandon_after_s, int(request.cancel_on_disconnect)],
+                  retention_s, abandon_after_s, int(request.cancel_on_disconnect), per_partition],
         )
         code = int(res[0])
         if code == 1:
@@ -141,6 +146,10 @@ class Store:
             return CreateResult("conflict", _s(res[1]))
         if code == -2:
             return CreateResult("expired", "expired")
+        if code == -4:
+            _, ema_raw, busy_raw = _s(res[1]), _s(res[2]), int(res[3] or 0)
+            return CreateResult("key_busy", "", retry_after_s=retry_after_s(1, float(ema_raw) if ema_raw else None,
+                                                                               busy_raw))
         waiting, ema, busy = int(res[1]), _s(res[2]), int(res[3] or 0)
         return CreateResult("queue_full", "", waiting=waiting,
                             retry_after_s=retry_after_s(waiting - max_queue + 1, float(ema) if ema else None, busy))

@@ -18,6 +18,13 @@ class TooManyConnections(RetryLater):
     status_code = 429
 
 
+class TooManyGenerations(RetryLater):
+    """An API key's ``max_active`` unfinished generations are all in use (checked atomically in Redis)."""
+
+    code = "too_many_generations"
+    status_code = 429
+
+
 class ConnectionLimiter:
     def __init__(self, per_ip: int) -> None:
         self.per_ip = per_ip

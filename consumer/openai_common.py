@@ -168,12 +168,17 @@ async def create_stream(request: Request, rsb_body: dict[str, Any],
     stream_id = _stream_id(request, caller)
     res = await store.create(stream_id, gen_request, default_model=request.app.state.default_model,
                              max_queue=settings.max_queue, retention_s=settings.retention_s,
-                             abandon_after_s=settings.abandon_after_s, key_id=caller)
+                             abandon_after_s=settings.abandon_after_s, key_id=caller,
+                             max_active=int(_key_limit(request, caller, "max_active")))
     if res.outcome == "conflict":
         raise Conflict("this Idempotency-Key was used with a different request")
     if res.outcome == "expired":
         raise OpenAIError(409, "this Idempotency-Key was used for a generation that has expired; use a new key",
                           code="expired", headers={"x-should-retry": "false"})
+    if res.outcome == "key_busy":
+        metrics.inc("rsb_creates_rejected_total")
+        raise OpenAIError(429, "this API key has as many unfinished generations as it may", type_="requests",
+                          code="too_many_generations", headers={"Retry-After": str(res.retry_after_s)})
     if res.outcome == "queue_full":
         metrics.inc("rsb_creates_rejected_total")
         raise OpenAIError(429, f"the generation queue is full ({res.waiting} waiting)", type_="requests",

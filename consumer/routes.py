@@ -18,7 +18,7 @@ from broker.settings import ConsumerSettings
 from broker.store import TERMINAL_STATUSES, Store, StreamStatus
 from consumer.auth import ensure_owner, principal
 from consumer.hub import LiveHub
-from consumer.limits import ConnectionLimiter, Counted
+from consumer.limits import ConnectionLimiter, Counted, TooManyGenerations
 from consumer.metrics import Metrics
 from consumer.openapi import build_openapi
 from consumer.reader import read_batches
@@ -89,11 +89,16 @@ async def create_stream(request: Request) -> Response:
     stream_id = sid or uuid.uuid4()
     res = await store.create(stream_id, gen_request, default_model=request.app.state.default_model,
                              max_queue=settings.max_queue, retention_s=settings.retention_s,
-                             abandon_after_s=settings.abandon_after_s, key_id=principal(request))
+                             abandon_after_s=settings.abandon_after_s, key_id=principal(request),
+                             max_active=int(_key_limit(request, principal(request), "max_active")))
     if res.outcome == "conflict":
         raise Conflict("a stream with this id exists with a different request")
     if res.outcome == "expired":
         raise Expired("a stream with this id existed and expired; use a new id")
+    if res.outcome == "key_busy":
+        metrics.inc("rsb_creates_rejected_total")
+        raise TooManyGenerations("this API key has as many unfinished generations as it may (max_active)",
+                                 retry_after_s=res.retry_after_s)
     if res.outcome == "queue_full":
         metrics.inc("rsb_creates_rejected_total")
         raise QueueFull(f"the generation queue is full ({res.waiting} waiting)", retry_after_s=res.retry_after_s)

@@ -189,3 +189,36 @@ def test_a_flood_from_one_key_leaves_other_keys_streams_unaffected(stack_factory
     # flooding client shares the 2 cores: a burst of 2,000 delays other keys' events by up to about the
     # burst's CPU time, but loses or breaks nothing (docs/security.md has the numbers).
     assert p99(during) < 2500.0
+
+
+def test_unfinished_generations_per_key_at_exactly_max_active(stack_factory, redis_server, redis_client, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    alice, alice_entry = new_key("alice")
+    bob, bob_entry = new_key("bob")
+    alice_entry["limits"] = {"max_active": 2}
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [alice_entry, bob_entry]}))
+    s = stack_factory(redis_server.url)
+    s.consumer("--api-keys", str(keys))  # no generator yet: everything stays queued
+    with s.client() as c:
+        c.headers.update({"Authorization": f"Bearer {alice}"})
+        first = [create(c, max_tokens=4) for _ in range(2)]
+        assert [r.status_code for r in first] == [201, 201]
+        r = create(c, max_tokens=4)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_generations"
+        assert int(r.headers["retry-after"]) >= 1
+        again = c.post("/v1/streams", json={"id": first[0].json()["id"], "prompt": "Hello", "max_tokens": 4})
+        assert again.status_code == 200  # a retry of an accepted create needs no new slot
+        c.headers.update({"Authorization": f"Bearer {bob}"})
+        assert create(c).status_code == 201  # other keys are not limited by alice's use
+        c.headers.update({"Authorization": f"Bearer {alice}"})
+        assert c.post(f"/v1/streams/{first[0].json()['id']}/cancel").json()["status"] == "cancelled"
+        assert create(c, max_tokens=4).status_code == 201  # a finished one frees its slot
+        assert create(c, max_tokens=4).status_code == 429
+        s.generator()
+        from helpers import wait_status
+
+        wait_status(c, first[1].json()["id"], {"done"})
+        deadline = time.monotonic() + 30
+        while create(c, max_tokens=4).status_code != 201:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
