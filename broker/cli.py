@@ -76,6 +76,8 @@ def _add_generator_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "ignore-eos", action="store_true", help="never stop at end-of-sequence (benchmarks, tests)")
     _flag(p, "generator-grace-s", type=float, default=10.0,
           help="on SIGTERM, seconds to finish the job in flight before handing it over")
+    _flag(p, "metrics-port", type=int, default=0, help="serve this worker's Prometheus /metrics on this port (0 = off)")
+    _flag(p, "metrics-host", default="127.0.0.1", help="address of the worker's /metrics endpoint")
     _flag(p, "concurrency", type=int, default=1,
           help="generations one worker runs at once (in-process llama.cpp: 1; an --upstream server: more)")
     _flag(p, "disconnect-grace-s", type=float, default=5.0,
@@ -108,7 +110,7 @@ def generator_settings(a: argparse.Namespace, redis_url: str | None = None) -> G
         max_generation_s=a.max_generation_s, n_threads=a.n_threads, n_ctx=a.n_ctx,
         shutdown_grace_s=a.generator_grace_s, disconnect_grace_s=a.disconnect_grace_s, concurrency=a.concurrency,
         upstream_api=a.upstream_api, upstream_model=a.upstream_model, upstream_api_key=a.upstream_api_key,
-        upstream_timeout_s=a.upstream_timeout_s,
+        upstream_timeout_s=a.upstream_timeout_s, metrics_port=a.metrics_port, metrics_host=a.metrics_host,
     )
 
 

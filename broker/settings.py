@@ -85,6 +85,9 @@ class GeneratorSettings:
     # Generations run at once by one worker. In-process llama.cpp has one context: 1. Upstream servers
     # batch requests, so a worker driving one can run several.
     concurrency: int = 1
+    # Prometheus /metrics of this worker (0: off).
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
     # cancel_on_disconnect: how long a stream may have no reader before it is cancelled (reconnects
     # within this grace keep it going). Consumer pods refresh a stream's "seen" every TOUCH_INTERVAL_S.
     disconnect_grace_s: float = 5.0

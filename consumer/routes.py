@@ -150,6 +150,7 @@ async def stream_events(request: Request) -> Response:
         read_batches(store, hub, stream_id, resume, settings.heartbeat_s, watched=st.watched),
         shutdown=request.app.state.draining,
         send_timeout_s=settings.send_timeout_s,
+        on_sent=lambda n: metrics.inc("rsb_events_sent_total", n),
     )
     return Counted(response, limiter, ip, caller)  # type: ignore[return-value]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
@@ -51,10 +51,12 @@ class SSEResponse:
         *,
         shutdown: asyncio.Event,
         send_timeout_s: float = 30.0,
+        on_sent: Callable[[int], None] | None = None,
     ) -> None:
         self.events = events
         self.shutdown = shutdown
         self.send_timeout_s = send_timeout_s
+        self.on_sent = on_sent  # counts events as they go out (metrics)
         self.sent_events = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -101,6 +103,8 @@ class SSEResponse:
             async with asyncio.timeout(self.send_timeout_s):
                 await self._send(send, chunk)
             self.sent_events += n
+            if n and self.on_sent is not None:
+                self.on_sent(n)
 
     @staticmethod
     async def _wait_disconnect(receive: Receive) -> None:

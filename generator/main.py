@@ -11,6 +11,7 @@ from broker.client import connect, connect_blocking
 from broker.settings import GeneratorSettings
 from broker.store import Store
 from generator.engine import Engine
+from generator.metrics import serve_metrics
 from generator.worker import Worker
 
 log = logging.getLogger("rsb.generator")
@@ -43,6 +44,9 @@ async def serve(settings: GeneratorSettings, engine: Engine) -> None:
     # One blocking XREADGROUP per hash slot polled (one on a standalone server) plus the cancel listener.
     blocking = connect_blocking(b.redis_url, max_connections=b.partitions + 1, cluster=b.cluster)
     worker = Worker(settings, engine, Store(redis, settings.broker.partitions), blocking)
+    metrics_server = None
+    if settings.metrics_port:
+        metrics_server = await serve_metrics(worker.metrics, settings.metrics_host, settings.metrics_port)
     task = asyncio.create_task(worker.run())
     loop = asyncio.get_running_loop()
     grace: list[asyncio.TimerHandle] = []
@@ -66,6 +70,8 @@ async def serve(settings: GeneratorSettings, engine: Engine) -> None:
     finally:
         for h in grace:
             h.cancel()
+        if metrics_server is not None:
+            metrics_server.close()
         await redis.aclose()
         await blocking.aclose()
         engine.close()

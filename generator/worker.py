@@ -39,6 +39,7 @@ from broker.settings import GeneratorSettings
 from broker.store import Claim, Store, started_event
 from generator.engine import Engine, Generation
 from generator.handoff import TokenHandoff
+from generator.metrics import GeneratorMetrics
 from generator.stops import StopFilter
 
 log = logging.getLogger("rsb.generator")
@@ -95,6 +96,7 @@ class Backoff:
 
 class Worker:
     def __init__(self, settings: GeneratorSettings, engine: Engine, store: Store, blocking: RedisClient) -> None:
+        self.metrics = GeneratorMetrics()
         self.settings = settings
         self.engine = engine
         self.store = store
@@ -300,10 +302,12 @@ class Worker:
             await self._finish_cancelled(run, claim.cancel_reason, self._usage(0, claim.seq, None, None, None), 0.0)
         else:
             self._running[stream_id] = run
+            self.metrics.running += 1
             try:
                 await self._generate(run)
             finally:
                 del self._running[stream_id]
+                self.metrics.running -= 1
         if not run.fenced_out:
             await self._ack(partition, entry_id)
         self.jobs_done += 1
@@ -519,6 +523,8 @@ class Worker:
             compute_s=compute_s))
         if eid is None:
             run.fenced_out = True
+        else:
+            self.metrics.finished(status, usage, max(0, int(usage.get("completion_tokens") or 0) - run.claim.seq))
         log.info("finished", extra={"stream_id": str(run.claim.stream_id), "status": status,
                                     "completion_tokens": usage.get("completion_tokens")})
 

@@ -204,6 +204,9 @@ def test_500_live_readers_hold_a_small_bounded_number_of_redis_connections(stack
     assert texts == [answers[sids[i % 100]] for i in range(500)]
     m = httpx.get(f"{s.base_url}/metrics").text
     assert "rsb_connected_readers 0" in m
+    # Every reader got queued, started, 12 deltas at most (coalesced) and done: events sent are counted.
+    sent = float(next(line.split()[1] for line in m.splitlines() if line.startswith("rsb_events_sent_total ")))
+    assert sent >= 500 * 3
 
 
 def test_redis_unreachable_answers_503_with_retry_after(stack_factory) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,34 @@
+"""The generator's /metrics: jobs by outcome, tokens generated and wasted, TTFT/TPOT histograms."""
+
+from __future__ import annotations
+
+import httpx
+from helpers import create, read_sse, wait_status
+
+from broker.redis_server import free_port
+
+
+def _value(text: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_generator_metrics_count_what_was_generated_and_wasted(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    port = free_port()
+    s.generator("--metrics-port", str(port), model=slow_model)
+    with s.client() as c:
+        done = create(c, max_tokens=30).json()["id"]
+        wait_status(c, done, {"done"})
+        long = create(c, max_tokens=3000).json()["id"]
+        read_sse(c, f"/v1/streams/{long}/events", stop_after=10)
+        c.post(f"/v1/streams/{long}/cancel")
+        wasted = wait_status(c, long, {"cancelled"})["usage"]["completion_tokens"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert 'rsb_generator_jobs_total{status="done"} 1' in text
+    assert 'rsb_generator_jobs_total{status="cancelled"} 1' in text
+    assert _value(text, "rsb_generator_tokens_total") == 30 + wasted
+    assert _value(text, "rsb_generator_tokens_wasted_total") == wasted
+    assert _value(text, "rsb_generator_ttft_ms_count") == 2
+    assert _value(text, "rsb_generator_running") == 0
+    assert httpx.get(f"http://127.0.0.1:{port}/nope").status_code == 404
