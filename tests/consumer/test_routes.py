@@ -41,11 +41,16 @@ BAD_CREATES = [
 ]
 
 
-@pytest.fixture
-def api(stack_factory, redis_server, redis_client) -> httpx.Client:  # type: ignore[no-untyped-def]
-    s = stack_factory(redis_server.url)
+@pytest.fixture(scope="module")
+def api(redis_server, demo_model, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """One consumer for the whole module: these requests change nothing another test here reads."""
+    from conftest import Stack
+
+    s = Stack(redis_server.url, demo_model, tmp_path_factory.mktemp("routes"))
     s.consumer("--max-body-bytes", "4096")
-    return s.client()
+    with s.client() as client:
+        yield client
+    s.close()
 
 
 @pytest.mark.parametrize(("body", "code"), BAD_CREATES)
