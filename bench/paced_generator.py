@@ -43,13 +43,15 @@ async def serve(args: argparse.Namespace) -> None:
     # Worker runs each generation's engine loop with asyncio.to_thread: one thread per generation.
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=args.workers + 8))
     settings = GeneratorSettings(broker=BrokerSettings(redis_url=args.redis_url, partitions=args.partitions),
-                                 lease_s=args.lease_s, shutdown_grace_s=1.0)
+                                 lease_s=args.lease_s, shutdown_grace_s=1.0, concurrency=args.workers)
     redis = connect(args.redis_url, max_connections=args.pool, retries=1)
-    blocking = blocking_client(args.redis_url, 2 * args.workers + 2)
+    blocking = blocking_client(args.redis_url, args.partitions + 2)
     engine = PacedEngine(args.tokens_per_s)
     store = Store(redis, args.partitions)
     await store.ensure_groups()
-    workers = [Worker(settings, engine, store, blocking) for _ in range(args.workers)]
+    # One worker running --workers generations at once, as a worker driving an upstream server does; its
+    # appends share pipelines (generator/appends.py).
+    workers = [Worker(settings, engine, store, blocking)]
     tasks = [asyncio.create_task(w.run()) for w in workers]
 
     def on_signal() -> None:

@@ -248,13 +248,33 @@ class Store:
 
     async def append(self, claim: Claim, seq_before: int, seq_after: int,
                      events: Sequence[tuple[str, bytes]]) -> AppendResult:
+        keys, args = self._append_call(claim, seq_before, seq_after, events)
+        return self._append_result(await self._append(keys=keys, args=args))
+
+    async def append_many(self, calls: Sequence[tuple[Claim, int, int, Sequence[tuple[str, bytes]]]]
+                          ) -> list[AppendResult | BaseException]:
+        """Several streams' appends in one pipeline (one round trip). Each script still runs atomically on
+        its own; their results (or errors) come back in order."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for claim, seq_before, seq_after, events in calls:
+                keys, args = self._append_call(claim, seq_before, seq_after, events)
+                await self._append(keys=keys, args=args, client=pipe)
+            raw = await pipe.execute(raise_on_error=False)
+        return [r if isinstance(r, BaseException) else self._append_result(r) for r in raw]
+
+    @staticmethod
+    def _append_call(claim: Claim, seq_before: int, seq_after: int,
+                     events: Sequence[tuple[str, bytes]]) -> tuple[list[str], list[Any]]:
         k = claim.keys
         args: list[Any] = [claim.fence, k.channel, seq_before, seq_after]
         for etype, data in events:
             args.append(etype)
             args.append(data)
-        code, detail = await self._append(keys=[k.meta, k.events], args=args)
-        code = int(code)
+        return [k.meta, k.events], args
+
+    @staticmethod
+    def _append_result(raw: Any) -> AppendResult:
+        code, detail = int(raw[0]), raw[1]
         if code == 0:
             return AppendResult(True, _s(detail))
         if code == -2:

@@ -37,6 +37,7 @@ from broker.keys import JOBS_GROUP, control_channel, partition_slot
 from broker.pubsub import Channels
 from broker.settings import GeneratorSettings
 from broker.store import Claim, Store, started_event
+from generator.appends import AppendBatcher
 from generator.engine import Engine, Generation
 from generator.handoff import TokenHandoff
 from generator.metrics import GeneratorMetrics
@@ -97,6 +98,10 @@ class Backoff:
 class Worker:
     def __init__(self, settings: GeneratorSettings, engine: Engine, store: Store, blocking: RedisClient) -> None:
         self.metrics = GeneratorMetrics()
+        # Many generations at once: their appends share pipelines. (Cluster pipelines would split by
+        # node anyway; there each append goes on its own.)
+        self._appender: Store | AppendBatcher = (
+            AppendBatcher(store) if settings.concurrency > 1 and not store.cluster else store)
         self.settings = settings
         self.engine = engine
         self.store = store
@@ -430,7 +435,7 @@ class Worker:
         backoff = Backoff()
         while True:
             try:
-                res = await self.store.append(run.claim, seq_before, seq_after, events)
+                res = await self._appender.append(run.claim, seq_before, seq_after, events)
             except TRANSIENT as e:
                 log.warning("append failed, retrying: %s", e)
                 await backoff.sleep()
