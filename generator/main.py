@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 
 from broker.client import connect, connect_blocking
 from broker.settings import GeneratorSettings
@@ -77,6 +78,12 @@ async def serve(settings: GeneratorSettings, engine: Engine) -> None:
         engine.close()
 
 
+# The inference thread needs the GIL between llama.cpp calls (sampling, detokenizing); with CPython's
+# default 5 ms switch interval it can wait that long behind the event loop's Redis work for every token.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def run_generator(settings: GeneratorSettings, *, ignore_eos: bool = False) -> None:
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine = build_engine(settings, ignore_eos=ignore_eos)
     asyncio.run(serve(settings, engine))
