@@ -104,6 +104,64 @@ def _create_body(max_tokens: int, max_messages: int, max_prompt_chars: int) -> d
     return body
 
 
+_OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+                   "code": {"type": ["string", "null"]}}}}}
+
+
+def _openai_paths(common: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI-compatible views (consumer/openai_*.py). Bodies follow OpenAI's API reference; rsb
+    refuses (400) what it cannot honour (tools, n > 1, logprobs, non-text parts)."""
+    err = {"description": "an error in OpenAI's shape", "content": {"application/json": {"schema": _OPENAI_ERROR}}}
+    json_or_sse = {"application/json": {"schema": {"type": "object"}},
+                   "text/event-stream": {"schema": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"],
+               "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+                              "content": {"type": "string"}}}
+    chat_body = {"type": "object", "required": ["messages"], "properties": {
+        "model": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": message},
+        "max_tokens": {"type": "integer", "minimum": 1}, "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number"},
+        "seed": {"type": "integer"}, "stop": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+        "stream": {"type": "boolean"}, "stream_options": {"type": "object"}}}
+    responses_body = {"type": "object", "required": ["input"], "properties": {
+        "model": {"type": "string"}, "input": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+        "instructions": {"type": "string"}, "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number"}, "top_p": {"type": "number"}, "background": {"type": "boolean"},
+        "stream": {"type": "boolean"}}}
+    rid = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    errors = {"400": err, "404": err, "409": err, "429": err, "503": err, **common}
+    return {
+        "/v1/chat/completions": {"post": {
+            "operationId": "openaiChatCompletions", "summary": "OpenAI chat.completions (a view of an rsb stream)",
+            "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
+                            "schema": {"type": "string"}}],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": chat_body}}},
+            "responses": {"200": {"description": "chat.completion, or chat.completion.chunk events when "
+                                                 "stream is true", "content": json_or_sse}, **errors}}},
+        "/v1/responses": {"post": {
+            "operationId": "openaiCreateResponse", "summary": "OpenAI Responses (background mode supported)",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": responses_body}}},
+            "responses": {"200": {"description": "a response object, or its events when stream is true",
+                                  "content": json_or_sse}, **errors}}},
+        "/v1/responses/{response_id}": {"get": {
+            "operationId": "openaiRetrieveResponse",
+            "parameters": [rid, {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}},
+                           {"name": "starting_after", "in": "query", "required": False,
+                            "schema": {"type": "integer", "minimum": -1}}],
+            "responses": {"200": {"description": "the response, or its events after starting_after",
+                                  "content": json_or_sse}, **errors}}},
+        "/v1/responses/{response_id}/cancel": {"post": {
+            "operationId": "openaiCancelResponse", "parameters": [rid],
+            "responses": {"200": {"description": "the response, cancelled",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}}, **errors}}},
+        "/v1/models": {"get": {"operationId": "openaiModels", "responses": {
+            "200": {"description": "the models this deployment serves",
+                    "content": {"application/json": {"schema": {"type": "object"}}}}, **common}}},
+    }
+
+
 def build_openapi(auth: bool, *, max_tokens: int, max_messages: int, max_prompt_chars: int) -> dict[str, Any]:
     """The spec, with this deployment's limits (so generated valid requests are really accepted)."""
     create_body = _create_body(max_tokens, max_messages, max_prompt_chars)
@@ -183,6 +241,7 @@ def build_openapi(auth: bool, *, max_tokens: int, max_messages: int, max_prompt_
                 "503": _err("Redis unreachable", _RETRY_AFTER)}}},
         },
     }
+    spec["paths"].update(_openai_paths(common))
     if auth:
         spec["components"] = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}
         spec["security"] = [{"bearer": []}]
