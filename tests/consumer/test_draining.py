@@ -66,5 +66,8 @@ def test_sigterm_moves_every_reader_to_the_other_pod_without_loss(stack_factory,
         assert r.done and r.ids == expected.ids, (i, r.ends)
         assert [(e.event, e.data) for e in r.events] == [(e.event, e.data) for e in expected.events]
     for r in moved:  # told to reconnect, and cut only at an event boundary
-        assert r.ends[0] == "clean" and r.retry == [1000], (r.ends, r.errors)
+        # A reconnect can land on the draining pod once more (nginx reuses a keepalive connection to it
+        # before the pod closes it): that pod answers with the same hint at once, and nothing is lost.
+        assert all(end == "clean" for end in r.ends[:-1]), (r.ends, r.errors)
+        assert r.retry and set(r.retry) == {1000}, (r.retry, r.ends)
     assert all(w.events[-1].event == "done" for w in whole.values())
