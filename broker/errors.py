@@ -34,6 +34,11 @@ class Expired(RsbError):
     status_code = 410
 
 
+class Unauthorized(RsbError):
+    code = "unauthorized"
+    status_code = 401
+
+
 class Conflict(RsbError):
     code = "conflict"
     status_code = 409
@@ -49,6 +54,20 @@ class RetryLater(RsbError):
 
 class QueueFull(RetryLater):
     code = "queue_full"
+    status_code = 429
+
+
+class TooManyConnections(RetryLater):
+    """Open streams per client address or per API key at their limit (counted per pod)."""
+
+    code = "too_many_connections"
+    status_code = 429
+
+
+class TooManyGenerations(RetryLater):
+    """An API key's ``max_active`` unfinished generations are all in use (checked atomically in Redis)."""
+
+    code = "too_many_generations"
     status_code = 429
 
 

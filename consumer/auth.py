@@ -24,15 +24,10 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
-from broker.errors import NotFound, RsbError
+from broker.errors import NotFound, Unauthorized
 
 ANONYMOUS = ""
 _KEY_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
-
-
-class Unauthorized(RsbError):
-    code = "unauthorized"
-    status_code = 401
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,19 +10,7 @@ from collections import Counter
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from broker.errors import RetryLater
-
-
-class TooManyConnections(RetryLater):
-    code = "too_many_connections"
-    status_code = 429
-
-
-class TooManyGenerations(RetryLater):
-    """An API key's ``max_active`` unfinished generations are all in use (checked atomically in Redis)."""
-
-    code = "too_many_generations"
-    status_code = 429
+from broker.errors import TooManyConnections
 
 
 class ConnectionLimiter:

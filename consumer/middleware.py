@@ -8,7 +8,8 @@ from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from consumer.auth import ApiKeys, Unauthorized
+from broker.errors import Unauthorized
+from consumer.auth import ApiKeys
 from consumer.errors import error_response
 
 # The routes a read token opens (EventSource and a status poll): GET only, one stream.

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from broker.errors import Conflict, Expired, InvalidRequest, NotFound, PayloadTooLarge, QueueFull
+from broker.errors import Conflict, Expired, InvalidRequest, NotFound, PayloadTooLarge, QueueFull, TooManyGenerations
 from broker.events import parse_event_id
 from broker.report import COUNTERS, aborted_report, aborted_totals, parse_time
 from broker.request import parse_create_body
@@ -18,7 +18,7 @@ from broker.settings import ConsumerSettings
 from broker.store import TERMINAL_STATUSES, Store, StreamStatus
 from consumer.auth import ensure_owner, principal
 from consumer.hub import LiveHub
-from consumer.limits import ConnectionLimiter, Counted, TooManyGenerations
+from consumer.limits import ConnectionLimiter, Counted
 from consumer.metrics import Metrics
 from consumer.openapi import build_openapi
 from consumer.reader import read_batches
