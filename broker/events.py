@@ -18,6 +18,7 @@ import orjson
 class EventType(StrEnum):
     QUEUED = "queued"
     STARTED = "started"
+    PROGRESS = "progress"  # prefill of a long prompt: {"processed": int, "prompt_tokens": int}
     DELTA = "delta"
     DONE = "done"
     CANCELLED = "cancelled"

@@ -26,7 +26,8 @@ _EVENT_DATA = {
     "required": ["id", "event", "data"],
     "properties": {
         "id": {"type": "string", "pattern": "^[0-9]+-[0-9]+$"},
-        "event": {"type": "string", "enum": ["queued", "started", "delta", "done", "cancelled", "error"]},
+        "event": {"type": "string",
+                  "enum": ["queued", "started", "progress", "delta", "done", "cancelled", "error"]},
         "data": {"type": "string", "contentMediaType": "application/json"},
     },
 }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +20,9 @@ class Generation:
     prompt_tokens: int
     pieces: Iterator[str]
     finish_reason: str = "length"
+    #: Set by the worker before iterating: engines that process a long prompt in steps call it with
+    #: (prompt tokens processed, prompt tokens) between steps, from the inference thread.
+    on_progress: Callable[[int, int], None] | None = None
 
 
 class Engine(Protocol):

@@ -19,6 +19,7 @@ class Batch:
     pieces: list[str]
     closed: bool  # the producer finished (or failed: see ``error``) and nothing more will come
     error: BaseException | None = None
+    progress: tuple[int, int] | None = None  # the latest prefill progress, if any came since the last get
 
 
 class TokenHandoff:
@@ -33,6 +34,7 @@ class TokenHandoff:
         self._closed = False
         self._error: BaseException | None = None
         self._abandoned = False
+        self._progress: tuple[int, int] | None = None
 
     # -- producer (inference thread) -----------------------------------------------------------
 
@@ -50,6 +52,15 @@ class TokenHandoff:
             self._loop.call_soon_threadsafe(self._ready.set)
         return True
 
+    def progress(self, processed: int, total: int) -> None:
+        """Prefill progress (only the latest value is kept: it replaces, never queues)."""
+        with self._lock:
+            self._progress = (processed, total)
+            wake = self._waiting
+            self._waiting = False
+        if wake:
+            self._loop.call_soon_threadsafe(self._ready.set)
+
     def close(self, error: BaseException | None = None) -> None:
         with self._lock:
             self._closed = True
@@ -63,11 +74,12 @@ class TokenHandoff:
         """Everything handed over so far (at least one piece unless closed or timed out)."""
         while True:
             with self._space:
-                if self._items or self._closed:
+                if self._items or self._closed or self._progress is not None:
                     pieces = list(self._items)
                     self._items.clear()
+                    progress, self._progress = self._progress, None
                     self._space.notify_all()
-                    return Batch(pieces, self._closed and not self._items, self._error)
+                    return Batch(pieces, self._closed and not self._items, self._error, progress)
                 self._waiting = True
                 self._ready.clear()
             try:

@@ -32,6 +32,11 @@ FALLBACK_CHAT_TEMPLATE = (
 _RANDOM_SEED = llama_cpp.LLAMA_DEFAULT_SEED
 
 
+# Prompts longer than this report their prefill progress, every PROGRESS_CHUNK_TOKENS tokens.
+PROGRESS_MIN_TOKENS = 512
+PROGRESS_CHUNK_TOKENS = 256
+
+
 class PromptTooLong(ValueError):
     """The prompt (plus the answer text being continued) leaves no room for ``max_tokens`` in the context."""
 
@@ -201,6 +206,17 @@ class LlamaEngine:
             elif seed == _RANDOM_SEED:
                 seed -= 1
             llm.set_seed(seed)
+            on_progress = generation.on_progress
+            if on_progress is not None and len(tokens) > PROGRESS_MIN_TOKENS:
+                # A long prompt is evaluated in steps (all but its last token: generate() then finds the
+                # cached prefix and decodes only that one), reporting progress between steps; a cancel
+                # stops it between steps instead of after the whole prefill.
+                end = len(tokens) - 1
+                for start in range(0, end, PROGRESS_CHUNK_TOKENS):
+                    if stop.is_set():
+                        return
+                    llm.eval(tokens[start:min(start + PROGRESS_CHUNK_TOKENS, end)])
+                    on_progress(min(start + PROGRESS_CHUNK_TOKENS, end), len(tokens))
 
             detok = IncrementalDetokenizer(
                 self._pieces,

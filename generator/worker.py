@@ -350,6 +350,7 @@ class Worker:
         def infer() -> None:
             try:
                 gen = self.engine.start(req, prefix_text=prefix, max_tokens=remaining, stop=run.stop)
+                gen.on_progress = handoff.progress
                 gen_holder.append(gen)
                 for piece in gen.pieces:
                     if not handoff.put(piece):
@@ -374,6 +375,11 @@ class Worker:
                     timeout = max(0.0, t_start + deadline - time.monotonic())
                 batch = await handoff.get(timeout_s=timeout if timeout is not None else 1.0)
                 now = time.monotonic()
+                if batch.progress is not None and not batch.pieces and not run.fenced_out:
+                    processed, total = batch.progress
+                    progress = [(EventType.PROGRESS, encode_data({"processed": processed, "prompt_tokens": total}))]
+                    if await self._append_retrying(run, seq, seq, progress) is None:
+                        break
                 if batch.pieces:
                     if first_token_at is None:
                         first_token_at = now
