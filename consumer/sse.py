@@ -57,7 +57,6 @@ class SSEResponse:
         self.shutdown = shutdown
         self.send_timeout_s = send_timeout_s
         self.on_sent = on_sent  # counts events as they go out (metrics)
-        self.sent_events = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
@@ -102,7 +101,6 @@ class SSEResponse:
             # would go on after the response ended.)
             async with asyncio.timeout(self.send_timeout_s):
                 await self._send(send, chunk)
-            self.sent_events += n
             if n and self.on_sent is not None:
                 self.on_sent(n)
 

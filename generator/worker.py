@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.client import RedisClient
-from broker.events import EventType, encode_data
+from broker.events import EventType, delta, encode_data
 from broker.keys import JOBS_GROUP, control_channel, partition_slot
 from broker.pubsub import Channels
 from broker.settings import GeneratorSettings
@@ -109,7 +109,6 @@ class Worker:
         self.worker_id = settings.worker_id or default_worker_id()
         self._stopping = asyncio.Event()
         self._running: dict[uuid.UUID, _Run] = {}
-        self.jobs_done = 0
         self._groups = self._poll_groups()
         self._polling = False  # a _next_job call is waiting for the polls
         self._background: set[asyncio.Task[Any]] = set()
@@ -315,7 +314,6 @@ class Worker:
                 self.metrics.running -= 1
         if not run.fenced_out:
             await self._ack(partition, entry_id)
-        self.jobs_done += 1
 
     async def _prefix_text(self, claim: Claim) -> tuple[str, bool]:
         """The answer so far (from an earlier attempt) and whether ``started`` was already sent."""
@@ -393,8 +391,7 @@ class Worker:
                     if error is None and not run.stop.is_set():
                         text += stops.flush()
                 if text and not run.fenced_out:
-                    delta = [(EventType.DELTA, encode_data({"text": text}))]
-                    res = await self._append_retrying(run, seq, tokens, delta)
+                    res = await self._append_retrying(run, seq, tokens, [delta(text)])
                     if res is None:
                         break
                     seq = tokens
