@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from helpers import wait_serving
 
 from broker.redis_server import RedisServer, free_port
 
@@ -124,16 +125,7 @@ class Stack:
         port = port or free_port()
         p = self._run("consumer", ["consumer", "--redis-url", self.redis_url, "--port", str(port), *extra])
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert p.alive(), f"consumer died:\n{p.output()}"
-            assert time.monotonic() < deadline, "consumer did not come up"
-            time.sleep(0.05)
+        wait_serving(f"{url}/healthz", p.alive, p.output, 30)
         if not self.base_url:
             self.base_url = url
         return p, url
@@ -298,16 +290,7 @@ class Nginx:
         assert check.returncode == 0, check.stderr
         self.proc = Proc(argv, "nginx", tmp / "nginx-stdout.log")
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert self.proc.alive(), (tmp / "error.log").read_text()
-            assert time.monotonic() < deadline, "nginx did not come up"
-            time.sleep(0.05)
+        wait_serving(f"{self.url}/healthz", self.proc.alive, (tmp / "error.log").read_text, 10)
 
     def stop(self) -> None:
         self.proc.stop(5)

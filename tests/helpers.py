@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,20 @@ def read_sse(client: httpx.Client, url: str, *, headers: dict[str, str] | None =
         else:
             assert buf == b"", f"response ended mid-event: {buf!r}"
         return SSERead(r.status_code, r.headers, events, comments, retry)
+
+
+def wait_serving(url: str, alive: Callable[[], bool], describe: Callable[[], str], timeout_s: float) -> None:
+    """Poll ``url`` until it answers 200, failing at once (with ``describe()``) if the process died."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert alive(), f"the server died:\n{describe()}"
+        assert time.monotonic() < deadline, f"{url} did not come up in {timeout_s:g}s:\n{describe()}"
+        time.sleep(0.05)
 
 
 def create(client: httpx.Client, body: dict[str, Any] | None = None, **fields: Any) -> httpx.Response:

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import create, read_sse, wait_status
+from helpers import create, read_sse, wait_serving, wait_status
 
 from broker.redis_server import free_port
 from broker.request import GenerationRequest, Message
@@ -59,16 +59,7 @@ class LlamaServer:
             [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(self.port),
              "--n_threads", "1", "--n_ctx", "8192", "--interrupt_requests", "False"],
             stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None, f"llama_cpp.server died:\n{self.output()}"
-            assert time.monotonic() < deadline, f"llama_cpp.server did not come up:\n{self.output()}"
-            time.sleep(0.2)
+        wait_serving(f"{self.url}/v1/models", lambda: self.proc.poll() is None, self.output, 90)
         self.model_id = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
 
     def output(self) -> str:
