@@ -28,7 +28,7 @@ from broker.store import StreamStatus
 from consumer.auth import principal
 from consumer.limits import ConnectionLimiter, Counted
 from consumer.reader import read_stream
-from consumer.routes import _key_limit, _known_status, _read_body, _state
+from consumer.routes import app_state, key_limit, known_status, read_body
 from consumer.sse import RECONNECT_HINT, SSEResponse
 
 # Lets a client find the rsb stream behind an OpenAI object (to resume it over /v1/streams/{id}/events).
@@ -108,7 +108,7 @@ def openai_route(handler: Handler) -> Handler:
 
 async def read_json(request: Request) -> dict[str, Any]:
     settings = request.app.state.settings
-    raw = await _read_body(request, settings.max_body_bytes)
+    raw = await read_body(request, settings.max_body_bytes)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -148,9 +148,9 @@ async def create_stream(request: Request, rsb_body: dict[str, Any],
                         renames: Mapping[str, str]) -> tuple[uuid.UUID, StreamStatus]:
     """Validate ``rsb_body`` (a ``POST /v1/streams`` body) exactly as the native route does, create the
     stream, and return it with its status. ``renames`` maps rsb field names to the client's, for errors."""
-    settings, store, _, metrics = _state(request)
+    settings, store, _, metrics = app_state(request)
     caller = principal(request)
-    key_max_tokens = int(_key_limit(request, caller, "max_tokens"))
+    key_max_tokens = int(key_limit(request, caller, "max_tokens"))
     max_tokens = min(settings.max_tokens_limit, key_max_tokens) if key_max_tokens else settings.max_tokens_limit
     try:
         _, gen_request = parse_create_body(
@@ -169,7 +169,7 @@ async def create_stream(request: Request, rsb_body: dict[str, Any],
     res = await store.create(stream_id, gen_request, default_model=request.app.state.default_model,
                              max_queue=settings.max_queue, retention_s=settings.retention_s,
                              abandon_after_s=settings.abandon_after_s, key_id=caller,
-                             max_active=int(_key_limit(request, caller, "max_active")))
+                             max_active=int(key_limit(request, caller, "max_active")))
     if res.outcome == "conflict":
         raise Conflict("this Idempotency-Key was used with a different request")
     if res.outcome == "expired":
@@ -184,7 +184,7 @@ async def create_stream(request: Request, rsb_body: dict[str, Any],
         raise OpenAIError(429, f"the generation queue is full ({res.waiting} waiting)", type_="requests",
                           code="queue_full", headers={"Retry-After": str(res.retry_after_s)})
     metrics.inc("rsb_streams_created_total" if res.outcome == "created" else "rsb_creates_replayed_total")
-    return stream_id, await _known_status(store, stream_id, caller)
+    return stream_id, await known_status(store, stream_id, caller)
 
 
 class Frame(Event):
@@ -219,7 +219,7 @@ class Connection:
         self.caller = principal(request)
         self.ip = request.client.host if request.client else ""
         self.limiter: ConnectionLimiter = request.app.state.limiter
-        self.limiter.acquire(self.ip, self.caller, int(_key_limit(request, self.caller, "max_sse")))
+        self.limiter.acquire(self.ip, self.caller, int(key_limit(request, self.caller, "max_sse")))
         self._handed_over = False
 
     def serve(self, app: ASGIApp) -> ASGIApp:
@@ -326,7 +326,7 @@ async def fold_to_end(request: Request, stream_id: uuid.UUID, feed: Callable[[Ev
 def tail(request: Request, stream_id: uuid.UUID) -> AsyncGenerator[Event | None, None]:
     """The stream from its first event, live ones included: ``None`` for each heartbeat due. Close it
     (``aclosing``) so its live subscription ends with the reader, not at garbage collection."""
-    settings, store, hub, _ = _state(request)
+    settings, store, hub, _ = app_state(request)
     # read_stream is an async generator, annotated by what it yields.
     return cast(AsyncGenerator[Event | None, None], read_stream(store, hub, stream_id, None, settings.heartbeat_s))
 

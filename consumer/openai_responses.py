@@ -37,7 +37,7 @@ from consumer.openai_common import (
     usage_tokens,
 )
 from consumer.reader import REPLAY_PAGE
-from consumer.routes import _known_status, _state
+from consumer.routes import app_state, known_status
 
 _ID = re.compile(r"\Aresp_([0-9a-fA-F]{32})\Z")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -253,7 +253,7 @@ def _flag(value: object, name: str) -> bool:
 
 
 async def new_view(request: Request, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
-    _, store, _, _ = _state(request)
+    _, store, _, _ = app_state(request)
     # The stored request (meta field ``req``, see broker.scripts); Store.status does not return it.
     raw = await store.redis.hget(store.keys(stream_id).meta, "req")
     req = GenerationRequest.from_canonical(raw.encode() if isinstance(raw, str) else raw) if raw else None
@@ -277,7 +277,7 @@ async def _frames(request: Request, stream_id: uuid.UUID, view: ResponseView,
 
 async def _snapshot(request: Request, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
     """The response as it stands: every event so far, without waiting for more."""
-    _, store, _, _ = _state(request)
+    _, store, _, _ = app_state(request)
     view = await new_view(request, stream_id, st)
     last = None
     while True:
@@ -319,7 +319,7 @@ async def create_response(request: Request) -> ASGIApp:
 
 
 async def retrieve_response(request: Request) -> ASGIApp:
-    _, store, _, _ = _state(request)
+    _, store, _, _ = app_state(request)
     stream_id = _path_stream_id(request)
     q = request.query_params
     stream = q.get("stream", "false").lower()
@@ -331,7 +331,7 @@ async def retrieve_response(request: Request) -> ASGIApp:
         if not raw_after.isdigit() or len(raw_after) > 18:
             raise invalid("'starting_after' must be a sequence number (an integer from 0)", "starting_after")
         after = int(raw_after)
-    st = await _known_status(store, stream_id, principal(request))
+    st = await known_status(store, stream_id, principal(request))
     if stream == "false":
         return JSONResponse((await _snapshot(request, stream_id, st)).response())
     with Connection(request) as conn:
@@ -339,9 +339,9 @@ async def retrieve_response(request: Request) -> ASGIApp:
 
 
 async def cancel_response(request: Request) -> ASGIApp:
-    _, store, _, metrics = _state(request)
+    _, store, _, metrics = app_state(request)
     stream_id = _path_stream_id(request)
-    st = await _known_status(store, stream_id, principal(request))
+    st = await known_status(store, stream_id, principal(request))
     if await store.cancel(stream_id, "client") is None:
         raise NotFound("no response with this id")
     metrics.inc("rsb_cancels_total")

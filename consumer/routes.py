@@ -27,7 +27,7 @@ from consumer.sse import SSEResponse
 log = logging.getLogger("rsb.consumer")
 
 
-def _state(request: Request) -> tuple[ConsumerSettings, Store, LiveHub, Metrics]:
+def app_state(request: Request) -> tuple[ConsumerSettings, Store, LiveHub, Metrics]:
     st = request.app.state
     return st.settings, st.store, st.hub, st.metrics
 
@@ -42,7 +42,7 @@ def _path_id(request: Request) -> uuid.UUID:
         raise NotFound("no stream with this id") from None  # could never have existed
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
@@ -66,7 +66,7 @@ def _status_body(stream_id: uuid.UUID, st: StreamStatus) -> dict[str, object]:
     return body
 
 
-async def _known_status(store: Store, stream_id: uuid.UUID, caller: str) -> StreamStatus:
+async def known_status(store: Store, stream_id: uuid.UUID, caller: str) -> StreamStatus:
     """The stream's status, if it exists and belongs to the caller (else 404, or 410 once expired)."""
     st = await store.status(stream_id)
     if st is None:
@@ -78,9 +78,9 @@ async def _known_status(store: Store, stream_id: uuid.UUID, caller: str) -> Stre
 
 
 async def create_stream(request: Request) -> Response:
-    settings, store, _, metrics = _state(request)
-    raw = await _read_body(request, settings.max_body_bytes)
-    key_max_tokens = int(_key_limit(request, principal(request), "max_tokens"))
+    settings, store, _, metrics = app_state(request)
+    raw = await read_body(request, settings.max_body_bytes)
+    key_max_tokens = int(key_limit(request, principal(request), "max_tokens"))
     max_tokens = min(settings.max_tokens_limit, key_max_tokens) if key_max_tokens else settings.max_tokens_limit
     sid, gen_request = parse_create_body(
         raw, max_tokens_limit=max_tokens, default_max_tokens=min(settings.default_max_tokens, max_tokens),
@@ -90,7 +90,7 @@ async def create_stream(request: Request) -> Response:
     res = await store.create(stream_id, gen_request, default_model=request.app.state.default_model,
                              max_queue=settings.max_queue, retention_s=settings.retention_s,
                              abandon_after_s=settings.abandon_after_s, key_id=principal(request),
-                             max_active=int(_key_limit(request, principal(request), "max_active")))
+                             max_active=int(key_limit(request, principal(request), "max_active")))
     if res.outcome == "conflict":
         raise Conflict("a stream with this id exists with a different request")
     if res.outcome == "expired":
@@ -120,7 +120,7 @@ async def create_stream(request: Request) -> Response:
 
 
 async def stream_events(request: Request) -> Response:
-    settings, store, hub, metrics = _state(request)
+    settings, store, hub, metrics = app_state(request)
     stream_id = _path_id(request)
     header, query = request.headers.get("last-event-id"), request.query_params.get("last_event_id")
     for raw in (header, query):  # both are checked, though the header wins: bad input is never ignored
@@ -132,9 +132,9 @@ async def stream_events(request: Request) -> Response:
     ip = request.client.host if request.client else ""
     limiter: ConnectionLimiter = request.app.state.limiter
     # Counted before any Redis round trip: a flood past the limit is refused at the lowest cost.
-    limiter.acquire(ip, caller, int(_key_limit(request, caller, "max_sse")))
+    limiter.acquire(ip, caller, int(key_limit(request, caller, "max_sse")))
     try:
-        st = await _known_status(store, stream_id, caller)
+        st = await known_status(store, stream_id, caller)
     except BaseException:
         limiter.release(ip, caller)
         raise
@@ -155,22 +155,22 @@ async def stream_events(request: Request) -> Response:
     return Counted(response, limiter, ip, caller)  # type: ignore[return-value]
 
 
-def _key_limit(request: Request, key_id: str, name: str) -> float:
+def key_limit(request: Request, key_id: str, name: str) -> float:
     """A per-key limit from the API keys file (0: none)."""
     key = request.app.state.api_keys.get(key_id)
     return float(key.limits.get(name, 0)) if key is not None else 0.0
 
 
 async def stream_status(request: Request) -> Response:
-    _, store, _, _ = _state(request)
+    _, store, _, _ = app_state(request)
     stream_id = _path_id(request)
-    return JSONResponse(_status_body(stream_id, await _known_status(store, stream_id, principal(request))))
+    return JSONResponse(_status_body(stream_id, await known_status(store, stream_id, principal(request))))
 
 
 async def cancel_stream(request: Request) -> Response:
-    _, store, _, metrics = _state(request)
+    _, store, _, metrics = app_state(request)
     stream_id = _path_id(request)
-    await _known_status(store, stream_id, principal(request))
+    await known_status(store, stream_id, principal(request))
     status = await store.cancel(stream_id, "client")
     if status is None:
         raise NotFound("no stream with this id")
@@ -179,7 +179,7 @@ async def cancel_stream(request: Request) -> Response:
 
 
 async def aborted_report_route(request: Request) -> Response:
-    settings, store, _, _ = _state(request)
+    settings, store, _, _ = app_state(request)
     q = request.query_params
     report = await aborted_report(store.redis, settings.broker.partitions, since=parse_time(q.get("since"), "since"),
                                   until=parse_time(q.get("until"), "until"), group_by=q.get("group_by", "reason"),
@@ -199,13 +199,13 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    _, store, _, _ = _state(request)
+    _, store, _, _ = app_state(request)
     await store.redis.ping()
     return JSONResponse({"status": "ready"})
 
 
 async def metrics_route(request: Request) -> Response:
-    settings, store, _, metrics = _state(request)
+    settings, store, _, metrics = app_state(request)
     lines = [metrics.render()]
     totals = await aborted_totals(store.redis, settings.broker.partitions)
     for counter in COUNTERS:
