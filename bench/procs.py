@@ -230,6 +230,23 @@ class Load:
             self.proc.wait()
 
 
+def run_load_measuring_cpu(target: str, kwargs: dict[str, Any], pids: list[int], timeout_s: float) -> Any:
+    """Run a load process to the end, measuring the CPU of ``pids`` from its "start" mark to its result;
+    returns the result with ``consumer_cores`` added."""
+    from bench.sampling import CpuWindow
+
+    load = Load(target, kwargs)
+    try:
+        load.wait_mark("start", 60)
+        cpu = CpuWindow(pids).start()
+        result = load.finish(timeout_s)
+        cpu.stop()
+    finally:
+        load.kill()
+    result["consumer_cores"] = cpu.cores
+    return result
+
+
 def run_load(target: str, kwargs: dict[str, Any], timeout_s: float = 600.0) -> Any:
     """Run a load function in its own process to the end and return its result."""
     load = Load(target, kwargs)

@@ -19,7 +19,6 @@ import orjson
 from bench import procs
 from bench.loadproc import Control
 from bench.report import goal_row, print_goals, table
-from bench.sampling import CpuWindow
 from bench.sseclient import RawConnection
 from bench.stats import ratio, summarize
 from broker.client import connect
@@ -117,17 +116,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with procs.redis_server() as server, procs.procs() as started:
         consumer, base = procs.start_consumer(server.url, "--max-queue", "0")
         started.append(consumer)
-        load = procs.Load("bench.scenarios.create:load_http",
-                          {"base": base, "rate": args.rate, "duration_s": args.duration_s,
-                           "connections": args.connections})
-        try:
-            load.wait_mark("start", 60)
-            cpu = CpuWindow([consumer.pid]).start()
-            out["rsb"] = load.finish(args.duration_s + 120)
-            cpu.stop()
-        finally:
-            load.kill()
-        out["rsb"]["consumer_cores"] = cpu.cores
+        out["rsb"] = procs.run_load_measuring_cpu(
+            "bench.scenarios.create:load_http",
+            {"base": base, "rate": args.rate, "duration_s": args.duration_s, "connections": args.connections},
+            [consumer.pid], args.duration_s + 120)
         consumer.stop()
         out["reference"] = procs.run_load("bench.scenarios.create:load_redis",
                                           {"redis_url": server.url, "rate": args.rate, "duration_s": args.duration_s})

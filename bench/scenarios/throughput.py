@@ -21,7 +21,6 @@ from bench import procs
 from bench.loadproc import Control
 from bench.prefill import prefill
 from bench.report import goal_row, print_goals, table
-from bench.sampling import CpuWindow
 from bench.sseclient import client
 from bench.stats import ratio
 from broker.keys import StreamKeys
@@ -92,16 +91,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         consumer, base = procs.start_consumer(server.url)
         started.append(consumer)
         sids = [s["id"] for s in prefill(server.url, args.streams, args.events)]
-        load = procs.Load("bench.scenarios.throughput:load_sse",
-                          {"base": base, "sids": sids, "readers": args.readers, "duration_s": args.duration_s})
-        try:
-            load.wait_mark("start", 60)
-            cpu = CpuWindow([consumer.pid]).start()
-            out["rsb"] = load.finish(args.duration_s + 120)
-            cpu.stop()
-        finally:
-            load.kill()
-        out["rsb"]["consumer_cores"] = cpu.cores
+        out["rsb"] = procs.run_load_measuring_cpu(
+            "bench.scenarios.throughput:load_sse",
+            {"base": base, "sids": sids, "readers": args.readers, "duration_s": args.duration_s},
+            [consumer.pid], args.duration_s + 120)
         consumer.stop()
         out["reference"] = procs.run_load("bench.scenarios.throughput:load_xrange",
                                           {"redis_url": server.url, "sids": sids, "readers": args.readers,
