@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from bench.paced_engine import PacedEngine
 from bench.procs import raise_nofile
-from broker.request import parse_create_body
+from broker.request import RequestLimits, parse_create_body
 from generator.handoff import TokenHandoff
 
 HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -34,7 +34,7 @@ def build_app(tokens_per_s: float, heartbeat_s: float) -> Starlette:
     async def stream(request: Request) -> Response:
         max_tokens = int(request.query_params.get("max_tokens", "100"))
         _, req = parse_create_body(orjson.dumps({"prompt": "x", "max_tokens": max_tokens}),
-                                   max_tokens_limit=1 << 20, default_max_tokens=max_tokens)
+                                   RequestLimits(max_tokens=1 << 20, default_max_tokens=max_tokens))
 
         async def events():  # type: ignore[no-untyped-def]
             loop = asyncio.get_running_loop()

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 
 from broker.request import GenerationRequest
-from generator.engine import Generation
+from generator.engines.base import Generation
 
 NAME = "paced-engine"
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import orjson
 
-from broker.client import connect
+from broker.connection import connect
 from broker.events import EventType, encode_data
-from broker.request import parse_create_body
+from broker.request import RequestLimits, parse_create_body
 from broker.store import Claim, Store, started_event
 
 BATCH = 256
@@ -24,8 +24,8 @@ def delta_text(i: int) -> str:
 
 async def _one(store: Store, events: int, finish: bool, prompt: str) -> tuple[str, list[str]]:
     sid = uuid.uuid4()
-    _, req = parse_create_body(orjson.dumps({"prompt": prompt, "max_tokens": events}), max_tokens_limit=1 << 20,
-                               default_max_tokens=events)
+    _, req = parse_create_body(orjson.dumps({"prompt": prompt, "max_tokens": events}),
+                               RequestLimits(max_tokens=1 << 20, default_max_tokens=events))
     await store.create(sid, req, default_model="prefill", max_queue=0, retention_s=3600)
     claim = await store.claim(sid, "prefill")
     assert isinstance(claim, Claim), claim

@@ -1,6 +1,6 @@
 """Starting and stopping the processes a scenario needs, each on a free port, and running load processes.
 
-Every rsb part is a real process started the way an operator would (``python3 -m broker.cli ...``); the
+Every rsb part is a real process started the way an operator would (``python3 -m rsb ...``); the
 load runs in its own process (``python3 -m bench.loadproc``) so it never shares a CPU budget or an event
 loop with the process under test.
 """
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,14 +39,16 @@ def raise_nofile(target: int = 20000) -> int:
 
 
 class Proc:
-    """A child process whose output goes to a log file under ``LOG_DIR``."""
+    """A child process whose output goes to a log file (``log_path``, else one under ``LOG_DIR``). The
+    benchmarks and the test fixtures start every process with it."""
 
     def __init__(self, argv: list[str], name: str, *, env: dict[str, str] | None = None,
-                 cwd: Path = ROOT) -> None:
+                 cwd: Path = ROOT, log_path: Path | None = None) -> None:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.argv = argv
         self.name = name
-        self.log_path = LOG_DIR / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
-        self._log = open(self.log_path, "wb")
+        self.log_path = log_path or LOG_DIR / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "ab")
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=full_env)
 
@@ -59,6 +61,13 @@ class Proc:
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout_s)
 
     def wait_for_line(self, needle: str, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -88,7 +97,8 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def wait_http(url: str, proc: Proc, timeout_s: float = 30.0) -> None:
+def wait_serving(url: str, alive: Callable[[], bool], describe: Callable[[], str], timeout_s: float) -> None:
+    """Poll ``url`` until it answers 200, failing at once (with ``describe()``) if the process died."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -96,17 +106,21 @@ def wait_http(url: str, proc: Proc, timeout_s: float = 30.0) -> None:
                 return
         except httpx.HTTPError:
             pass
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited:\n{proc.output()[-3000:]}")
+        if not alive():
+            raise RuntimeError(f"the server died:\n{describe()[-3000:]}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{proc.name} did not answer {url}")
+            raise RuntimeError(f"{url} did not come up in {timeout_s:g}s:\n{describe()[-3000:]}")
         time.sleep(0.05)
+
+
+def wait_http(url: str, proc: Proc, timeout_s: float = 30.0) -> None:
+    wait_serving(url, proc.alive, proc.output, timeout_s)
 
 
 def start_consumer(redis_url: str, *extra: str) -> tuple[Proc, str]:
     """``rsb consumer`` on a free port; returns it and its base URL once /healthz answers."""
     port = free_port()
-    p = Proc(python_module("broker.cli", "consumer", "--redis-url", redis_url, "--port", str(port),
+    p = Proc(python_module("rsb", "consumer", "--redis-url", redis_url, "--port", str(port),
                            "--log-level", "warning", *extra), "consumer")
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/healthz", p)
@@ -123,7 +137,7 @@ def start_paced_generator(redis_url: str, *, workers: int, tokens_per_s: float, 
 
 def start_llama_generator(redis_url: str, model: str, *extra: str) -> Proc:
     """``rsb generator`` over llama.cpp (the real engine)."""
-    p = Proc(python_module("broker.cli", "generator", "--redis-url", redis_url, "--model", model,
+    p = Proc(python_module("rsb", "generator", "--redis-url", redis_url, "--model", model,
                            "--log-level", "info", *extra), "generator")
     p.wait_for_line("generator ready")
     return p

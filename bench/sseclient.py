@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import orjson
 
+from broker.sse import ByteDecoder, parse_block
+
 
 @dataclass(slots=True)
 class Frame:
@@ -29,28 +31,19 @@ def client(max_connections: int | None = None, *, timeout_s: float = 600.0,
 
 
 def parse_frame(block: bytes, t: float) -> Frame:
-    fid = event = None
-    data = b""
-    for line in block.split(b"\n"):
-        if line.startswith(b"id: "):
-            fid = line[4:]
-        elif line.startswith(b"event: "):
-            event = line[7:]
-        elif line.startswith(b"data: "):
-            data = line[6:]
-    return Frame(fid, event, data, t)
+    parsed = parse_block(block)
+    if not parsed.is_event:
+        return Frame(None, None, b"", t)  # a comment (heartbeat) or a bare retry hint
+    return Frame(parsed.id.encode() if parsed.id is not None else None,
+                 parsed.event.encode() if parsed.event is not None else None, parsed.data.encode(), t)
 
 
 async def frames(response: httpx.Response) -> AsyncIterator[Frame]:
-    """The frames of an open SSE response, as they arrive."""
-    buf = b""
+    """The frames of an open SSE response, as they arrive (split by broker.sse, the one parser)."""
+    decoder = ByteDecoder()
     async for chunk in response.aiter_raw():
         t = time.time()
-        buf += chunk
-        if b"\n\n" not in buf:
-            continue
-        *blocks, buf = buf.split(b"\n\n")
-        for block in blocks:
+        for block in decoder.feed(chunk):
             if block:
                 yield parse_frame(block, t)
 

@@ -72,11 +72,7 @@ class TooManyGenerations(RetryLater):
 
 
 class Unavailable(RetryLater):
+    """Redis is unreachable (or loading): every Redis error reaching the HTTP boundary becomes this."""
+
     code = "unavailable"
     status_code = 503
-
-
-class FencedOut(RsbError):
-    """A worker's claim on a stream was superseded (lease lost) or the stream already ended."""
-
-    code = "fenced_out"

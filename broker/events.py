@@ -14,6 +14,8 @@ from typing import Any
 
 import orjson
 
+from broker.sse import frame
+
 
 class EventType(StrEnum):
     QUEUED = "queued"
@@ -25,6 +27,8 @@ class EventType(StrEnum):
     ERROR = "error"
 
 
+#: The types that end a stream; also the statuses of a stream that ended (a stream's final status is the type
+#: of its terminal event).
 TERMINAL_TYPES: frozenset[str] = frozenset({EventType.DONE, EventType.CANCELLED, EventType.ERROR})
 
 # Redis Stream ids: "<ms>-<seq>", both unsigned 64-bit. Anything else is not an id we issued.
@@ -90,7 +94,7 @@ class Event:
     def to_sse(self) -> bytes:
         # The id comes from Redis and the type from EventType, so neither can carry CR, LF or NUL;
         # the data is single-line JSON. Framing cannot break.
-        return b"id: %s\nevent: %s\ndata: %s\n\n" % (self.id.encode(), self.type.encode(), self.data)
+        return frame(self.data, event=self.type.encode(), event_id=self.id.encode())
 
 
 def delta(text: str) -> tuple[str, bytes]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,13 +28,15 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import RedisError
 
-from broker.client import RedisClient, connect_node
+from broker.backoff import Backoff
+from broker.connection import RedisClient, connect_node
 
 log = logging.getLogger("rsb.pubsub")
 
 OnMessage = Callable[[bytes, bytes], None]
 OnReset = Callable[[Iterable[bytes]], None]
 
+RECONNECT_BACKOFF = Backoff(base_s=0.05, cap_s=5.0)
 # A dispatch loop wakes at least this often even when no message comes (cheap; lets cancellation in).
 _IDLE_WAKE_S = 30.0
 
@@ -169,7 +170,7 @@ class _Shard:
                 await self.owner.reroute(self)
                 if not self.channels and self.owner.retire(self):
                     return
-                delay = min(5.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0)
+                delay = RECONNECT_BACKOFF.delay(attempt)
                 attempt += 1
                 log.warning("pub/sub lost redis, reconnecting in %.2fs: %s", delay, e, extra={"node": self.name})
                 await asyncio.sleep(delay)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from broker.client import RedisClient
+from broker.connection import RedisClient
 from broker.errors import InvalidRequest
 from broker.keys import aborted_log_key, aborted_totals_key
 

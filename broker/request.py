@@ -24,6 +24,16 @@ MAX_PROMPT_CHARS = 200_000
 
 
 @dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one create may ask for (the consumer's settings, narrowed by the caller's API key)."""
+
+    max_tokens: int = 32768
+    default_max_tokens: int = 256
+    max_messages: int = MAX_MESSAGES
+    max_prompt_chars: int = MAX_PROMPT_CHARS
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     role: str
     content: str
@@ -109,17 +119,25 @@ def parse_stream_id(raw: object) -> uuid.UUID:
         raise InvalidRequest("'id' must be a UUID like 123e4567-e89b-12d3-a456-426614174000") from None
 
 
-def parse_create_body(
-    raw: bytes, *, max_tokens_limit: int, default_max_tokens: int, max_messages: int = MAX_MESSAGES,
-    max_prompt_chars: int = MAX_PROMPT_CHARS,
-) -> tuple[uuid.UUID | None, GenerationRequest]:
-    """Validate a ``POST /v1/streams`` body. Raises InvalidRequest with a message a user can act on."""
+def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise InvalidRequest("body is not valid JSON") from None
     if not isinstance(body, dict):
         raise InvalidRequest("body must be a JSON object")
+    return body
+
+
+def parse_create_body(raw: bytes, limits: RequestLimits) -> tuple[uuid.UUID | None, GenerationRequest]:
+    """Validate a ``POST /v1/streams`` body. Raises InvalidRequest with a message a user can act on."""
+    return validate_create_body(parse_json_object(raw), limits)
+
+
+def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[uuid.UUID | None, GenerationRequest]:
+    """Validate a create body already parsed from JSON (every view builds one: the native route's is the
+    client's own, the protocol views translate theirs). The one validator of what may be generated."""
+    max_messages, max_prompt_chars = limits.max_messages, limits.max_prompt_chars
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
         raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}")
@@ -178,12 +196,12 @@ def parse_create_body(
     if not isinstance(cod, bool):
         raise InvalidRequest("'cancel_on_disconnect' must be true or false")
 
-    max_tokens = _integer(body, "max_tokens", 1, max_tokens_limit)
+    max_tokens = _integer(body, "max_tokens", 1, limits.max_tokens)
     return sid, GenerationRequest(
         messages=messages,
         prompt=prompt,
         model=model,
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        max_tokens=min(limits.default_max_tokens, limits.max_tokens) if max_tokens is None else max_tokens,
         temperature=_number(body, "temperature", 0.8, 0.0, 2.0),
         top_p=_number(body, "top_p", 0.95, 0.0, 1.0),
         seed=_integer(body, "seed", 0, 2**32 - 1),

@@ -241,13 +241,16 @@ if reason ~= '' then redis.call('HSET', KEYS[1], 'cancel', reason) end
 return {0, reason}
 """
 
+# XCLAIM ... IDLE this: an entry handed back looks idle for longer than any lease, so XAUTOCLAIM takes it.
+HAND_BACK_IDLE_MS = 2**31 - 1
+
 # Hands a job over at once (a worker stopping past its grace period): its queue entry is made look
 # idle for longer than any lease, so the next XAUTOCLAIM takes it, and the fence stops this worker.
 RELEASE = """
--- KEYS: meta, jobs ; ARGV: fence, group, worker, jid
+-- KEYS: meta, jobs ; ARGV: fence, group, worker, jid, idle_ms
 local m = redis.call('HMGET', KEYS[1], 'fence', 'status')
 if m[1] ~= ARGV[1] or m[2] ~= 'running' then return 0 end
-redis.call('XCLAIM', KEYS[2], ARGV[2], ARGV[3], 0, ARGV[4], 'IDLE', 2147483647, 'JUSTID')
+redis.call('XCLAIM', KEYS[2], ARGV[2], ARGV[3], 0, ARGV[4], 'IDLE', ARGV[5], 'JUSTID')
 return 1
 """
 

@@ -1,7 +1,14 @@
-"""Typed operations on streams and jobs. Every change goes through one Lua script of broker.scripts."""
+"""Typed operations on streams and jobs: the only module that talks to Redis about them.
+
+Every change to a stream (create, claim, append, finish, cancel, renew, release, touch, ack) is one Lua
+script of broker.scripts, so each is atomic. Reads (status, events, the stored request) and the job
+queue's consumer-group commands (XREADGROUP, XAUTOCLAIM, XCLAIM: atomic single commands) are plain
+commands, made here too, so that no other module names a Redis key or a command.
+"""
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 import uuid
@@ -11,15 +18,17 @@ from typing import Any
 
 import orjson
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ResponseError
 
 from broker import scripts
-from broker.client import RedisClient
-from broker.events import Event, EventType, encode_data
+from broker.connection import RedisClient
+from broker.errors import Conflict, Expired, QueueFull, TooManyGenerations
+from broker.events import TERMINAL_TYPES, Event, EventType, encode_data
 from broker.keys import JOBS_GROUP, StreamKeys, jobs_key, queue_stats_key, stream_key_prefix
 from broker.request import GenerationRequest
 
 STATUSES = ("queued", "running", "done", "cancelled", "error")
-TERMINAL_STATUSES = frozenset({"done", "cancelled", "error"})
+TERMINAL_STATUSES = TERMINAL_TYPES
 # Waiting streams whose `queued` position is refreshed on each claim (bounds the claim script's work).
 POSITION_UPDATES = 32
 # Streams touched per script call: bounds one call's time inside Redis (a script blocks the server).
@@ -27,11 +36,27 @@ TOUCH_BATCH = 500
 
 
 @dataclass(frozen=True, slots=True)
-class CreateResult:
-    outcome: str  # "created" | "exists" | "conflict" | "expired" | "queue_full" | "key_busy"
+class Created:
+    """A create that was accepted: ``created`` is False for a retry of an identical request (same id)."""
+
+    created: bool
     status: str
-    waiting: int = 0
-    retry_after_s: int = 0
+
+
+class Unclaimable(enum.Enum):
+    """Why a job has nothing left to run."""
+
+    GONE = "the stream no longer exists"
+    FINISHED = "the stream already ended"
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """An entry of a partition's job stream: the stream to generate."""
+
+    partition: int
+    entry_id: str
+    stream_id: uuid.UUID
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +150,12 @@ class Store:
         abandon_after_s: float = 0.0,
         key_id: str = "",
         max_active: int = 0,
-    ) -> CreateResult:
-        """``max_active``: the key's unfinished (queued or running) generations allowed. Counted per
-        partition, so that the check and the count are one atomic step: with P partitions each allows
-        ceil(max_active / P) (exact with the default single partition)."""
+    ) -> Created:
+        """Create the stream and enqueue its job, or recognise a retry of the same request. Raises
+        Conflict (same id, other request), Expired, QueueFull or TooManyGenerations. ``max_active``: the
+        key's unfinished (queued or running) generations allowed. Counted per partition, so that the check
+        and the count are one atomic step: with P partitions each allows ceil(max_active / P) (exact with
+        the default single partition)."""
         k = self.keys(stream_id)
         per_partition = 0 if max_active <= 0 else -(-max_active // self.partitions)
         res = await self._create(
@@ -139,20 +166,21 @@ class Store:
         )
         code = int(res[0])
         if code == 1:
-            return CreateResult("created", "queued")
+            return Created(True, "queued")
         if code == 0:
-            return CreateResult("exists", _s(res[1]))
+            return Created(False, _s(res[1]))
         if code == -1:
-            return CreateResult("conflict", _s(res[1]))
+            raise Conflict("a stream with this id exists with a different request")
         if code == -2:
-            return CreateResult("expired", "expired")
+            raise Expired("a stream with this id existed and expired; use a new id")
+        ema_raw, busy = _s(res[2]), int(res[3] or 0)
+        ema = float(ema_raw) if ema_raw else None
         if code == -4:
-            _, ema_raw, busy_raw = _s(res[1]), _s(res[2]), int(res[3] or 0)
-            return CreateResult("key_busy", "", retry_after_s=retry_after_s(1, float(ema_raw) if ema_raw else None,
-                                                                               busy_raw))
-        waiting, ema, busy = int(res[1]), _s(res[2]), int(res[3] or 0)
-        return CreateResult("queue_full", "", waiting=waiting,
-                            retry_after_s=retry_after_s(waiting - max_queue + 1, float(ema) if ema else None, busy))
+            raise TooManyGenerations("this API key has as many unfinished generations as it may (max_active)",
+                                     retry_after_s=retry_after_s(1, ema, busy))
+        waiting = int(res[1])
+        raise QueueFull(f"the generation queue is full ({waiting} waiting)",
+                        retry_after_s=retry_after_s(waiting - max_queue + 1, ema, busy))
 
     async def status(self, stream_id: uuid.UUID) -> StreamStatus | None:
         k = self.keys(stream_id)
@@ -173,6 +201,13 @@ class Store:
             key_id=_s(raw[7]),
             abandon_s=float(raw[8] or 0),
         )
+
+    async def request_of(self, stream_id: uuid.UUID) -> GenerationRequest | None:
+        """The request as stored at create (None: no such stream)."""
+        raw = await self.redis.hget(self.keys(stream_id).meta, "req")
+        if raw is None:
+            return None
+        return GenerationRequest.from_canonical(raw.encode() if isinstance(raw, str) else raw)
 
     async def read(self, stream_id: uuid.UUID, after_id: str | None, count: int = 512) -> list[Event]:
         """Events strictly after ``after_id`` (None: from the start), at most ``count``."""
@@ -224,24 +259,49 @@ class Store:
         for p in range(self.partitions):
             try:
                 await self.redis.xgroup_create(self.jobs_key(p), JOBS_GROUP, id="0", mkstream=True)
-            except Exception as e:  # BUSYGROUP: already there
+            except ResponseError as e:  # BUSYGROUP: already there
                 if "BUSYGROUP" not in str(e):
                     raise
+
+    async def reclaim_stale_job(self, partition: int, worker_id: str, min_idle_ms: int) -> Job | None:
+        """A job whose owner stopped renewing its lease for ``min_idle_ms`` (or that was handed back), now
+        this worker's: XAUTOCLAIM moves ownership atomically, so two workers never both take it."""
+        res: Any = await self.redis.xautoclaim(self.jobs_key(partition), JOBS_GROUP, worker_id,
+                                               min_idle_time=min_idle_ms, start_id="0-0", count=1)
+        for entry_id, fields in res[1]:
+            if fields:  # an entry deleted meanwhile comes back without fields
+                return Job(partition, _s(entry_id), uuid.UUID(_s(fields[b"sid"])))
+        return None
+
+    async def read_new_jobs(self, blocking: RedisClient, keys: dict[str, int], worker_id: str,
+                            block_ms: int) -> list[Job]:
+        """New jobs from these job streams (key -> partition, all in one hash slot on a cluster), delivered
+        to this worker by XREADGROUP: at most one per stream. ``blocking``: a client without a socket
+        timeout (the call blocks up to ``block_ms``)."""
+        streams: dict[Any, Any] = dict.fromkeys(keys, ">")
+        res: Any = await blocking.xreadgroup(JOBS_GROUP, worker_id, streams, count=1, block=block_ms)
+        return [Job(keys[_s(key)], _s(entry_id), uuid.UUID(_s(fields[b"sid"])))
+                for key, entries in res or [] for entry_id, fields in entries]
+
+    async def hand_back(self, job: Job, worker_id: str) -> None:
+        """Make a delivered, unstarted job look idle for longer than any lease: the next XAUTOCLAIM (any
+        worker's) takes it at once instead of after a lease."""
+        await self.redis.xclaim(self.jobs_key(job.partition), JOBS_GROUP, worker_id, 0, [job.entry_id],
+                                idle=scripts.HAND_BACK_IDLE_MS, justid=True)
 
     async def ack(self, partition: int, job_id: str) -> None:
         """Drop a finished job from its queue: acknowledged and deleted, so the queue does not grow."""
         await self._ack(keys=[self.jobs_key(partition)], args=[JOBS_GROUP, job_id])
 
-    async def claim(self, stream_id: uuid.UUID, worker_id: str) -> Claim | int:
-        """Take ownership of a stream's generation. Returns a negative code when there is nothing to do:
-        -1 the stream is gone, -2 it already ended."""
+    async def claim(self, stream_id: uuid.UUID, worker_id: str) -> Claim | Unclaimable:
+        """Take ownership of a stream's generation (every earlier owner is fenced out)."""
         k = self.keys(stream_id)
         res = await self._claim(keys=[k.meta, k.queue_stats, k.jobs],
                                 args=[worker_id, f"{time.time():.6f}", JOBS_GROUP,
                                       stream_key_prefix(k.partition, k.partitions),
                                       POSITION_UPDATES])
         if int(res[0]) < 0:
-            return int(res[0])
+            return Unclaimable.GONE if int(res[0]) == -1 else Unclaimable.FINISHED
         fence, attempts, req, cancel, model, seq, jid = res
         return Claim(stream_id, k, int(fence), int(attempts), GenerationRequest.from_canonical(req),
                      _s(cancel), _s(model), int(seq), _s(jid))
@@ -305,7 +365,7 @@ class Store:
         """Hand the job over to the next worker that polls, without waiting for the lease to lapse."""
         k = claim.keys
         return bool(await self._release(keys=[k.meta, k.jobs], args=[claim.fence, JOBS_GROUP, worker_id,
-                                                                     claim.job_id]))
+                                                                     claim.job_id, scripts.HAND_BACK_IDLE_MS]))
 
 
 def retry_after_s(behind: int, ema_job_s: float | None, busy: int) -> int:

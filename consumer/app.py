@@ -1,4 +1,5 @@
-"""The Starlette application: state built in the lifespan, routes, and the one error boundary."""
+"""The Starlette application: the typed state built in the lifespan, the routes of every view, the
+authentication middleware and the one error boundary."""
 
 from __future__ import annotations
 
@@ -10,17 +11,18 @@ from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 
-from broker.client import connect, connect_blocking
-from broker.settings import ConsumerSettings
+from broker.connection import connect, connect_blocking
 from broker.store import Store
-from consumer import openai_compat, web
 from consumer.auth import ApiKeys
 from consumer.errors import HANDLERS
 from consumer.hub import LiveHub
 from consumer.limits import ConnectionLimiter
 from consumer.metrics import Metrics
 from consumer.middleware import AuthMiddleware
-from consumer.routes import ROUTES
+from consumer.service import StreamService
+from consumer.settings import ConsumerSettings
+from consumer.state import STATE_KEY, State
+from consumer.views import ROUTES
 
 # How often a pod records, per stream it serves, that a reader is connected. Must stay well under the
 # generators' --disconnect-grace-s and any --abandon-after-s.
@@ -38,14 +40,19 @@ async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
 
 def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = None) -> Starlette:
     """``draining`` is set by the server on SIGTERM: open SSE responses then end at an event boundary."""
+    # Loaded here, not in the lifespan: a broken keys file must stop the start, with its message.
+    api_keys = (ApiKeys.load(settings.api_keys_file, settings.read_token_secret) if settings.api_keys_file
+                else ApiKeys.disabled())
+    limiter = ConnectionLimiter(settings.max_streams_per_ip)
+    drain = draining or asyncio.Event()
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        cluster = settings.broker.cluster
-        redis = connect(settings.broker.redis_url, max_connections=settings.redis_pool_size, cluster=cluster)
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, State]]:
+        b = settings.broker
+        redis = connect(b.url, max_connections=settings.redis_pool_size, cluster=b.cluster)
         # Standalone: the hub's one pub/sub connection comes from here. Cluster: the hub opens one per master
         # itself and uses this client only for the slot map.
-        blocking = connect_blocking(settings.broker.redis_url, cluster=cluster)
+        blocking = connect_blocking(b.url, cluster=b.cluster)
         hub = LiveHub(blocking)
         await hub.start()
         metrics = Metrics()
@@ -54,32 +61,25 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
         metrics.gauge("rsb_live_hub_reconnects", lambda: hub.reconnects, "pub/sub reconnects since start")
         metrics.gauge("rsb_live_hub_connections", lambda: hub.connections,
                       "pub/sub connections to Redis (1, or one per master on a cluster)")
-        app.state.settings = settings
-        app.state.store = Store(redis, settings.broker.partitions)
-        app.state.hub = hub
-        app.state.metrics = metrics
-        app.state.default_model = settings.default_model
-        app.state.draining = draining or asyncio.Event()
+        store = Store(redis, b.partitions)
+        service = StreamService(settings, store, hub, metrics, api_keys, limiter)
+        state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
+                      service=service, draining=drain)
         # A read stream must never look unread for abandon_after_s: touch well within it.
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)
-        toucher = asyncio.create_task(_touch_readers(app.state.store, hub, interval_s), name="touch-readers")
+        toucher = asyncio.create_task(_touch_readers(store, hub, interval_s), name="touch-readers")
         try:
-            yield
+            yield {STATE_KEY: state}
         finally:
-            app.state.draining.set()
+            drain.set()
             toucher.cancel()
             await asyncio.gather(toucher, return_exceptions=True)
             await hub.stop()
             await redis.aclose()
             await blocking.aclose()
 
-    api_keys = (ApiKeys.load(settings.api_keys_file, settings.read_token_secret) if settings.api_keys_file
-                else ApiKeys.disabled())
-    app = Starlette(routes=[*ROUTES, *openai_compat.ROUTES, *web.ROUTES], exception_handlers=HANDLERS,
-                    lifespan=lifespan)
-    app.state.api_keys = api_keys
-    app.state.limiter = ConnectionLimiter(settings.max_streams_per_ip)
+    app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
     app.add_middleware(AuthMiddleware, keys=api_keys)
     if settings.cors_origins:  # outermost, so preflights and 401s carry the CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from starlette.requests import Request
 
 from broker.errors import NotFound, Unauthorized
 
@@ -114,11 +113,6 @@ def new_key(key_id: str) -> tuple[str, dict[str, str]]:
     """A fresh secret token and the keys-file entry that accepts it."""
     secret = secrets.token_urlsafe(32)
     return f"{key_id}.{secret}", {"id": key_id, "sha256": hashlib.sha256(secret.encode()).hexdigest()}
-
-
-def principal(request: Request) -> str:
-    """The caller's key id (checked by the auth middleware before any /v1 route runs)."""
-    return str(request.scope.get("rsb.key_id", ANONYMOUS))
 
 
 def ensure_owner(owner_key_id: str, caller: str) -> None:

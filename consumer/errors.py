@@ -1,17 +1,17 @@
-"""The one boundary where errors become HTTP: every error is JSON with a code, never a traceback."""
+"""The one boundary where errors become HTTP: every error is JSON with a code, never a traceback. Foreign
+errors are mapped to rsb's family here, once: Redis being away (broker.connection.UNAVAILABLE_ERRORS)
+is ``Unavailable`` (503 + Retry-After)."""
 
 from __future__ import annotations
 
 import logging
 
-from redis.exceptions import BusyLoadingError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from broker.errors import RetryLater, RsbError
+from broker.connection import UNAVAILABLE_ERRORS
+from broker.errors import RetryLater, RsbError, Unavailable
 
 log = logging.getLogger("rsb.consumer")
 
@@ -23,10 +23,22 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
+def as_rsb_error(exc: Exception) -> RsbError | None:
+    """rsb's error for ``exc``: itself, or Unavailable for Redis being away; None for anything else (a bug)."""
+    if isinstance(exc, RsbError):
+        return exc
+    if isinstance(exc, UNAVAILABLE_ERRORS):
+        log.warning("redis unavailable: %s", type(exc).__name__)
+        return Unavailable("the stream store is unreachable; retry shortly", REDIS_RETRY_AFTER_S)
+    return None
+
+
 async def rsb_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RsbError)
-    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, RetryLater) else None
-    return error_response(exc.status_code, exc.code, exc.message, headers)
+    err = as_rsb_error(exc)
+    if err is None:
+        return await internal_error(request, exc)
+    headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, RetryLater) else None
+    return error_response(err.status_code, err.code, err.message, headers)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -35,17 +47,10 @@ async def http_error(request: Request, exc: Exception) -> Response:
                           dict(exc.headers) if exc.headers else None)
 
 
-async def redis_error(request: Request, exc: Exception) -> Response:
-    log.warning("redis unavailable: %s", type(exc).__name__)
-    return error_response(503, "unavailable", "the stream store is unreachable; retry shortly",
-                          {"Retry-After": str(REDIS_RETRY_AFTER_S)})
-
-
 async def internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(500, "internal", "internal error")
 
 
-HANDLERS = {RsbError: rsb_error, HTTPException: http_error, RedisConnectionError: redis_error,
-            RedisTimeoutError: redis_error, BusyLoadingError: redis_error,
+HANDLERS = {RsbError: rsb_error, HTTPException: http_error, **dict.fromkeys(UNAVAILABLE_ERRORS, rsb_error),
             Exception: internal_error}

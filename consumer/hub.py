@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from redis.exceptions import RedisError
 
-from broker.client import RedisClient
+from broker.connection import RedisClient
 from broker.events import Event
 from broker.pubsub import Channels
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from starlette.types import ASGIApp, Receive, Scope, Send
-
 from broker.errors import TooManyConnections
 
 
@@ -33,16 +31,3 @@ class ConnectionLimiter:
             counter[k] -= 1
             if counter[k] <= 0:
                 del counter[k]
-
-
-class Counted:
-    """Wraps a streaming response so its connection is counted exactly as long as it is open."""
-
-    def __init__(self, inner: ASGIApp, limiter: ConnectionLimiter, ip: str, key_id: str) -> None:
-        self.inner, self.limiter, self.ip, self.key_id = inner, limiter, ip, key_id
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await self.inner(scope, receive, send)
-        finally:
-            self.limiter.release(self.ip, self.key_id)

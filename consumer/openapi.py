@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from broker.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, RequestLimits
 
 _ERROR = {
     "type": "object",
@@ -163,9 +163,9 @@ def _openai_paths(common: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_openapi(auth: bool, *, max_tokens: int, max_messages: int, max_prompt_chars: int) -> dict[str, Any]:
+def build_openapi(auth: bool, limits: RequestLimits) -> dict[str, Any]:
     """The spec, with this deployment's limits (so generated valid requests are really accepted)."""
-    create_body = _create_body(max_tokens, max_messages, max_prompt_chars)
+    create_body = _create_body(limits.max_tokens, limits.max_messages, limits.max_prompt_chars)
     common = {"401": _err("missing or invalid API key")} if auth else {}
     spec: dict[str, Any] = {
         "openapi": "3.1.0",

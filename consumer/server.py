@@ -11,8 +11,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from broker.settings import ConsumerSettings
 from consumer.app import create_app
+from consumer.settings import ConsumerSettings
 
 log = logging.getLogger("rsb.consumer")
 

@@ -8,42 +8,21 @@ import logging
 import signal
 import sys
 
-from broker.client import connect, connect_blocking
-from broker.settings import GeneratorSettings
+from broker.connection import connect, connect_blocking
 from broker.store import Store
-from generator.engine import Engine
+from generator.engines import Engine, build_engine
 from generator.metrics import serve_metrics
+from generator.settings import GeneratorSettings
 from generator.worker import Worker
 
 log = logging.getLogger("rsb.generator")
 
 
-def build_engine(settings: GeneratorSettings, *, ignore_eos: bool = False) -> Engine:
-    if settings.upstream_url:
-        from generator.upstream_engine import UpstreamEngine
-
-        try:
-            return UpstreamEngine(settings.upstream_url, api=settings.upstream_api, model=settings.upstream_model,
-                                  api_key=settings.upstream_api_key, timeout_s=settings.upstream_timeout_s,
-                                  ignore_eos=ignore_eos)
-        except ValueError as e:  # an unknown --upstream-api
-            raise SystemExit(f"rsb generator: {e}") from None
-    from generator.llama_engine import LlamaEngine
-
-    model_path = settings.model_path
-    if model_path is None:
-        from generator.demo_model import ensure_demo_model
-
-        model_path = str(ensure_demo_model())
-        log.info("using the demo model (random weights, for trying rsb out)", extra={"model_path": model_path})
-    return LlamaEngine(model_path, n_threads=settings.n_threads, n_ctx=settings.n_ctx, ignore_eos=ignore_eos)
-
-
 async def serve(settings: GeneratorSettings, engine: Engine) -> None:
     b = settings.broker
-    redis = connect(b.redis_url, max_connections=4, retries=1, cluster=b.cluster)
+    redis = connect(b.url, max_connections=4, retries=1, cluster=b.cluster)
     # One blocking XREADGROUP per hash slot polled (one on a standalone server) plus the cancel listener.
-    blocking = connect_blocking(b.redis_url, max_connections=b.partitions + 1, cluster=b.cluster)
+    blocking = connect_blocking(b.url, max_connections=b.partitions + 1, cluster=b.cluster)
     worker = Worker(settings, engine, Store(redis, settings.broker.partitions), blocking)
     metrics_server = None
     if settings.metrics_port:
@@ -83,7 +62,7 @@ async def serve(settings: GeneratorSettings, engine: Engine) -> None:
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-def run_generator(settings: GeneratorSettings, *, ignore_eos: bool = False) -> None:
+def run_generator(settings: GeneratorSettings) -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    engine = build_engine(settings, ignore_eos=ignore_eos)
+    engine = build_engine(settings.engine)
     asyncio.run(serve(settings, engine))

@@ -1,39 +1,68 @@
-"""Fixtures that start and stop real servers: redis-server, `rsb generator` (llama.cpp on the demo
-model) and `rsb consumer` (uvicorn), each a separate process on a free port."""
+"""The one conftest: fixtures that start and stop real servers (redis-server, a Redis Cluster, `rsb generator`
+running llama.cpp on the demo models, `rsb consumer` under uvicorn, nginx), each a separate process on a
+free port, and llama.cpp engines loaded in this process."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import llama_cpp
 import pytest
 import redis
-from helpers import wait_serving
 
+from bench.procs import Proc, wait_serving
 from broker.redis_server import RedisServer, free_port
+from generator.engines.demo_model import build_demo_model
+from generator.engines.llama import LlamaEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from generator.demo_model import build_demo_model
-
     return build_demo_model(tmp_path_factory.mktemp("model") / "demo.gguf")
 
 
 @pytest.fixture(scope="session")
 def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A larger demo model (~700 tokens/s on one thread): slow enough to kill a worker mid-answer."""
-    from generator.demo_model import build_demo_model
-
     return build_demo_model(tmp_path_factory.mktemp("slow-model") / "slow.gguf", embd=256, layers=4)
+
+
+# -- llama.cpp engines on the demo model, in this process ------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def demo_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_demo_model(tmp_path_factory.mktemp("demo-model") / "demo.gguf")
+
+
+@pytest.fixture(scope="session")
+def demo_llm(demo_gguf: Path) -> Iterator[llama_cpp.Llama]:
+    llm = llama_cpp.Llama(model_path=str(demo_gguf), n_threads=1, verbose=False)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="session")
+def engine(demo_gguf: Path) -> Iterator[LlamaEngine]:
+    """EOS masked, so answers are exactly max_tokens long. One thread: the test machine is shared."""
+    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def engine_eos(demo_gguf: Path) -> Iterator[LlamaEngine]:
+    """EOS allowed: answers end early about once per vocabulary-size tokens."""
+    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=4096)
+    yield eng
+    eng.close()
 
 
 @pytest.fixture(scope="session")
@@ -59,41 +88,6 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.close()
 
 
-class Proc:
-    def __init__(self, argv: list[str], name: str, log_path: Path) -> None:
-        self.argv, self.name, self.log_path = argv, name, log_path
-        self.log = open(log_path, "ab")  # closed in stop()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            self.proc.send_signal(sig)
-
-    def wait(self, timeout_s: float) -> int:
-        return self.proc.wait(timeout_s)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 class Stack:
     """Start real rsb processes against a real Redis; everything is stopped at teardown."""
 
@@ -103,7 +97,7 @@ class Stack:
         self.base_url = ""
 
     def _run(self, name: str, args: list[str]) -> Proc:
-        p = Proc([sys.executable, "-m", "broker.cli", *args], name, self.tmp / f"{name}-{len(self.procs)}.log")
+        p = Proc([sys.executable, "-m", "rsb", *args], name, log_path=self.tmp / f"{name}-{len(self.procs)}.log")
         self.procs.append(p)
         return p
 
@@ -138,8 +132,12 @@ class Stack:
             p.stop()
 
 
+# A fixture that starts stacks: call it with a Redis URL.
+StackFactory = Callable[[str], Stack]
+
+
 @pytest.fixture
-def stack_factory(demo_model: Path, tmp_path: Path) -> Iterator[type[Stack] | object]:
+def stack_factory(demo_model: Path, tmp_path: Path) -> Iterator[StackFactory]:
     stacks: list[Stack] = []
 
     def make(redis_url: str) -> Stack:
@@ -153,9 +151,9 @@ def stack_factory(demo_model: Path, tmp_path: Path) -> Iterator[type[Stack] | ob
 
 
 @pytest.fixture
-def stack(stack_factory, redis_server: RedisServer, redis_client: redis.Redis) -> Stack:  # type: ignore[no-untyped-def]
+def stack(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> Stack:
     """A consumer (heartbeat 1 s) and one generator on the session Redis (flushed)."""
-    s: Stack = stack_factory(redis_server.url)
+    s = stack_factory(redis_server.url)
     s.generator()
     s.consumer("--heartbeat-s", "1")
     return s
@@ -288,7 +286,7 @@ class Nginx:
                 "-g", f"daemon off; pid {tmp}/nginx.pid; user root;"]
         check = subprocess.run([*argv[:-2], "-t"], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
-        self.proc = Proc(argv, "nginx", tmp / "nginx-stdout.log")
+        self.proc = Proc(argv, "nginx", log_path=tmp / "nginx-stdout.log")
         self.url = f"http://127.0.0.1:{self.port}"
         wait_serving(f"{self.url}/healthz", self.proc.alive, (tmp / "error.log").read_text, 10)
 
@@ -296,8 +294,12 @@ class Nginx:
         self.proc.stop(5)
 
 
+# A fixture that starts nginx: call it with the consumer ports to balance over.
+NginxFactory = Callable[[list[int]], Nginx]
+
+
 @pytest.fixture
-def nginx_factory(tmp_path: Path) -> Iterator[object]:
+def nginx_factory(tmp_path: Path) -> Iterator[NginxFactory]:
     started: list[Nginx] = []
 
     def make(upstream_ports: list[int]) -> Nginx:
@@ -337,7 +339,7 @@ def read_resuming(base_url: str, sid: str, *, max_connections: int = 10, timeout
     """Read a stream to its terminal event, reconnecting with Last-Event-ID whenever a connection ends
     early (a draining pod's clean close, a killed pod's cut): what a browser's EventSource does, without
     the `retry:` wait. Each connection is new, so a balancer may send it to another pod."""
-    from helpers import SSE, parse_sse_block
+    from helpers import SSE, sse_blocks
 
     out = into or ResumingRead()
     deadline = time.monotonic() + timeout_s
@@ -353,20 +355,14 @@ def read_resuming(base_url: str, sid: str, *, max_connections: int = 10, timeout
                     out.ends.append("clean")
                     break
                 assert r.status_code == 200, r.status_code
-                buf = b""
-                for chunk in r.iter_raw():
-                    buf += chunk
-                    while b"\n\n" in buf:
-                        block, buf = buf.split(b"\n\n", 1)
-                        parsed = parse_sse_block(block)
-                        if isinstance(parsed, SSE):
-                            out.events.append(parsed)
-                            out.received_at.append(time.time())
-                            if parsed.event in ("done", "cancelled", "error"):
-                                out.done = True
-                        elif parsed[0] == "retry":
-                            out.retry.append(int(parsed[1]))
-                assert buf == b"", f"a clean close mid-event: {buf!r}"
+                for parsed in sse_blocks(r):
+                    if isinstance(parsed, SSE):
+                        out.events.append(parsed)
+                        out.received_at.append(time.time())
+                        if parsed.event in ("done", "cancelled", "error"):
+                            out.done = True
+                    elif parsed[0] == "retry":
+                        out.retry.append(int(parsed[1]))
             out.ends.append("clean")
         except (httpx.HTTPError, OSError) as e:
             out.ends.append("error")  # cut mid-stream: a partial event was dropped, and is read again

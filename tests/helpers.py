@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import orjson
+
+from broker.errors import RsbError
+from broker.sse import ByteDecoder, parse_block
+from broker.store import Created
 
 
 @dataclass
@@ -38,24 +42,17 @@ class SSERead:
 
 
 def parse_sse_block(block: bytes) -> SSE | tuple[str, bytes]:
-    fields: dict[str, str] = {}
-    comment = None
-    for line in block.split(b"\n"):
-        if line.startswith(b":"):
-            comment = line
-            continue
-        name, _, value = line.partition(b":")
-        if value.startswith(b" "):
-            value = value[1:]
-        key = name.decode()
-        assert key not in fields, f"field {key} repeated in one event: {block!r}"
-        fields[key] = value.decode()
-    if not fields and comment is not None:
-        return ("comment", comment)
-    if set(fields) == {"retry"}:
-        return ("retry", fields["retry"].encode())
-    assert set(fields) == {"id", "event", "data"}, f"unexpected event fields: {block!r}"
-    return SSE(fields["id"], fields["event"], orjson.loads(fields["data"]), block)
+    """One block of rsb's native framing, parsed by broker.sse and checked strictly: each field once, an
+    event has exactly id, event and data (one line of JSON)."""
+    parsed = parse_block(block)
+    names = [name for name, _ in parsed.fields]
+    assert len(names) == len(set(names)), f"a field repeated in one event: {block!r}"
+    if not names and parsed.comments:
+        return ("comment", b":" + parsed.comments[-1].encode())
+    if names == ["retry"]:
+        return ("retry", dict(parsed.fields)["retry"].encode())
+    assert set(names) == {"id", "event", "data"}, f"unexpected event fields: {block!r}"
+    return SSE(parsed.id, parsed.event, orjson.loads(parsed.data), block)
 
 
 def read_sse(client: httpx.Client, url: str, *, headers: dict[str, str] | None = None,
@@ -70,38 +67,35 @@ def read_sse(client: httpx.Client, url: str, *, headers: dict[str, str] | None =
         if r.status_code != 200:
             r.read()
             return SSERead(r.status_code, r.headers, [], [], [])
-        buf = b""
-        for chunk in r.iter_raw():
-            buf += chunk
-            while b"\n\n" in buf:
-                block, buf = buf.split(b"\n\n", 1)
-                parsed = parse_sse_block(block)
-                if isinstance(parsed, SSE):
-                    events.append(parsed)
-                elif parsed[0] == "comment":
-                    comments.append((time.monotonic(), parsed[1]))
-                else:
-                    retry.append(int(parsed[1]))
+        for parsed in sse_blocks(r):
+            if isinstance(parsed, SSE):
+                events.append(parsed)
+            elif parsed[0] == "comment":
+                comments.append((time.monotonic(), parsed[1]))
+            else:
+                retry.append(int(parsed[1]))
             if stop_after is not None and len(events) >= stop_after:
                 break
             assert time.monotonic() < deadline, "SSE read did not finish in time"
-        else:
-            assert buf == b"", f"response ended mid-event: {buf!r}"
         return SSERead(r.status_code, r.headers, events, comments, retry)
 
 
-def wait_serving(url: str, alive: Callable[[], bool], describe: Callable[[], str], timeout_s: float) -> None:
-    """Poll ``url`` until it answers 200, failing at once (with ``describe()``) if the process died."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert alive(), f"the server died:\n{describe()}"
-        assert time.monotonic() < deadline, f"{url} did not come up in {timeout_s:g}s:\n{describe()}"
-        time.sleep(0.05)
+def sse_blocks(response: httpx.Response) -> Iterator[SSE | tuple[str, bytes]]:
+    """The blocks of a native SSE response as they arrive, parsed strictly; a body that ends mid-event
+    fails (the server must close at a frame boundary)."""
+    decoder = ByteDecoder()
+    for chunk in response.iter_raw():
+        for block in decoder.feed(chunk):
+            yield parse_sse_block(block)
+    assert decoder.pending == b"", f"response ended mid-event: {decoder.pending!r}"
+
+
+def create_outcome(result: Created | BaseException) -> str:
+    """What a Store.create call came to: created, exists, or the code of the error it raised."""
+    if isinstance(result, Created):
+        return "created" if result.created else "exists"
+    assert isinstance(result, RsbError), result
+    return result.code
 
 
 def create(client: httpx.Client, body: dict[str, Any] | None = None, **fields: Any) -> httpx.Response:

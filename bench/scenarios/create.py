@@ -21,8 +21,9 @@ from bench.loadproc import Control
 from bench.report import goal_row, print_goals, table
 from bench.sseclient import RawConnection
 from bench.stats import ratio, summarize
-from broker.client import connect
-from broker.request import parse_create_body
+from broker.connection import connect
+from broker.errors import RsbError
+from broker.request import RequestLimits, parse_create_body
 from broker.store import Store
 
 
@@ -100,10 +101,13 @@ async def load_redis(ctl: Control, redis_url: str, rate: float, duration_s: floa
     store = Store(redis)
 
     async def send() -> tuple[bool, str]:
-        sid, req = parse_create_body(body(str(uuid.uuid4())), max_tokens_limit=32768, default_max_tokens=256)
+        sid, req = parse_create_body(body(str(uuid.uuid4())), RequestLimits())
         assert sid is not None
-        res = await store.create(sid, req, default_model="default", max_queue=0, retention_s=3600)
-        return res.outcome == "created", res.outcome
+        try:
+            res = await store.create(sid, req, default_model="default", max_queue=0, retention_s=3600)
+        except RsbError as e:
+            return False, e.code
+        return res.created, "created" if res.created else "exists"
 
     lat, errors, lag = await _open_loop(rate, duration_s, [send] * 32)
     await redis.aclose()

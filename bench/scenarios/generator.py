@@ -1,6 +1,6 @@
 """generator: a long llama.cpp generation through the rsb worker into Redis vs a bare Llama.generate loop.
 
-Same model (the demo model from generator.demo_model.build_demo_model, random weights, end-of-sequence
+Same model (the demo model from generator.engines.demo_model.build_demo_model, random weights, end-of-sequence
 masked so every run makes exactly ``--tokens`` tokens), prompt, seed, sampler, threads and context.
 Bare: ``Llama.generate`` in its own process, a time stamp per token. rsb: ``rsb generator --ignore-eos``
 and a stream created through the Store; a token's time is the Redis entry id (ms) of the delta that
@@ -27,9 +27,9 @@ from bench import procs
 from bench.loadproc import Control
 from bench.report import fmt, goal_row, print_goals, table
 from bench.stats import ratio
-from broker.client import connect
+from broker.connection import connect
 from broker.events import parse_event_id
-from broker.request import parse_create_body
+from broker.request import RequestLimits, parse_create_body
 from broker.store import Store
 
 PROMPT = "Once upon a time, in a stream broker far away,"
@@ -52,7 +52,7 @@ async def bare_generate(ctl: Control, model: str, tokens: int, n_threads: int, n
     import llama_cpp
     import numpy as np
 
-    from generator.detokenizer import IncrementalDetokenizer, LlamaPieces
+    from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 
     llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
                           verbose=False)
@@ -109,7 +109,7 @@ async def rsb_generate(redis_url: str, tokens: int) -> list[tuple[int, str, str]
     sid = uuid.uuid4()
     _, req = parse_create_body(orjson.dumps({"prompt": PROMPT, "max_tokens": tokens, "seed": SEED,
                                              "temperature": TEMPERATURE, "top_p": TOP_P}),
-                               max_tokens_limit=1 << 20, default_max_tokens=tokens)
+                               RequestLimits(max_tokens=1 << 20, default_max_tokens=tokens))
     await store.create(sid, req, default_model="demo", max_queue=0, retention_s=3600)
     while True:
         st = await store.status(sid)
@@ -155,7 +155,7 @@ def _rates(times: list[float], window: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from generator.demo_model import build_demo_model
+    from generator.engines.demo_model import build_demo_model
 
     tmp = Path(tempfile.mkdtemp(prefix="rsb-bench-model-"))
     model = str(build_demo_model(tmp / f"demo-{args.embd}x{args.layers}.gguf", embd=args.embd, layers=args.layers))

@@ -7,16 +7,18 @@ import asyncio
 import time
 import uuid
 from collections import Counter
+from typing import Any
 
 import httpx
 import orjson
 import redis
-from helpers import create, read_sse, wait_status
+from conftest import RedisClusterServers, Stack, StackFactory
+from helpers import create, create_outcome, read_sse, wait_status
 
-from broker.client import connect
+from broker.connection import connect
 from broker.keys import jobs_key, partition_of, partition_slot
 from broker.request import GenerationRequest
-from broker.store import Store
+from broker.store import Claim, Store
 
 PARTITIONS = 6
 
@@ -31,7 +33,7 @@ def _owner(client: redis.RedisCluster, key: str) -> int:
     raise AssertionError(f"slot {slot} is not served")
 
 
-def test_job_partitions_are_spread_over_every_master(redis_cluster, cluster_client) -> None:  # type: ignore[no-untyped-def]
+def test_job_partitions_are_spread_over_every_master(redis_cluster: RedisClusterServers, cluster_client: redis.RedisCluster) -> None:
     for n in (3, PARTITIONS, 12):
         owners = Counter(_owner(cluster_client, jobs_key(p, n)) for p in range(n))
         assert sorted(owners) == sorted(redis_cluster.ports), (n, owners)
@@ -41,7 +43,7 @@ def test_job_partitions_are_spread_over_every_master(redis_cluster, cluster_clie
                                                target_nodes=cluster_client.get_random_node())) for p in range(n)]
 
 
-async def test_store_operations_run_in_one_slot_each(redis_cluster, cluster_client) -> None:  # type: ignore[no-untyped-def]
+async def test_store_operations_run_in_one_slot_each(redis_cluster: RedisClusterServers, cluster_client: redis.RedisCluster) -> None:
     """The Lua scripts (incl. keys built inside Lua and SPUBLISH) and the 50-way create race on a cluster."""
     r = connect(redis_cluster.url)
     try:
@@ -52,12 +54,12 @@ async def test_store_operations_run_in_one_slot_each(redis_cluster, cluster_clie
         sid = uuid.uuid4()
         results = await asyncio.gather(*(store.create(sid, req, default_model="m", max_queue=0, retention_s=60)
                                          for _ in range(50)))
-        assert sorted(r.outcome for r in results) == ["created"] + ["exists"] * 49
+        assert sorted(create_outcome(r) for r in results) == ["created"] + ["exists"] * 49
         waiting = [uuid.uuid4() for _ in range(3)]
         for w in waiting:  # queued behind sid in their own partitions: the claim script walks its partition only
             await store.create(w, req, default_model="m", max_queue=0, retention_s=60)
         claim = await store.claim(sid, "w1")
-        assert not isinstance(claim, int)
+        assert isinstance(claim, Claim)
         assert (await store.append(claim, 0, 1, [("delta", b'{"text":"a"}')])).ok
         await store.touch([sid, *waiting])
         assert await store.cancel(sid, "client") == "running"
@@ -76,15 +78,15 @@ async def test_store_operations_run_in_one_slot_each(redis_cluster, cluster_clie
         await r.aclose()
 
 
-def _cluster_stack(stack_factory, redis_cluster, *consumer_args: str):  # type: ignore[no-untyped-def]
+def _cluster_stack(stack_factory: StackFactory, redis_cluster: RedisClusterServers, *consumer_args: str) -> Stack:
     s = stack_factory(redis_cluster.url)
     s.generator("--partitions", str(PARTITIONS))
     s.consumer("--partitions", str(PARTITIONS), "--heartbeat-s", "1", *consumer_args)
     return s
 
 
-def test_create_read_resume_cancel_and_idempotency_on_a_cluster(stack_factory, redis_cluster,  # type: ignore[no-untyped-def]
-                                                                 cluster_client) -> None:
+def test_create_read_resume_cancel_and_idempotency_on_a_cluster(stack_factory: StackFactory, redis_cluster: RedisClusterServers,
+                                                                 cluster_client: redis.RedisCluster) -> None:
     s = _cluster_stack(stack_factory, redis_cluster)
     with s.client() as c:
         # Streams in every partition, so every master's job queue and live channels are used.
@@ -109,7 +111,7 @@ def test_create_read_resume_cancel_and_idempotency_on_a_cluster(stack_factory, r
         assert set(used) == set(redis_cluster.ports)
 
         # 32 concurrent identical creates: one 201, one generation.
-        body = {"id": str(uuid.uuid4()), "prompt": "Once upon a time", "max_tokens": 24}
+        body: dict[str, Any] = {"id": str(uuid.uuid4()), "prompt": "Once upon a time", "max_tokens": 24}
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=s.base_url, timeout=30) as ac:
@@ -143,8 +145,8 @@ def _meta(sid: str) -> str:
     return StreamKeys.of(uuid.UUID(sid), PARTITIONS).meta
 
 
-def test_live_tail_on_a_cluster_uses_one_pubsub_connection_per_master(stack_factory, redis_cluster,  # type: ignore[no-untyped-def]
-                                                                      cluster_client) -> None:
+def test_live_tail_on_a_cluster_uses_one_pubsub_connection_per_master(stack_factory: StackFactory, redis_cluster: RedisClusterServers,
+                                                                      cluster_client: redis.RedisCluster) -> None:
     s = stack_factory(redis_cluster.url)
     s.consumer("--partitions", str(PARTITIONS), "--heartbeat-s", "5")
     with s.client() as c:
@@ -190,7 +192,7 @@ def _metric(text: str, name: str) -> float:
     return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def test_the_redis_cluster_flag_accepts_a_plain_url(stack_factory, redis_cluster, cluster_client) -> None:  # type: ignore[no-untyped-def]
+def test_the_redis_cluster_flag_accepts_a_plain_url(stack_factory: StackFactory, redis_cluster: RedisClusterServers, cluster_client: redis.RedisCluster) -> None:
     s = stack_factory(f"redis://127.0.0.1:{redis_cluster.ports[1]}")
     s.generator("--partitions", "3", "--redis-cluster")
     s.consumer("--partitions", "3", "--redis-cluster")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from broker.errors import InvalidRequest
 from broker.events import Event, EventType, encode_data, parse_event_id
-from broker.request import GenerationRequest, parse_create_body
+from broker.request import GenerationRequest, RequestLimits, parse_create_body
 
 NASTY = st.sampled_from(["\r", "\n", "\r\n", "\x00", "\u2028", "\u2029", "\ud800", "\udfff", "\ufeff", "data: x",
                          "\n\nid: 9-9\n", ":", "🌍", "你好", "\\", '"'])
@@ -20,7 +20,8 @@ IDS = st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)).map(lambda
 def _parse_frames(raw: bytes) -> list[dict[str, str]]:
     """A strict SSE parser (the WHATWG algorithm's line splitting): CR, LF and CRLF all end lines."""
     text = raw.decode("utf-8")
-    events, fields = [], {}
+    events: list[dict[str, str]] = []
+    fields: dict[str, str] = {}
     for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
         if line == "":
             if fields:
@@ -78,7 +79,7 @@ def test_the_request_validator_accepts_or_raises_invalid_request_only(body: obje
     except TypeError:  # lone surrogates cannot be JSON: the server sees them as invalid bytes
         raw = repr(body).encode("utf-8", "surrogatepass")
     try:
-        _, req = parse_create_body(raw, max_tokens_limit=4096, default_max_tokens=16)
+        _, req = parse_create_body(raw, RequestLimits(max_tokens=4096, default_max_tokens=16))
     except InvalidRequest as e:
         assert e.message
         return

@@ -5,20 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import StackFactory
 from helpers import create, read_sse
 
-from broker.redis_server import RedisServer, make_tls_files
+from broker.redis_server import RedisServer, TlsFiles, make_tls_files
 
 PASSWORD = "s3cret-p@ss:word"
 
 
 @pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["auth", "auth+tls"])
-def test_stack_runs_on_a_redis_with_a_password_and_tls(stack_factory, tls_files, tls: bool) -> None:  # type: ignore[no-untyped-def]
+def test_stack_runs_on_a_redis_with_a_password_and_tls(stack_factory: StackFactory, tls_files: TlsFiles, tls: bool) -> None:
     server = RedisServer(password=PASSWORD, tls=tls_files if tls else None).start()
     try:
         assert server.url.startswith("rediss://" if tls else "redis://")
@@ -37,7 +38,7 @@ def test_stack_runs_on_a_redis_with_a_password_and_tls(stack_factory, tls_files,
         server.cleanup()
 
 
-def test_a_wrong_password_or_plaintext_to_tls_is_unavailable_not_a_crash(stack_factory, tls_files) -> None:  # type: ignore[no-untyped-def]
+def test_a_wrong_password_or_plaintext_to_tls_is_unavailable_not_a_crash(stack_factory: StackFactory, tls_files: TlsFiles) -> None:
     server = RedisServer(password=PASSWORD, tls=tls_files).start()
     try:
         wrong = server.url.replace("s3cret", "wrong")
@@ -54,6 +55,6 @@ def test_a_wrong_password_or_plaintext_to_tls_is_unavailable_not_a_crash(stack_f
         server.cleanup()
 
 
-def test_make_tls_files_writes_a_ca_and_a_server_pair(tls_files) -> None:  # type: ignore[no-untyped-def]
+def test_make_tls_files_writes_a_ca_and_a_server_pair(tls_files: TlsFiles) -> None:
     for f in (tls_files.ca_cert, tls_files.cert, tls_files.key):
         assert Path(f).stat().st_size > 0

@@ -1,4 +1,4 @@
-"""The Python client (broker.sdk) and the client commands (rsb chat / tail / status) against a real stack:
+"""The Python client (rsb.Client, rsb.AsyncClient) and the client commands (rsb chat / tail / status) against a real stack:
 redis-server, `rsb generator` (llama.cpp on the demo models) and `rsb consumer` processes. Disconnects are
 real: the consumer process is SIGKILLed mid-stream."""
 
@@ -15,10 +15,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+import redis
+from conftest import Stack, StackFactory
 from helpers import read_sse, wait_status
 
-from broker.redis_server import free_port
-from broker.sdk import (
+from broker.redis_server import RedisServer, free_port
+from rsb import (
     AsyncClient,
     AuthenticationError,
     Client,
@@ -47,7 +49,7 @@ def _assert_one_clean_stream(events: list[Event], max_tokens: int) -> None:
     assert events[-1].data["usage"]["completion_tokens"] == max_tokens
 
 
-def test_stream_yields_the_whole_answer(stack) -> None:  # type: ignore[no-untyped-def]
+def test_stream_yields_the_whole_answer(stack: Stack) -> None:
     with Client(stack.base_url) as rsb:
         info = rsb.create(prompt="Hello", max_tokens=40)
         assert info.created and info.status == "queued" and uuid.UUID(info.id)
@@ -86,7 +88,7 @@ def test_stream_yields_the_whole_answer(stack) -> None:  # type: ignore[no-untyp
             rsb.create(prompt="x", messages=[{"role": "user", "content": "x"}])
 
 
-def test_cancel_ends_the_stream_with_cancelled(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+def test_cancel_ends_the_stream_with_cancelled(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     s.generator(model=slow_model)
@@ -101,7 +103,7 @@ def test_cancel_ends_the_stream_with_cancelled(stack_factory, redis_server, redi
         assert rsb.status(info.id).status == "cancelled"
 
 
-async def test_the_async_client_does_the_same(stack) -> None:  # type: ignore[no-untyped-def]
+async def test_the_async_client_does_the_same(stack: Stack) -> None:
     async with AsyncClient(stack.base_url) as rsb:
         info = await rsb.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=30)
         events = [e async for e in rsb.stream(info.id)]
@@ -115,7 +117,7 @@ async def test_the_async_client_does_the_same(stack) -> None:  # type: ignore[no
 
 
 def test_a_consumer_killed_mid_stream_is_resumed_without_gap_or_duplicate(
-        stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     port = free_port()
     victim, url = s.consumer(port=port)
@@ -140,7 +142,7 @@ def test_a_consumer_killed_mid_stream_is_resumed_without_gap_or_duplicate(
 
 
 def test_backoff_gives_up_with_a_typed_error_when_the_server_is_gone(
-        stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     victim, url = s.consumer()
     s.generator(model=slow_model)
@@ -172,7 +174,7 @@ def test_backoff_gives_up_with_a_typed_error_when_the_server_is_gone(
     assert [(e.id, e.type, e.data) for e in events + rest] == [(e.id, e.event, e.data) for e in full.events]
 
 
-def test_expired_streams_raise_expired(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_expired_streams_raise_expired(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     _, url = s.consumer("--retention-s", "1")
     s.generator()
@@ -192,7 +194,7 @@ def test_expired_streams_raise_expired(stack_factory, redis_server, redis_client
             list(rsb.stream(info.id))
 
 
-def test_the_api_key_is_sent_as_a_bearer_token(stack_factory, redis_server, redis_client, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_api_key_is_sent_as_a_bearer_token(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
     secret = "s3cret"
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": [{"id": "alice", "sha256": hashlib.sha256(secret.encode()).hexdigest()}]}))
@@ -211,11 +213,11 @@ def test_the_api_key_is_sent_as_a_bearer_token(stack_factory, redis_server, redi
 
 def _rsb(*args: str, env: dict[str, str] | None = None, timeout_s: float = 60) -> subprocess.CompletedProcess[bytes]:
     full_env = dict(os.environ, PYTHONIOENCODING="utf-8", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "broker.cli", *args], cwd=ROOT, env=full_env,
+    return subprocess.run([sys.executable, "-m", "rsb", *args], cwd=ROOT, env=full_env,
                           capture_output=True, timeout=timeout_s)
 
 
-def test_rsb_chat_tail_and_status_print_the_answer(stack) -> None:  # type: ignore[no-untyped-def]
+def test_rsb_chat_tail_and_status_print_the_answer(stack: Stack) -> None:
     chat = _rsb("chat", "Tell me a story", "--url", stack.base_url, "--max-tokens", "25")
     assert chat.returncode == 0, chat.stderr.decode()
     err = chat.stderr.decode()
@@ -247,7 +249,7 @@ def test_rsb_chat_tail_and_status_print_the_answer(stack) -> None:  # type: igno
     assert missing.returncode == 2 and b"no stream" in missing.stderr
 
 
-def test_rsb_chat_with_an_id_replays_instead_of_generating_twice(stack) -> None:  # type: ignore[no-untyped-def]
+def test_rsb_chat_with_an_id_replays_instead_of_generating_twice(stack: Stack) -> None:
     sid = str(uuid.uuid4())
     first = _rsb("chat", "Hi", "--url", stack.base_url, "--max-tokens", "10", "--id", sid)
     second = _rsb("chat", "Hi", "--url", stack.base_url, "--max-tokens", "10", "--id", sid)
@@ -258,13 +260,13 @@ def test_rsb_chat_with_an_id_replays_instead_of_generating_twice(stack) -> None:
 
 
 def test_rsb_tail_follows_a_running_stream_and_rsb_chat_reports_an_unreachable_server(
-        stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     _, url = s.consumer()
     s.generator(model=slow_model)
     with Client(url) as rsb:
         info = rsb.create(prompt="Hello", max_tokens=1500)
-        tail = subprocess.Popen([sys.executable, "-m", "broker.cli", "tail", info.id, "--url", url], cwd=ROOT,
+        tail = subprocess.Popen([sys.executable, "-m", "rsb", "tail", info.id, "--url", url], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=dict(os.environ, PYTHONIOENCODING="utf-8"))
         out, err = tail.communicate(timeout=60)

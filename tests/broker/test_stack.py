@@ -26,7 +26,7 @@ def test_rsb_up_runs_the_whole_stack_and_stops_everything(tmp_path: Path, path_h
         env["PATH"] = str(tmp_path)  # no redis-server: rsb must fall back to the wheel's valkey-server
     log = tmp_path / "up.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "up", "--port", str(port), "--ignore-eos"],
+        proc = subprocess.Popen([sys.executable, "-m", "rsb", "up", "--port", str(port), "--ignore-eos"],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -50,8 +50,8 @@ def test_rsb_up_runs_the_whole_stack_and_stops_everything(tmp_path: Path, path_h
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-    out = log.read_text()
-    pid_lines = [line for line in out.splitlines() if "private redis server" in line]
+    output = log.read_text()
+    pid_lines = [line for line in output.splitlines() if "private redis server" in line]
     port_redis = int(pid_lines[0].split('"port":')[1].split(",")[0])
     with pytest.raises(httpx.HTTPError):
         httpx.get(url, timeout=1)
@@ -62,18 +62,19 @@ def test_rsb_up_runs_the_whole_stack_and_stops_everything(tmp_path: Path, path_h
 
 
 def test_every_subcommand_documents_every_flag() -> None:
-    from broker.cli import build_parser
+    from rsb.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    for name, p in sub.choices.items():  # type: ignore[union-attr]
+    assert isinstance(sub.choices, dict)  # the subparsers action: {command name: its parser}
+    for name, p in sub.choices.items():
         for action in p._actions:
             if action.dest == "help":
                 continue
             assert action.help and len(action.help) > 5, (name, action.dest)
             if action.option_strings:  # flags have environment twins; positionals (a prompt, an id) do not
                 assert "[env RSB_" in action.help, (name, action.dest)
-    out = subprocess.run([sys.executable, "-m", "broker.cli", "up", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "rsb", "up", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
     for flag in ["--host", "--port", "--redis-url", "--model", "--heartbeat-s", "--max-body-bytes", "--lease-s",
                  "--max-queue", "--retention-s", "--abandon-after-s"]:

@@ -6,13 +6,18 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import orjson
+import redis
+from conftest import StackFactory
 from helpers import create, read_sse, wait_status
 
+from broker.redis_server import RedisServer
 
-def test_queued_positions_count_down_then_started(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+
+def test_queued_positions_count_down_then_started(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     with s.client() as c:
@@ -30,7 +35,7 @@ def test_queued_positions_count_down_then_started(stack_factory, redis_server, r
     assert etas[0] is None and etas[-1] is not None and etas[-1] > 0
 
 
-def test_a_full_queue_answers_429_with_retry_after(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_a_full_queue_answers_429_with_retry_after(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     s.consumer("--max-queue", "3")
     with s.client() as c:
@@ -42,7 +47,7 @@ def test_a_full_queue_answers_429_with_retry_after(stack_factory, redis_server, 
         assert c.get("/metrics").status_code == 200
 
 
-def test_cancel_on_disconnect_cancels_when_the_last_reader_leaves(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+def test_cancel_on_disconnect_cancels_when_the_last_reader_leaves(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     s.generator("--lease-s", "1", "--disconnect-grace-s", "1", model=slow_model)
@@ -56,7 +61,7 @@ def test_cancel_on_disconnect_cancels_when_the_last_reader_leaves(stack_factory,
         assert events[-1].data["usage"]["completion_tokens"] < 3000
 
 
-def test_a_reconnect_within_the_grace_keeps_a_cancel_on_disconnect_stream(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+def test_a_reconnect_within_the_grace_keeps_a_cancel_on_disconnect_stream(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     s.generator("--lease-s", "1", "--disconnect-grace-s", "3", model=slow_model)
@@ -73,7 +78,7 @@ def test_a_reconnect_within_the_grace_keeps_a_cancel_on_disconnect_stream(stack_
         assert c.get(f"/v1/streams/{sid}").json()["status"] == "done"
 
 
-def test_nobody_reading_for_abandon_after_s_cancels_as_abandoned(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+def test_nobody_reading_for_abandon_after_s_cancels_as_abandoned(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer("--abandon-after-s", "1")
     s.generator("--lease-s", "1", model=slow_model)
@@ -88,7 +93,7 @@ def test_nobody_reading_for_abandon_after_s_cancels_as_abandoned(stack_factory, 
         assert read_sse(c, f"/v1/streams/{sid2}/events").events[-1].event == "done"
 
 
-def test_aborted_report_equals_the_sums_of_the_aborted_streams(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+def test_aborted_report_equals_the_sums_of_the_aborted_streams(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     s.generator(model=slow_model)
@@ -121,18 +126,18 @@ def test_aborted_report_equals_the_sums_of_the_aborted_streams(stack_factory, re
         metrics = c.get("/metrics").text
         assert 'rsb_aborted_streams_total{reason="client"} 2' in metrics
         assert f'rsb_aborted_tokens_saved_total{{reason="client"}} {report["total"]["tokens_saved"]}' in metrics
-    cli = subprocess.run([sys.executable, "-m", "broker.cli", "report", "--redis-url", redis_server.url, "--json"],
+    cli = subprocess.run([sys.executable, "-m", "rsb", "report", "--redis-url", redis_server.url, "--json"],
                          capture_output=True, text=True, check=True)
     assert orjson.loads(cli.stdout)["total"] == report["total"]
-    table = subprocess.run([sys.executable, "-m", "broker.cli", "report", "--redis-url", redis_server.url],
+    table = subprocess.run([sys.executable, "-m", "rsb", "report", "--redis-url", redis_server.url],
                            capture_output=True, text=True, check=True).stdout
     assert table.splitlines()[0].split()[:2] == ["reason", "streams"] and "client" in table
-    csv = subprocess.run([sys.executable, "-m", "broker.cli", "report", "--redis-url", redis_server.url, "--csv"],
+    csv = subprocess.run([sys.executable, "-m", "rsb", "report", "--redis-url", redis_server.url, "--csv"],
                          capture_output=True, text=True, check=True).stdout
     assert csv.splitlines()[1].startswith("client,2,")
 
 
-def test_after_retention_a_stream_answers_410_and_its_memory_is_returned(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_after_retention_a_stream_answers_410_and_its_memory_is_returned(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     s.consumer("--retention-s", "1")
     s.generator()
@@ -158,7 +163,7 @@ def test_after_retention_a_stream_answers_410_and_its_memory_is_returned(stack_f
     assert redis_client.info("memory")["used_memory"] <= baseline
 
 
-def test_readyz_and_healthz(stack_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_readyz_and_healthz(stack_factory: StackFactory, redis_server: RedisServer) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     assert httpx.get(f"{s.base_url}/readyz").json() == {"status": "ready"}

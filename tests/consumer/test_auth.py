@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import orjson
 import pytest
+import redis
+from conftest import Stack, StackFactory
 from helpers import create, read_sse, wait_status
 
+from broker.redis_server import RedisServer
 from consumer.auth import new_key
+
+# A stack whose consumer knows two API keys, and the headers that send each.
+Tenants = tuple[Stack, dict[str, str], dict[str, str]]
 
 
 @pytest.fixture
-def tenants(stack_factory, redis_server, redis_client, tmp_path):  # type: ignore[no-untyped-def]
+def tenants(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> Tenants:
     alice, alice_entry = new_key("alice")
     bob, bob_entry = new_key("bob")
     keys = tmp_path / "keys.json"
@@ -21,7 +30,7 @@ def tenants(stack_factory, redis_server, redis_client, tmp_path):  # type: ignor
     return s, {"Authorization": f"Bearer {alice}"}, {"Authorization": f"Bearer {bob}"}
 
 
-def test_missing_or_wrong_keys_get_401(tenants) -> None:  # type: ignore[no-untyped-def]
+def test_missing_or_wrong_keys_get_401(tenants: Tenants) -> None:
     s, alice, _ = tenants
     with s.client() as c:
         for headers in ({}, {"Authorization": "Bearer alice.wrong"}, {"Authorization": "Bearer nobody.x"},
@@ -33,7 +42,7 @@ def test_missing_or_wrong_keys_get_401(tenants) -> None:  # type: ignore[no-unty
         assert c.post("/v1/streams", json={"prompt": "x"}, headers=alice).status_code == 201
 
 
-def test_another_tenants_stream_does_not_exist_for_you(tenants) -> None:  # type: ignore[no-untyped-def]
+def test_another_tenants_stream_does_not_exist_for_you(tenants: Tenants) -> None:
     s, alice, bob = tenants
     with s.client() as c:
         c.headers.update(alice)
@@ -42,10 +51,11 @@ def test_another_tenants_stream_does_not_exist_for_you(tenants) -> None:  # type
         full = read_sse(c, f"/v1/streams/{sid}/events")
         assert full.events[-1].event == "done"
         c.headers.update(bob)
-        for method, path, kwargs in [("GET", f"/v1/streams/{sid}", {}), ("GET", f"/v1/streams/{sid}/events", {}),
-                                     ("GET", f"/v1/streams/{sid}/events",
-                                      {"headers": {"Last-Event-ID": full.ids[1]}}),
-                                     ("POST", f"/v1/streams/{sid}/cancel", {})]:
+        requests: list[tuple[str, str, dict[str, Any]]] = [
+            ("GET", f"/v1/streams/{sid}", {}), ("GET", f"/v1/streams/{sid}/events", {}),
+            ("GET", f"/v1/streams/{sid}/events", {"headers": {"Last-Event-ID": full.ids[1]}}),
+            ("POST", f"/v1/streams/{sid}/cancel", {})]
+        for method, path, kwargs in requests:
             r = c.request(method, path, **kwargs)
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, path)
         # Re-creating alice's id as bob, even with alice's exact body, is a conflict that tells nothing.

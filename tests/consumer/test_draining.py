@@ -7,10 +7,14 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
-from conftest import ResumingRead, read_resuming
+import redis
+from conftest import NginxFactory, ResumingRead, StackFactory, read_resuming
 from helpers import create, read_sse
+
+from broker.redis_server import RedisServer
 
 
 def _readers(url: str) -> float:
@@ -18,8 +22,8 @@ def _readers(url: str) -> float:
     return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("rsb_connected_readers "))
 
 
-def test_sigterm_moves_every_reader_to_the_other_pod_without_loss(stack_factory, redis_server, redis_client,  # type: ignore[no-untyped-def]
-                                                                  nginx_factory, slow_model) -> None:
+def test_sigterm_moves_every_reader_to_the_other_pod_without_loss(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+                                                                  nginx_factory: NginxFactory, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     pods = [s.consumer("--heartbeat-s", "1", "--shutdown-grace-s", "5") for _ in range(2)]
     nginx = nginx_factory([int(url.rsplit(":", 1)[1]) for _, url in pods])

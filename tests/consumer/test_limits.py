@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import orjson
 import pytest
+import redis
+from conftest import Stack, StackFactory
 from helpers import create, read_sse
 
+from broker.redis_server import RedisServer
 from consumer.auth import new_key
+
+# A stack with limits on, and the headers that send alice's key (limited) and bob's.
+Limited = tuple[Stack, dict[str, str], dict[str, str]]
 
 
 @pytest.fixture
-def limited(stack_factory, redis_server, redis_client, tmp_path):  # type: ignore[no-untyped-def]
-    alice, alice_entry = new_key("alice")
+def limited(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> Limited:
+    alice, alice_entry = cast("tuple[str, dict[str, Any]]", new_key("alice"))  # a JSON entry: limits go in it
     bob, bob_entry = new_key("bob")
     alice_entry["limits"] = {"max_tokens": 50, "max_sse": 3}
     keys = tmp_path / "keys.json"
@@ -41,7 +49,7 @@ def _open(url: str, n: int, headers: dict[str, str], sid: str) -> tuple[list[htt
     return clients, codes
 
 
-def test_request_limits_at_exactly_their_values(limited) -> None:  # type: ignore[no-untyped-def]
+def test_request_limits_at_exactly_their_values(limited: Limited) -> None:
     s, alice, bob = limited
     with s.client() as c:
         c.headers.update(alice)
@@ -60,7 +68,7 @@ def test_request_limits_at_exactly_their_values(limited) -> None:  # type: ignor
                       ).status_code == 400
 
 
-def test_open_streams_per_key_and_per_ip_at_exactly_their_limits(limited) -> None:  # type: ignore[no-untyped-def]
+def test_open_streams_per_key_and_per_ip_at_exactly_their_limits(limited: Limited) -> None:
     s, alice, bob = limited
     with s.client() as c:
         c.headers.update(alice)
@@ -86,7 +94,7 @@ def test_open_streams_per_key_and_per_ip_at_exactly_their_limits(limited) -> Non
         time.sleep(0.1)
 
 
-def test_read_tokens_open_one_stream_for_a_short_time(limited) -> None:  # type: ignore[no-untyped-def]
+def test_read_tokens_open_one_stream_for_a_short_time(limited: Limited) -> None:
     s, alice, _ = limited
     with s.client() as c:
         c.headers.update(alice)
@@ -107,7 +115,7 @@ def test_read_tokens_open_one_stream_for_a_short_time(limited) -> None:  # type:
         assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
 
 
-def test_cors_allowlist(limited) -> None:  # type: ignore[no-untyped-def]
+def test_cors_allowlist(limited: Limited) -> None:
     s, alice, _ = limited
     pre = httpx.options(f"{s.base_url}/v1/streams", headers={
         "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
@@ -120,7 +128,7 @@ def test_cors_allowlist(limited) -> None:  # type: ignore[no-untyped-def]
     assert bad.status_code == 400
 
 
-def test_cors_is_off_by_default(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_cors_is_off_by_default(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     r = httpx.get(f"{s.base_url}/healthz", headers={"Origin": "https://app.example"})
@@ -128,12 +136,12 @@ def test_cors_is_off_by_default(stack_factory, redis_server, redis_client) -> No
 
 
 @pytest.mark.timeout(300)
-def test_a_flood_from_one_key_leaves_other_keys_streams_unaffected(stack_factory, redis_server, redis_client,
-                                                                   slow_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_flood_from_one_key_leaves_other_keys_streams_unaffected(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+                                                                   slow_model: Path, tmp_path: Path) -> None:
     import asyncio
     import statistics
 
-    alice, alice_entry = new_key("alice")
+    alice, alice_entry = cast("tuple[str, dict[str, Any]]", new_key("alice"))  # a JSON entry: limits go in it
     bob, bob_entry = new_key("bob")
     alice_entry["limits"] = {"max_sse": 20}
     keys = tmp_path / "keys.json"
@@ -191,8 +199,8 @@ def test_a_flood_from_one_key_leaves_other_keys_streams_unaffected(stack_factory
     assert p99(during) < 2500.0
 
 
-def test_unfinished_generations_per_key_at_exactly_max_active(stack_factory, redis_server, redis_client, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    alice, alice_entry = new_key("alice")
+def test_unfinished_generations_per_key_at_exactly_max_active(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
+    alice, alice_entry = cast("tuple[str, dict[str, Any]]", new_key("alice"))  # a JSON entry: limits go in it
     bob, bob_entry = new_key("bob")
     alice_entry["limits"] = {"max_active": 2}
     keys = tmp_path / "keys.json"

@@ -8,11 +8,18 @@ import signal
 import statistics
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
-from conftest import ResumingRead, read_resuming
+import redis
+from conftest import Nginx, NginxFactory, ResumingRead, Stack, StackFactory, read_resuming
 from helpers import create, read_sse
+
+from bench.procs import Proc
+from broker.redis_server import RedisServer
 
 
 def _metric(url: str, name: str) -> float:
@@ -20,22 +27,23 @@ def _metric(url: str, name: str) -> float:
     return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def _front(stack_factory, redis_server, nginx_factory):  # type: ignore[no-untyped-def]
+def _front(stack_factory: StackFactory, redis_server: RedisServer, nginx_factory: NginxFactory
+           ) -> tuple[Stack, list[tuple[Proc, str]], Nginx]:
     s = stack_factory(redis_server.url)
     pods = [s.consumer("--heartbeat-s", "1", "--shutdown-grace-s", "3") for _ in range(2)]
     nginx = nginx_factory([int(url.rsplit(":", 1)[1]) for _, url in pods])
     return s, pods, nginx
 
 
-def _wait(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
 
 
-def test_events_reach_the_reader_through_nginx_within_milliseconds(stack_factory, redis_server, redis_client,  # type: ignore[no-untyped-def]
-                                                                    nginx_factory, slow_model) -> None:
+def test_events_reach_the_reader_through_nginx_within_milliseconds(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+                                                                    nginx_factory: NginxFactory, slow_model: Path) -> None:
     s, _, nginx = _front(stack_factory, redis_server, nginx_factory)
     with httpx.Client(base_url=nginx.url, timeout=10) as c:
         sid = create(c, max_tokens=1500).json()["id"]  # queued: no generator yet
@@ -46,7 +54,7 @@ def test_events_reach_the_reader_through_nginx_within_milliseconds(stack_factory
     s.generator(model=slow_model)  # every delta from now on is appended while the reader tails live
     reader.join(60)
     assert result.done and result.ends == ["clean"]
-    lat = [(t * 1000 - int(e.id.split("-")[0])) for e, t in zip(result.events, result.received_at, strict=True)
+    lat = [(t * 1000 - int(cast(str, e.id).split("-")[0])) for e, t in zip(result.events, result.received_at, strict=True)
            if e.event == "delta"]
     assert len(lat) >= 100
     q = statistics.quantiles(lat, n=100)
@@ -62,8 +70,8 @@ def test_events_reach_the_reader_through_nginx_within_milliseconds(stack_factory
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_a_reader_survives_its_pod_going_away_mid_stream(stack_factory, redis_server, redis_client,  # type: ignore[no-untyped-def]
-                                                         nginx_factory, slow_model, sig) -> None:
+def test_a_reader_survives_its_pod_going_away_mid_stream(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+                                                         nginx_factory: NginxFactory, slow_model: Path, sig: signal.Signals) -> None:
     s, pods, nginx = _front(stack_factory, redis_server, nginx_factory)
     s.generator(model=slow_model)
     with httpx.Client(base_url=nginx.url, timeout=10) as c:

@@ -7,17 +7,33 @@ from __future__ import annotations
 import signal
 import time
 import uuid
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import orjson
 import pytest
+import redis
+from conftest import Stack, StackFactory
 from helpers import SSERead, read_sse, wait_status
+from openai.types.chat import ChatCompletionContentPartTextParam, ChatCompletionMessageParam
+from openai.types.responses import (
+    ResponseContentPartDoneEvent,
+    ResponseCreatedEvent,
+    ResponseIncompleteEvent,
+    ResponseOutputItemDoneEvent,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseStreamEvent,
+    ResponseTextDoneEvent,
+)
 
+from broker.redis_server import RedisServer
 from consumer.auth import new_key
 
-CHAT = [{"role": "user", "content": "Tell me a story"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story"}]
 
 
 def _client(base_url: str, api_key: str = "unused", **kwargs: Any) -> openai.OpenAI:
@@ -38,7 +54,7 @@ def _stream_id(response_id: str) -> str:
     return str(uuid.UUID(hex=response_id[len("resp_"):]))
 
 
-def _dumps(events: list[Any]) -> list[dict[str, Any]]:
+def _dumps(events: Sequence[openai.BaseModel]) -> list[dict[str, Any]]:
     return [e.model_dump() for e in events]
 
 
@@ -48,7 +64,7 @@ def _metrics(base_url: str) -> dict[str, float]:
             if line and not line.startswith("#")}
 
 
-def test_chat_stream_is_the_rsb_stream_read_as_chunks(stack) -> None:  # type: ignore[no-untyped-def]
+def test_chat_stream_is_the_rsb_stream_read_as_chunks(stack: Stack) -> None:
     client = _client(stack.base_url)
     raw = client.chat.completions.with_raw_response.create(
         model="story-model", messages=CHAT, max_tokens=32, stream=True, stream_options={"include_usage": True})
@@ -72,10 +88,12 @@ def test_chat_stream_is_the_rsb_stream_read_as_chunks(stack) -> None:  # type: i
     assert usage_chunk.usage.total_tokens == 32 + usage["prompt_tokens"]
 
 
-def test_chat_without_stream_answers_the_whole_completion_once_it_ends(stack) -> None:  # type: ignore[no-untyped-def]
+def test_chat_without_stream_answers_the_whole_completion_once_it_ends(stack: Stack) -> None:
     client = _client(stack.base_url)
-    parts = [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story"}]
-    messages: Any = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}]
+    parts: list[ChatCompletionContentPartTextParam] = [{"type": "text", "text": "Tell me "},
+                                                       {"type": "text", "text": "a story"}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "developer", "content": "Be brief."},
+                                                  {"role": "user", "content": parts}]
     raw = client.chat.completions.with_raw_response.create(model="m", messages=messages, max_completion_tokens=20,
                                                            temperature=0.5, top_p=0.9, seed=7, stop=["\n\n\n"])
     sid = raw.headers["x-rsb-stream-id"]
@@ -99,9 +117,9 @@ def test_chat_without_stream_answers_the_whole_completion_once_it_ends(stack) ->
         assert c.post("/v1/streams", json={**native_body, "seed": 8}).status_code == 409
 
 
-def test_responses_stream_resumes_after_any_sequence_number_with_no_gap_and_no_duplicate(stack) -> None:  # type: ignore[no-untyped-def]
+def test_responses_stream_resumes_after_any_sequence_number_with_no_gap_and_no_duplicate(stack: Stack) -> None:
     client = _client(stack.base_url)
-    head = []
+    head: list[ResponseStreamEvent] = []
     with client.responses.create(model="m", input="Tell me a story", max_output_tokens=40, background=True,
                                  stream=True) as stream:
         for event in stream:
@@ -123,7 +141,11 @@ def test_responses_stream_resumes_after_any_sequence_number_with_no_gap_and_no_d
     native = _native(stack.base_url, _stream_id(rid))
     assert text == native.text and text
     assert n_deltas == [e.event for e in native.events].count("delta")
+    assert isinstance(events[-4], ResponseTextDoneEvent) and isinstance(events[-3], ResponseContentPartDoneEvent)
+    assert isinstance(events[-3].part, ResponseOutputText) and isinstance(events[-2], ResponseOutputItemDoneEvent)
+    assert isinstance(events[-2].item, ResponseOutputMessage) and isinstance(events[-2].item.content[0], ResponseOutputText)
     assert events[-4].text == events[-3].part.text == events[-2].item.content[0].text == text
+    assert isinstance(events[-1], ResponseIncompleteEvent)
     final = events[-1].response
     assert final.id == rid and final.status == "incomplete" and final.output_text == text
     assert final.incomplete_details is not None and final.incomplete_details.reason == "max_output_tokens"
@@ -139,7 +161,7 @@ def test_responses_stream_resumes_after_any_sequence_number_with_no_gap_and_no_d
     assert retrieved.model_dump() == final.model_dump()
 
 
-def test_responses_report_completed_on_a_stop_sequence_and_wait_without_background(stack) -> None:  # type: ignore[no-untyped-def]
+def test_responses_report_completed_on_a_stop_sequence_and_wait_without_background(stack: Stack) -> None:
     client = _client(stack.base_url)
     # Stop sequences are not a Responses parameter; rsb takes them from extra_body. These letters end any
     # English-like gibberish well before 200 tokens, so the answer ends with "stop": status completed.
@@ -165,7 +187,7 @@ def test_responses_report_completed_on_a_stop_sequence_and_wait_without_backgrou
     assert bg.status == "incomplete" and bg.output_text == _native(stack.base_url, _stream_id(bg.id)).text
 
 
-async def test_the_async_client_streams_chat_and_responses(stack) -> None:  # type: ignore[no-untyped-def]
+async def test_the_async_client_streams_chat_and_responses(stack: Stack) -> None:
     async with openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0) as client:
         raw = await client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=24,
                                                                      stream=True)
@@ -177,6 +199,7 @@ async def test_the_async_client_streams_chat_and_responses(stack) -> None:  # ty
         stream = await client.responses.create(model="m", input="Hello", max_output_tokens=24, background=True,
                                                stream=True)
         events = [e async for e in stream]
+        assert isinstance(events[0], ResponseCreatedEvent)
         rid = events[0].response.id
         resumed = [e async for e in await client.responses.retrieve(rid, stream=True, starting_after=6)]
         assert _dumps(resumed) == _dumps(events[7:])
@@ -184,7 +207,7 @@ async def test_the_async_client_streams_chat_and_responses(stack) -> None:  # ty
         assert retrieved.output_text == _native(stack.base_url, _stream_id(rid)).text
 
 
-def test_cancel_stops_a_long_generation(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+def test_cancel_stops_a_long_generation(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     s.generator(model=slow_model)
@@ -194,9 +217,11 @@ def test_cancel_stops_a_long_generation(stack_factory, redis_server, redis_clien
     while not (r := client.responses.retrieve(r.id)).output_text:
         assert time.monotonic() < deadline and r.status in ("queued", "in_progress")
         time.sleep(0.05)
+    assert isinstance(r.output[0], ResponseOutputMessage)
     assert r.status == "in_progress" and r.output[0].status == "in_progress"
 
     cancelled = client.responses.cancel(r.id)
+    assert isinstance(cancelled.output[0], ResponseOutputMessage)
     assert cancelled.status == "cancelled" and cancelled.output[0].status == "incomplete"
     assert cancelled.usage is not None and 0 < cancelled.usage.output_tokens < 4000
     assert client.responses.retrieve(r.id).model_dump() == cancelled.model_dump()
@@ -221,8 +246,8 @@ def test_cancel_stops_a_long_generation(stack_factory, redis_server, redis_clien
     assert "".join(got) == _native(s.base_url, sid).text
 
 
-def test_a_failed_generation_is_an_error_for_chat_and_a_failed_response(  # type: ignore[no-untyped-def]
-        stack_factory, redis_server, redis_client, slow_model) -> None:
+def test_a_failed_generation_is_an_error_for_chat_and_a_failed_response(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     s.generator("--max-generation-s", "0.5", model=slow_model)  # every long answer ends in error: deadline
@@ -237,6 +262,7 @@ def test_a_failed_generation_is_an_error_for_chat_and_a_failed_response(  # type
     assert _metrics(s.base_url)["rsb_streams_created_total"] == 2  # the SDK did not retry into a new one
 
     events = list(client.responses.create(model="m", input="Hi", max_output_tokens=4000, stream=True))
+    assert isinstance(events[0], ResponseCreatedEvent)
     assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
     error = events[-1].response.error
     assert error is not None and error.code == "server_error" and error.message.startswith("deadline")
@@ -244,8 +270,8 @@ def test_a_failed_generation_is_an_error_for_chat_and_a_failed_response(  # type
     assert client.responses.retrieve(events[0].response.id).model_dump() == events[-1].response.model_dump()
 
 
-def test_a_draining_pod_ends_response_streams_for_a_resume_and_chat_streams_with_an_error(  # type: ignore[no-untyped-def]
-        stack_factory, redis_server, redis_client, slow_model) -> None:
+def test_a_draining_pod_ends_response_streams_for_a_resume_and_chat_streams_with_an_error(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     first, _ = s.consumer()
     _, second_url = s.consumer()
@@ -280,6 +306,7 @@ def test_a_draining_pod_ends_response_streams_for_a_resume_and_chat_streams_with
 
     assert httpx.post(f"{second_url}/v1/streams/{blocker}/cancel").status_code == 202
     other = _client(second_url)
+    assert isinstance(head[0], ResponseCreatedEvent)
     rid = head[0].response.id
     rest = list(other.responses.retrieve(rid, stream=True, starting_after=head[-1].sequence_number))
     events = head + rest
@@ -288,7 +315,7 @@ def test_a_draining_pod_ends_response_streams_for_a_resume_and_chat_streams_with
     assert events[-1].response.output_text == _native(second_url, _stream_id(rid)).text
 
 
-def test_bad_requests_get_openai_errors_and_create_nothing(stack) -> None:  # type: ignore[no-untyped-def]
+def test_bad_requests_get_openai_errors_and_create_nothing(stack: Stack) -> None:
     client = _client(stack.base_url)
     bad_chats: list[tuple[dict[str, Any], str]] = [
         ({"messages": []}, "messages"),
@@ -352,7 +379,7 @@ def test_bad_requests_get_openai_errors_and_create_nothing(stack) -> None:  # ty
     assert [m.id for m in client.models.list()] == ["default"]
 
 
-def test_an_idempotency_key_makes_retries_land_on_one_generation(stack) -> None:  # type: ignore[no-untyped-def]
+def test_an_idempotency_key_makes_retries_land_on_one_generation(stack: Stack) -> None:
     client = _client(stack.base_url, max_retries=2)
     key = {"Idempotency-Key": str(uuid.uuid4())}
     first = client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=8,
@@ -371,7 +398,7 @@ def test_an_idempotency_key_makes_retries_land_on_one_generation(stack) -> None:
     assert _metrics(stack.base_url)["rsb_streams_created_total"] == 1
 
 
-def test_tenants_see_only_their_own_responses(stack_factory, redis_server, redis_client, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_tenants_see_only_their_own_responses(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
     alice_key, alice_entry = new_key("alice")
     bob_key, bob_entry = new_key("bob")
     keys = tmp_path / "keys.json"

@@ -3,13 +3,24 @@ every response conforming to the spec."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
+import redis
 import schemathesis
+from conftest import StackFactory
 from hypothesis import HealthCheck, settings
+from schemathesis.specs.openapi.schemas import OpenApiSchema
+
+from broker.redis_server import RedisServer
+
+if TYPE_CHECKING:
+    # schemathesis.Case of an OpenAPI operation (an alias schemathesis defines for type checkers only).
+    from schemathesis.specs.openapi.schemas import OpenApiCase
 
 
 @pytest.fixture
-def api_schema(stack_factory, redis_server, redis_client):  # type: ignore[no-untyped-def]
+def api_schema(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> OpenApiSchema:
     s = stack_factory(redis_server.url)
     s.consumer("--max-tokens-limit", "512", "--max-prompt-chars", "2000", "--max-messages", "16")
     s.generator()  # streams the fuzzer creates end quickly, so reading their events terminates
@@ -23,5 +34,5 @@ schema = schemathesis.pytest.from_fixture("api_schema").exclude(path_regex="^/v1
 
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-def test_every_route_conforms_and_never_fails(case) -> None:  # type: ignore[no-untyped-def]
+def test_every_route_conforms_and_never_fails(case: OpenApiCase) -> None:
     case.call_and_validate()

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
+from conftest import StackFactory
 from helpers import SSERead, create, read_sse, wait_status
 
+from broker.redis_server import RedisServer
 
-def test_redis_restart_mid_stream_loses_and_repeats_nothing(stack_factory, own_redis, slow_model) -> None:  # type: ignore[no-untyped-def]
+
+def test_redis_restart_mid_stream_loses_and_repeats_nothing(stack_factory: StackFactory, own_redis: RedisServer, slow_model: Path) -> None:
     s = stack_factory(own_redis.url)
     s.consumer("--heartbeat-s", "0.5")
     s.generator("--lease-s", "5", model=slow_model)

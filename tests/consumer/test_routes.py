@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from helpers import create
+
+from broker.redis_server import RedisServer
 
 BAD_CREATES = [
     (b"{not json", "invalid_request"),
@@ -42,7 +46,8 @@ BAD_CREATES = [
 
 
 @pytest.fixture(scope="module")
-def api(redis_server, demo_model, tmp_path_factory):  # type: ignore[no-untyped-def]
+def api(redis_server: RedisServer, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+        ) -> Iterator[httpx.Client]:
     """One consumer for the whole module: these requests change nothing another test here reads."""
     from conftest import Stack
 
@@ -65,7 +70,7 @@ def test_body_too_large_gets_413(api: httpx.Client) -> None:
     r = api.post("/v1/streams", json={"prompt": "x" * 5000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
 
-    def chunks():  # type: ignore[no-untyped-def]  # no Content-Length: the limit holds while reading
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit holds while reading
         for _ in range(10):
             yield b"x" * 1000
 

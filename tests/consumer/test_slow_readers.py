@@ -17,9 +17,12 @@ import uuid
 import httpx
 import psutil
 import pytest
+import redis
+from conftest import StackFactory
 
-from broker.client import connect
+from broker.connection import connect
 from broker.events import EventType, encode_data
+from broker.redis_server import RedisServer
 from broker.request import GenerationRequest
 from broker.store import Claim, Store
 
@@ -107,7 +110,7 @@ class RawReader:
 
 async def _stream(store: Store) -> tuple[str, Claim]:
     sid = uuid.uuid4()
-    assert (await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=600)).outcome == "created"
+    assert (await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=600)).created
     claim = await store.claim(sid, "test-writer")
     assert isinstance(claim, Claim)
     return str(sid), claim
@@ -125,7 +128,7 @@ async def _append(store: Store, claim: Claim, n: int, size: int, *, batch: int =
     return seq
 
 
-def test_2000_live_readers_share_a_few_redis_connections(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_2000_live_readers_share_a_few_redis_connections(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     proc, url = s.consumer("--heartbeat-s", "10")
     port = int(url.rsplit(":", 1)[1])
@@ -166,8 +169,8 @@ def test_2000_live_readers_share_a_few_redis_connections(stack_factory, redis_se
     asyncio.run(run())
 
 
-def test_a_reader_that_stops_reading_costs_bounded_memory_and_is_dropped(stack_factory, redis_server,  # type: ignore[no-untyped-def]
-                                                                          redis_client) -> None:
+def test_a_reader_that_stops_reading_costs_bounded_memory_and_is_dropped(stack_factory: StackFactory, redis_server: RedisServer,
+                                                                          redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     proc, url = s.consumer("--heartbeat-s", "30", "--send-timeout-s", "3")
     port = int(url.rsplit(":", 1)[1])

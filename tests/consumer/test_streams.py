@@ -8,13 +8,18 @@ import concurrent.futures
 import itertools
 import time
 import uuid
+from typing import Any
 
 import httpx
 import orjson
+import redis
+from conftest import Stack, StackFactory
 from helpers import SSERead, create, read_sse, wait_status
 
+from broker.redis_server import RedisServer
 
-def _finished(stack, max_tokens: int = 48, **body) -> tuple[str, SSERead]:  # type: ignore[no-untyped-def]
+
+def _finished(stack: Stack, max_tokens: int = 48, **body: Any) -> tuple[str, SSERead]:
     with stack.client() as c:
         r = create(c, max_tokens=max_tokens, **body)
         assert r.status_code == 201, r.text
@@ -24,7 +29,7 @@ def _finished(stack, max_tokens: int = 48, **body) -> tuple[str, SSERead]:  # ty
     return sid, full
 
 
-def test_read_from_scratch_then_resume_from_every_event_gives_the_same_events(stack) -> None:  # type: ignore[no-untyped-def]
+def test_read_from_scratch_then_resume_from_every_event_gives_the_same_events(stack: Stack) -> None:
     sid, full = _finished(stack, max_tokens=40, messages=[{"role": "user", "content": "Tell me a story"}])
     types = [e.event for e in full.events]
     assert types[0] == "queued" and types[1] == "started" and types[-1] == "done"
@@ -56,7 +61,7 @@ def test_read_from_scratch_then_resume_from_every_event_gives_the_same_events(st
         assert r.status_code == 204
 
 
-def test_32_concurrent_identical_creates_make_one_stream_and_one_generation(stack, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_32_concurrent_identical_creates_make_one_stream_and_one_generation(stack: Stack, redis_client: redis.Redis) -> None:
     body = {"id": str(uuid.uuid4()), "prompt": "Once upon a time", "max_tokens": 24}
 
     async def burst() -> list[httpx.Response]:
@@ -79,7 +84,7 @@ def test_32_concurrent_identical_creates_make_one_stream_and_one_generation(stac
         assert other.status_code == 409 and other.json()["error"]["code"] == "conflict"
 
 
-def test_generation_goes_on_when_every_reader_left(stack) -> None:  # type: ignore[no-untyped-def]
+def test_generation_goes_on_when_every_reader_left(stack: Stack) -> None:
     with stack.client() as c:
         sid = create(c, max_tokens=600).json()["id"]
         first = read_sse(c, f"/v1/streams/{sid}/events", stop_after=3)  # then the reader leaves
@@ -92,7 +97,7 @@ def test_generation_goes_on_when_every_reader_left(stack) -> None:  # type: igno
         assert later.events[-1].data["usage"]["completion_tokens"] == 600
 
 
-def test_two_readers_receive_identical_events(stack) -> None:  # type: ignore[no-untyped-def]
+def test_two_readers_receive_identical_events(stack: Stack) -> None:
     with stack.client() as c:
         sid = create(c, max_tokens=800).json()["id"]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -102,7 +107,7 @@ def test_two_readers_receive_identical_events(stack) -> None:  # type: ignore[no
     assert a.events[-1].event == "done"
 
 
-def test_cancel_mid_generation_stops_inference_and_frees_the_worker(stack, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_cancel_mid_generation_stops_inference_and_frees_the_worker(stack: Stack, redis_client: redis.Redis) -> None:
     max_tokens = 3800
     with stack.client() as c:
         sid = create(c, max_tokens=max_tokens).json()["id"]
@@ -131,7 +136,7 @@ def test_cancel_mid_generation_stops_inference_and_frees_the_worker(stack, redis
         assert redis_client.xlen(f"rsb:{{p0}}:s:{sid}:events") == n
 
 
-def test_cancel_while_queued_ends_the_stream_without_generating(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_cancel_while_queued_ends_the_stream_without_generating(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     with s.client() as c:
@@ -145,7 +150,7 @@ def test_cancel_while_queued_ends_the_stream_without_generating(stack_factory, r
         assert [e.event for e in read_sse(c, f"/v1/streams/{sid}/events").events] == ["queued", "cancelled"]
 
 
-def test_heartbeat_comments_fill_every_silence(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_heartbeat_comments_fill_every_silence(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     s.consumer("--heartbeat-s", "0.5")  # no generator: the stream stays queued and silent
     with s.client() as c:
@@ -163,7 +168,7 @@ def test_heartbeat_comments_fill_every_silence(stack_factory, redis_server, redi
     assert max(b - a for a, b in itertools.pairwise(times)) < 0.9
 
 
-def test_500_live_readers_hold_a_small_bounded_number_of_redis_connections(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_500_live_readers_hold_a_small_bounded_number_of_redis_connections(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     s.consumer("--heartbeat-s", "5")
     with s.client() as c:
@@ -209,7 +214,7 @@ def test_500_live_readers_hold_a_small_bounded_number_of_redis_connections(stack
     assert sent >= 500 * 3
 
 
-def test_redis_unreachable_answers_503_with_retry_after(stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_redis_unreachable_answers_503_with_retry_after(stack_factory: StackFactory) -> None:
     from broker.redis_server import free_port
 
     s = stack_factory(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
@@ -222,7 +227,7 @@ def test_redis_unreachable_answers_503_with_retry_after(stack_factory) -> None: 
         assert c.get("/healthz").status_code == 200
 
 
-def test_unicode_and_invalid_bytes_survive_every_resume_point(stack) -> None:  # type: ignore[no-untyped-def]
+def test_unicode_and_invalid_bytes_survive_every_resume_point(stack: Stack) -> None:
     sid, full = _finished(stack, max_tokens=300, prompt="你好，世界 🌍 — naïve café")
     text = full.text
     assert any(ord(ch) > 127 for ch in text), "the demo model's answer should contain non-ASCII text"
@@ -233,14 +238,14 @@ def test_unicode_and_invalid_bytes_survive_every_resume_point(stack) -> None:  #
             assert before + rest.text == text
 
 
-def test_crafted_unicode_deltas_roundtrip_exactly(redis_server, redis_client, stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_crafted_unicode_deltas_roundtrip_exactly(redis_server: RedisServer, redis_client: redis.Redis, stack_factory: StackFactory) -> None:
     """Texts a model can produce that break naive SSE framing: CR, LF, U+2028, NUL, U+FFFD, emoji, CJK."""
     import asyncio as aio
 
-    from broker.client import connect
+    from broker.connection import connect
     from broker.events import EventType, encode_data
     from broker.request import GenerationRequest
-    from broker.store import Store
+    from broker.store import Claim, Store
 
     pieces = ["你好", "世界", "🌍🚀", "\r\n", "line\nbreak", "\u2028sep\u2029", "nul\x00", "\ufffd",
               'quote"\\', "é", " "]
@@ -252,7 +257,7 @@ def test_crafted_unicode_deltas_roundtrip_exactly(redis_server, redis_client, st
         req = GenerationRequest(None, "x", None, 16, 0.8, 0.95, None, (), False)
         await st.create(sid, req, default_model="m", max_queue=0, retention_s=60)
         claim = await st.claim(sid, "w")
-        assert not isinstance(claim, int)
+        assert isinstance(claim, Claim)
         for n, p in enumerate(pieces):
             res = await st.append(claim, n, n + 1, [(EventType.DELTA, encode_data({"text": p}))])
             assert res.ok
@@ -277,7 +282,7 @@ def _metric(url: str, name: str) -> float:
     return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def test_a_reader_that_leaves_frees_what_it_held(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_a_reader_that_leaves_frees_what_it_held(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     with s.client() as c:
@@ -300,7 +305,7 @@ def test_a_reader_that_leaves_frees_what_it_held(stack_factory, redis_server, re
     assert all(n == 0 for n in channels[1::2])
 
 
-def test_consumer_shuts_down_promptly_with_readers_connected(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_consumer_shuts_down_promptly_with_readers_connected(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     import signal as sig
 
     s = stack_factory(redis_server.url)

@@ -12,12 +12,16 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+import redis
+from conftest import Stack, StackFactory
 from helpers import create, read_sse, wait_status
+
+from broker.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts" / "web"
@@ -27,7 +31,7 @@ needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="chromium is not installed (apt-get install chromium, or set RSB_CHROMIUM)")
 
 if CHROMIUM is not None:
-    from playwright.sync_api import Browser, Page, expect, sync_playwright
+    from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 # Long enough that a reload, a second tab or a Stop lands mid-answer on the slow model (~700 tokens/s on
@@ -45,8 +49,12 @@ def browser() -> Iterator[Browser]:
         b.close()
 
 
+# The new_page fixture: each call opens a page in a fresh browser context.
+PageFactory = Callable[[], Page]
+
+
 @pytest.fixture
-def new_page(browser: Browser) -> Iterator[Any]:
+def new_page(browser: Browser) -> Iterator[PageFactory]:
     """Pages in fresh browser contexts (own localStorage, like separate devices), closed at teardown."""
     contexts = []
 
@@ -61,13 +69,13 @@ def new_page(browser: Browser) -> Iterator[Any]:
         # (The browser's own favicon probe of a non-HTML page, /healthz, is no error of the page.)
         page.on("console", lambda m: errors.append(f"{m.text} {m.location.get('url')}")
                 if m.type == "error" and not m.location.get("url", "").endswith("/favicon.ico") else None)
-        page.errors = errors  # type: ignore[attr-defined]
+        cast(Any, page).errors = errors  # an attribute of our own on the Page, read back at teardown
         return page
 
     yield make
     for ctx in contexts:
         for page in ctx.pages:
-            assert not page.errors, f"errors in the page: {page.errors}"  # type: ignore[attr-defined]
+            assert not cast(Any, page).errors, f"errors in the page: {cast(Any, page).errors}"
         ctx.close()
 
 
@@ -85,7 +93,7 @@ def _send(page: Page, prompt: str, max_tokens: int) -> str:
     return sid
 
 
-def _turn(page: Page, sid: str) -> Any:
+def _turn(page: Page, sid: str) -> Locator:
     return page.locator(f'.turn[data-stream-id="{sid}"]')
 
 
@@ -139,7 +147,7 @@ def _screenshot(page: Page, name: str) -> Path:
     return path
 
 
-def _slow_stack(stack_factory, redis_url: str, slow_model: Path) -> Any:  # type: ignore[no-untyped-def]
+def _slow_stack(stack_factory: StackFactory, redis_url: str, slow_model: Path) -> Stack:
     s = stack_factory(redis_url)
     s.consumer()
     s.generator(model=slow_model)
@@ -147,8 +155,8 @@ def _slow_stack(stack_factory, redis_url: str, slow_model: Path) -> Any:  # type
 
 
 @needs_chromium
-def test_reload_mid_stream_resumes_and_shows_the_answer_exactly_once(  # type: ignore[no-untyped-def]
-        stack_factory, redis_server, redis_client, slow_model, new_page) -> None:
+def test_reload_mid_stream_resumes_and_shows_the_answer_exactly_once(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path, new_page: PageFactory) -> None:
     s = _slow_stack(stack_factory, redis_server.url, slow_model)
     page = new_page()
     page.goto(f"{s.base_url}/")
@@ -193,8 +201,8 @@ def test_reload_mid_stream_resumes_and_shows_the_answer_exactly_once(  # type: i
 
 
 @needs_chromium
-def test_queue_position_then_stop_cancels_the_generation(  # type: ignore[no-untyped-def]
-        stack_factory, redis_server, redis_client, slow_model, new_page) -> None:
+def test_queue_position_then_stop_cancels_the_generation(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path, new_page: PageFactory) -> None:
     s = _slow_stack(stack_factory, redis_server.url, slow_model)
     page = new_page()
     page.goto(f"{s.base_url}/")
@@ -224,8 +232,8 @@ def test_queue_position_then_stop_cancels_the_generation(  # type: ignore[no-unt
 
 
 @needs_chromium
-def test_two_tabs_on_one_stream_show_the_same_answer(  # type: ignore[no-untyped-def]
-        stack_factory, redis_server, redis_client, slow_model, new_page) -> None:
+def test_two_tabs_on_one_stream_show_the_same_answer(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path, new_page: PageFactory) -> None:
     s = _slow_stack(stack_factory, redis_server.url, slow_model)
     first, second = new_page(), new_page()
     first.goto(f"{s.base_url}/")
@@ -258,8 +266,8 @@ def _split(raw: bytes, rng: random.Random) -> list[list[int]]:
 
 
 @needs_chromium
-def test_client_reassembles_events_split_anywhere_and_resumes_after_drops(  # type: ignore[no-untyped-def]
-        stack_factory, redis_server, new_page) -> None:
+def test_client_reassembles_events_split_anywhere_and_resumes_after_drops(
+        stack_factory: StackFactory, redis_server: RedisServer, new_page: PageFactory) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     page = new_page()
@@ -319,7 +327,7 @@ def test_client_reassembles_events_split_anywhere_and_resumes_after_drops(  # ty
 
 
 @needs_chromium
-def test_markdown_renders_the_subset_and_escapes_html(stack_factory, redis_server, new_page) -> None:  # type: ignore[no-untyped-def]
+def test_markdown_renders_the_subset_and_escapes_html(stack_factory: StackFactory, redis_server: RedisServer, new_page: PageFactory) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     page = new_page()
@@ -360,7 +368,7 @@ def test_markdown_renders_the_subset_and_escapes_html(stack_factory, redis_serve
     assert out["streamed"] + "<p>unfinished *tail</p>" == whole
 
 
-def test_the_page_and_client_module_are_served(stack_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_page_and_client_module_are_served(stack_factory: StackFactory, redis_server: RedisServer) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     with s.client() as c:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from broker.client import connect
+import redis
+
+from broker.connection import connect
 from broker.events import EventType, encode_data
+from broker.redis_server import RedisServer
 from broker.request import GenerationRequest
 from broker.store import Claim, Store
 from generator.appends import AppendBatcher
@@ -14,7 +17,7 @@ from generator.appends import AppendBatcher
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 
 
-async def test_batched_appends_land_in_order_and_zombies_are_still_refused(redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+async def test_batched_appends_land_in_order_and_zombies_are_still_refused(redis_server: RedisServer, redis_client: redis.Redis) -> None:
     redis = connect(redis_server.url)
     store = Store(redis)
     batcher = AppendBatcher(store, max_batch=16)

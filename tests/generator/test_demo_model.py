@@ -7,8 +7,8 @@ import gguf
 import llama_cpp
 import pytest
 
-from generator import demo_model
-from generator.demo_model import DEMO_MODEL_NAME, build_demo_model, default_demo_model_path, ensure_demo_model
+from generator.engines import demo_model
+from generator.engines.demo_model import DEMO_MODEL_NAME, build_demo_model, default_demo_model_path, ensure_demo_model
 
 
 def test_builds_and_loads_fast(demo_gguf: Path) -> None:

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+import ctypes
 import itertools
 import random
 
 import llama_cpp
 import pytest
 
-from generator.detokenizer import IncrementalDetokenizer, LlamaPieces
+from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 
 
 def decode_split(data: bytes, cuts: tuple[int, ...]) -> tuple[list[str], str]:
@@ -121,11 +122,13 @@ def test_llama_pieces_cache_and_grow_their_buffer(demo_llm: llama_cpp.Llama) -> 
     long_piece = b"y" * 200
     calls: list[int] = []
 
-    def fake_to_piece(vocab: object, token: int, buf: object, length: int, lstrip: int, special: bool) -> int:
+    def fake_to_piece(vocab: object, token: int, buf: ctypes.c_char_p | bytes | ctypes.Array[ctypes.c_char],
+                      length: int, lstrip: int, special: bool) -> int:
         calls.append(length)
         if length < len(long_piece):
             return -len(long_piece)
-        buf.raw = long_piece  # type: ignore[attr-defined]
+        assert isinstance(buf, ctypes.Array)  # LlamaPieces passes its ctypes.create_string_buffer
+        buf.raw = long_piece
         return len(long_piece)
 
     pieces._to_piece = fake_to_piece

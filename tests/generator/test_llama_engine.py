@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from broker.request import GenerationRequest, Message
-from generator.demo_model import DEMO_MODEL_NAME
-from generator.engine import Engine, Generation
-from generator.llama_engine import LlamaEngine, PromptTooLong
+from generator.engines.base import Engine, EngineError, Generation, PromptTooLong
+from generator.engines.demo_model import DEMO_MODEL_NAME
+from generator.engines.llama import LlamaEngine
 
 
 def request(
@@ -174,7 +174,7 @@ def test_prompt_too_long(demo_gguf: Path) -> None:
         long_prompt = " the" * n_ctx
         with pytest.raises(PromptTooLong) as err:
             eng.start(request(long_prompt), prefix_text="", max_tokens=1, stop=threading.Event())
-        assert isinstance(err.value, ValueError) and str(n_ctx) in str(err.value)
+        assert isinstance(err.value, EngineError) and err.value.code == "context_length_exceeded" and str(n_ctx) in str(err.value)
         n = len(eng.tokenize_prompt(request(" the" * 50)))
         fits = n_ctx - 1 - n
         _, pieces = run(eng, request(" the" * 50), fits)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
+import redis
+from conftest import StackFactory
 from helpers import create, read_sse, wait_status
 
-from broker.redis_server import free_port
+from broker.redis_server import RedisServer, free_port
 
 
 def _value(text: str, name: str) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
-def test_generator_metrics_count_what_was_generated_and_wasted(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+def test_generator_metrics_count_what_was_generated_and_wasted(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     port = free_port()

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import redis
+from conftest import StackFactory
 from helpers import create, read_sse
 
+from broker.redis_server import RedisServer
 
-def test_a_long_prompt_sends_progress_while_it_is_processed(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+
+def test_a_long_prompt_sends_progress_while_it_is_processed(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     s.generator(model=slow_model)

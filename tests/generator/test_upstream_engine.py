@@ -23,24 +23,34 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import create, read_sse, wait_serving, wait_status
+import redis
+from conftest import StackFactory
+from helpers import create, read_sse, wait_status
 
-from broker.redis_server import free_port
+from bench.procs import wait_serving
+from broker.redis_server import RedisServer, free_port
 from broker.request import GenerationRequest, Message
-from generator.upstream_engine import (
+from generator.engines import UpstreamError
+from generator.engines.upstream import UpstreamEngine, detect_api
+from generator.engines.upstream.ollama import OLLAMA, parse_line
+from generator.engines.upstream.openai import OPENAI, parse_event
+from generator.engines.upstream.protocol import (
     CONTINUE_INSTRUCTION,
     SurrogateJoiner,
-    UpstreamEngine,
-    UpstreamError,
     UpstreamGeneration,
-    base_url,
-    detect_api,
-    ollama_request,
-    openai_request,
-    parse_ollama_line,
-    parse_openai_event,
+    UpstreamRequest,
     stream_pieces,
 )
+
+
+def openai_request(request: GenerationRequest, **kw: Any) -> tuple[str, dict[str, Any]]:
+    call: UpstreamRequest = OPENAI.build_request(request, **kw)
+    return call.path, call.body
+
+
+def ollama_request(request: GenerationRequest, **kw: Any) -> tuple[str, dict[str, Any]]:
+    call: UpstreamRequest = OLLAMA.build_request(request, **kw)
+    return call.path, call.body
 
 STORY = [{"role": "user", "content": "Tell me a story"}]
 
@@ -184,38 +194,38 @@ def test_ollama_requests_map_to_options() -> None:
 
 
 def test_openai_stream_records_are_read_as_tokens_ends_and_usage() -> None:
-    role = parse_openai_event('{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}', chat=True)
+    role = parse_event('{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}', chat=True)
     assert role.piece is None  # the turn's opening, not a token
-    tok = parse_openai_event('{"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}', chat=True)
+    tok = parse_event('{"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}', chat=True)
     assert tok.piece == "Hi" and tok.finish_reason is None
-    partial = parse_openai_event('{"choices":[{"delta":{"content":""},"finish_reason":null}]}', chat=True)
+    partial = parse_event('{"choices":[{"delta":{"content":""},"finish_reason":null}]}', chat=True)
     assert partial.piece == ""  # a token that ends inside a character still counts
-    end = parse_openai_event('{"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}', chat=True)
+    end = parse_event('{"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}', chat=True)
     assert end.piece is None and end.finish_reason == "length"
-    last = parse_openai_event('{"choices":[{"index":0,"text":"!","finish_reason":"eos"}]}', chat=False)
+    last = parse_event('{"choices":[{"index":0,"text":"!","finish_reason":"eos"}]}', chat=False)
     assert last.piece == "!" and last.finish_reason == "stop"
-    usage = parse_openai_event('{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":30}}', chat=True)
+    usage = parse_event('{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":30}}', chat=True)
     assert (usage.piece, usage.prompt_tokens, usage.completion_tokens) == (None, 12, 30)
-    assert parse_openai_event("[DONE]", chat=True).done
+    assert parse_event("[DONE]", chat=True).done
     with pytest.raises(UpstreamError, match="out of memory") as e:
-        parse_openai_event('{"error":{"message":"out of memory","code":500}}', chat=True)
+        parse_event('{"error":{"message":"out of memory","code":500}}', chat=True)
     assert e.value.code == "upstream"
 
 
 def test_ollama_stream_lines_are_read_as_tokens_ends_and_usage() -> None:
-    tok = parse_ollama_line('{"model":"m","message":{"role":"assistant","content":"Hi"},"done":false}', chat=True)
+    tok = parse_line('{"model":"m","message":{"role":"assistant","content":"Hi"},"done":false}', chat=True)
     assert tok.piece == "Hi" and not tok.done
-    gen = parse_ollama_line('{"model":"m","response":" there","done":false}', chat=False)
+    gen = parse_line('{"model":"m","response":" there","done":false}', chat=False)
     assert gen.piece == " there"
-    end = parse_ollama_line('{"model":"m","response":"","done":true,"done_reason":"length",'
+    end = parse_line('{"model":"m","response":"","done":true,"done_reason":"length",'
                             '"prompt_eval_count":9,"eval_count":20}', chat=False)
     assert (end.piece, end.finish_reason, end.prompt_tokens, end.completion_tokens, end.done) == (
         None, "length", 9, 20, True)
-    stop = parse_ollama_line('{"message":{"role":"assistant","content":""},"done":true,"done_reason":"stop"}',
+    stop = parse_line('{"message":{"role":"assistant","content":""},"done":true,"done_reason":"stop"}',
                              chat=True)
     assert stop.finish_reason == "stop"
     with pytest.raises(UpstreamError, match="model 'x' not found"):
-        parse_ollama_line('{"error":"model \'x\' not found"}', chat=True)
+        parse_line('{"error":"model \'x\' not found"}', chat=True)
 
 
 def _sse(*records: str) -> list[str]:
@@ -233,7 +243,7 @@ def test_tokens_merged_into_one_delta_are_counted_from_the_reported_usage() -> N
         '{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":4}}',
         "[DONE]")]
     gen = UpstreamGeneration(prompt_tokens=0, pieces=iter(()))
-    pieces = list(stream_pieces(lines, api="openai", chat=True, generation=gen, max_tokens=4,
+    pieces = list(stream_pieces(OPENAI.chunks(lines, chat=True), generation=gen, max_tokens=4,
                                 stop=threading.Event()))
     assert pieces == ["Hel", "lo \u00e9", "!", ""]
     assert (gen.prompt_tokens, gen.completion_tokens, gen.finish_reason) == (5, 4, "length")
@@ -245,7 +255,7 @@ def test_ollama_lines_become_pieces_and_counts() -> None:
              '{"message":{"role":"assistant","content":""},"done":true,"done_reason":"stop",'
              '"prompt_eval_count":7,"eval_count":2}']
     gen = UpstreamGeneration(prompt_tokens=0, pieces=iter(()))
-    assert list(stream_pieces(lines, api="ollama", chat=True, generation=gen, max_tokens=10,
+    assert list(stream_pieces(OLLAMA.chunks(lines, chat=True), generation=gen, max_tokens=10,
                               stop=threading.Event())) == ["Hi", " you"]
     assert (gen.prompt_tokens, gen.completion_tokens, gen.finish_reason) == (7, 2, "stop")
 
@@ -254,20 +264,20 @@ def test_a_stream_cut_before_its_end_is_an_error_unless_we_stopped_it() -> None:
     lines = _sse('{"choices":[{"text":"a","finish_reason":null}]}')
     gen = UpstreamGeneration(prompt_tokens=0, pieces=iter(()))
     with pytest.raises(UpstreamError, match="before the answer ended"):
-        list(stream_pieces(lines, api="openai", chat=False, generation=gen, max_tokens=10, stop=threading.Event()))
+        list(stream_pieces(OPENAI.chunks(lines, chat=False), generation=gen, max_tokens=10, stop=threading.Event()))
     stop = threading.Event()
     stop.set()
-    assert list(stream_pieces(lines, api="openai", chat=False, generation=gen, max_tokens=10, stop=stop)) == []
+    assert list(stream_pieces(OPENAI.chunks(lines, chat=False), generation=gen, max_tokens=10, stop=stop)) == []
 
 
 def test_the_protocol_comes_from_the_flag_or_the_url() -> None:
-    assert detect_api("http://h:8000") == "openai"
-    assert detect_api("http://h:11434/api") == "ollama"
-    assert detect_api("http://h:11434", "ollama") == "ollama"
+    assert detect_api("http://h:8000") is OPENAI
+    assert detect_api("http://h:11434/api") is OLLAMA
+    assert detect_api("http://h:11434", "ollama") is OLLAMA
     with pytest.raises(ValueError):
         detect_api("http://h", "grpc")
-    assert base_url("http://h:8000/v1/", "openai") == "http://h:8000"
-    assert base_url("http://h:11434/api", "ollama") == "http://h:11434"
+    assert OPENAI.base_url("http://h:8000/v1/") == "http://h:8000"
+    assert OLLAMA.base_url("http://h:11434/api") == "http://h:11434"
 
 
 def test_a_character_split_into_two_escaped_surrogates_comes_out_whole() -> None:
@@ -347,7 +357,7 @@ def test_an_http_error_from_the_upstream_is_an_upstream_error(upstream: LlamaSer
 
 
 def test_cancel_aborts_the_upstream_request(
-        stack_factory, redis_server, redis_client, slow_upstream: LlamaServer) -> None:  # type: ignore[no-untyped-def]
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_upstream: LlamaServer) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     s.generator("--upstream", slow_upstream.url, ignore_eos=False)
@@ -371,7 +381,7 @@ def test_cancel_aborts_the_upstream_request(
 
 
 def test_concurrency_two_runs_two_generations_at_once(
-        stack_factory, redis_server, redis_client, slow_upstream: LlamaServer) -> None:  # type: ignore[no-untyped-def]
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_upstream: LlamaServer) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     s.generator("--upstream", slow_upstream.url, "--concurrency", "2", ignore_eos=False)
@@ -392,7 +402,7 @@ def test_concurrency_two_runs_two_generations_at_once(
 
 
 def test_an_unreachable_upstream_ends_the_stream_with_error(
-        stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     s.generator("--upstream", f"http://127.0.0.1:{free_port()}", ignore_eos=False)

@@ -9,13 +9,19 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
-from helpers import SSERead, create, read_sse, wait_status
+import redis
+from conftest import Stack, StackFactory
+from helpers import SSE, SSERead, create, read_sse, wait_status
+
+from broker.redis_server import RedisServer
 
 MAX_TOKENS = 1500
 
 
-def _key(e) -> tuple[str | None, str | None, object]:  # type: ignore[no-untyped-def]
+def _key(e: SSE) -> tuple[str | None, str | None, object]:
     return (e.id, e.event, e.data)
 
 
@@ -29,7 +35,7 @@ def _assert_seamless(full: SSERead, max_tokens: int) -> None:
     assert usage["completion_tokens"] == max_tokens
 
 
-def _three_readers(s, sid: str, failure) -> tuple[SSERead, SSERead, SSERead]:  # type: ignore[no-untyped-def]
+def _three_readers(s: Stack, sid: str, failure: Callable[[], None]) -> tuple[SSERead, SSERead, SSERead]:
     """A reader connected throughout, one that leaves before the failure and resumes after it, and one that
     reads everything afterwards."""
     stayed: list[SSERead] = []
@@ -46,7 +52,7 @@ def _three_readers(s, sid: str, failure) -> tuple[SSERead, SSERead, SSERead]:  #
 
 
 def test_sigkilled_worker_is_taken_over_and_the_answer_continues_seamlessly(
-        stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     victim = s.generator("--lease-s", "1", model=slow_model)
@@ -65,7 +71,7 @@ def test_sigkilled_worker_is_taken_over_and_the_answer_continues_seamlessly(
     assert redis_client.hget(f"rsb:{{p0}}:s:{sid}:meta", "attempts") == b"2"
 
 
-def test_a_zombie_worker_that_wakes_up_appends_nothing(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+def test_a_zombie_worker_that_wakes_up_appends_nothing(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     zombie = s.generator("--lease-s", "1", model=slow_model)
@@ -87,7 +93,7 @@ def test_a_zombie_worker_that_wakes_up_appends_nothing(stack_factory, redis_serv
     assert redis_client.xlen(f"rsb:{{p0}}:s:{sid}:events") == len(full.events)
 
 
-def test_sigterm_past_the_grace_period_hands_the_job_over_at_once(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_past_the_grace_period_hands_the_job_over_at_once(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     leaving = s.generator("--lease-s", "30", "--generator-grace-s", "0.2", model=slow_model)
@@ -108,7 +114,7 @@ def test_sigterm_past_the_grace_period_hands_the_job_over_at_once(stack_factory,
     assert "handed the job over" in leaving.output()
 
 
-def test_sigterm_within_the_grace_period_finishes_the_job_in_flight(stack_factory, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_within_the_grace_period_finishes_the_job_in_flight(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     gen = s.generator("--generator-grace-s", "30")
@@ -125,7 +131,7 @@ def test_sigterm_within_the_grace_period_finishes_the_job_in_flight(stack_factor
         assert c.get(f"/v1/streams/{sid2}").json()["status"] == "queued"
 
 
-def test_attempts_exhausted_end_the_stream_with_worker_lost(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+def test_attempts_exhausted_end_the_stream_with_worker_lost(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     victim = s.generator("--lease-s", "1", "--max-attempts", "1", model=slow_model)
@@ -141,7 +147,7 @@ def test_attempts_exhausted_end_the_stream_with_worker_lost(stack_factory, redis
     assert 0 < events[-1].data["usage"]["completion_tokens"] < MAX_TOKENS
 
 
-def test_deadline_ends_the_generation_with_error_deadline(stack_factory, redis_server, redis_client, slow_model) -> None:  # type: ignore[no-untyped-def]
+def test_deadline_ends_the_generation_with_error_deadline(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)
     s.consumer()
     s.generator("--max-generation-s", "0.5", model=slow_model)

@@ -1,4 +1,5 @@
-"""The inference engine interface the worker drives. Engines run in a worker thread, never on the loop."""
+"""What every engine is: the interface the worker drives, the running generation it gets back, and the one
+error family engines raise. Engines run in a worker thread, never on the event loop."""
 
 from __future__ import annotations
 
@@ -8,6 +9,39 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from broker.request import GenerationRequest
+
+
+class EngineError(Exception):
+    """A generation failed in the engine. ``code`` is the stream's ``error`` event code; anything else an
+    engine raises (a library's own exception) ends the stream with code ``engine``."""
+
+    code = "engine"
+
+
+class PromptTooLong(EngineError):
+    """The prompt (plus the answer text being continued) leaves no room for ``max_tokens`` in the context."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, n_ctx: int) -> None:
+        super().__init__(
+            f"the prompt is {prompt_tokens} tokens; with max_tokens={max_tokens} it needs "
+            f"{prompt_tokens + max_tokens + 1} of the model's {n_ctx}-token context"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.n_ctx = n_ctx
+
+
+class UpstreamError(EngineError):
+    """The upstream server failed: unreachable, an HTTP error, an error event, or a stream cut mid-answer."""
+
+    code = "upstream"
+
+
+def error_code(error: BaseException) -> str:
+    """The ``error`` event code for whatever a generation raised."""
+    return error.code if isinstance(error, EngineError) else EngineError.code
 
 
 @dataclass(slots=True)

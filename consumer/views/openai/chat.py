@@ -18,28 +18,28 @@ from starlette.types import ASGIApp
 
 from broker.events import Event, EventType
 from broker.store import StreamStatus
-from consumer.openai_common import (
+from consumer.service import StreamService
+from consumer.sse import SSEResponse
+from consumer.state import caller_of, state_of
+from consumer.views.openai.common import (
     DONE_FRAME,
-    Connection,
-    Deferred,
-    SSEView,
+    ROLES,
+    STREAM_ID_HEADER,
+    DeferredResponse,
     create_stream,
     data_frame,
     error_json,
-    fold_to_end,
     invalid,
     read_json,
-    tail,
     text_of,
     usage_tokens,
 )
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _TEXT_PARTS = frozenset({"text"})
 # Shutdown mid-stream: an error the SDK raises, instead of an answer silently cut short.
 _SHUTDOWN_FRAME = data_frame({"error": {"message": "the server is shutting down; the generation goes on: "
                                         "resume it at /v1/streams/{x-rsb-stream-id}/events",
-                                        "type": "server_error", "param": None, "code": "shutting_down"}}).data
+                                        "type": "server_error", "param": None, "code": "shutting_down"}})
 
 
 def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -52,7 +52,7 @@ def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise invalid(f"messages[{i}] must be an object", "messages")
-        role = _ROLES.get(str(m.get("role")))
+        role = ROLES.get(str(m.get("role")))
         if role is None:
             raise invalid(f"messages[{i}].role must be one of system, developer, user, assistant "
                           "(tools are not supported)", "messages")
@@ -110,11 +110,11 @@ def _terminal_error(ev: Event) -> dict[str, Any]:
             "param": None, "code": str(data.get("code", "engine"))}
 
 
-async def _frames(request: Request, chat: _Chat, stream_id: uuid.UUID,
-                  include_usage: bool) -> AsyncIterator[Event | None]:
+async def _frames(service: StreamService, chat: _Chat, stream_id: uuid.UUID,
+                  include_usage: bool) -> AsyncIterator[bytes | None]:
     # The role comes first, as OpenAI sends it, before the queue wait: the client sees the call was taken.
     yield data_frame(chat.chunk({"role": "assistant", "content": ""}))
-    async with aclosing(tail(request, stream_id)) as events:
+    async with aclosing(service.tail(stream_id)) as events:
         async for ev in events:
             if ev is None:
                 yield None  # heartbeat comment: the SDK skips it
@@ -132,7 +132,7 @@ async def _frames(request: Request, chat: _Chat, stream_id: uuid.UUID,
                 yield DONE_FRAME
 
 
-async def _completion(request: Request, chat: _Chat, stream_id: uuid.UUID) -> Response:
+async def _completion(service: StreamService, chat: _Chat, stream_id: uuid.UUID) -> Response:
     texts: list[str] = []
     end: list[Event] = []
 
@@ -142,7 +142,7 @@ async def _completion(request: Request, chat: _Chat, stream_id: uuid.UUID) -> Re
         elif ev.is_terminal:
             end.append(ev)
 
-    await fold_to_end(request, stream_id, feed)  # read_stream ends only after the terminal event
+    await service.fold(stream_id, feed)  # the reader ends only after the terminal event
     ev = end[0]
     if ev.type != EventType.DONE:
         # 409 (stopped by someone) or 502 (the engine failed). The SDK would retry both, each retry a new
@@ -171,10 +171,14 @@ async def chat_completions(request: Request) -> ASGIApp:
         raise invalid("'stream_options' must be an object", "stream_options")
     include_usage = bool(options and options.get("include_usage"))
     rsb_body, renames = _chat_body(body)
-    with Connection(request) as conn:
+    state = state_of(request)
+    service = state.service
+    with service.connection(caller_of(request)) as slot:
         stream_id, st = await create_stream(request, rsb_body, renames)
-        chat = _Chat(stream_id, st, rsb_body["model"] or request.app.state.default_model)
+        chat = _Chat(stream_id, st, rsb_body["model"] or service.default_model)
         if stream:
-            return conn.serve(SSEView(request, stream_id, _frames(request, chat, stream_id, include_usage),
-                                      _SHUTDOWN_FRAME))
-        return conn.serve(Deferred(request, stream_id, lambda: _completion(request, chat, stream_id)))
+            return SSEResponse(_frames(service, chat, stream_id, include_usage), shutdown=state.draining,
+                               send_timeout_s=state.settings.send_timeout_s,
+                               headers={STREAM_ID_HEADER: str(stream_id)}, shutdown_frame=_SHUTDOWN_FRAME,
+                               on_close=slot.release)
+        return DeferredResponse(request, stream_id, lambda: _completion(service, chat, stream_id), slot.release)

@@ -17,15 +17,33 @@ from urllib.parse import urlsplit, urlunsplit
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import AbstractBackoff
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    ReadOnlyError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from broker.backoff import Backoff
 
 # Ordinary commands: short, so a dead server is noticed in seconds, not minutes.
 COMMAND_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+#: Redis errors that mean "Redis cannot serve this now, try again soon": the server is unreachable, loading,
+#: or a cluster is moving slots or failing over (a write landing on a demoted primary gets READONLY). Workers
+#: retry them; the HTTP boundary answers 503 + Retry-After. Any other Redis error is a bug.
+UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
+    RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, ClusterError, MasterDownError,
+    ReadOnlyError, SlotNotCoveredError, TryAgainError, ConnectionError, OSError)
 
 # Either kind of client: the commands rsb uses have the same signatures on both.
 RedisClient = Redis | RedisCluster
@@ -61,10 +79,28 @@ def node_url(url: str, host: str, port: int) -> str:
     return urlunsplit(parts._replace(netloc=netloc, path=""))
 
 
+class _RetryBackoff(AbstractBackoff):
+    """redis-py's retries wait by rsb's one backoff (broker.backoff)."""
+
+    def __init__(self, backoff: Backoff) -> None:
+        self._backoff = backoff
+
+    def reset(self) -> None:
+        pass
+
+    def compute(self, failures: int) -> float:
+        return self._backoff.delay(max(0, failures - 1))
+
+
+# Command retries inside redis-py: short, because the callers (the worker's loops, the consumer's 503 +
+# Retry-After) have their own, longer patience.
+COMMAND_RETRY_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)
+
+
 def _retry(retries: int) -> Retry:
     # Retrying a script whose reply was lost may run it twice: every script is written to be safe
     # under that (CREATE/CANCEL are idempotent, APPEND carries a sequence number, FINISH a status check).
-    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries,
+    return Retry(_RetryBackoff(COMMAND_RETRY_BACKOFF), retries,
                  supported_errors=(RedisConnectionError, RedisTimeoutError))
 
 
@@ -112,6 +148,22 @@ def _cluster(url: str, *, max_connections: int, retries: int, socket_timeout: fl
     return client
 
 
+def _standalone(url: str, *, max_connections: int, retries: int, socket_timeout: float | None) -> Redis:
+    # A blocking pool: a burst of requests waits for a connection instead of failing, so however many
+    # requests a process serves, it never holds more than max_connections.
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=COMMAND_TIMEOUT_S,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_keepalive=True,
+        # Only connections with a timeout can afford a PING before reuse; a blocked reader must not.
+        health_check_interval=30 if socket_timeout is not None else 0,
+    )
+    return Redis(connection_pool=pool, retry=_retry(retries))
+
+
 def connect(url: str, *, max_connections: int = 8, retries: int = 3, cluster: bool = False) -> RedisClient:
     """A client for non-blocking commands. The pool blocks (not fails) when all connections are busy,
     so however many requests a process serves, it never holds more than ``max_connections`` (per node,
@@ -119,16 +171,7 @@ def connect(url: str, *, max_connections: int = 8, retries: int = 3, cluster: bo
     if cluster or is_cluster_url(url):
         return _cluster(cluster_url(url), max_connections=max_connections, retries=retries,
                         socket_timeout=COMMAND_TIMEOUT_S)
-    pool = BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=COMMAND_TIMEOUT_S,
-        socket_timeout=COMMAND_TIMEOUT_S,
-        socket_connect_timeout=CONNECT_TIMEOUT_S,
-        socket_keepalive=True,
-        health_check_interval=30,
-    )
-    return Redis(connection_pool=pool, retry=_retry(retries))
+    return _standalone(url, max_connections=max_connections, retries=retries, socket_timeout=COMMAND_TIMEOUT_S)
 
 
 def connect_blocking(url: str, *, max_connections: int = 2, cluster: bool = False) -> RedisClient:
@@ -137,27 +180,11 @@ def connect_blocking(url: str, *, max_connections: int = 2, cluster: bool = Fals
     On a cluster, pub/sub does not go through this client's pool: see ``connect_node``."""
     if cluster or is_cluster_url(url):
         return _cluster(cluster_url(url), max_connections=max_connections, retries=0, socket_timeout=None)
-    pool = BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=COMMAND_TIMEOUT_S,
-        socket_timeout=None,
-        socket_connect_timeout=CONNECT_TIMEOUT_S,
-        socket_keepalive=True,
-    )
-    return Redis(connection_pool=pool, retry=_retry(0))
+    return _standalone(url, max_connections=max_connections, retries=0, socket_timeout=None)
 
 
 def connect_node(cluster: RedisCluster, host: str, port: int) -> Redis:
     """A standalone client for one cluster node, for its sharded pub/sub connection (SSUBSCRIBE only
     works on the node that owns the channel's slot). One connection, no socket timeout."""
     url = getattr(cluster, "source_url", None) or f"redis://{host}:{port}"
-    pool = BlockingConnectionPool.from_url(
-        node_url(url, host, port),
-        max_connections=1,
-        timeout=COMMAND_TIMEOUT_S,
-        socket_timeout=None,
-        socket_connect_timeout=CONNECT_TIMEOUT_S,
-        socket_keepalive=True,
-    )
-    return Redis(connection_pool=pool, retry=_retry(0))
+    return _standalone(node_url(url, host, port), max_connections=1, retries=0, socket_timeout=None)

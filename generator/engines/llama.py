@@ -16,8 +16,8 @@ import numpy.typing as npt
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from broker.request import GenerationRequest
-from generator.detokenizer import IncrementalDetokenizer, LlamaPieces
-from generator.engine import Generation
+from generator.engines.base import EngineError, Generation, PromptTooLong
+from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 
 #: Used when a GGUF carries no chat template: the plain role-tagged format of the demo model.
 FALLBACK_CHAT_TEMPLATE = (
@@ -35,22 +35,6 @@ _RANDOM_SEED = llama_cpp.LLAMA_DEFAULT_SEED
 # Prompts longer than this report their prefill progress, every PROGRESS_CHUNK_TOKENS tokens.
 PROGRESS_MIN_TOKENS = 512
 PROGRESS_CHUNK_TOKENS = 256
-
-
-class PromptTooLong(ValueError):
-    """The prompt (plus the answer text being continued) leaves no room for ``max_tokens`` in the context."""
-
-    #: The stream's ``error`` event code (the worker reads ``code`` off engine exceptions).
-    code = "context_length_exceeded"
-
-    def __init__(self, prompt_tokens: int, max_tokens: int, n_ctx: int) -> None:
-        super().__init__(
-            f"the prompt is {prompt_tokens} tokens; with max_tokens={max_tokens} it needs "
-            f"{prompt_tokens + max_tokens + 1} of the model's {n_ctx}-token context"
-        )
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
-        self.n_ctx = n_ctx
 
 
 def physical_cores() -> int:
@@ -150,7 +134,7 @@ class LlamaEngine:
         if self._add_bos and (not tokens or tokens[0] != self._bos):
             tokens.insert(0, self._bos)
         if not tokens:
-            raise ValueError("the prompt is empty and the model adds no BOS token")
+            raise EngineError("the prompt is empty and the model adds no BOS token")
         return tokens
 
     def start(

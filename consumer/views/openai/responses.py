@@ -22,25 +22,22 @@ from broker.errors import NotFound
 from broker.events import Event, EventType, parse_event_id
 from broker.request import GenerationRequest
 from broker.store import StreamStatus
-from consumer.auth import principal
-from consumer.openai_common import (
-    Connection,
-    Deferred,
-    SSEView,
+from consumer.service import Slot, StreamService
+from consumer.sse import SSEResponse
+from consumer.state import caller_of, state_of
+from consumer.views.openai.common import (
+    ROLES,
+    STREAM_ID_HEADER,
+    DeferredResponse,
     create_stream,
     event_frame,
-    fold_to_end,
     invalid,
     read_json,
-    tail,
     text_of,
     usage_tokens,
 )
-from consumer.reader import REPLAY_PAGE
-from consumer.routes import app_state, known_status
 
 _ID = re.compile(r"\Aresp_([0-9a-fA-F]{32})\Z")
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 # How long a cancel waits for the generation to stop, to answer with the final state. The worker stops at
 # its next append (milliseconds); past this the answer shows the state as it is.
@@ -217,7 +214,7 @@ def _input_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(item, dict) or item.get("type", "message") != "message":
             kind = item.get("type") if isinstance(item, dict) else type(item).__name__
             raise invalid(f"input[{i}]: only message items are supported, not {kind!r}", "input")
-        role = _ROLES.get(str(item.get("role")))
+        role = ROLES.get(str(item.get("role")))
         if role is None:
             raise invalid(f"input[{i}].role must be one of system, developer, user, assistant", "input")
         messages.append({"role": role, "content": text_of(item.get("content"), f"input[{i}]", _TEXT_PARTS)})
@@ -252,20 +249,16 @@ def _flag(value: object, name: str) -> bool:
     return value
 
 
-async def new_view(request: Request, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
-    _, store, _, _ = app_state(request)
-    # The stored request (meta field ``req``, see broker.scripts); Store.status does not return it.
-    raw = await store.redis.hget(store.keys(stream_id).meta, "req")
-    req = GenerationRequest.from_canonical(raw.encode() if isinstance(raw, str) else raw) if raw else None
-    return ResponseView(stream_id, st, req, request.app.state.default_model)
+async def new_view(service: StreamService, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
+    return ResponseView(stream_id, st, await service.request_of(stream_id), service.default_model)
 
 
-async def _frames(request: Request, stream_id: uuid.UUID, view: ResponseView,
-                  after: int) -> AsyncIterator[Event | None]:
+async def _frames(service: StreamService, stream_id: uuid.UUID, view: ResponseView,
+                  after: int) -> AsyncIterator[bytes | None]:
     for e in view.opening():
         if e["sequence_number"] > after:
             yield event_frame(e)
-    async with aclosing(tail(request, stream_id)) as events:
+    async with aclosing(service.tail(stream_id)) as events:
         async for ev in events:
             if ev is None:
                 yield None
@@ -275,25 +268,22 @@ async def _frames(request: Request, stream_id: uuid.UUID, view: ResponseView,
                     yield event_frame(e)
 
 
-async def _snapshot(request: Request, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
+async def _snapshot(service: StreamService, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
     """The response as it stands: every event so far, without waiting for more."""
-    _, store, _, _ = app_state(request)
-    view = await new_view(request, stream_id, st)
-    last = None
-    while True:
-        page = await store.read(stream_id, last, count=REPLAY_PAGE)
-        for ev in page:
-            view.feed(ev)
-        if len(page) < REPLAY_PAGE:
-            return view
-        last = page[-1].id
+    view = await new_view(service, stream_id, st)
+    for ev in await service.events_so_far(stream_id):
+        view.feed(ev)
+    return view
 
 
-async def _serve_events(request: Request, conn: Connection, stream_id: uuid.UUID, st: StreamStatus,
+async def _serve_events(request: Request, slot: Slot, stream_id: uuid.UUID, st: StreamStatus,
                         after: int) -> ASGIApp:
-    view = await new_view(request, stream_id, st)
+    state = state_of(request)
+    view = await new_view(state.service, stream_id, st)
     # On shutdown the stream just ends: a client resumes with starting_after, as after any dropped connection.
-    return conn.serve(SSEView(request, stream_id, _frames(request, stream_id, view, after), b""))
+    return SSEResponse(_frames(state.service, stream_id, view, after), shutdown=state.draining,
+                       send_timeout_s=state.settings.send_timeout_s, headers={STREAM_ID_HEADER: str(stream_id)},
+                       shutdown_frame=b"", on_close=slot.release)
 
 
 async def create_response(request: Request) -> ASGIApp:
@@ -302,24 +292,25 @@ async def create_response(request: Request) -> ASGIApp:
     background = _flag(body.get("background"), "background")
     rsb_body = _responses_body(body)
     renames = {"max_tokens": "max_output_tokens", "messages": "input"}
+    service = state_of(request).service
     if not stream and background:
         stream_id, st = await create_stream(request, rsb_body, renames)
-        return JSONResponse((await _snapshot(request, stream_id, st)).response())
-    with Connection(request) as conn:
+        return JSONResponse((await _snapshot(service, stream_id, st)).response())
+    with service.connection(caller_of(request)) as slot:
         stream_id, st = await create_stream(request, rsb_body, renames)
         if stream:
-            return await _serve_events(request, conn, stream_id, st, -1)
+            return await _serve_events(request, slot, stream_id, st, -1)
 
         async def to_end() -> Response:
-            view = await new_view(request, stream_id, st)
-            await fold_to_end(request, stream_id, view.feed)
+            view = await new_view(service, stream_id, st)
+            await service.fold(stream_id, view.feed)
             return JSONResponse(view.response())
 
-        return conn.serve(Deferred(request, stream_id, to_end))
+        return DeferredResponse(request, stream_id, to_end, slot.release)
 
 
 async def retrieve_response(request: Request) -> ASGIApp:
-    _, store, _, _ = app_state(request)
+    service = state_of(request).service
     stream_id = _path_stream_id(request)
     q = request.query_params
     stream = q.get("stream", "false").lower()
@@ -331,23 +322,23 @@ async def retrieve_response(request: Request) -> ASGIApp:
         if not raw_after.isdigit() or len(raw_after) > 18:
             raise invalid("'starting_after' must be a sequence number (an integer from 0)", "starting_after")
         after = int(raw_after)
-    st = await known_status(store, stream_id, principal(request))
+    caller = caller_of(request)
+    st = await service.status(caller, stream_id)
     if stream == "false":
-        return JSONResponse((await _snapshot(request, stream_id, st)).response())
-    with Connection(request) as conn:
-        return await _serve_events(request, conn, stream_id, st, after)
+        return JSONResponse((await _snapshot(service, stream_id, st)).response())
+    with service.connection(caller) as slot:
+        return await _serve_events(request, slot, stream_id, st, after)
 
 
 async def cancel_response(request: Request) -> ASGIApp:
-    _, store, _, metrics = app_state(request)
+    service = state_of(request).service
     stream_id = _path_stream_id(request)
-    st = await known_status(store, stream_id, principal(request))
-    if await store.cancel(stream_id, "client") is None:
-        raise NotFound("no response with this id")
-    metrics.inc("rsb_cancels_total")
+    caller = caller_of(request)
+    st = await service.status(caller, stream_id)
+    await service.cancel(caller, stream_id)
     # Answer with the state after the generation stopped (OpenAI's cancel answers "cancelled"); a
     # stream that had already ended is answered as it is (cancelling it changes nothing).
-    view = await new_view(request, stream_id, st)
-    if not await fold_to_end(request, stream_id, view.feed, timeout_s=CANCEL_WAIT_S):
-        view = await _snapshot(request, stream_id, st)
+    view = await new_view(service, stream_id, st)
+    if not await service.fold(stream_id, view.feed, timeout_s=CANCEL_WAIT_S):
+        view = await _snapshot(service, stream_id, st)
     return JSONResponse(view.response())

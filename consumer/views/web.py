@@ -14,7 +14,7 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-STATIC_DIR = Path(__file__).resolve().parent / "static"
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 
 # Browsers refuse to run a module script served with a non-JavaScript type, and the platform's MIME table
 # decides what StaticFiles answers (some hosts map .js to text/plain): pin the types the page depends on.

@@ -1,0 +1,20 @@
+"""What every view does with a request before its protocol matters: read the body, bounded."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from broker.errors import PayloadTooLarge
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it passes ``limit`` bytes, declared or not."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    return bytes(body)

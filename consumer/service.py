@@ -1,0 +1,174 @@
+"""The stream service: what every protocol view does to a stream, in one place. A view (native SSE, the
+OpenAI views, ...) translates its protocol's request into a ``GenerationRequest`` and its events into
+frames; creating, finding, cancelling and reading streams, with their ownership checks, limits and
+metrics, happen here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import cast
+
+from broker.errors import Expired, NotFound, RetryLater
+from broker.events import Event
+from broker.request import GenerationRequest, RequestLimits
+from broker.store import Created, Store, StreamStatus
+from consumer.auth import ApiKeys, ensure_owner
+from consumer.hub import LiveHub
+from consumer.limits import ConnectionLimiter
+from consumer.metrics import Metrics
+from consumer.reader import REPLAY_PAGE, read_batches, read_stream
+from consumer.settings import ConsumerSettings
+
+log = logging.getLogger("rsb.consumer")
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is asking: the API key id ("" without keys) and the client address."""
+
+    key_id: str
+    ip: str
+
+
+class Slot:
+    """One long-lived connection counted against the per-address and per-key limits. Release it exactly
+    once: when the response that holds it ends, or when the handler fails before one took it over."""
+
+    __slots__ = ("_caller", "_limiter", "_released")
+
+    def __init__(self, limiter: ConnectionLimiter, caller: Caller, key_limit: int) -> None:
+        limiter.acquire(caller.ip, caller.key_id, key_limit)  # raises TooManyConnections
+        self._limiter, self._caller, self._released = limiter, caller, False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._limiter.release(self._caller.ip, self._caller.key_id)
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None:  # the handler failed: no response holds the slot
+            self.release()
+
+
+class StreamService:
+    def __init__(self, settings: ConsumerSettings, store: Store, hub: LiveHub, metrics: Metrics,
+                 api_keys: ApiKeys, limiter: ConnectionLimiter) -> None:
+        self.settings = settings
+        self.store = store
+        self.hub = hub
+        self.metrics = metrics
+        self.api_keys = api_keys
+        self.limiter = limiter
+
+    @property
+    def default_model(self) -> str:
+        return self.settings.default_model or "default"
+
+    # -- limits --------------------------------------------------------------------------------
+
+    def key_limit(self, caller: Caller, name: str) -> int:
+        """A per-key limit from the API keys file (0: none)."""
+        key = self.api_keys.get(caller.key_id)
+        return int(key.limits.get(name, 0)) if key is not None else 0
+
+    def limits_for(self, caller: Caller) -> RequestLimits:
+        return self.settings.request_limits(self.key_limit(caller, "max_tokens"))
+
+    def connection(self, caller: Caller) -> Slot:
+        """Count a long-lived connection (an SSE read, a wait for the end) before any Redis round trip, so a
+        flood past the limit is refused at the lowest cost and never leaves a generation behind."""
+        return Slot(self.limiter, caller, self.key_limit(caller, "max_sse"))
+
+    # -- create, find, cancel ------------------------------------------------------------------
+
+    async def create(self, caller: Caller, request: GenerationRequest, stream_id: uuid.UUID) -> Created:
+        """Create the stream (or recognise a retry of the same request). Raises Conflict, Expired,
+        QueueFull or TooManyGenerations."""
+        s = self.settings
+        try:
+            res = await self.store.create(stream_id, request, default_model=self.default_model,
+                                          max_queue=s.max_queue, retention_s=s.retention_s,
+                                          abandon_after_s=s.abandon_after_s, key_id=caller.key_id,
+                                          max_active=self.key_limit(caller, "max_active"))
+        except RetryLater:
+            self.metrics.inc("rsb_creates_rejected_total")
+            raise
+        extra: dict[str, object] = {"stream_id": str(stream_id), "key_id": caller.key_id, "new_stream": res.created}
+        if s.log_content:
+            extra["prompt"] = request.prompt if request.prompt is not None else [
+                {"role": m.role, "content": m.content} for m in request.messages or ()]
+        log.info("create", extra=extra)
+        self.metrics.inc("rsb_streams_created_total" if res.created else "rsb_creates_replayed_total")
+        return res
+
+    async def status(self, caller: Caller, stream_id: uuid.UUID) -> StreamStatus:
+        """The stream's status, if it exists and belongs to the caller (else 404, or 410 once expired)."""
+        st = await self.store.status(stream_id)
+        if st is None:
+            if await self.store.expired(stream_id):
+                raise Expired("this stream ended and passed its retention period")
+            raise NotFound("no stream with this id")
+        ensure_owner(st.key_id, caller.key_id)
+        return st
+
+    async def cancel(self, caller: Caller, stream_id: uuid.UUID, reason: str = "client") -> str:
+        """Request the stop of a stream's generation; its status after the request."""
+        await self.status(caller, stream_id)
+        status = await self.store.cancel(stream_id, reason)
+        if status is None:
+            raise NotFound("no stream with this id")
+        self.metrics.inc("rsb_cancels_total")
+        return status
+
+    async def request_of(self, stream_id: uuid.UUID) -> GenerationRequest | None:
+        return await self.store.request_of(stream_id)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def batches(self, stream_id: uuid.UUID, after_id: str | None, *,
+                watched: bool = True) -> AsyncIterator[list[Event] | None]:
+        """Every event after ``after_id`` by the batch (a replay page, or the live events that arrived
+        together), ``None`` when a heartbeat is due, to the terminal event (consumer.reader)."""
+        return read_batches(self.store, self.hub, stream_id, after_id, self.settings.heartbeat_s, watched=watched)
+
+    def tail(self, stream_id: uuid.UUID) -> AsyncGenerator[Event | None, None]:
+        """The stream from its first event, live ones included: ``None`` for each heartbeat due. Close it
+        (``aclosing``) so its live subscription ends with the reader, not at garbage collection."""
+        return cast(AsyncGenerator[Event | None, None],
+                    read_stream(self.store, self.hub, stream_id, None, self.settings.heartbeat_s))
+
+    async def fold(self, stream_id: uuid.UUID, feed: Callable[[Event], object],
+                   timeout_s: float | None = None) -> bool:
+        """Feed every event of the stream to ``feed``, live ones included, until the terminal event (True)
+        or ``timeout_s`` (False)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                async with aclosing(self.tail(stream_id)) as events:
+                    async for ev in events:
+                        if ev is None:
+                            continue
+                        feed(ev)
+                        if ev.is_terminal:
+                            return True
+        return False
+
+    async def events_so_far(self, stream_id: uuid.UUID) -> list[Event]:
+        """Every event appended so far, without waiting for more."""
+        out: list[Event] = []
+        last = None
+        while True:
+            page = await self.store.read(stream_id, last, count=REPLAY_PAGE)
+            out.extend(page)
+            if len(page) < REPLAY_PAGE:
+                return out
+            last = page[-1].id

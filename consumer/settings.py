@@ -1,0 +1,51 @@
+"""The settings of ``rsb consumer`` (and of the API ``rsb up`` runs), declared once: see broker.settings
+for how flags, ``RSB_*`` variables and docs derive from these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from broker.request import RequestLimits
+from broker.settings import BrokerSettings, LogSettings, Settings, setting
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSettings(Settings):
+    title: ClassVar[str] = "API"
+
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    heartbeat_s: float = setting(15.0, "idle seconds before an SSE comment heartbeat")
+    max_body_bytes: int = setting(1024 * 1024, "larger request bodies get 413")
+    max_queue: int = setting(0, "queued generations beyond which creates get 429 (0 = no bound)")
+    abandon_after_s: float = setting(0.0, "cancel generations nobody has read for this long (0 = off)")
+    retention_s: int = setting(3600, "how long a finished stream stays readable")
+    redis_pool_size: int = setting(
+        7, "Redis connections for ordinary commands; live tailing uses one more (pub/sub), whatever the readers")
+    max_tokens_limit: int = setting(32768, "largest max_tokens a request may ask for")
+    default_max_tokens: int = setting(256, "max_tokens of a request that sets none")
+    shutdown_grace_s: float = setting(5.0, "seconds to drain connections on SIGTERM")
+    send_timeout_s: float = setting(
+        30.0, "a reader whose connection accepts no event for this long is dropped (it can resume)")
+    default_model: str | None = setting(
+        None, "model name recorded for requests that name none (default: the model the generators serve)")
+    api_keys_file: str | None = setting(
+        None, "JSON file of API keys; when set, every /v1 route needs 'Authorization: Bearer'", flag="api-keys")
+    read_token_secret: str | None = setting(
+        None, "secret signing read tokens (default: derived from the API keys file)", secret=True)
+    read_token_ttl_s: int = setting(900, "lifetime of the read tokens issued at create")
+    max_messages: int = setting(1024, "most messages one request may carry")
+    max_prompt_chars: int = setting(200_000, "longest prompt (or messages' content in all)")
+    max_streams_per_ip: int = setting(0, "open SSE streams one client address may hold on this pod (0 = no limit)")
+    cors_origins: tuple[str, ...] = setting(
+        (), "comma-separated origins allowed by CORS (default: none; '*' for any)")
+    log_content: bool = setting(False, "log prompts at create (off by default: users' data)")
+
+    def request_limits(self, key_max_tokens: int = 0) -> RequestLimits:
+        """What one create may ask for; ``key_max_tokens`` narrows max_tokens for an API key (0: no limit)."""
+        max_tokens = min(self.max_tokens_limit, key_max_tokens) if key_max_tokens else self.max_tokens_limit
+        return RequestLimits(max_tokens=max_tokens, default_max_tokens=min(self.default_max_tokens, max_tokens),
+                             max_messages=self.max_messages, max_prompt_chars=self.max_prompt_chars)

@@ -1,0 +1,44 @@
+"""The consumer's state, built once in the app's lifespan and typed: every handler reads it with
+``state_of(request)``, never through loose ``app.state`` attributes."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from starlette.requests import HTTPConnection
+
+from broker.store import Store
+from consumer.auth import ApiKeys
+from consumer.hub import LiveHub
+from consumer.limits import ConnectionLimiter
+from consumer.metrics import Metrics
+from consumer.service import Caller, StreamService
+from consumer.settings import ConsumerSettings
+
+STATE_KEY = "rsb"
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    settings: ConsumerSettings
+    store: Store
+    hub: LiveHub
+    metrics: Metrics
+    api_keys: ApiKeys
+    limiter: ConnectionLimiter
+    service: StreamService
+    #: Set on SIGTERM (by consumer.server) or at the end of the lifespan: open responses end at a frame
+    #: boundary and tell their client to reconnect elsewhere.
+    draining: asyncio.Event
+
+
+def state_of(conn: HTTPConnection) -> State:
+    state = conn.scope["state"][STATE_KEY]
+    assert isinstance(state, State)
+    return state
+
+
+def caller_of(conn: HTTPConnection) -> Caller:
+    """The caller's key id (checked by the auth middleware before any /v1 route runs) and address."""
+    return Caller(str(conn.scope.get("rsb.key_id", "")), conn.client.host if conn.client else "")

@@ -1,0 +1,134 @@
+"""The native view: the HTTP routes of the contract (``/v1/streams...``, the aborted report). Handlers raise
+broker.errors; consumer.errors turns them into JSON. Everything about a stream goes through the stream
+service; this module only speaks the native protocol (its JSON bodies and its SSE frames)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from broker.errors import InvalidRequest, NotFound
+from broker.events import TERMINAL_TYPES, Event, parse_event_id
+from broker.report import aborted_report, parse_time
+from broker.request import parse_create_body
+from broker.store import StreamStatus
+from consumer.http import read_body
+from consumer.metrics import Metrics
+from consumer.sse import SSEResponse
+from consumer.state import caller_of, state_of
+
+
+def path_stream_id(request: Request) -> uuid.UUID:
+    raw = request.path_params["stream_id"]
+    try:
+        if len(raw) != 36:
+            raise ValueError
+        return uuid.UUID(raw)
+    except ValueError:
+        raise NotFound("no stream with this id") from None  # could never have existed
+
+
+def status_body(stream_id: uuid.UUID, st: StreamStatus) -> dict[str, object]:
+    body: dict[str, object] = {
+        "id": str(stream_id),
+        "status": st.status,
+        "model": st.model,
+        "created_at": datetime.fromtimestamp(st.created_at, UTC).isoformat().replace("+00:00", "Z"),
+    }
+    if st.usage is not None:
+        body["usage"] = st.usage
+    return body
+
+
+async def create_stream(request: Request) -> Response:
+    state = state_of(request)
+    caller = caller_of(request)
+    raw = await read_body(request, state.settings.max_body_bytes)
+    sid, gen_request = parse_create_body(raw, state.service.limits_for(caller))
+    stream_id = sid or uuid.uuid4()
+    res = await state.service.create(caller, gen_request, stream_id)
+    body: dict[str, object] = {"id": str(stream_id), "status": res.status,
+                               "events_url": f"/v1/streams/{stream_id}/events", "created": res.created}
+    if state.api_keys.enabled:  # for EventSource, which cannot send an Authorization header
+        token = state.api_keys.issue_read_token(stream_id, caller.key_id, state.settings.read_token_ttl_s)
+        body["read_token"] = token
+        body["events_url"] = f"/v1/streams/{stream_id}/events?token={token}"
+    return JSONResponse(body, status_code=201 if res.created else 200)
+
+
+def resume_id(request: Request) -> str | None:
+    """The resume point: the Last-Event-ID header, else ``?last_event_id=`` (None: from the start)."""
+    header, query = request.headers.get("last-event-id"), request.query_params.get("last_event_id")
+    for raw in (header, query):  # both are checked, though the header wins: bad input is never ignored
+        if raw and parse_event_id(raw) is None:
+            raise InvalidRequest("malformed resume id (Last-Event-ID / last_event_id): use an event's id as sent")
+    return (header if header is not None else query) or None
+
+
+async def native_frames(batches: AsyncIterator[list[Event] | None], metrics: Metrics) -> AsyncIterator[bytes | None]:
+    """rsb's own SSE frames (``id``, ``event``, ``data``), a batch per send."""
+    async for batch in batches:
+        if batch is None:
+            yield None
+            continue
+        yield b"".join(ev.to_sse() for ev in batch)
+        metrics.inc("rsb_events_sent_total", len(batch))  # after the send: the generator resumes then
+
+
+async def stream_events(request: Request) -> Response:
+    state = state_of(request)
+    stream_id = path_stream_id(request)
+    resume = resume_id(request)
+    resume_key = parse_event_id(resume) if resume else None
+    caller = caller_of(request)
+    service = state.service
+    with service.connection(caller) as slot:
+        st = await service.status(caller, stream_id)
+        if st.status in TERMINAL_TYPES and st.last_id is not None and resume_key is not None:
+            last_key = parse_event_id(st.last_id)
+            if last_key is not None and resume_key >= last_key:
+                slot.release()
+                return Response(status_code=204)
+        if resume is not None:
+            state.metrics.inc("rsb_resumes_total")
+        state.metrics.inc("rsb_reads_total")
+        frames = native_frames(service.batches(stream_id, resume, watched=st.watched), state.metrics)
+        return SSEResponse(frames, shutdown=state.draining, send_timeout_s=state.settings.send_timeout_s,
+                           on_close=slot.release)
+
+
+async def stream_status(request: Request) -> Response:
+    state = state_of(request)
+    stream_id = path_stream_id(request)
+    return JSONResponse(status_body(stream_id, await state.service.status(caller_of(request), stream_id)))
+
+
+async def cancel_stream(request: Request) -> Response:
+    state = state_of(request)
+    stream_id = path_stream_id(request)
+    status = await state.service.cancel(caller_of(request), stream_id)
+    return JSONResponse({"id": str(stream_id), "status": status}, status_code=202)
+
+
+async def aborted_report_route(request: Request) -> Response:
+    state = state_of(request)
+    q = request.query_params
+    report = await aborted_report(state.store.redis, state.settings.broker.partitions,
+                                  since=parse_time(q.get("since"), "since"), until=parse_time(q.get("until"), "until"),
+                                  group_by=q.get("group_by", "reason"),
+                                  key_id=caller_of(request).key_id if state.api_keys.enabled else None)
+    return JSONResponse(report)
+
+
+ROUTES = [
+    Route("/v1/streams", create_stream, methods=["POST"]),
+    Route("/v1/streams/{stream_id}/events", stream_events, methods=["GET"]),
+    Route("/v1/streams/{stream_id}", stream_status, methods=["GET"]),
+    Route("/v1/streams/{stream_id}/cancel", cancel_stream, methods=["POST"]),
+    Route("/v1/reports/aborted", aborted_report_route, methods=["GET"]),
+]

@@ -1,0 +1,24 @@
+"""OpenAI-compatible views onto rsb streams (chat.completions, Responses background mode, models).
+
+The official ``openai`` SDK works against ``base_url=http://host:port/v1`` unchanged. Every route here
+creates or reads the same Redis streams as ``/v1/streams``, through the same stream service; errors use
+OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``).
+"""
+
+from __future__ import annotations
+
+from starlette.routing import BaseRoute, Route
+
+from consumer.views.openai.chat import chat_completions
+from consumer.views.openai.common import openai_route
+from consumer.views.openai.models import list_models, retrieve_model
+from consumer.views.openai.responses import cancel_response, create_response, retrieve_response
+
+ROUTES: list[BaseRoute] = [
+    Route("/v1/chat/completions", openai_route(chat_completions), methods=["POST"]),
+    Route("/v1/responses", openai_route(create_response), methods=["POST"]),
+    Route("/v1/responses/{response_id}", openai_route(retrieve_response), methods=["GET"]),
+    Route("/v1/responses/{response_id}/cancel", openai_route(cancel_response), methods=["POST"]),
+    Route("/v1/models", openai_route(list_models), methods=["GET"]),
+    Route("/v1/models/{model:path}", openai_route(retrieve_model), methods=["GET"]),
+]

@@ -1,0 +1,218 @@
+"""What the OpenAI-compatible views share: OpenAI's error shape, turning a request into the rsb stream behind
+it, and OpenAI's SSE frames.
+
+These routes are views onto rsb streams, not a second pipeline: a create is the stream service's create
+with a request validated by ``validate_create_body``, and every read is the service's reader (replay,
+then the live hub), served by the consumer's one SSE response.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from broker.errors import Conflict, Expired, InvalidRequest, RetryLater, RsbError
+from broker.request import validate_create_body
+from broker.store import StreamStatus
+from consumer.errors import as_rsb_error
+from consumer.http import read_body
+from consumer.service import Caller
+from consumer.sse import Draining, Gone, race
+from consumer.state import caller_of, state_of
+
+# Lets a client find the rsb stream behind an OpenAI object (to resume it over /v1/streams/{id}/events).
+STREAM_ID_HEADER = "x-rsb-stream-id"
+IDEMPOTENCY_HEADER = "idempotency-key"
+MAX_IDEMPOTENCY_KEY = 256
+# Stream ids made from Idempotency-Key headers live in their own namespace (uuid5 of caller and key).
+_IDEMPOTENCY_NS = uuid.UUID("6f1c2a0e-5d3b-4c1e-9b7a-2e4f8d9c0a11")
+# The parameter an rsb validation message is about: "'max_tokens' must be ..." or "messages[3].role ...".
+_PARAM = re.compile(r"\A'?([a-z_]+)(?:'|\[)")
+#: OpenAI's message roles, as rsb's (``developer`` is OpenAI's newer name for ``system``).
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+Handler = Callable[[Request], Awaitable[ASGIApp]]
+
+
+class OpenAIError(RsbError):
+    """An error with OpenAI's fields, for what rsb's own exceptions cannot say (the parameter, the type)."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status
+        self.type = type_
+        self.oai_code = code
+        self.param = param
+        self.headers = dict(headers or {})
+
+
+def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, code=code, param=param)
+
+
+def error_json(status: int, message: str, *, type_: str, code: str | None, param: str | None = None,
+               headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=dict(headers) if headers else None)
+
+
+def error_response(exc: RsbError) -> JSONResponse:
+    """OpenAI's error shape for an rsb error. Statuses are chosen for how the SDK reacts to them: it
+    retries 408/409/429/5xx, so a 409 that a retry cannot fix says ``x-should-retry: false``."""
+    if isinstance(exc, OpenAIError):
+        return error_json(exc.status_code, exc.message, type_=exc.type, code=exc.oai_code, param=exc.param,
+                          headers=exc.headers)
+    if isinstance(exc, Expired):
+        # The SDK has no class for 410; what a client can do is the same as for an unknown id.
+        return error_json(404, exc.message, type_="invalid_request_error", code="expired")
+    if isinstance(exc, Conflict):
+        return error_json(409, exc.message, type_="invalid_request_error", code=exc.code,
+                          headers={"x-should-retry": "false"})
+    if isinstance(exc, RetryLater):
+        type_ = "requests" if exc.status_code == 429 else "server_error"
+        return error_json(exc.status_code, exc.message, type_=type_, code=exc.code,
+                          headers={"Retry-After": str(exc.retry_after_s)})
+    if exc.status_code == 401:
+        return error_json(401, exc.message, type_="invalid_request_error", code="invalid_api_key")
+    type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return error_json(exc.status_code, exc.message, type_=type_, code=exc.code)
+
+
+def openai_route(handler: Handler) -> Handler:
+    """Answer rsb's errors in OpenAI's shape on these routes (the app-wide handlers use rsb's)."""
+
+    async def wrapped(request: Request) -> ASGIApp:
+        try:
+            return await handler(request)
+        except Exception as e:
+            err = as_rsb_error(e)
+            if err is None:
+                raise  # a bug: the app's boundary logs it and answers 500
+            return error_response(err)
+
+    wrapped.__name__ = handler.__name__
+    wrapped.__doc__ = handler.__doc__
+    return wrapped
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await read_body(request, state_of(request).settings.max_body_bytes)
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise invalid("the body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid("the body must be a JSON object")
+    return body
+
+
+def text_of(content: object, where: str, part_types: frozenset[str]) -> str:
+    """A message's text: a string, or a list of text parts (joined); anything else is refused."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") in part_types and isinstance(part.get("text"), str)):
+                raise invalid(f"{where}.content[{j}]: only text parts ({', '.join(sorted(part_types))}) are "
+                              "supported", where.split("[", 1)[0])
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"{where}.content must be a string or a list of text parts", where.split("[", 1)[0])
+
+
+def _stream_id(request: Request, caller: Caller) -> uuid.UUID:
+    """A new stream per call, unless the client sends an Idempotency-Key: then retries of the call land on
+    the same stream (one generation). The caller is part of the name, so tenants never share one."""
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is None:
+        return uuid.uuid4()
+    if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY:
+        raise invalid(f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters", code="invalid_header")
+    return uuid.uuid5(_IDEMPOTENCY_NS, f"{caller.key_id}\n{key}")
+
+
+async def create_stream(request: Request, rsb_body: dict[str, Any],
+                        renames: Mapping[str, str]) -> tuple[uuid.UUID, StreamStatus]:
+    """Validate ``rsb_body`` (a ``POST /v1/streams`` body) exactly as the native route does, create the
+    stream, and return it with its status. ``renames`` maps rsb field names to the client's, for errors."""
+    service = state_of(request).service
+    caller = caller_of(request)
+    try:
+        _, gen_request = validate_create_body(rsb_body, service.limits_for(caller))
+    except InvalidRequest as e:
+        message = e.message
+        for ours, theirs in renames.items():
+            message = message.replace(f"'{ours}'", f"'{theirs}'").replace(f"{ours}[", f"{theirs}[")
+        m = _PARAM.match(message)
+        param = m.group(1) if m else renames.get("messages", "messages") if "messages" in message else None
+        raise invalid(message, param) from None
+    stream_id = _stream_id(request, caller)
+    try:
+        await service.create(caller, gen_request, stream_id)
+    except Conflict:
+        raise Conflict("this Idempotency-Key was used with a different request") from None
+    except Expired:
+        raise OpenAIError(409, "this Idempotency-Key was used for a generation that has expired; use a new key",
+                          code="expired", headers={"x-should-retry": "false"}) from None
+    return stream_id, await service.status(caller, stream_id)
+
+
+def data_frame(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def event_frame(obj: dict[str, Any]) -> bytes:
+    return b"event: " + str(obj["type"]).encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+class DeferredResponse(Response):
+    """A JSON answer that needs the end of a generation. The wait is abandoned when the client goes away
+    (nobody to answer) or the pod drains (503: retry elsewhere), like an SSE response's. ``on_close`` runs
+    when it is over, however it ended (connection accounting)."""
+
+    def __init__(self, request: Request, stream_id: uuid.UUID, compute: Callable[[], Awaitable[Response]],
+                 on_close: Callable[[], None]) -> None:
+        self.status_code = 200
+        self.init_headers({STREAM_ID_HEADER: str(stream_id)})
+        self.compute = compute
+        self.draining = state_of(request).draining
+        self.stream_id = str(stream_id)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            try:
+                response = await race(self.compute(), receive, self.draining)
+            except Gone:
+                return
+            except Draining:
+                response = error_json(503, "this server is shutting down; retry", type_="server_error",
+                                      code="shutting_down", headers={"Retry-After": "1"})
+            except Exception as e:
+                err = as_rsb_error(e)
+                if err is None:
+                    raise
+                response = error_response(err)
+            response.headers[STREAM_ID_HEADER] = self.stream_id
+            await response(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def usage_tokens(usage: Mapping[str, Any] | None) -> tuple[int, int]:
+    """(prompt, completion) tokens of an rsb usage object."""
+    if not usage:
+        return 0, 0
+    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)

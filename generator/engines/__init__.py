@@ -1,0 +1,40 @@
+"""Inference engines: in-process llama.cpp (``llama``, an optional extra: ``pip install 'rsb[llama]'``)
+and remote servers (``upstream``). ``build_engine`` picks one from the settings; the worker only knows
+``Engine`` (``generator.engines.base``)."""
+
+from __future__ import annotations
+
+import logging
+
+from generator.engines.base import Engine, EngineError, Generation, PromptTooLong, UpstreamError, error_code
+from generator.settings import EngineSettings
+
+log = logging.getLogger("rsb.generator")
+
+__all__ = ["Engine", "EngineError", "EngineUnavailable", "Generation", "PromptTooLong", "UpstreamError",
+           "build_engine", "error_code"]
+
+
+class EngineUnavailable(Exception):
+    """The configured engine cannot start (its package is not installed, its model is missing)."""
+
+
+def build_engine(settings: EngineSettings) -> Engine:
+    if settings.upstream_url:
+        from generator.engines.upstream import UpstreamEngine
+
+        return UpstreamEngine(settings.upstream_url, api=settings.upstream_api, model=settings.upstream_model,
+                              api_key=settings.upstream_api_key, timeout_s=settings.upstream_timeout_s,
+                              ignore_eos=settings.ignore_eos)
+    try:
+        from generator.engines.llama import LlamaEngine
+    except ImportError as e:
+        raise EngineUnavailable(f"in-process llama.cpp needs llama-cpp-python ({e}): pip install 'rsb[llama]', "
+                                "or drive a server with --upstream URL") from None
+    from generator.engines.models import resolve_model
+
+    model = resolve_model(settings.model_path)
+    if settings.model_path is None:
+        log.info("no --model: using the default model", extra={"model": model.name, "model_path": str(model.path)})
+    return LlamaEngine(str(model.path), n_threads=settings.n_threads, n_ctx=settings.n_ctx,
+                       ignore_eos=settings.ignore_eos)

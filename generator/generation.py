@@ -1,0 +1,256 @@
+"""One job, from its claim to its terminal event: the token pump.
+
+The engine runs in a thread (ctypes releases the GIL) and hands one text piece per token to the event
+loop through a bounded queue (generator.handoff). The loop appends whatever has accumulated as one
+``delta`` while the previous append was in flight, so the append rate adapts to Redis latency and the cost
+per token stays flat. A job continued after a crash starts from the text already appended (the prompt
+plus the partial answer), with the tokens already counted taken off its budget, so readers see one
+seamless answer.
+
+A job is acknowledged only after its terminal event is in Redis, so a worker never holds the only copy of
+anything: if it dies, its pending entry goes idle and another worker's XAUTOCLAIM takes it over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from broker.events import EventType, delta, encode_data
+from broker.store import AppendResult, Claim, Job, Store, Unclaimable, started_event
+from generator.engines import Engine, Generation, error_code
+from generator.handoff import TokenHandoff
+from generator.lease import Run, keep_lease
+from generator.metrics import GeneratorMetrics
+from generator.retry import until_done
+from generator.settings import GeneratorSettings
+from generator.stops import StopFilter
+
+log = logging.getLogger("rsb.generator")
+
+# How long a finished generation waits for its lease renewer to stop (it is mid-command at worst).
+RENEWER_STOP_S = 1.0
+
+
+class Appender(Protocol):
+    """Store.append, or an AppendBatcher that shares pipelines between concurrent generations."""
+
+    async def append(self, claim: Claim, seq_before: int, seq_after: int,
+                     events: Sequence[tuple[str, bytes]]) -> AppendResult: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    t_start: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        first, last = self.first_token_at, self.last_token_at
+        ttft_ms = None if first is None or self.t_start is None else round((first - self.t_start) * 1000, 3)
+        tpot_ms = None
+        if first is not None and last is not None and self.completion_tokens > 1 and last > first:
+            tpot_ms = round((last - first) * 1000 / (self.completion_tokens - 1), 3)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
+
+
+class JobRunner:
+    """Runs claimed jobs for one worker. ``running`` maps the stream id of each generation in flight to its
+    Run (the worker's cancel listener and hand-over reach them there)."""
+
+    def __init__(self, settings: GeneratorSettings, engine: Engine, store: Store, appender: Appender,
+                 metrics: GeneratorMetrics, worker_id: str) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.store = store
+        self.appender = appender
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.running: dict[uuid.UUID, Run] = {}
+
+    async def run(self, job: Job) -> None:
+        claim = await until_done(lambda: self.store.claim(job.stream_id, self.worker_id))
+        if isinstance(claim, Unclaimable):  # gone or already finished: nothing to do but drop the job
+            await self._ack(job)
+            return
+        run = Run(claim)
+        log.info("claimed", extra={"stream_id": str(job.stream_id), "attempt": claim.attempts})
+        nothing = Usage(0, claim.seq)
+        if claim.attempts > self.settings.max_attempts:
+            await self._finish_error(run, "worker_lost", f"gave up after {claim.attempts - 1} attempts", nothing)
+        elif claim.cancel_reason:
+            await self._finish_cancelled(run, claim.cancel_reason, nothing, 0.0)
+        else:
+            self.running[job.stream_id] = run
+            self.metrics.running += 1
+            try:
+                await self._generate(run)
+            finally:
+                del self.running[job.stream_id]
+                self.metrics.running -= 1
+        if not run.fenced_out:
+            await self._ack(job)
+
+    async def _ack(self, job: Job) -> None:
+        await until_done(lambda: self.store.ack(job.partition, job.entry_id))
+
+    async def _prefix_text(self, claim: Claim) -> tuple[str, bool]:
+        """The answer so far (from an earlier attempt) and whether ``started`` was already sent."""
+        text: list[str] = []
+        started = False
+        after: str | None = None
+        while True:
+            events = await self.store.read(claim.stream_id, after, count=1024)
+            if not events:
+                return "".join(text), started
+            for ev in events:
+                if ev.type == EventType.DELTA:
+                    text.append(ev.json()["text"])
+                elif ev.type == EventType.STARTED:
+                    started = True
+            after = events[-1].id
+
+    async def _generate(self, run: Run) -> None:
+        claim = run.claim
+        req = claim.request
+        prefix, started = await until_done(lambda: self._prefix_text(claim))
+        if not started:
+            if not await self._append(run, claim.seq, claim.seq, [started_event(self.engine.name)]):
+                return
+        loop = asyncio.get_running_loop()
+        handoff = TokenHandoff(loop, self.settings.handoff_tokens)
+        remaining = max(0, req.max_tokens - claim.seq)
+        t_start = time.monotonic()
+        gen_holder: list[Generation] = []
+
+        def infer() -> None:
+            try:
+                gen = self.engine.start(req, prefix_text=prefix, max_tokens=remaining, stop=run.stop)
+                gen.on_progress = handoff.progress
+                gen_holder.append(gen)
+                for piece in gen.pieces:
+                    if not handoff.put(piece):
+                        break
+                handoff.close()
+            except BaseException as e:  # handed to the loop, which ends the stream with `error`
+                handoff.close(e)
+
+        thread_done = asyncio.ensure_future(asyncio.to_thread(infer))
+        s = self.settings
+        renewer = asyncio.create_task(keep_lease(run, self.store, self.worker_id, s.lease_s, s.disconnect_grace_s))
+        stops = StopFilter(req.stop)
+        seq = claim.seq  # tokens counted in Redis (all attempts)
+        tokens = claim.seq  # tokens generated (all attempts)
+        first_token_at: float | None = None
+        last_token_at: float | None = None
+        deadline = s.max_generation_s
+        error: BaseException | None = None
+        try:
+            while True:
+                timeout = None
+                if deadline > 0:
+                    timeout = max(0.0, t_start + deadline - time.monotonic())
+                batch = await handoff.get(timeout_s=timeout if timeout is not None else 1.0)
+                now = time.monotonic()
+                if batch.progress is not None and not batch.pieces and not run.fenced_out:
+                    processed, total = batch.progress
+                    progress = [(EventType.PROGRESS, encode_data({"processed": processed, "prompt_tokens": total}))]
+                    if not await self._append(run, seq, seq, progress):
+                        break
+                if batch.pieces:
+                    if first_token_at is None:
+                        first_token_at = now
+                    last_token_at = now
+                    tokens += len(batch.pieces)
+                text = stops.feed("".join(batch.pieces))
+                if stops.stopped:
+                    run.stop.set()
+                if batch.closed:
+                    error = batch.error
+                    if error is None and not run.stop.is_set():
+                        text += stops.flush()
+                if text and not run.fenced_out:
+                    if not await self._append(run, seq, tokens, [delta(text)]):
+                        break
+                    seq = tokens
+                if run.cancel_reason or run.fenced_out:
+                    run.stop.set()
+                if deadline > 0 and now - t_start >= deadline and not batch.closed:
+                    run.deadline_hit = True
+                    run.stop.set()
+                if batch.closed:
+                    break
+        finally:
+            handoff.abandon()
+            run.generation_over = True  # the renewer's own stop flag: cancellation alone can be swallowed
+            renewer.cancel()
+            await asyncio.gather(thread_done, return_exceptions=True)
+            await asyncio.wait({renewer}, timeout=RENEWER_STOP_S)
+        if run.fenced_out:
+            log.warning("lost the lease; another worker owns the stream", extra={"stream_id": str(claim.stream_id)})
+            return
+        if run.handing_over:
+            released = await until_done(lambda: self.store.release(claim, self.worker_id))
+            log.info("handed the job over", extra={"stream_id": str(claim.stream_id), "released": released})
+            run.fenced_out = True  # not ours to acknowledge any more
+            return
+        compute_s = time.monotonic() - t_start
+        gen = gen_holder[0] if gen_holder else None
+        usage = Usage(gen.prompt_tokens if gen else 0, tokens, t_start, first_token_at, last_token_at)
+        if run.cancel_reason and not stops.stopped:
+            await self._finish_cancelled(run, run.cancel_reason, usage, compute_s)
+        elif run.deadline_hit:
+            await self._finish_error(run, "deadline", f"generation exceeded {deadline:g} s", usage, compute_s)
+        elif error is not None:
+            log.error("engine failed: %s", type(error).__name__, extra={"stream_id": str(claim.stream_id)})
+            await self._finish_error(run, error_code(error), str(error) or type(error).__name__, usage, compute_s)
+        else:
+            reason = "stop" if stops.stopped else (gen.finish_reason if gen else "stop")
+            u = usage.as_dict()
+            await self._finish(run, EventType.DONE, {"finish_reason": reason, "usage": u}, "done", u)
+
+    async def _append(self, run: Run, seq_before: int, seq_after: int,
+                      events: Sequence[tuple[str, bytes]]) -> bool:
+        """Append, surviving Redis outages. False when this worker no longer owns the stream."""
+        res = await until_done(lambda: self.appender.append(run.claim, seq_before, seq_after, events),
+                               "append failed")
+        if res.ok:
+            run.cancel_reason = run.cancel_reason or res.cancel_reason
+            return True
+        if res.seq is not None and res.seq == seq_after:
+            return True  # an earlier try landed; its reply was lost
+        run.cancel_reason = run.cancel_reason or res.cancel_reason
+        run.fenced_out = True
+        return False
+
+    # -- terminal events -----------------------------------------------------------------------
+
+    async def _finish(self, run: Run, etype: str, data: dict[str, Any], status: str, usage: dict[str, Any],
+                      reason: str = "", compute_s: float = 0.0) -> None:
+        eid = await until_done(lambda: self.store.finish(
+            run.claim, etype, data, status=status, usage=usage, model=self.engine.name, reason=reason,
+            compute_s=compute_s))
+        if eid is None:
+            run.fenced_out = True
+        else:
+            self.metrics.finished(status, usage, max(0, int(usage.get("completion_tokens") or 0) - run.claim.seq))
+        log.info("finished", extra={"stream_id": str(run.claim.stream_id), "status": status,
+                                    "completion_tokens": usage.get("completion_tokens")})
+
+    async def _finish_cancelled(self, run: Run, reason: str, usage: Usage, compute_s: float) -> None:
+        u = usage.as_dict()
+        await self._finish(run, EventType.CANCELLED, {"reason": reason, "usage": u}, "cancelled", u, reason,
+                           compute_s)
+
+    async def _finish_error(self, run: Run, code: str, message: str, usage: Usage, compute_s: float = 0.0) -> None:
+        u = usage.as_dict()
+        await self._finish(run, EventType.ERROR, {"code": code, "message": message, "usage": u}, "error", u,
+                           code, compute_s)

@@ -1,0 +1,109 @@
+"""Keeping a claimed job and hearing its cancel: the lease renewal loop of one run, and the control-channel
+listener of the worker.
+
+A run's job entry stays pending for its worker; RENEW (every ``lease_s / 3``) refreshes it so other
+workers' XAUTOCLAIM only takes jobs whose owner went silent. RENEW's reply carries a pending cancel
+(client, abandoned, disconnect), and a refused RENEW means the run was fenced out (another worker owns
+the stream now): either way the run stops. Cancel notices also arrive at once over a control channel,
+so a cancel is seen even during a long prefill, when nothing is appended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from broker.backoff import Attempts
+from broker.connection import RedisClient
+from broker.keys import control_channel
+from broker.pubsub import Channels
+from broker.store import Claim, Store
+
+log = logging.getLogger("rsb.generator")
+
+
+@dataclass(slots=True)
+class Run:
+    """What the worker knows about one job in flight. ``stop`` tells the inference thread to stop."""
+
+    claim: Claim
+    stop: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str = ""
+    fenced_out: bool = False
+    deadline_hit: bool = False
+    handing_over: bool = False
+    generation_over: bool = False
+
+    def cancel(self, reason: str) -> None:
+        if reason and not self.cancel_reason:
+            self.cancel_reason = reason
+            self.stop.set()
+
+    def fence_out(self) -> None:
+        self.fenced_out = True
+        self.stop.set()
+
+
+async def keep_lease(run: Run, store: Store, worker_id: str, lease_s: float, disconnect_grace_s: float) -> None:
+    """Renew ``run``'s lease until its generation is over; stop it when cancelled or fenced out."""
+    interval = max(0.05, lease_s / 3)
+    while not run.generation_over:
+        await asyncio.sleep(interval)
+        try:
+            res = await store.renew(run.claim, worker_id, disconnect_grace_s)
+        except (RedisError, OSError):
+            # redis-py may turn our own cancellation mid-command into a connection error: a cancelled
+            # renewer must stop, or the job waits on it forever (renewed, never finished).
+            task = asyncio.current_task()
+            if run.generation_over or (task is not None and task.cancelling()):
+                raise asyncio.CancelledError from None
+            continue
+        if not res.ok:
+            run.fence_out()
+            return
+        run.cancel(res.cancel_reason)
+
+
+async def check_cancel(run: Run, store: Store, worker_id: str, disconnect_grace_s: float) -> None:
+    """A cancel notice came for ``run``: ask RENEW, which says whether (and why) it is cancelled."""
+    try:
+        res = await store.renew(run.claim, worker_id, disconnect_grace_s)
+    except (RedisError, OSError):
+        return  # the renewal loop asks again within lease_s / 3
+    run.cancel(res.cancel_reason)
+
+
+async def listen_for_cancels(blocking: RedisClient, partitions: int,
+                             on_notice: Callable[[uuid.UUID], None]) -> None:
+    """Cancel notices arrive here at once, even while prefill runs and nothing is appended. One pub/sub
+    connection (one per master on a cluster) carries the control channels of every partition; it
+    reconnects by itself, and a notice lost meanwhile is still seen at the next lease renewal. Runs until
+    cancelled."""
+
+    def on_message(channel: bytes, data: bytes) -> None:
+        with contextlib.suppress(ValueError):
+            on_notice(uuid.UUID(data.decode()))
+
+    channels = Channels(blocking, on_message=on_message, on_reset=lambda _: None)
+    attempts = Attempts()
+    try:
+        await channels.start()
+        for p in range(partitions):
+            while True:
+                try:
+                    await channels.subscribe(control_channel(p, partitions).encode())
+                    break
+                except (RedisError, OSError) as e:  # e.g. no slot map yet: the cluster is unreachable
+                    log.warning("cancel listener cannot subscribe yet: %s", e)
+                    await attempts.sleep()
+        await asyncio.Event().wait()  # until cancelled at shutdown; the shards run on their own
+    finally:
+        await channels.stop()
+

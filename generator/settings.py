@@ -1,0 +1,58 @@
+"""The settings of ``rsb generator`` (and of the generators ``rsb up`` starts), declared once: see
+broker.settings for how flags, ``RSB_*`` variables and docs derive from these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from broker.settings import BrokerSettings, LogSettings, Settings, setting
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings(Settings):
+    title: ClassVar[str] = "Engine"
+
+    model_path: str | None = setting(
+        None, "path to a GGUF model for in-process llama.cpp; without it (and without --upstream) the default "
+        "model is used (see README)", flag="model")
+    upstream_url: str | None = setting(
+        None, "URL of an OpenAI-compatible or Ollama server to drive instead of a local model", flag="upstream")
+    n_threads: int | None = setting(None, "llama.cpp threads (default: physical cores)")
+    n_ctx: int = setting(4096, "llama.cpp context size in tokens")
+    ignore_eos: bool = setting(False, "never stop at end-of-sequence (benchmarks, tests)")
+    upstream_api: str | None = setting(
+        None, "protocol of --upstream: 'openai' (/v1/chat/completions, /v1/completions: vLLM, llama.cpp "
+        "server, Ollama's /v1) or 'ollama' (native /api/chat, /api/generate); default: ollama when the URL "
+        "ends in /api, else openai", choices=("openai", "ollama"))
+    upstream_model: str | None = setting(
+        None, "model name sent upstream (default: the first one the server lists)")
+    upstream_api_key: str | None = setting(None, "bearer key sent to the --upstream server", secret=True)
+    upstream_timeout_s: float = setting(
+        600.0, "longest silence from the upstream (waiting in its queue included) before the stream ends "
+        "with error upstream")
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorSettings(Settings):
+    title: ClassVar[str] = "Generator"
+
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+    worker_id: str | None = setting(None, "consumer-group name of this worker (default: host-pid-random)")
+    lease_s: float = setting(10.0, "seconds a job stays with a silent worker before another takes it over")
+    max_attempts: int = setting(3, "attempts before a stream ends with error worker_lost")
+    max_generation_s: float = setting(
+        0.0, "generation deadline in seconds; past it the stream ends with error deadline (0 = none)")
+    shutdown_grace_s: float = setting(
+        10.0, "on SIGTERM, seconds to finish the job in flight before handing it over", flag="generator-grace-s")
+    handoff_tokens: int = setting(
+        256, "tokens the inference thread may run ahead of Redis before it waits (the bounded hand-off)")
+    concurrency: int = setting(
+        1, "generations one worker runs at once (in-process llama.cpp: 1; an --upstream server: more)")
+    metrics_port: int = setting(0, "serve this worker's Prometheus /metrics on this port (0 = off)")
+    metrics_host: str = setting("127.0.0.1", "address of the worker's /metrics endpoint")
+    disconnect_grace_s: float = setting(
+        5.0, "cancel_on_disconnect streams are cancelled after this long without a reader (consumer pods "
+        "record a reader every few seconds)")
