@@ -7,7 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SYSTEM_PACKAGES=(redis-server chromium redis-tools nginx)
+# prometheus: its promtool checks deploy/prometheus and the dashboard's queries. tests/deploy also renders the
+# Kubernetes overlays with kubectl (`kubectl kustomize`), which Debian does not package: without it they skip.
+SYSTEM_PACKAGES=(redis-server chromium redis-tools nginx prometheus)
 missing=()
 for pkg in "${SYSTEM_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
