@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Iterator
@@ -88,6 +89,74 @@ def sse_blocks(response: httpx.Response) -> Iterator[SSE | tuple[str, bytes]]:
         for block in decoder.feed(chunk):
             yield parse_sse_block(block)
     assert decoder.pending == b"", f"response ended mid-event: {decoder.pending!r}"
+
+
+@dataclass(frozen=True)
+class CliSetting:
+    flag: str  # --shutdown-grace-s
+    env: str  # RSB_SHUTDOWN_GRACE_S
+    default: str | None  # rendered as a flag value ("5.0"); None when it has none
+
+
+@dataclass(frozen=True)
+class CliCommand:
+    """What ``rsb <name>`` accepts, read from the settings classes behind it (the deployment files are checked
+    against this, not against a list kept by hand)."""
+
+    name: str
+    settings: dict[str, CliSetting]  # by env name
+
+    @property
+    def flags(self) -> set[str]:
+        out = {s.flag for s in self.settings.values()}
+        return out | {"--no-" + f[2:] for f in out}  # switches also take a --no- form
+
+    def value(self, env: dict[str, str], name: str) -> str:
+        """The value a process gets for setting ``name`` (an RSB_* name) from ``env``, else its default."""
+        if name in env:
+            return env[name]
+        default = self.settings[name].default
+        assert default is not None, f"{name} has no default in `rsb {self.name}`"
+        return default
+
+    def number(self, env: dict[str, str], name: str) -> float:
+        return float(self.value(env, name))
+
+    def effective(self, env: dict[str, str], args: list[str], name: str) -> str:
+        """The value from a command line's flags (they win over the variables), else from ``env``, else the
+        default."""
+        flags = flag_values(args)
+        flag = self.settings[name].flag
+        return flags[flag] if flag in flags else self.value(env, name)
+
+
+@functools.cache
+def cli_command(name: str) -> CliCommand:
+    from rsb.cli import COMMANDS
+
+    cmd = next(c for c in COMMANDS if c.name == name)
+    settings = {opt.env: CliSetting(f"--{opt.flag}", opt.env, None if opt.default is None else opt.render(opt.default))
+                for opt in cmd.settings.options()}
+    return CliCommand(name, settings)
+
+
+def flag_values(args: list[str]) -> dict[str, str]:
+    """``--port 8000`` / ``--port=8000`` / ``--log-content`` (a switch: "true") from a command line."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        assert arg.startswith("--"), f"unexpected argument {arg!r} in {args}"
+        if "=" in arg:
+            name, value = arg.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            name, value = arg, args[i + 1]
+            i += 1
+        else:
+            name, value = arg, "true"
+        out[name] = value
+        i += 1
+    return out
 
 
 def create_outcome(result: Created | BaseException) -> str:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from deploy.cli_settings import ROOT, Command, flag_values
+from helpers import CliCommand, cli_command, flag_values
+
+ROOT = Path(__file__).resolve().parents[2]
 
 COMPOSE = ROOT / "docker-compose.yml"
 NGINX_CONF = ROOT / "deploy" / "nginx.conf"
@@ -44,7 +45,7 @@ def environment_of(svc: dict[str, Any]) -> dict[str, str]:
     return {str(k): str(v) for k, v in env.items()}
 
 
-def effective(cli: Command, env: dict[str, str], args: list[str], name: str) -> float:
+def effective(cli: CliCommand, env: dict[str, str], args: list[str], name: str) -> float:
     """A numeric setting as the process sees it: the flag wins over the variable, then the default."""
     return float(cli.effective(env, args, name))
 
@@ -65,12 +66,12 @@ def test_dockerfile_entrypoint_is_rsb() -> None:
     assert entrypoint and yaml.safe_load(entrypoint.group(1)) == ["rsb"]
 
 
-def test_commands_flags_and_env_are_real(rsb_cli: Callable[[str], Command]) -> None:
+def test_commands_flags_and_env_are_real() -> None:
     services = rsb_services()
     assert {command_of(s)[0] for s in services.values()} == {"consumer", "generator"}
     for name, svc in services.items():
         cmd = command_of(svc)
-        cli = rsb_cli(cmd[0])  # fails unless `rsb <cmd> --help` works
+        cli = cli_command(cmd[0])  # fails unless `rsb <cmd> --help` works
         unknown_flags = set(flag_values(cmd[1:])) - cli.flags
         assert not unknown_flags, f"service {name}: `rsb {cmd[0]}` has no {sorted(unknown_flags)}"
         env = environment_of(svc)
@@ -78,18 +79,18 @@ def test_commands_flags_and_env_are_real(rsb_cli: Callable[[str], Command]) -> N
         assert not unknown_env, f"service {name}: `rsb {cmd[0]}` reads no {sorted(unknown_env)}"
 
 
-def test_partitions_are_the_same_everywhere(rsb_cli: Callable[[str], Command]) -> None:
+def test_partitions_are_the_same_everywhere() -> None:
     """RSB_PARTITIONS is part of every key's name: consumers and generators must agree."""
-    values = {name: effective(rsb_cli(command_of(svc)[0]), environment_of(svc), command_of(svc)[1:],
+    values = {name: effective(cli_command(command_of(svc)[0]), environment_of(svc), command_of(svc)[1:],
                               "RSB_PARTITIONS") for name, svc in rsb_services().items()}
     assert len(set(values.values())) == 1, values
 
 
-def test_consumer_port_matches_nginx_and_healthcheck(rsb_cli: Callable[[str], Command]) -> None:
+def test_consumer_port_matches_nginx_and_healthcheck() -> None:
     svc = rsb_services()["consumer"]
     cmd = command_of(svc)
     env = environment_of(svc)
-    cli = rsb_cli("consumer")
+    cli = cli_command("consumer")
     port = int(effective(cli, env, cmd[1:], "RSB_PORT"))
     host = flag_values(cmd[1:]).get("--host") or env.get("RSB_HOST") or cli.value(env, "RSB_HOST")
     assert host == "0.0.0.0", "the consumer must listen on all interfaces for nginx to reach it"
@@ -102,15 +103,15 @@ def test_consumer_port_matches_nginx_and_healthcheck(rsb_cli: Callable[[str], Co
     assert nginx["depends_on"]["consumer"]["condition"] == "service_healthy"
 
 
-def test_stop_grace_periods_cover_the_drain(rsb_cli: Callable[[str], Command]) -> None:
+def test_stop_grace_periods_cover_the_drain() -> None:
     """docs/deployment.md: a consumer drains within --shutdown-grace-s, a generator finishes or hands back its job
     within --generator-grace-s; the orchestrator must wait longer than that before SIGKILL."""
     services = rsb_services()
     consumer, generator = services["consumer"], services["generator"]
-    drain = effective(rsb_cli("consumer"), environment_of(consumer), command_of(consumer)[1:],
+    drain = effective(cli_command("consumer"), environment_of(consumer), command_of(consumer)[1:],
                       "RSB_SHUTDOWN_GRACE_S")
     assert seconds(consumer["stop_grace_period"]) >= drain + MARGIN_S
-    handover = effective(rsb_cli("generator"), environment_of(generator), command_of(generator)[1:],
+    handover = effective(cli_command("generator"), environment_of(generator), command_of(generator)[1:],
                          "RSB_GENERATOR_GRACE_S")
     assert seconds(generator["stop_grace_period"]) >= handover + MARGIN_S
 

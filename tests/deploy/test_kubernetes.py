@@ -38,11 +38,12 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from deploy.cli_settings import ROOT, Command
-from helpers import read_sse, wait_status
+from helpers import CliCommand, cli_command, read_sse, wait_status
 
 from broker.keys import jobs_key
 from broker.redis_server import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 K8S = ROOT / "deploy" / "kubernetes"
 ALERTS = ROOT / "deploy" / "prometheus" / "rsb-alerts.yml"
@@ -175,7 +176,7 @@ def resolved_env(r: Rendered, c: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def setting(r: Rendered, c: dict[str, Any], cli: Command, name: str) -> str:
+def setting(r: Rendered, c: dict[str, Any], cli: CliCommand, name: str) -> str:
     """What the container's rsb gets for setting ``name``: its args' flag, else its environment, else the
     default `rsb <command> --help` shows."""
     return cli.effective(resolved_env(r, c), command_of(c)[1:], name)
@@ -479,13 +480,13 @@ def test_references_resolve(variant: str) -> None:
 
 @needs_kubectl
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_commands_flags_and_env_are_real(variant: str, rsb_cli: Callable[[str], Command]) -> None:
+def test_commands_flags_and_env_are_real(variant: str) -> None:
     r = render(variant)
     commands = set()
     for workload, c in rsb_containers(r):
         cmd = command_of(c)
         commands.add(cmd[0])
-        cli = rsb_cli(cmd[0])
+        cli = cli_command(cmd[0])
         unknown_flags = {a.split("=", 1)[0] for a in cmd[1:] if a.startswith("--")} - cli.flags
         assert not unknown_flags, f"{workload['metadata']['name']}: `rsb {cmd[0]}` has no {sorted(unknown_flags)}"
         env = {k for k in resolved_env(r, c) if k.startswith("RSB_")}
@@ -497,11 +498,11 @@ def test_commands_flags_and_env_are_real(variant: str, rsb_cli: Callable[[str], 
 
 @needs_kubectl
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_probes_ports_and_scrape_annotations(variant: str, rsb_cli: Callable[[str], Command]) -> None:
+def test_probes_ports_and_scrape_annotations(variant: str) -> None:
     r = render(variant)
     consumer = r.workload("consumer")
     c = container(consumer)
-    cli = rsb_cli("consumer")
+    cli = cli_command("consumer")
     port = int(setting(r, c, cli, "RSB_PORT"))
     assert setting(r, c, cli, "RSB_HOST") == "0.0.0.0", "a consumer listening on loopback is unreachable in a pod"
     p = probes(c)
@@ -521,7 +522,7 @@ def test_probes_ports_and_scrape_annotations(variant: str, rsb_cli: Callable[[st
     assert not service["spec"]["selector"].items() <= generator["spec"]["template"]["metadata"]["labels"].items()
 
     g = container(generator)
-    gcli = rsb_cli("generator")
+    gcli = cli_command("generator")
     metrics_port = int(setting(r, g, gcli, "RSB_METRICS_PORT"))
     assert metrics_port, "generators need --metrics-port: their probes and Prometheus use it"
     assert setting(r, g, gcli, "RSB_METRICS_HOST") == "0.0.0.0"
@@ -537,7 +538,7 @@ def test_probes_ports_and_scrape_annotations(variant: str, rsb_cli: Callable[[st
 
 @needs_kubectl
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_grace_periods_cover_the_drain(variant: str, rsb_cli: Callable[[str], Command]) -> None:
+def test_grace_periods_cover_the_drain(variant: str) -> None:
     """docs/deployment.md: the consumer's grace period starts with the preStop sleep, then SIGTERM drains within
     --shutdown-grace-s; a generator finishes or hands back its job within --generator-grace-s."""
     r = render(variant)
@@ -551,28 +552,28 @@ def test_grace_periods_cover_the_drain(variant: str, rsb_cli: Callable[[str], Co
         assert argv[0] == "sleep" and len(argv) == 2, f"preStop should be a plain sleep: {argv}"
         sleep_s = float(argv[1])
     assert sleep_s >= 2, "the preStop sleep lets the endpoints and ingress controllers drop the pod first"
-    drain_s = float(setting(r, c, rsb_cli("consumer"), "RSB_SHUTDOWN_GRACE_S"))
+    drain_s = float(setting(r, c, cli_command("consumer"), "RSB_SHUTDOWN_GRACE_S"))
     grace = pod_spec(consumer)["terminationGracePeriodSeconds"]
     assert grace >= sleep_s + drain_s + MARGIN_S, (grace, sleep_s, drain_s)
 
     generator = r.workload("generator")
-    handover_s = float(setting(r, container(generator), rsb_cli("generator"), "RSB_GENERATOR_GRACE_S"))
+    handover_s = float(setting(r, container(generator), cli_command("generator"), "RSB_GENERATOR_GRACE_S"))
     assert pod_spec(generator)["terminationGracePeriodSeconds"] >= handover_s + MARGIN_S
 
 
 @needs_kubectl
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_keda_watches_every_job_stream(variant: str, rsb_cli: Callable[[str], Command]) -> None:
+def test_keda_watches_every_job_stream(variant: str) -> None:
     """One trigger per partition on exactly the job streams broker.keys names, summed by the formula, with the
     target a worker's concurrency; the scaler type and address follow the Redis URL."""
     r = render(variant)
     generator = r.workload("generator")
     g, c = container(generator), container(r.workload("consumer"))
-    gcli = rsb_cli("generator")
+    gcli = cli_command("generator")
     partitions = int(setting(r, g, gcli, "RSB_PARTITIONS"))
-    assert int(setting(r, c, rsb_cli("consumer"), "RSB_PARTITIONS")) == partitions, "consumers and generators agree"
+    assert int(setting(r, c, cli_command("consumer"), "RSB_PARTITIONS")) == partitions, "consumers and generators agree"
     redis_url = setting(r, g, gcli, "RSB_REDIS_URL")
-    assert setting(r, c, rsb_cli("consumer"), "RSB_REDIS_URL") == redis_url
+    assert setting(r, c, cli_command("consumer"), "RSB_REDIS_URL") == redis_url
 
     [so] = [s for s in r.all("ScaledObject") if s["spec"]["scaleTargetRef"]["name"] == generator["metadata"]["name"]]
     triggers = so["spec"]["triggers"]
@@ -611,7 +612,7 @@ def test_keda_watches_every_job_stream(variant: str, rsb_cli: Callable[[str], Co
 
 @needs_kubectl
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_autoscaling_disruption_and_resources(variant: str, rsb_cli: Callable[[str], Command]) -> None:
+def test_autoscaling_disruption_and_resources(variant: str) -> None:
     r = render(variant)
     scaled = {h["spec"]["scaleTargetRef"]["name"]: h["spec"].get("minReplicas", 1)
               for h in r.all("HorizontalPodAutoscaler")}
@@ -642,7 +643,7 @@ def test_autoscaling_disruption_and_resources(variant: str, rsb_cli: Callable[[s
         assert pdb["spec"].get("unhealthyPodEvictionPolicy") == "AlwaysAllow"
     # llama.cpp would start a thread per core of the node: the generator's threads fit its CPUs.
     g = container(r.workload("generator"))
-    threads = setting(r, g, rsb_cli("generator"), "RSB_N_THREADS") if "RSB_N_THREADS" in resolved_env(r, g) \
+    threads = setting(r, g, cli_command("generator"), "RSB_N_THREADS") if "RSB_N_THREADS" in resolved_env(r, g) \
         or "--n-threads" in command_of(g) else None
     assert threads, "set RSB_N_THREADS: the default is every physical core of the node"
     assert int(threads) <= quantity(g["resources"]["requests"]["cpu"]) == quantity(g["resources"]["limits"]["cpu"])
@@ -650,11 +651,11 @@ def test_autoscaling_disruption_and_resources(variant: str, rsb_cli: Callable[[s
 
 @needs_kubectl
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_ingress_is_set_for_sse(variant: str, rsb_cli: Callable[[str], Command]) -> None:
+def test_ingress_is_set_for_sse(variant: str) -> None:
     """The ingress-nginx annotations that deploy/nginx.conf's settings translate to (docs/deployment.md)."""
     r = render(variant)
     c = container(r.workload("consumer"))
-    cli = rsb_cli("consumer")
+    cli = cli_command("consumer")
     [ingress] = r.all("Ingress")
     a = {k.removeprefix("nginx.ingress.kubernetes.io/"): v for k, v in ingress["metadata"]["annotations"].items()}
     assert a["proxy-buffering"] == "off"
