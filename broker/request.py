@@ -17,6 +17,7 @@ _FIELDS = frozenset(
     {"id", "messages", "prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop",
      "cancel_on_disconnect"}
 )
+MODEL_MAX_CHARS = 256
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 128
 MAX_MESSAGES = 1024
@@ -99,7 +100,11 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
 
 
 def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
+    return check_integer(body.get(name), name, lo, hi)
+
+
+def check_integer(v: object, name: str, lo: int, hi: int) -> int | None:
+    """``v`` as an integer in [lo, hi] (None stays None); an integral float (7.0) counts, a bool does not."""
     if v is None:
         return None
     if isinstance(v, float) and v.is_integer():  # 7.0 is an integer in JSON (and JSON Schema)
@@ -173,8 +178,8 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
             raise InvalidRequest(f"the messages' content is longer than {max_prompt_chars} characters in all")
 
     model = body.get("model")
-    if model is not None and (not isinstance(model, str) or not 0 < len(model) <= 256):
-        raise InvalidRequest("'model' must be a non-empty string of at most 256 characters")
+    if model is not None and (not isinstance(model, str) or not 0 < len(model) <= MODEL_MAX_CHARS):
+        raise InvalidRequest(f"'model' must be a non-empty string of at most {MODEL_MAX_CHARS} characters")
 
     stop_raw = body.get("stop")
     if stop_raw is None:

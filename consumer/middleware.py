@@ -6,11 +6,11 @@ import re
 import uuid
 from urllib.parse import parse_qs
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.errors import Unauthorized
 from consumer.auth import ApiKeys
-from consumer.errors import error_response
 
 # The routes a read token opens (EventSource and a status poll): GET only, one stream.
 _READABLE = re.compile(r"\A/v1/streams/([0-9a-fA-F-]{36})(/events)?\Z")
@@ -33,7 +33,10 @@ class AuthMiddleware:
         try:
             scope["rsb.key_id"] = self._authenticate(scope, authorization)
         except Unauthorized as e:
-            response = error_response(401, e.code, e.message, {"WWW-Authenticate": "Bearer"})
+            # Before any route runs, so before anyone knows which protocol is spoken: the body carries both
+            # rsb's fields (code, message) and OpenAI's (type, param), which every view's clients read.
+            body = {"error": {"code": e.code, "message": e.message, "type": "invalid_request_error", "param": None}}
+            response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -54,11 +54,23 @@ def _imports(name: str, path: Path) -> set[str]:
     return {m for m in out if m.split(".")[0] in PACKAGES}
 
 
+def _parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def _graph() -> dict[str, set[str]]:
+    """Module -> the modules importing it runs. Importing ``a.b.c`` runs the ``__init__`` of ``a.b`` too, and
+    a package's ``__init__`` runs what it imports: both are edges (a circle through a package ``__init__`` is
+    the kind that fails at import time). A module's own ancestors are already being imported when it runs,
+    so they are no edge of its."""
     modules = dict(_modules())
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        graph[name] = {m for m in _imports(name, path) if m in modules and m != name}
+        deps = {m for m in _imports(name, path) if m in modules}
+        own = set(_parents(name))
+        deps |= {p for m in deps for p in _parents(m) if p in modules and p not in own}
+        graph[name] = deps - {name}
     return graph
 
 

@@ -7,8 +7,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from broker.report import COUNTERS, aborted_totals
-from consumer.openapi import build_openapi
 from consumer.state import state_of
+from consumer.views.openapi import build_openapi
 
 
 async def openapi_route(request: Request) -> Response:

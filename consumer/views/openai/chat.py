@@ -16,35 +16,76 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
+from broker.errors import InvalidRequest
 from broker.events import Event, EventType
+from broker.request import RequestLimits, check_integer
 from broker.store import StreamStatus
 from consumer.service import StreamService
 from consumer.sse import SSEResponse
 from consumer.state import caller_of, state_of
 from consumer.views.openai.common import (
     DONE_FRAME,
+    NULL,
     ROLES,
     STREAM_ID_HEADER,
     DeferredResponse,
+    Only,
+    boolean,
+    check_only,
     create_stream,
     data_frame,
     error_json,
     invalid,
+    no_items,
+    null_only,
     read_json,
+    text_format,
     text_of,
     usage_tokens,
 )
 
-_TEXT_PARTS = frozenset({"text"})
+#: The content parts a chat message may carry.
+TEXT_PARTS = frozenset({"text"})
 # Shutdown mid-stream: an error the SDK raises, instead of an answer silently cut short.
 _SHUTDOWN_FRAME = data_frame({"error": {"message": "the server is shutting down; the generation goes on: "
                                         "resume it at /v1/streams/{x-rsb-stream-id}/events",
                                         "type": "server_error", "param": None, "code": "shutting_down"}})
 
 
-def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The rsb create body for a chat request, and the renames for its validation messages. Parameters
-    that would change what is generated and that rsb cannot honour are refused, not ignored."""
+def _is_int(v: object, value: int) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v == value
+
+
+def _stream_options(v: object) -> bool:
+    return v is None or (isinstance(v, dict) and (v.get("include_usage") is None
+                                                  or isinstance(v.get("include_usage"), bool)))
+
+
+#: What rsb cannot honour, and the one shape in which each parameter is accepted (the OpenAPI document is
+#: built from the same rules).
+RESTRICTIONS = (
+    Only("n", {"anyOf": [{"const": 1}, NULL]}, lambda v: v is None or _is_int(v, 1), "only 'n': 1 is supported"),
+    no_items("tools"), no_items("functions"),
+    null_only("audio"), null_only("prediction"), null_only("web_search_options"),
+    Only("logprobs", {"anyOf": [{"const": False}, NULL]}, lambda v: v is None or v is False,
+         "logprobs are not supported"),
+    null_only("top_logprobs"),
+    text_format("response_format", "only 'response_format': {'type': 'text'} is supported"),
+    Only("modalities", {"anyOf": [{"const": ["text"]}, NULL]}, lambda v: v is None or v == ["text"],
+         "only the text modality is supported"),
+    boolean("stream"),
+    Only("stream_options", {"anyOf": [{"type": "object", "properties": {
+        "include_usage": {"anyOf": [{"type": "boolean"}, NULL]}}}, NULL]}, _stream_options,
+         "'stream_options' must be an object whose include_usage is true or false"),
+)
+#: The token budget goes by either name (max_tokens is the older one): both are checked, the newer wins.
+TOKEN_LIMITS = ("max_completion_tokens", "max_tokens")
+#: Passed to rsb's own validation as they are (their schema is the native create body's).
+PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop")
+
+
+def _chat_body(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any], dict[str, str]]:
+    """The rsb create body for a chat request, and the renames for its validation messages."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("'messages' must be a non-empty list", "messages")
@@ -56,29 +97,18 @@ def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         if role is None:
             raise invalid(f"messages[{i}].role must be one of system, developer, user, assistant "
                           "(tools are not supported)", "messages")
-        messages.append({"role": role, "content": text_of(m.get("content"), f"messages[{i}]", _TEXT_PARTS)})
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise invalid("only 'n': 1 is supported", "n")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise invalid(f"'{name}' is not supported", name)
-    for name in ("audio", "prediction", "web_search_options"):
-        if body.get(name) is not None:
-            raise invalid(f"'{name}' is not supported", name)
-    if body.get("logprobs") or body.get("top_logprobs") is not None:
-        raise invalid("logprobs are not supported", "logprobs")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise invalid("only 'response_format': {'type': 'text'} is supported", "response_format")
-    modalities = body.get("modalities")
-    if modalities is not None and modalities != ["text"]:
-        raise invalid("only the text modality is supported", "modalities")
-    limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    rsb: dict[str, Any] = {"messages": messages, "max_tokens": body.get(limit_name)}
-    for name in ("model", "temperature", "top_p", "seed", "stop"):
+        messages.append({"role": role, "content": text_of(m.get("content"), f"messages[{i}]", TEXT_PARTS)})
+    check_only(body, RESTRICTIONS)
+    given = [name for name in TOKEN_LIMITS if body.get(name) is not None]
+    for name in given[1:]:  # the older name must be valid too, though the newer one wins
+        try:
+            check_integer(body[name], name, 1, limits.max_tokens)
+        except InvalidRequest as e:
+            raise invalid(e.message, name) from None
+    rsb: dict[str, Any] = {"messages": messages, "max_tokens": body.get(given[0]) if given else None}
+    for name in PASSED_THROUGH:
         rsb[name] = body.get(name)
-    return rsb, {"max_tokens": limit_name}
+    return rsb, {"max_tokens": given[0] if given else "max_completion_tokens"}
 
 
 class _Chat:
@@ -163,16 +193,11 @@ async def _completion(service: StreamService, chat: _Chat, stream_id: uuid.UUID)
 
 async def chat_completions(request: Request) -> ASGIApp:
     body = await read_json(request)
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise invalid("'stream' must be true or false", "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise invalid("'stream_options' must be an object", "stream_options")
-    include_usage = bool(options and options.get("include_usage"))
-    rsb_body, renames = _chat_body(body)
     state = state_of(request)
     service = state.service
+    rsb_body, renames = _chat_body(body, service.limits_for(caller_of(request)))
+    stream = bool(body.get("stream"))
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     with service.connection(caller_of(request)) as slot:
         stream_id, st = await create_stream(request, rsb_body, renames)
         chat = _Chat(stream_id, st, rsb_body["model"] or service.default_model)

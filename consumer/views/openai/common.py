@@ -8,9 +8,11 @@ then the live hub), served by the consumer's one SSE response.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -114,6 +116,47 @@ async def read_json(request: Request) -> dict[str, Any]:
     return body
 
 
+@dataclass(frozen=True, slots=True)
+class Only:
+    """A parameter accepted only in the shape ``schema`` describes: what rsb cannot honour (tools, n > 1,
+    logprobs, ...) is refused, not ignored. ``accepts`` is the same rule in code; both come from here, so
+    the OpenAPI document (views/openai/schema.py) says exactly what the view accepts."""
+
+    name: str
+    schema: dict[str, Any]
+    accepts: Callable[[object], bool]
+    message: str
+
+
+NULL: dict[str, Any] = {"type": "null"}
+
+
+def null_only(name: str) -> Only:
+    return Only(name, NULL, lambda v: v is None, f"'{name}' is not supported")
+
+
+def no_items(name: str) -> Only:
+    return Only(name, {"anyOf": [{"type": "array", "maxItems": 0}, NULL]}, lambda v: v is None or v == [],
+                f"'{name}' is not supported")
+
+
+def boolean(name: str) -> Only:
+    return Only(name, {"anyOf": [{"type": "boolean"}, NULL]}, lambda v: v is None or isinstance(v, bool),
+                f"'{name}' must be true or false")
+
+
+def text_format(name: str, message: str) -> Only:
+    """An object whose ``type`` is ``text`` (a response format), or null."""
+    schema = {"anyOf": [{"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}}, NULL]}
+    return Only(name, schema, lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), message)
+
+
+def check_only(body: Mapping[str, Any], rules: tuple[Only, ...]) -> None:
+    for rule in rules:
+        if not rule.accepts(body.get(rule.name)):
+            raise invalid(rule.message, rule.name)
+
+
 def text_of(content: object, where: str, part_types: frozenset[str]) -> str:
     """A message's text: a string, or a list of text parts (joined); anything else is refused."""
     if isinstance(content, str):
@@ -121,7 +164,8 @@ def text_of(content: object, where: str, part_types: frozenset[str]) -> str:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") in part_types and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if not (isinstance(kind, str) and kind in part_types and isinstance(part.get("text"), str)):
                 raise invalid(f"{where}.content[{j}]: only text parts ({', '.join(sorted(part_types))}) are "
                               "supported", where.split("[", 1)[0])
             texts.append(part["text"])
@@ -140,14 +184,17 @@ def _stream_id(request: Request, caller: Caller) -> uuid.UUID:
     return uuid.uuid5(_IDEMPOTENCY_NS, f"{caller.key_id}\n{key}")
 
 
-async def create_stream(request: Request, rsb_body: dict[str, Any],
-                        renames: Mapping[str, str]) -> tuple[uuid.UUID, StreamStatus]:
+async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Mapping[str, str], *,
+                        uncounted_messages: int = 0) -> tuple[uuid.UUID, StreamStatus]:
     """Validate ``rsb_body`` (a ``POST /v1/streams`` body) exactly as the native route does, create the
-    stream, and return it with its status. ``renames`` maps rsb field names to the client's, for errors."""
+    stream, and return it with its status. ``renames`` maps rsb field names to the client's, for errors;
+    ``uncounted_messages`` leading messages (Responses' instructions) do not count against max_messages."""
     service = state_of(request).service
     caller = caller_of(request)
+    limits = service.limits_for(caller)
+    limits = dataclasses.replace(limits, max_messages=limits.max_messages + uncounted_messages)
     try:
-        _, gen_request = validate_create_body(rsb_body, service.limits_for(caller))
+        _, gen_request = validate_create_body(rsb_body, limits)
     except InvalidRequest as e:
         message = e.message
         for ours, theirs in renames.items():

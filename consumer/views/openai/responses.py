@@ -26,19 +26,32 @@ from consumer.service import Slot, StreamService
 from consumer.sse import SSEResponse
 from consumer.state import caller_of, state_of
 from consumer.views.openai.common import (
+    NULL,
     ROLES,
     STREAM_ID_HEADER,
     DeferredResponse,
+    Only,
+    boolean,
+    check_only,
     create_stream,
     event_frame,
     invalid,
+    no_items,
+    null_only,
     read_json,
+    text_format,
     text_of,
     usage_tokens,
 )
 
 _ID = re.compile(r"\Aresp_([0-9a-fA-F]{32})\Z")
-_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+#: Every event type a response's stream carries (the OpenAPI document lists them).
+EVENT_TYPES = ("response.created", "response.queued", "response.in_progress", "response.output_item.added",
+               "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+               "response.content_part.done", "response.output_item.done", "response.completed",
+               "response.incomplete", "response.failed")
+#: ``starting_after`` has at most 18 digits: a sequence number, never an integer Python must guard.
+MAX_SEQUENCE_NUMBER = 10**18 - 1
 # How long a cancel waits for the generation to stop, to answer with the final state. The worker stops at
 # its next append (milliseconds); past this the answer shows the state as it is.
 CANCEL_WAIT_S = 5.0
@@ -197,12 +210,32 @@ class ResponseView:
         return out
 
 
+#: The content parts an input message may carry.
+INPUT_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+#: What rsb cannot honour, and the one shape in which each parameter is accepted (the OpenAPI document is
+#: built from the same rules).
+RESTRICTIONS = (
+    Only("instructions", {"anyOf": [{"type": "string"}, NULL]}, lambda v: v is None or isinstance(v, str),
+         "'instructions' must be a string"),
+    no_items("tools"),
+    null_only("previous_response_id"), null_only("conversation"), null_only("prompt"),
+    Only("text", {"anyOf": [{"type": "object", "properties": {"format": text_format("format", "").schema}}, NULL]},
+         lambda v: v is None or (isinstance(v, dict) and text_format("format", "").accepts(v.get("format"))),
+         "only the text format is supported"),
+    Only("top_logprobs", {"anyOf": [{"const": 0}, NULL]},
+         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 0),
+         "logprobs are not supported"),
+    boolean("stream"), boolean("background"),
+)
+#: Passed to rsb's own validation as they are (seed and stop are not Responses parameters; accepted, as
+#: extra_body, because rsb has them).
+PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop")
+
+
 def _input_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     messages = []
     instructions = body.get("instructions")
     if instructions is not None:
-        if not isinstance(instructions, str):
-            raise invalid("'instructions' must be a string", "instructions")
         messages.append({"role": "system", "content": instructions})
     raw = body.get("input")
     if isinstance(raw, str):
@@ -217,36 +250,17 @@ def _input_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         role = ROLES.get(str(item.get("role")))
         if role is None:
             raise invalid(f"input[{i}].role must be one of system, developer, user, assistant", "input")
-        messages.append({"role": role, "content": text_of(item.get("content"), f"input[{i}]", _TEXT_PARTS)})
+        messages.append({"role": role, "content": text_of(item.get("content"), f"input[{i}]", INPUT_TEXT_PARTS)})
     return messages
 
 
 def _responses_body(body: dict[str, Any]) -> dict[str, Any]:
     """The rsb create body for a Responses request. What rsb cannot honour is refused, not ignored."""
-    messages = _input_messages(body)
-    if body.get("tools"):
-        raise invalid("'tools' are not supported", "tools")
-    for name in ("previous_response_id", "conversation", "prompt"):
-        if body.get(name) is not None:
-            raise invalid(f"'{name}' is not supported", name)
-    text = body.get("text")
-    fmt = text.get("format") if isinstance(text, dict) else None
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise invalid("only the text format is supported", "text")
-    if body.get("top_logprobs"):
-        raise invalid("logprobs are not supported", "top_logprobs")
-    # seed and stop are not Responses parameters; accepted (extra_body) because rsb has them.
-    return {"messages": messages, "max_tokens": body.get("max_output_tokens"), "model": body.get("model"),
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "seed": body.get("seed"),
-            "stop": body.get("stop")}
-
-
-def _flag(value: object, name: str) -> bool:
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise invalid(f"'{name}' must be true or false", name)
-    return value
+    check_only(body, RESTRICTIONS)
+    rsb: dict[str, Any] = {"messages": _input_messages(body), "max_tokens": body.get("max_output_tokens")}
+    for name in PASSED_THROUGH:
+        rsb[name] = body.get(name)
+    return rsb
 
 
 async def new_view(service: StreamService, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
@@ -288,16 +302,16 @@ async def _serve_events(request: Request, slot: Slot, stream_id: uuid.UUID, st: 
 
 async def create_response(request: Request) -> ASGIApp:
     body = await read_json(request)
-    stream = _flag(body.get("stream"), "stream")
-    background = _flag(body.get("background"), "background")
     rsb_body = _responses_body(body)
+    stream, background = bool(body.get("stream")), bool(body.get("background"))
     renames = {"max_tokens": "max_output_tokens", "messages": "input"}
+    uncounted = 1 if body.get("instructions") is not None else 0
     service = state_of(request).service
     if not stream and background:
-        stream_id, st = await create_stream(request, rsb_body, renames)
+        stream_id, st = await create_stream(request, rsb_body, renames, uncounted_messages=uncounted)
         return JSONResponse((await _snapshot(service, stream_id, st)).response())
     with service.connection(caller_of(request)) as slot:
-        stream_id, st = await create_stream(request, rsb_body, renames)
+        stream_id, st = await create_stream(request, rsb_body, renames, uncounted_messages=uncounted)
         if stream:
             return await _serve_events(request, slot, stream_id, st, -1)
 
@@ -313,13 +327,13 @@ async def retrieve_response(request: Request) -> ASGIApp:
     service = state_of(request).service
     stream_id = _path_stream_id(request)
     q = request.query_params
-    stream = q.get("stream", "false").lower()
+    stream = q.get("stream", "false")
     if stream not in ("true", "false"):
         raise invalid("'stream' must be true or false", "stream")
     raw_after = q.get("starting_after")
     after = -1
     if raw_after is not None:
-        if not raw_after.isdigit() or len(raw_after) > 18:
+        if not raw_after.isdigit() or int(raw_after) > MAX_SEQUENCE_NUMBER:
             raise invalid("'starting_after' must be a sequence number (an integer from 0)", "starting_after")
         after = int(raw_after)
     caller = caller_of(request)

@@ -1,0 +1,198 @@
+"""The OpenAPI 3.1 description of every route, served at ``/openapi.json``.
+
+Each schema says exactly what the code accepts and sends, with this deployment's limits, and is built
+from the same constants as the validation it describes (broker/request.py for the native body; the
+views' own rule tables for the OpenAI views, in consumer/views/openai/schema.py). SSE responses describe
+one event (what schemathesis validates each parsed event against). The test suite runs schemathesis with
+every check over every route (tests/consumer/test_openapi.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker.events import EventType
+from broker.report import GROUP_BYS
+from broker.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MODEL_MAX_CHARS, ROLES, RequestLimits
+from broker.store import STATUSES
+from consumer.schema import RETRY_AFTER, error_response, json_response, nullable, sse_response
+from consumer.views.openai.schema import openai_paths
+
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens"],
+          "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+                         "ttft_ms": {"type": ["number", "null"]}, "tpot_ms": {"type": ["number", "null"]}}}
+# One server-sent event: an opaque increasing id, a type, and one line of JSON whose shape depends on the
+# type (docs/protocol.md lists them).
+_EVENT = {
+    "type": "object",
+    "required": ["id", "event", "data"],
+    "properties": {
+        "id": {"type": "string", "pattern": "^[0-9]+-[0-9]+$"},
+        "event": {"type": "string", "enum": [t.value for t in EventType]},
+        "data": {"type": "string", "contentMediaType": "application/json"},
+    },
+}
+# An event id as issued (empty: from the start); anything else is answered 400.
+_RESUME_ID = {"type": "string", "pattern": "^([0-9]{1,19}-[0-9]{1,19})?$"}
+# Unix seconds, an RFC 3339 date-time or a date (empty: no bound).
+_TIME = {"anyOf": [{"type": "string", "pattern": "^([0-9]{1,12}(\\.[0-9]{1,9})?)?$"},
+                   {"type": "string", "format": "date-time"}, {"type": "string", "format": "date"}]}
+_STATUS = {"type": "string", "enum": list(STATUSES)}
+_STREAM_ID = {"name": "stream_id", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}}
+_CREATED = {
+    "type": "object",
+    "required": ["id", "status", "events_url", "created"],
+    "properties": {"id": {"type": "string", "format": "uuid"}, "status": _STATUS,
+                   "events_url": {"type": "string"}, "created": {"type": "boolean"},
+                   "read_token": {"type": "string"}},
+}
+_STATUS_BODY = {"type": "object", "required": ["id", "status", "model", "created_at"],
+                "properties": {"id": {"type": "string"}, "status": _STATUS, "model": {"type": "string"},
+                               "created_at": {"type": "string"}, "usage": _USAGE}}
+_COUNTERS = {"streams": {"type": "integer"}, "prompt_tokens": {"type": "integer"},
+             "completion_tokens": {"type": "integer"}, "tokens_saved": {"type": "integer"},
+             "compute_s": {"type": "number"}}
+_REPORT = {"type": "object", "required": ["rows", "total"], "properties": {
+    "group_by": {"type": "string"}, "since": {"type": ["number", "null"]}, "until": {"type": ["number", "null"]},
+    "rows": {"type": "array", "items": {"type": "object", "properties": _COUNTERS}},
+    "total": {"type": "object", "properties": _COUNTERS}}}
+# The native operations a created stream leads to (schemathesis' stateful phase follows them).
+_STREAM_LINKS = {name: {"operationId": op, "parameters": {"stream_id": "$response.body#/id"}}
+                 for name, op in (("status", "streamStatus"), ("events", "streamEvents"), ("cancel", "cancelStream"))}
+
+
+def generation_properties(limits: RequestLimits) -> dict[str, Any]:
+    """The schemas of the generation settings every view passes to rsb's validation as they are (each may be
+    null: the default). The OpenAI views reuse them, so one rule has one description."""
+    return {
+        "model": nullable({"type": "string", "minLength": 1, "maxLength": MODEL_MAX_CHARS}),
+        "max_tokens": nullable({"type": "integer", "minimum": 1, "maximum": limits.max_tokens}),
+        "temperature": nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "seed": nullable({"type": "integer", "minimum": 0, "maximum": 2**32 - 1}),
+        "stop": nullable({"anyOf": [
+            {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+            {"type": "array", "maxItems": MAX_STOP_SEQUENCES,
+             "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}}]}),
+    }
+
+
+def create_body(limits: RequestLimits) -> dict[str, Any]:
+    """``POST /v1/streams``; the prompt limit applies to each text and to all of them together (the sum is
+    beyond JSON Schema: the description says it)."""
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "description": f"the prompt, or the messages' content in all, is at most {limits.max_prompt_chars} characters",
+        "properties": {
+            "id": nullable({"type": "string", "format": "uuid"}),
+            "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": {
+                "type": "object", "additionalProperties": False, "required": ["role", "content"],
+                "properties": {"role": {"type": "string", "enum": sorted(ROLES)},
+                               "content": {"type": "string", "maxLength": limits.max_prompt_chars}}}},
+            "prompt": {"type": "string", "maxLength": limits.max_prompt_chars},
+            **generation_properties(limits),
+            "cancel_on_disconnect": {"type": "boolean"},
+        },
+        "oneOf": [{"required": ["messages"]}, {"required": ["prompt"]}],
+    }
+
+
+def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "/v1/streams": {"post": {
+            "operationId": "createStream",
+            "summary": "Start a generation (idempotent by id)",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": create_body(limits)}}},
+            "responses": {
+                "201": {**json_response("a new stream; one generation enqueued", _CREATED), "links": _STREAM_LINKS},
+                "200": {**json_response("this id exists with an identical request", _CREATED),
+                        "links": _STREAM_LINKS},
+                "400": error_response("invalid request"),
+                "409": error_response("this id exists with a different request"),
+                "410": error_response("this id belonged to a stream that expired"),
+                "413": error_response("body too large"),
+                "429": error_response("the queue is full, or a per-key limit is reached", RETRY_AFTER),
+                "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
+        "/v1/streams/{stream_id}/events": {"get": {
+            "operationId": "streamEvents",
+            "summary": "Replay after the resume point, then tail live (SSE)",
+            "parameters": [
+                _STREAM_ID,
+                {"name": "last_event_id", "in": "query", "required": False, "schema": _RESUME_ID},
+                {"name": "Last-Event-ID", "in": "header", "required": False, "schema": _RESUME_ID},
+                {"name": "token", "in": "query", "required": False, "schema": {"type": "string"}},
+            ],
+            "responses": {
+                "200": sse_response("the events (`id`, `event`, `data`: one line of JSON; see the protocol docs "
+                                    "for each type's data)", _EVENT),
+                "204": {"description": "the resume point is the terminal event"},
+                "400": error_response("malformed resume id"), "404": error_response("unknown stream"),
+                "410": error_response("expired"), "429": error_response("too many open streams", RETRY_AFTER),
+                "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
+        "/v1/streams/{stream_id}": {"get": {
+            "operationId": "streamStatus",
+            "parameters": [_STREAM_ID, {"name": "token", "in": "query", "required": False,
+                                        "schema": {"type": "string"}}],
+            "responses": {
+                "200": json_response("the stream's status", _STATUS_BODY),
+                "404": error_response("unknown stream"), "410": error_response("expired"),
+                "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
+        "/v1/streams/{stream_id}/cancel": {"post": {
+            "operationId": "cancelStream",
+            "parameters": [_STREAM_ID],
+            "responses": {
+                "202": json_response("cancel requested (or the stream had already ended)",
+                                     {"type": "object", "required": ["id", "status"],
+                                      "properties": {"id": {"type": "string"}, "status": _STATUS}}),
+                "404": error_response("unknown stream"), "410": error_response("expired"),
+                "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
+        "/v1/reports/aborted": {"get": {
+            "operationId": "abortedReport",
+            "parameters": [
+                {"name": "since", "in": "query", "required": False, "schema": _TIME},
+                {"name": "until", "in": "query", "required": False, "schema": _TIME},
+                {"name": "group_by", "in": "query", "required": False,
+                 "schema": {"type": "string", "enum": list(GROUP_BYS)}},
+            ],
+            "responses": {"200": json_response("aggregated aborted generations", _REPORT),
+                          "400": error_response("invalid range or grouping"),
+                          "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
+    }
+
+
+def _operations_paths() -> dict[str, Any]:
+    """Probes, metrics, this document and the page: open to all, API keys or not (``security: []``)."""
+    text = {"type": "string"}
+    paths: dict[str, Any] = {
+        "/healthz": {"get": {"operationId": "healthz",
+                             "responses": {"200": json_response("the process is up", {"type": "object"})}}},
+        "/readyz": {"get": {"operationId": "readyz",
+                            "responses": {"200": json_response("Redis is reachable", {"type": "object"}),
+                                          "503": error_response("Redis unreachable", RETRY_AFTER)}}},
+        "/metrics": {"get": {"operationId": "metrics", "responses": {
+            "200": {"description": "Prometheus text", "content": {"text/plain": {"schema": text}}},
+            "503": error_response("Redis unreachable", RETRY_AFTER)}}},
+        "/openapi.json": {"get": {"operationId": "openapi", "responses": {
+            "200": json_response("this document", {"type": "object", "required": ["openapi", "paths"]})}}},
+        "/": {"get": {"operationId": "chatPage", "summary": "the chat page", "responses": {
+            "200": {"description": "HTML", "content": {"text/html": {"schema": text}}}}}},
+    }
+    for item in paths.values():
+        for operation in item.values():
+            operation["security"] = []
+    return paths
+
+
+def build_openapi(auth: bool, limits: RequestLimits) -> dict[str, Any]:
+    """The spec, with this deployment's limits (so generated valid requests are really accepted)."""
+    common = {"401": error_response("missing or invalid API key")} if auth else {}
+    spec: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "rsb", "version": "1", "description": "Resumable streams for LLM generation."},
+        "paths": {**_native_paths(limits, common), **_operations_paths(),
+                  **openai_paths(limits, generation_properties(limits), auth)},
+    }
+    if auth:
+        spec["components"] = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}
+        spec["security"] = [{"bearer": []}]
+    return spec
