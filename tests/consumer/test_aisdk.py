@@ -328,6 +328,7 @@ class HarnessFiles(SimpleHTTPRequestHandler):
 @pytest.fixture
 def harness_origin() -> Iterator[str]:
     """Serves the harness page and its modules on a free port; the base URL."""
+    _require_harness()
     maps = {}
     assert NODE is not None
     for major in MAJORS:
