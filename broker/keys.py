@@ -21,6 +21,7 @@ half of its N-th leaves room for the boundaries to be off by a few slots. With `
 from __future__ import annotations
 
 import functools
+import hashlib
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -157,3 +158,13 @@ def aborted_log_key(partition: int, partitions: int) -> str:
 def aborted_totals_key(partition: int, partitions: int) -> str:
     """Hash of running totals of aborted generations, ``<reason>|<counter>`` fields, for /metrics."""
     return f"{_tag(partition, partitions)}:aborted_totals"
+
+
+def chat_key(key_id: str, chat_id: str) -> str:
+    """Hash of one chat's latest turn (``sid``: the turn's stream id, ``tk``: its turn key; see broker.chats),
+    per API key: the key id is part of the name, so one tenant's chat id never names another's chat. The
+    chat id is a client's string: only its digest reaches the key. It is a key of its own, in its own slot
+    on Redis Cluster (no hash tag), apart from its turns' streams: no script touches both (broker.chats
+    says how a turn stays atomic without that)."""
+    digest = hashlib.sha256(chat_id.encode()).hexdigest()[:32]
+    return f"{PREFIX}:chat:{key_id or '-'}:{digest}"

@@ -11,6 +11,7 @@ from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 
+from broker.chats import ChatStore
 from broker.connection import connect, connect_blocking
 from broker.store import Store
 from consumer.auth import ApiKeys
@@ -64,7 +65,7 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
         store = Store(redis, b.partitions)
         service = StreamService(settings, store, hub, metrics, api_keys, limiter)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
-                      service=service, draining=drain)
+                      service=service, chats=ChatStore(redis), draining=drain)
         # A read stream must never look unread for abandon_after_s: touch well within it.
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)

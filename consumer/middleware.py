@@ -1,4 +1,5 @@
-"""ASGI middleware: authentication of /v1 routes, before any handler runs."""
+"""ASGI middleware: authentication of the API routes (``/v1/...`` and the AI SDK view's ``/api/...``),
+before any handler runs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from broker.errors import Unauthorized
 from consumer.auth import ApiKeys
 
+# The paths that need an API key when keys are configured (the page, its assets and the probes do not).
+_API_PREFIXES = ("/v1/", "/api/")
 # The routes a read token opens (EventSource and a status poll): GET only, one stream.
 _READABLE = re.compile(r"\A/v1/streams/([0-9a-fA-F-]{36})(/events)?\Z")
 
@@ -22,7 +25,7 @@ class AuthMiddleware:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys.enabled or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not self.keys.enabled or not scope["path"].startswith(_API_PREFIXES):
             await self.app(scope, receive, send)
             return
         authorization = None

@@ -33,7 +33,8 @@ class ConsumerSettings(Settings):
     default_model: str | None = setting(
         None, "model name recorded for requests that name none (default: the model the generators serve)")
     api_keys_file: str | None = setting(
-        None, "JSON file of API keys; when set, every /v1 route needs 'Authorization: Bearer'", flag="api-keys")
+        None, "JSON file of API keys; when set, every /v1 and /api route needs 'Authorization: Bearer'",
+        flag="api-keys")
     read_token_secret: str | None = setting(
         None, "secret signing read tokens (default: derived from the API keys file)", secret=True)
     read_token_ttl_s: int = setting(900, "lifetime of the read tokens issued at create")

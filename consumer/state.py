@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
+from broker.chats import ChatStore
 from broker.store import Store
 from consumer.auth import ApiKeys
 from consumer.hub import LiveHub
@@ -28,6 +29,8 @@ class State:
     api_keys: ApiKeys
     limiter: ConnectionLimiter
     service: StreamService
+    #: Which stream is each chat's latest turn (the AI SDK view).
+    chats: ChatStore
     #: Set on SIGTERM (by consumer.server) or at the end of the lifespan: open responses end at a frame
     #: boundary and tell their client to reconnect elsewhere.
     draining: asyncio.Event
@@ -40,5 +43,5 @@ def state_of(conn: HTTPConnection) -> State:
 
 
 def caller_of(conn: HTTPConnection) -> Caller:
-    """The caller's key id (checked by the auth middleware before any /v1 route runs) and address."""
+    """The caller's key id (checked by the auth middleware before any /v1 or /api route runs) and address."""
     return Caller(str(conn.scope.get("rsb.key_id", "")), conn.client.host if conn.client else "")

@@ -26,4 +26,11 @@ fi
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 python3 -m pip install -q -e '.[test]'
+# The AI SDK harness (tests/aisdk/harness): the real `ai` package, ai@5 and ai@6, exact versions from its
+# package-lock.json. Without node its tests skip and say why; with node they need this install.
+if command -v npm >/dev/null 2>&1; then
+  npm ci --prefix tests/aisdk/harness --no-audit --no-fund --loglevel=error
+else
+  echo "node/npm not found: the AI SDK harness tests (tests/consumer/test_aisdk.py) will be skipped" >&2
+fi
 exec python3 -m pytest "$@"

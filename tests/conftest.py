@@ -4,11 +4,14 @@ free port, and llama.cpp engines loaded in this process."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import llama_cpp
@@ -19,6 +22,9 @@ from bench.procs import Proc, wait_serving
 from broker.redis_server import RedisServer, free_port
 from generator.engines.demo_model import build_demo_model
 from generator.engines.llama import LlamaEngine
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -369,3 +375,23 @@ def read_resuming(base_url: str, sid: str, *, max_connections: int = 10, timeout
             out.errors.append(repr(e))
             time.sleep(0.05)
     return out
+
+
+# -- a real browser: Debian's chromium, driven by Playwright (which never downloads one here) -------------
+
+CHROMIUM = os.environ.get("RSB_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (apt-get install chromium, or set RSB_CHROMIUM)")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        # --no-sandbox: chromium refuses to start as root (CI containers) with its sandbox on.
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                               args=["--no-sandbox", "--disable-dev-shm-usage"])
+        yield b
+        b.close()

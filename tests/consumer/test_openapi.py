@@ -1,7 +1,10 @@
 """schemathesis with every check, over every route of /openapi.json (the OpenAI views included, each SSE
 event validated), against a real consumer and generator: no 5xx, every response conforming to the document,
 every request the document allows accepted and every one it forbids refused. It runs schemathesis' own
-command line, as a user would, with a fixed seed so a failure reproduces."""
+command line, as a user would, with a fixed seed so a failure reproduces.
+
+Not in the document, so not fuzzed here: the AI SDK view (/api/chat...), whose contract is the `ai`
+package's transport and UI message stream, driven with the real client (ai@5 and ai@6) in test_aisdk.py."""
 
 from __future__ import annotations
 

@@ -9,44 +9,28 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import redis
-from conftest import Stack, StackFactory
+from conftest import CHROMIUM, Stack, StackFactory, needs_chromium
 from helpers import create, read_sse, wait_status
 
 from broker.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts" / "web"
-CHROMIUM = os.environ.get("RSB_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-
-needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="chromium is not installed (apt-get install chromium, or set RSB_CHROMIUM)")
 
 if CHROMIUM is not None:
-    from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
+    from playwright.sync_api import Browser, Locator, Page, expect
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 # Long enough that a reload, a second tab or a Stop lands mid-answer on the slow model (~700 tokens/s on
 # an idle core; a few times slower on a busy 2-core machine), short enough to keep these tests quick.
 LONG_ANSWER = 1000
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as pw:
-        # --no-sandbox: chromium refuses to start as root (CI containers) with its sandbox on.
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                               args=["--no-sandbox", "--disable-dev-shm-usage"])
-        yield b
-        b.close()
 
 
 # The new_page fixture: each call opens a page in a fresh browser context.

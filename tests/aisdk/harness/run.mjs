@@ -1,0 +1,21 @@
+// Runs the scenarios (scenarios.mjs) with one major of the `ai` package against a running rsb and writes
+// the results as JSON. tests/consumer/test_aisdk.py starts rsb and runs this; by hand:
+//   RSB_URL=http://127.0.0.1:8000 RSB_KEY_A=a.secret RSB_KEY_B=b.secret node run.mjs ai6 results.json
+// Optional: RSB_SCENARIOS=send,abortResume  RSB_LONG_TOKENS (default 600)  RSB_SHORT_TOKENS (default 30).
+import { writeFileSync } from 'node:fs';
+import { runScenarios } from './scenarios.mjs';
+
+const [major, out] = process.argv.slice(2);
+if (!['ai5', 'ai6'].includes(major) || !out) {
+  console.error('usage: node run.mjs ai5|ai6 RESULTS.json');
+  process.exit(2);
+}
+const env = process.env;
+const ai = await import(major);
+const pkg = (await import(`${major}/package.json`, { with: { type: 'json' } })).default;
+const results = await runScenarios({
+  ai, major, baseUrl: env.RSB_URL, keyA: env.RSB_KEY_A, keyB: env.RSB_KEY_B,
+  long: Number(env.RSB_LONG_TOKENS ?? 600), short: Number(env.RSB_SHORT_TOKENS ?? 30),
+  only: env.RSB_SCENARIOS ? env.RSB_SCENARIOS.split(',') : undefined,
+});
+writeFileSync(out, JSON.stringify({ major, version: pkg.version, node: process.version, results }, null, 1));

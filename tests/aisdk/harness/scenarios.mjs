@@ -1,0 +1,229 @@
+// The scenarios the harness runs against a real rsb, unchanged in Node (run.mjs) and in Chromium
+// (browser/page.html): each drives the SDK's own AbstractChat + DefaultChatTransport (chat.mjs) and returns
+// what a user would notice (the messages, their text, the chat's status, the requests sent and their
+// answers). tests/consumer/test_aisdk.py asserts on the results and compares every answer with its rsb
+// stream, read natively (the assistant message's id is the stream id).
+import { createChat, messageText, waitFor, interruptionsAreNotDisconnects } from './chat.mjs';
+
+// Characters of an answer on screen before a scenario interrupts it: well inside a long answer.
+const MID_CHARS = 40;
+const midAnswer = (h) => messageText(h.lastAssistant()).length >= MID_CHARS;
+
+/** What the chat shows, for the assertions (the partial state included). */
+export function summary(h) {
+  const a = h.lastAssistant();
+  return {
+    status: h.status,
+    error: h.error ? String(h.error.message) : null,
+    roles: h.messages.map((m) => m.role),
+    assistants: h.assistantMessages().length,
+    messageId: a?.id ?? null,
+    text: messageText(a),
+    textParts: (a?.parts ?? []).filter((p) => p.type === 'text').length,
+    partTypes: (a?.parts ?? []).map((p) => p.type),
+    metadata: a?.metadata ?? null,
+    finishes: h.events.finishes.map(({ message, ...f }) => f),
+    data: h.events.data.map((d) => d.type),
+    requests: h.requests.map(({ method, url, status }) => ({ method, path: new URL(url).pathname, status })),
+  };
+}
+
+/** The chunks of a UI message stream body (data: lines; [DONE] kept as the string). */
+export function chunksOf(body) {
+  return body.split(/\r?\n/).filter((l) => l.startsWith('data: ')).map((l) => l.slice(6))
+    .map((d) => (d === '[DONE]' ? d : JSON.parse(d)));
+}
+
+export const SCENARIOS = {
+  // Send and read to the end.
+  async send(ctx) {
+    const h = ctx.chat({ maxTokens: ctx.short });
+    await h.send('hello');
+    return { chat: summary(h), body: h.requests[0].body };
+  },
+
+  // stop() (aborts the fetch: the turn goes on), then resumeStream(): the turn from its start, one copy.
+  async abortResume(ctx) {
+    const h = ctx.chat();
+    await h.sendAndStopWhen('tell me a story', midAnswer);
+    const partial = summary(h);
+    await h.resume();
+    return { partial, final: summary(h) };
+  },
+
+  // A reloaded page: a new Chat with the persisted partial messages resumes the running turn.
+  async reloadWhileActive(ctx) {
+    const before = ctx.chat();
+    await before.sendAndStopWhen('reload me', midAnswer);
+    const after = ctx.chat({ chatId: before.id, messages: structuredClone(before.messages) });
+    await after.resume();
+    return { partial: summary(before), reloaded: summary(after) };
+  },
+
+  // A reloaded page after the turn ended: 204, nothing added, with or without persisted messages.
+  async reloadAfterFinish(ctx) {
+    const first = ctx.chat({ maxTokens: ctx.short });
+    await first.send('finish first');
+    const persisted = ctx.chat({ chatId: first.id, messages: structuredClone(first.messages) });
+    await persisted.resume();
+    const empty = ctx.chat({ chatId: first.id });
+    await empty.resume();
+    return {
+      first: summary(first), persisted: summary(persisted), empty: summary(empty),
+      unchanged: JSON.stringify(first.messages) === JSON.stringify(persisted.messages),
+    };
+  },
+
+  // The connection drops mid-answer (TypeError 'network error', what Chromium throws), then
+  // resumeStream(), as useChat does on visibilitychange.
+  async networkDrop(ctx) {
+    const h = ctx.chat();
+    await h.sendAndDisconnectAfter('drop me', 12);
+    const dropped = summary(h);
+    await h.resume();
+    return { dropped, final: summary(h) };
+  },
+
+  // The same drop with the ai@5 workaround (the page's fetch turns the drop into a plain error).
+  async networkDropWorkaround(ctx) {
+    const h = ctx.chat({ wrapFetch: (f) => interruptionsAreNotDisconnects(f) });
+    await h.sendAndDisconnectAfter('drop me too', 12);
+    const dropped = summary(h);
+    await h.resume();
+    return { dropped, final: summary(h) };
+  },
+
+  // rsb's stop endpoint mid-answer: the open stream ends by itself (abort), the turn is cancelled.
+  async stopEndpoint(ctx) {
+    const h = ctx.chat();
+    const sending = h.send('stop me');
+    await waitFor(() => midAnswer(h), 60000);
+    const stop = await ctx.api('POST', `/api/chat/${encodeURIComponent(h.id)}/stop`);
+    await sending;
+    const stopped = summary(h);
+    const again = await ctx.api('POST', `/api/chat/${encodeURIComponent(h.id)}/stop`);
+    await h.resume();
+    return { stop, again, chat: stopped, afterResume: summary(h) };
+  },
+
+  // stop() alone with cancel_on_disconnect (the transport's body option): the generation stops too, once
+  // no reader is back within the generator's grace (so a longer answer, to be sure it is still running).
+  async stopCancelOnDisconnect(ctx) {
+    const h = ctx.chat({ maxTokens: 5 * ctx.long, body: { cancel_on_disconnect: true } });
+    await h.sendAndStopWhen('abandon me', midAnswer);
+    const stopped = summary(h);
+    let native;
+    await waitFor(async () => {
+      native = await ctx.api('GET', `/v1/streams/${stopped.messageId}`);
+      return ['done', 'cancelled', 'error'].includes(native.json?.status);
+    }, 60000, 100);
+    await h.resume();
+    return { chat: stopped, native, afterResume: summary(h) };
+  },
+
+  // Two chats at once.
+  async parallel(ctx) {
+    const a = ctx.chat({ maxTokens: ctx.short });
+    const b = ctx.chat({ maxTokens: ctx.short });
+    await Promise.all([a.send('alpha'), b.send('beta')]);
+    return { a: summary(a), b: summary(b) };
+  },
+
+  // Another API key, same chat id: no turn, no stop, no stream; its own turn if it sends.
+  async tenantIsolation(ctx) {
+    const owner = ctx.chat();
+    const sending = owner.send('secret');
+    await waitFor(() => midAnswer(owner), 60000);
+    const messageId = owner.lastAssistant().id;
+    const other = ctx.chat({ apiKey: ctx.keyB, chatId: owner.id, maxTokens: ctx.short });
+    await other.resume();
+    const otherResume = summary(other);
+    const path = encodeURIComponent(owner.id);
+    const otherStop = await ctx.api('POST', `/api/chat/${path}/stop`, { key: ctx.keyB });
+    const otherStatus = await ctx.api('GET', `/v1/streams/${messageId}`, { key: ctx.keyB });
+    const otherEvents = await ctx.api('GET', `/v1/streams/${messageId}/events`, { key: ctx.keyB });
+    const stranger = ctx.chat({ apiKey: 'nobody.secret', chatId: owner.id });
+    await stranger.resume();
+    await sending;
+    await other.send('mine');
+    return {
+      owner: summary(owner), otherResume, otherStop, otherStatus, otherEvents,
+      stranger: summary(stranger), otherSend: summary(other),
+    };
+  },
+
+  // The same POST again (a retry) while the turn runs: the same turn, no second generation.
+  async repost(ctx) {
+    const h = ctx.chat();
+    const sending = h.send('once');
+    await waitFor(() => midAnswer(h), 60000);
+    const again = await ctx.api('POST', '/api/chat', { body: h.requests[0].body, text: true });
+    await sending;
+    const chunks = chunksOf(again.text);
+    const text = chunks.filter((c) => c.type === 'text-delta').map((c) => c.delta).join('');
+    return {
+      chat: summary(h),
+      again: { status: again.status, messageId: chunks[0]?.messageId, text, last: chunks.slice(-3).map((c) => c.type ?? c) },
+    };
+  },
+
+  // regenerate() twice (identical bodies): two new turns, one assistant message on screen.
+  async regenerate(ctx) {
+    const h = ctx.chat({ maxTokens: ctx.short });
+    await h.send('again');
+    const ids = [h.lastAssistant().id];
+    const texts = [messageText(h.lastAssistant())];
+    for (let i = 0; i < 2; i++) {
+      await h.regenerate();
+      ids.push(h.lastAssistant().id);
+      texts.push(messageText(h.lastAssistant()));
+    }
+    return { chat: summary(h), ids, texts, bodies: h.requests.map((r) => r.body) };
+  },
+
+  // A second tab opens the chat mid-answer: the same turn, the same message, the same text.
+  async multiTab(ctx) {
+    const first = ctx.chat();
+    const sending = first.send('two tabs');
+    await waitFor(() => midAnswer(first), 60000);
+    const second = ctx.chat({ chatId: first.id });
+    await second.resume();
+    await sending;
+    return { first: summary(first), second: summary(second) };
+  },
+};
+
+/**
+ * Run the scenarios (all, or `only`) one after the other against `baseUrl`; each result is what the
+ * scenario returned or `{ exception }`.
+ */
+export async function runScenarios({ ai, major, baseUrl, keyA, keyB, long, short, only }) {
+  let n = 0;
+  const ctx = {
+    keyB, long, short,
+    chat: ({ apiKey = keyA, maxTokens = long, body = {}, chatId, ...o } = {}) => createChat({
+      ai, baseUrl, apiKey, chatId: chatId ?? `${major}-${Date.now()}-${++n}`,
+      transport: { body: { max_tokens: maxTokens, ...body } }, ...o,
+    }),
+    async api(method, path, { key = keyA, body, text = false } = {}) {
+      const headers = { authorization: `Bearer ${key}` };
+      if (body) headers['content-type'] = 'application/json';
+      const r = await fetch(baseUrl + path, { method, headers, body: body ? JSON.stringify(body) : undefined });
+      const raw = await r.text();
+      let json = null;
+      try { json = raw ? JSON.parse(raw) : null; } catch { /* an SSE body */ }
+      return text ? { status: r.status, text: raw } : { status: r.status, json };
+    },
+  };
+  const results = {};
+  for (const name of only ?? Object.keys(SCENARIOS)) {
+    const t0 = Date.now();
+    try {
+      results[name] = await SCENARIOS[name](ctx);
+    } catch (e) {
+      results[name] = { exception: String(e?.stack ?? e) };
+    }
+    results[name].ms = Date.now() - t0;
+  }
+  return results;
+}
