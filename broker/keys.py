@@ -157,3 +157,9 @@ def aborted_log_key(partition: int, partitions: int) -> str:
 def aborted_totals_key(partition: int, partitions: int) -> str:
     """Hash of running totals of aborted generations, ``<reason>|<counter>`` fields, for /metrics."""
     return f"{_tag(partition, partitions)}:aborted_totals"
+
+
+def served_models_key() -> str:
+    """Sorted set: the name of each model a generator serves, scored by when (Unix ms) one last said so.
+    One key for the deployment, outside every partition: only single-key commands touch it."""
+    return f"{PREFIX}:models"
