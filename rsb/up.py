@@ -126,7 +126,7 @@ class Supervisor:
         self.ready = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rsb-up-supervisor", daemon=True)
-        self._pipes: list[threading.Thread] = []
+        self._pipes: list[threading.Thread | None] = [None] * len(commands)
 
     def start(self) -> None:
         for i in range(len(self.commands)):
@@ -139,7 +139,7 @@ class Supervisor:
         self.procs[i] = proc
         self.last_line[i] = ""
         pipe = threading.Thread(target=self._forward, args=(i, proc), name=f"rsb-up-generator-{i}-log", daemon=True)
-        self._pipes = [t for t in self._pipes if t.is_alive()] + [pipe]
+        self._pipes[i] = pipe
         pipe.start()
 
     def _forward(self, i: int, proc: subprocess.Popen[bytes]) -> None:
@@ -157,8 +157,9 @@ class Supervisor:
 
     def reason(self, i: int) -> str:
         """Why generator ``i`` ended: its last words, once its output is read to the end."""
-        for t in self._pipes:
-            t.join(timeout=2)
+        pipe = self._pipes[i]
+        if pipe is not None:
+            pipe.join(timeout=2)
         words = last_words(self.last_line[i])
         return f": {words}" if words else " (see its log above)"
 
