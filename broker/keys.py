@@ -168,3 +168,9 @@ def chat_key(key_id: str, chat_id: str) -> str:
     says how a turn stays atomic without that)."""
     digest = hashlib.sha256(chat_id.encode()).hexdigest()[:32]
     return f"{PREFIX}:chat:{key_id or '-'}:{digest}"
+
+
+def served_models_key() -> str:
+    """Sorted set: the name of each model a generator serves, scored by when (Unix ms) one last said so.
+    One key for the deployment, outside every partition: only single-key commands touch it."""
+    return f"{PREFIX}:models"

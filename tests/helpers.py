@@ -184,3 +184,21 @@ def wait_status(client: httpx.Client, sid: str, statuses: set[str], timeout_s: f
             return dict(r.json())
         assert time.monotonic() < deadline, f"stream {sid} never reached {statuses}: {r.text}"
         time.sleep(0.05)
+
+
+# The commonest English words: a real model's answer is full of them, random-weight gibberish is not.
+COMMON_ENGLISH = frozenset(
+    "the a an is are was be it its of and or to in on for with that this as by can from at which not you".split())
+
+
+def assert_english(text: str, min_words: int = 20) -> None:
+    """``text`` reads as English prose: mostly ASCII letters and spaces, sentences of real words, and at least a
+    fifth of its words among the commonest English ones."""
+    assert text.strip(), "the answer is empty"
+    letters = sum(c.isascii() and (c.isalpha() or c.isspace()) for c in text)
+    assert letters / len(text) > 0.85, f"not mostly ASCII letters and spaces: {text!r}"
+    words = [w.strip(".,;:!?()*`'\"").lower() for w in text.split()]
+    words = [w for w in words if w]
+    assert len(words) >= min_words, f"only {len(words)} words: {text!r}"
+    common = sum(w in COMMON_ENGLISH for w in words)
+    assert common / len(words) > 0.2, f"few common English words ({common}/{len(words)}): {text!r}"

@@ -3,11 +3,11 @@
 // localStorage, so a reload shows the text at once and resumes from the last event id: nothing is lost,
 // nothing is shown twice. /?stream=<uuid> opens any existing stream (another tab, another device).
 
-import { cancelStream, createStream, RsbStream, streamStatus, TERMINAL_EVENTS, uuid4 } from "./rsb-client.js";
+import { cancelStream, createStream, listModels, RsbStream, streamStatus, TERMINAL_EVENTS, uuid4 } from "./rsb-client.js";
 import { IncrementalMarkdown } from "./markdown.js";
 
 const CHAT_KEY = "rsb.chat.v1"; // {turns: [{id, prompt, body, createdAt}]}
-const SETTINGS_KEY = "rsb.settings.v1"; // {maxTokens, apiKey}
+const SETTINGS_KEY = "rsb.settings.v1"; // {maxTokens, apiKey, temperature}
 const streamKey = (id) => `rsb.stream.v1.${id}`; // a Snapshot, see Turn.snapshot()
 const UUID_RE = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
 const TERMINAL_STATUSES = new Set(["done", "cancelled", "error"]);
@@ -17,6 +17,8 @@ const PERSIST_EVERY_MS = 400;
 // A (re)connection first replays stored events in a burst: that is not generation speed.
 const RATE_SETTLE_MS = 250;
 const RATE_WINDOW_MS = 2000;
+// While no generator has loaded its model yet (rsb up just started), ask again this often.
+const MODELS_RETRY_MS = 3000;
 
 const $ = (sel, root = document) => root.querySelector(sel);
 
@@ -48,7 +50,7 @@ function remove(key) {
   }
 }
 
-const settings = { maxTokens: 256, apiKey: "", ...(load(SETTINGS_KEY) || {}) };
+const settings = { maxTokens: 256, apiKey: "", temperature: null, ...(load(SETTINGS_KEY) || {}) };
 
 // --- one answer --------------------------------------------------------------------------------------
 
@@ -169,6 +171,7 @@ class Turn {
         this.status = "running";
         this.model = d.model || null;
         this.queued = null;
+        if (this.model) app.showModel([this.model], false);
         break;
       case "delta": {
         // Only the tab that sent the prompt saw the wait live; a reload's replay says nothing about it.
@@ -358,6 +361,8 @@ const app = {
     const shared = params.get("stream");
     $("#max-tokens").value = settings.maxTokens;
     $("#api-key").value = settings.apiKey;
+    $("#temperature").value = settings.temperature ?? "";
+    this.loadModels();
     if (shared !== null) {
       if (!UUID_RE.test(shared)) {
         this.notice("That link's stream id is not a UUID.");
@@ -397,6 +402,13 @@ const app = {
     });
     $("#api-key").addEventListener("change", (ev) => {
       settings.apiKey = ev.target.value.trim();
+      save(SETTINGS_KEY, settings);
+      this.loadModels();
+    });
+    $("#temperature").addEventListener("change", (ev) => {
+      const raw = ev.target.value.trim();
+      const t = Number(raw);
+      settings.temperature = raw !== "" && Number.isFinite(t) && t >= 0 && t <= 2 ? t : null;
       save(SETTINGS_KEY, settings);
     });
     // Leaving or hiding the page: write the latest snapshot now, the timer may never fire.
@@ -444,8 +456,9 @@ const app = {
     if (Number.isInteger(maxTokens) && maxTokens > 0) settings.maxTokens = maxTokens;
     save(SETTINGS_KEY, settings);
     const id = uuid4();
-    const record = { id, prompt, createdAt: Date.now(),
-      body: { id, messages: this.messages(prompt), max_tokens: settings.maxTokens } };
+    const body = { id, messages: this.messages(prompt), max_tokens: settings.maxTokens };
+    if (settings.temperature !== null) body.temperature = settings.temperature;
+    const record = { id, prompt, createdAt: Date.now(), body };
     // Recorded before the request leaves: a reload mid-request retries it with the same id.
     const chat = load(CHAT_KEY) || { turns: [] };
     chat.turns.push(record);
@@ -478,6 +491,28 @@ const app = {
     $("#send").disabled = Boolean(live);
     $("#new-chat").disabled = Boolean(live);
     if (!live) this.connection("idle", {});
+  },
+
+  // The model in the header: what the server lists, else (an API key missing, an old server) what the
+  // last `started` event named.
+  async loadModels() {
+    clearTimeout(this.modelsTimer);
+    let names = null;
+    try {
+      names = await listModels({ apiKey: settings.apiKey || null });
+    } catch {
+      return;
+    }
+    if (names.length) this.showModel(names, true);
+    else this.modelsTimer = setTimeout(() => this.loadModels(), MODELS_RETRY_MS);
+  },
+
+  showModel(names, listed) {
+    const el = $("#model");
+    if (!listed && !el.hidden && el.dataset.listed === "1") return;
+    el.textContent = names.join(", ");
+    el.dataset.listed = listed ? "1" : "0";
+    el.hidden = false;
   },
 
   connection(state, info) {

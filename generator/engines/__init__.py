@@ -31,10 +31,16 @@ def build_engine(settings: EngineSettings) -> Engine:
     except ImportError as e:
         raise EngineUnavailable(f"in-process llama.cpp needs llama-cpp-python ({e}): pip install 'rsb[llama]', "
                                 "or drive a server with --upstream URL") from None
-    from generator.engines.models import resolve_model
+    from generator.engines.models import ModelNotFound, resolve_model
 
-    model = resolve_model(settings.model_path)
+    try:
+        model = resolve_model(settings.model_path, settings.model_name)
+    except ModelNotFound as e:
+        raise EngineUnavailable(str(e)) from None
     if settings.model_path is None:
         log.info("no --model: using the default model", extra={"model": model.name, "model_path": str(model.path)})
-    return LlamaEngine(str(model.path), n_threads=settings.n_threads, n_ctx=settings.n_ctx,
-                       ignore_eos=settings.ignore_eos)
+    try:
+        return LlamaEngine(str(model.path), n_threads=settings.n_threads, n_ctx=settings.n_ctx,
+                           ignore_eos=settings.ignore_eos, name=model.name)
+    except ValueError as e:  # llama-cpp-python's "Failed to load model from file" (a corrupt or unsupported GGUF)
+        raise EngineUnavailable(f"llama.cpp cannot load {model.path}: {e}") from None

@@ -13,20 +13,11 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from broker.request import GenerationRequest
 from generator.engines.base import EngineError, Generation, PromptTooLong
+from generator.engines.chat import ChatTemplate
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
-
-#: Used when a GGUF carries no chat template: the plain role-tagged format of the demo model.
-FALLBACK_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
 
 # llama.cpp reads this seed as "pick a random one", so a request's seed must never be passed as it.
 _RANDOM_SEED = llama_cpp.LLAMA_DEFAULT_SEED
@@ -92,13 +83,8 @@ class LlamaEngine:
         )
         self._pieces = LlamaPieces(vocab, n_vocab)
 
-        eos = llm.token_eos()
-        self._chat = Jinja2ChatFormatter(
-            template=metadata.get("tokenizer.chat_template") or FALLBACK_CHAT_TEMPLATE,
-            eos_token=self._token_text(eos),
-            bos_token=self._token_text(self._bos),
-            add_generation_prompt=True,
-        )
+        self.chat = ChatTemplate(metadata.get("tokenizer.chat_template"), bos_token=self._token_text(self._bos),
+                                 eos_token=self._token_text(llm.token_eos()))
 
         self._lock = threading.Lock()
         self._active: Iterator[str] | None = None
@@ -124,9 +110,7 @@ class LlamaEngine:
         ``messages``) with ``prefix_text`` appended. Both are tokenized as one string, so the answer text
         being continued is split into tokens as if it had always been part of the prompt."""
         if request.messages is not None:
-            prompt = self._chat(
-                messages=[{"role": m.role, "content": m.content} for m in request.messages]  # type: ignore[misc]
-            ).prompt
+            prompt = self.chat.render([{"role": m.role, "content": m.content} for m in request.messages])
         else:
             prompt = request.prompt or ""
         # special=True like llama-cpp-python's completions: templates spell BOS/EOS and role markers as text.

@@ -17,7 +17,7 @@ import orjson
 import pytest
 import redis
 from conftest import Stack, StackFactory
-from helpers import SSERead, read_sse, wait_status
+from helpers import SSERead, create, read_sse, wait_status
 from openai.types.chat import ChatCompletionContentPartTextParam, ChatCompletionMessageParam
 from openai.types.responses import (
     ResponseContentPartDoneEvent,
@@ -376,7 +376,12 @@ def test_bad_requests_get_openai_errors_and_create_nothing(stack: Stack) -> None
         assert c.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "-1"}).status_code == 400
         assert c.get(f"/v1/responses/{rid}", params={"stream": "maybe"}).status_code == 400
     assert "rsb_streams_created_total" not in _metrics(stack.base_url)
-    assert [m.id for m in client.models.list()] == ["default"]
+    # /v1/models lists the model the generator serves: the name its `started` events carry.
+    with httpx.Client(base_url=stack.base_url) as c:
+        served = _native(stack.base_url, str(create(c, max_tokens=1).json()["id"]))
+    model = served.events[1].data["model"]
+    assert "demo" in model and [m.id for m in client.models.list()] == [model]
+    assert client.models.retrieve(model).id == model
 
 
 def test_an_idempotency_key_makes_retries_land_on_one_generation(stack: Stack) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -17,9 +18,10 @@ from typing import Any, cast
 import pytest
 import redis
 from conftest import CHROMIUM, Stack, StackFactory, needs_chromium
-from helpers import create, read_sse, wait_status
+from helpers import assert_english, create, read_sse, wait_status
 
 from broker.redis_server import RedisServer
+from generator.engines.models import DEFAULT_MODEL_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts" / "web"
@@ -366,3 +368,53 @@ def test_the_page_and_client_module_are_served(stack_factory: StackFactory, redi
             assert r.status_code == 200 and r.headers["content-type"].startswith(kind), asset
         missing = c.get("/static/nope.js")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+# -- the real model --------------------------------------------------------------------------------------
+
+# (prompt, max_tokens): what SmolLM2 writes for each at temperature 0 (greedy) on this build of llama.cpp is
+# plain paragraphs, a numbered list, and a fenced Python block followed by prose.
+REAL_PROMPTS = [("What is a resumable stream?", 64), ("List three uses of Redis.", 96),
+                ("Write a Python function that reverses a string.", 64)]
+
+
+@needs_chromium
+def test_the_real_model_answers_in_english_rendered_as_markdown(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, default_gguf: Path,
+        new_page: PageFactory) -> None:
+    s = stack_factory(redis_server.url)
+    s.generator(model=default_gguf, ignore_eos=False)
+    s.consumer()
+    page = new_page()
+    page.goto(f"{s.base_url}/")
+    # The header names the model the generators serve (GET /v1/models), before anything is sent.
+    expect(page.locator("#model")).to_have_text(DEFAULT_MODEL_NAME)
+    page.click("#settings > summary")
+    page.fill("#temperature", "0")
+    page.click("#settings > summary")
+    html: list[str] = []
+    for i, (prompt, max_tokens) in enumerate(REAL_PROMPTS):
+        if i:
+            page.click("#new-chat")  # one question per conversation: each answer is the model's first
+        sid = _send(page, prompt, max_tokens)
+        _wait_status(page, sid, "done")
+        with s.client() as c:
+            server = read_sse(c, f"/v1/streams/{sid}/events")
+        assert server.events[1].event == "started" and server.events[1].data == {"model": DEFAULT_MODEL_NAME}
+        assert _page_text(page, sid) == server.text
+        _check_rendering(page, sid)
+        turn = _turn(page, sid)
+        expect(turn.locator(".model")).to_have_text(f"model {DEFAULT_MODEL_NAME}")
+        expect(turn.locator(".demo-note")).to_be_hidden()
+        expect(turn.locator(".status")).to_contain_text("done")
+        expect(turn.locator(".ttft")).to_contain_text("TTFT")
+        expect(turn.locator(".rate")).to_contain_text("tok/s")
+        html.append(turn.locator(".blocks").inner_html())
+        _screenshot(page, f"real-model-{i + 1}.png")
+        if i < 2:
+            assert_english(server.text)
+    answer, listing, code = html
+    assert answer.startswith("<p>") and "stream" in answer.lower()
+    assert re.search(r"<ol>(<li>[^<]+</li>){3}</ol>", listing), listing
+    assert '<pre><code class="language-python">def ' in code and "[::-1]" in code, code
+    assert "<code>" in code  # prose after the block quotes code inline

