@@ -180,7 +180,10 @@ def build_openapi(auth: bool, limits: RequestLimits) -> dict[str, Any]:
                     "200": _json("this id exists with an identical request", _CREATED),
                     "400": _err("invalid request"), "409": _err("this id exists with a different request"),
                     "410": _err("this id belonged to a stream that expired"), "413": _err("body too large"),
-                    "429": _err("the queue is full", _RETRY_AFTER), "503": _err("Redis unreachable", _RETRY_AFTER),
+                    "429": _err("the queue is full (queue_full), or the caller's share is used "
+                                "(too_many_generations, rate_limited)", _RETRY_AFTER),
+                    "503": _err("Redis unreachable, or too many connections (too_many_connections, overloaded)",
+                                _RETRY_AFTER),
                     **common}}},
             "/v1/streams/{stream_id}/events": {"get": {
                 "operationId": "streamEvents",
