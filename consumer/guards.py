@@ -185,8 +185,12 @@ def guarded(base: type[asyncio.Protocol], guards: Guards) -> type[asyncio.Protoc
             super().connection_lost(exc)
 
         def _guard_reading_head(self) -> bool:
+            """Whether the next bytes are a request head: no request yet, or the last one answered and
+            received whole. An answer may come before its body is in (a 413): the rest of that body still
+            arrives (uvicorn drains it), and its bytes are neither a head nor counted as one; the body's
+            timer keeps running meanwhile."""
             cycle = self.cycle
-            return cycle is None or bool(cycle.response_complete)
+            return cycle is None or bool(cycle.response_complete and not cycle.more_body)
 
         def _guard_follow(self) -> None:
             """Move the timer on to the phase the connection is in now."""
