@@ -117,11 +117,20 @@ def wait_http(url: str, proc: Proc, timeout_s: float = 30.0) -> None:
     wait_serving(url, proc.alive, proc.output, timeout_s)
 
 
-def start_consumer(redis_url: str, *extra: str) -> tuple[Proc, str]:
-    """``rsb consumer`` on a free port; returns it and its base URL once /healthz answers."""
+# A load process drives the pod from one address (127.0.0.1) at rates and counts no single client reaches:
+# with the per-caller defaults (unfinished generations, create rate, open streams per address) and the
+# queue's bounds, a scenario would measure refusals, not the broker. Scenarios lift them; the capacity
+# scenario keeps the defaults for its readers (it spreads them over addresses) and lifts only the creates.
+UNLIMITED_CREATES = ("--max-active", "0", "--create-burst", "0", "--max-queue", "0", "--max-queue-wait-s", "0")
+UNLIMITED_LOAD = (*UNLIMITED_CREATES, "--max-streams-per-ip", "0")
+
+
+def start_consumer(redis_url: str, *extra: str, lifted: tuple[str, ...] = UNLIMITED_LOAD) -> tuple[Proc, str]:
+    """``rsb consumer`` on a free port, with the ``lifted`` limits off (flags in ``extra`` win); returns it
+    and its base URL once /healthz answers."""
     port = free_port()
     p = Proc(python_module("rsb", "consumer", "--redis-url", redis_url, "--port", str(port),
-                           "--log-level", "warning", *extra), "consumer")
+                           "--log-level", "warning", *lifted, *extra), "consumer")
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/healthz", p)
     return p, url

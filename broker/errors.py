@@ -58,17 +58,33 @@ class QueueFull(RetryLater):
 
 
 class TooManyConnections(RetryLater):
-    """Open streams per client address or per API key at their limit (counted per pod)."""
+    """Open streams per client address or per API key at their limit (counted per pod); at the HTTP
+    server's level (consumer.guards), connections of one address past their cap, answered 503."""
 
     code = "too_many_connections"
     status_code = 429
 
 
 class TooManyGenerations(RetryLater):
-    """An API key's ``max_active`` unfinished generations are all in use (checked atomically in Redis)."""
+    """A caller's (an API key's, or without keys an address's) unfinished generations are all in use
+    (checked atomically in Redis)."""
 
     code = "too_many_generations"
     status_code = 429
+
+
+class RateLimited(RetryLater):
+    """A caller's creates came faster than its rate allows, past its burst (checked atomically in Redis)."""
+
+    code = "rate_limited"
+    status_code = 429
+
+
+class Overloaded(RetryLater):
+    """The pod holds as many connections as it may (consumer.guards): another pod, or later, may serve."""
+
+    code = "overloaded"
+    status_code = 503
 
 
 class Unavailable(RetryLater):

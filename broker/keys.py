@@ -109,10 +109,10 @@ class StreamKeys:
     def queue_stats(self) -> str:
         return queue_stats_key(self.partition, self.partitions)
 
-    def tenant(self, key_id: str) -> str:
-        """Hash of an API key's counters in this partition (``active``: unfinished generations). Key ids
-        are validated (``[A-Za-z0-9_-]{1,64}``) when the keys file is loaded."""
-        return f"{self._tag}:tenant:{key_id or '-'}"
+    def tenant(self, principal: str) -> str:
+        """Hash of one caller's counters in this partition: ``active`` (unfinished generations) and ``tat``
+        (the create-rate limiter's theoretical arrival time, ms). ``principal`` comes from ``principal()``."""
+        return f"{self._tag}:tenant:{principal or '-'}"
 
     @property
     def aborted(self) -> str:
@@ -125,6 +125,16 @@ class StreamKeys:
     @property
     def control(self) -> str:
         return control_channel(self.partition, self.partitions)
+
+
+def principal(key_id: str, address: str) -> str:
+    """Whom a create is charged to: the API key (ids are validated, ``[A-Za-z0-9_-]{1,64}``, when the keys
+    file is loaded), else the client's address group, as ``a:`` and a digest: an address may come from a
+    forwarded header, and nothing a client sent reaches a key name. Key ids hold no ``:``, so the two
+    never meet."""
+    if key_id:
+        return key_id
+    return "a:" + hashlib.blake2b(address.encode(), digest_size=12).hexdigest()
 
 
 def jobs_key(partition: int, partitions: int) -> str:

@@ -47,9 +47,15 @@ end
 # it (so an expired id answers 410, not 404, for another retention period, then vanishes too).
 _CLOSE = """
 local function close_stream(meta, events, tomb, channel, etype, data, status, usage, now, retention)
-  -- The creating key's count of unfinished generations in this partition (same slot as the stream).
+  -- The creating caller's count of unfinished generations in this partition (same slot as the stream).
+  -- With none left, its hash lives only while its rate limiter still remembers something (``tat`` ahead
+  -- of now): the counters of the many addresses seen once do not pile up in Redis.
   local tk = redis.call('HGET', meta, 'tk')
-  if tk then redis.call('HINCRBY', tk, 'active', -1) end
+  if tk and redis.call('HINCRBY', tk, 'active', -1) <= 0 then
+    local t = redis.call('TIME')
+    local left_ms = tonumber(redis.call('HGET', tk, 'tat') or '0') - (t[1] * 1000 + math.floor(t[2] / 1000))
+    if left_ms > 0 then redis.call('PEXPIRE', tk, math.ceil(left_ms)) else redis.call('DEL', tk) end
+  end
   local eid = redis.call('XADD', events, '*', 't', etype, 'd', data)
   redis.call('PUBLISH', channel, eid .. '\\n' .. etype .. '\\n' .. data)
   redis.call('HSET', meta, 'status', status, 'usage', usage, 'last_id', eid, 'finished_at', now)
@@ -61,12 +67,25 @@ local function close_stream(meta, events, tomb, channel, etype, data, status, us
 end
 """
 
-# Closes: two creates with one id racing (double generation), and create racing the queue bound.
-# EXISTS-then-HSET across round trips would let both callers see "absent" and both enqueue a job.
+# Closes: two creates with one id racing (double generation), and a create racing the bounds it is
+# checked against (the queue's, the caller's unfinished generations, the caller's create rate).
+# EXISTS-then-HSET across round trips would let both callers see "absent" and both enqueue a job; a count
+# read in one step and incremented in another would let a concurrent flood through past any bound.
+#
+# The caller's counters (``tk``, the ``tenant`` hash of its API key or address group) live in this
+# partition's slot, so that checking and counting are this one step even on Redis Cluster: each partition
+# holds its share of a caller's limits (broker.store.Store.create divides them). The create-rate limiter is
+# GCRA (a token bucket held as one timestamp): ``tat`` is when the caller's bucket will be full again;
+# a create is allowed while ``tat`` is at most (burst - 1) intervals ahead of now, and moves it one
+# interval on. Time is the Redis server's (TIME), not a pod's clock: a pod whose clock runs ahead must not
+# lock callers out on every other pod. Only an accepted create counts; a retry of an accepted create (same
+# id, same body) is answered before any limit and costs nothing.
 CREATE = """
 -- KEYS: meta, events, jobs, qstats, tombstone, tenant
 -- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s, abandon_s, cod,
---       max_active (the key's unfinished generations allowed in this partition; 0: no limit)
+--       max_active, burst, interval_ms, max_wait_s
+--   max_queue, max_active, burst: this partition's share (0: no bound); interval_ms: the caller's time per
+--   create in this partition (0: no rate limit); max_wait_s: bound on the estimated wait (0: none)
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local m = redis.call('HMGET', KEYS[1], 'rh', 'status', 'key_id')
   -- Another tenant's stream is a conflict whatever the body: its status is not theirs to see.
@@ -76,20 +95,35 @@ end
 if redis.call('EXISTS', KEYS[5]) == 1 then return {-2, 'expired'} end
 local q = redis.call('HMGET', KEYS[4], 'waiting', 'ema_job_s', 'busy')
 local waiting = tonumber(q[1] or '0')
-local max_queue = tonumber(ARGV[5])
-if max_queue > 0 and waiting >= max_queue then return {-3, tostring(waiting), q[2] or '', q[3] or '0'} end
+-- The caller's own limits first: a flooding caller is told which of its limits it reached.
+local interval = tonumber(ARGV[15])
+local tat = 0
+if interval > 0 then
+  local t = redis.call('TIME')
+  local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+  tat = math.max(tonumber(redis.call('HGET', KEYS[6], 'tat') or '0'), now_ms)
+  local early_ms = tat - (tonumber(ARGV[14]) - 1) * interval - now_ms
+  if early_ms > 0 then return {-5, tostring(early_ms), q[2] or '', q[3] or '0'} end
+end
 local max_active = tonumber(ARGV[13])
 if max_active > 0 and tonumber(redis.call('HGET', KEYS[6], 'active') or '0') >= max_active then
   return {-4, tostring(max_active), q[2] or '', q[3] or '0'}
 end
+local max_queue = tonumber(ARGV[5])
+if max_queue > 0 and waiting >= max_queue then return {-3, tostring(waiting), q[2] or '', q[3] or '0', 'count'} end
+-- The wait this create would have: the jobs ahead of it, at the observed job time over the running jobs.
+-- Before any job finished there is no estimate, and the count bound above is the bound.
+local max_wait = tonumber(ARGV[16])
+if max_wait > 0 and q[2] and waiting * tonumber(q[2]) / math.max(1, tonumber(q[3] or '1')) > max_wait then
+  return {-3, tostring(waiting), q[2], q[3] or '0', 'wait'}
+end
 local jid = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'rh', ARGV[2], 'req', ARGV[3], 'created_at', ARGV[4],
   'model', ARGV[6], 'max_tokens', ARGV[7], 'jid', jid, 'fence', 0, 'attempts', 0, 'key_id', ARGV[9],
-  'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0)
-if ARGV[9] ~= '' then
-  redis.call('HSET', KEYS[1], 'tk', KEYS[6])
-  redis.call('HINCRBY', KEYS[6], 'active', 1)
-end
+  'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0, 'tk', KEYS[6])
+redis.call('HINCRBY', KEYS[6], 'active', 1)
+if interval > 0 then redis.call('HSET', KEYS[6], 'tat', string.format('%.0f', tat + interval)) end
+redis.call('PERSIST', KEYS[6])  -- it had an expiry while the caller had nothing unfinished
 redis.call('HINCRBY', KEYS[4], 'waiting', 1)
 local eta = 'null'
 if q[2] then

@@ -22,9 +22,9 @@ from redis.exceptions import ResponseError
 
 from broker import scripts
 from broker.connection import RedisClient
-from broker.errors import Conflict, Expired, QueueFull, TooManyGenerations
+from broker.errors import Conflict, Expired, QueueFull, RateLimited, TooManyGenerations
 from broker.events import TERMINAL_TYPES, Event, EventType, encode_data
-from broker.keys import JOBS_GROUP, StreamKeys, jobs_key, queue_stats_key, stream_key_prefix
+from broker.keys import JOBS_GROUP, StreamKeys, jobs_key, principal, queue_stats_key, stream_key_prefix
 from broker.request import GenerationRequest
 
 STATUSES = ("queued", "running", "done", "cancelled", "error")
@@ -33,6 +33,33 @@ TERMINAL_STATUSES = TERMINAL_TYPES
 POSITION_UPDATES = 32
 # Streams touched per script call: bounds one call's time inside Redis (a script blocks the server).
 TOUCH_BATCH = 500
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """What one caller may have, checked and counted in the create's own atomic step. ``principal`` is who
+    is charged (broker.keys.principal: an API key or an address group; "" = the key id of the create).
+    0 = no limit: ``max_active`` unfinished (queued or running) generations, ``burst`` creates at once
+    refilled at ``rate_per_s``."""
+
+    principal: str = ""
+    max_active: int = 0
+    burst: int = 0
+    rate_per_s: float = 0.0
+
+    def share(self, partitions: int) -> tuple[int, int, int]:
+        """(max_active, burst, interval_ms) of one partition. A caller's counters live in each partition's
+        own slot, so that they are checked and counted in the create's one step on Redis Cluster too:
+        each of P partitions allows ceil(limit / P) and the rate / P (exact with one partition, the
+        default; with more, a caller whose creates happen to crowd one partition meets its share there a
+        little before the whole)."""
+        max_active = -(-self.max_active // partitions) if self.max_active > 0 else 0
+        if self.burst <= 0 or self.rate_per_s <= 0:
+            return max_active, 0, 0
+        return max_active, -(-self.burst // partitions), max(1, round(1000 * partitions / self.rate_per_s))
+
+
+NO_QUOTA = Quota()
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,20 +176,24 @@ class Store:
         retention_s: int,
         abandon_after_s: float = 0.0,
         key_id: str = "",
-        max_active: int = 0,
+        quota: Quota = NO_QUOTA,
+        max_queue_wait_s: float = 0.0,
     ) -> Created:
-        """Create the stream and enqueue its job, or recognise a retry of the same request. Raises
-        Conflict (same id, other request), Expired, QueueFull or TooManyGenerations. ``max_active``: the
-        key's unfinished (queued or running) generations allowed. Counted per partition, so that the check
-        and the count are one atomic step: with P partitions each allows ceil(max_active / P) (exact with
-        the default single partition)."""
+        """Create the stream and enqueue its job, or recognise a retry of the same request (which no limit
+        refuses). Raises Conflict (same id, other request), Expired, RateLimited, TooManyGenerations (the
+        caller's ``quota``) or QueueFull: ``max_queue`` queued generations (0: no bound; like the quota,
+        each partition holds ceil(max_queue / P) of them), or an estimated wait over ``max_queue_wait_s``
+        (waiting jobs x average job time / running jobs; 0: no bound; no estimate before a job finished)."""
         k = self.keys(stream_id)
-        per_partition = 0 if max_active <= 0 else -(-max_active // self.partitions)
+        max_active, burst, interval_ms = quota.share(self.partitions)
+        queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
         res = await self._create(
-            keys=[k.meta, k.events, k.jobs, k.queue_stats, k.tombstone, k.tenant(key_id)],
+            keys=[k.meta, k.events, k.jobs, k.queue_stats, k.tombstone,
+                  k.tenant(quota.principal or principal(key_id, ""))],
             args=[str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
-                  max_queue, request.model or default_model, request.max_tokens, k.channel, key_id,
-                  retention_s, abandon_after_s, int(request.cancel_on_disconnect), per_partition],
+                  queue_share, request.model or default_model, request.max_tokens, k.channel, key_id,
+                  retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
+                  max_queue_wait_s],
         )
         code = int(res[0])
         if code == 1:
@@ -175,12 +206,21 @@ class Store:
             raise Expired("a stream with this id existed and expired; use a new id")
         ema_raw, busy = _s(res[2]), int(res[3] or 0)
         ema = float(ema_raw) if ema_raw else None
+        if code == -5:
+            raise RateLimited(f"too many creates from this caller (a burst of {quota.burst}, then "
+                              f"{quota.rate_per_s:g} per second)", retry_after_s=max(1, math.ceil(int(res[1]) / 1000)))
         if code == -4:
-            raise TooManyGenerations("this API key has as many unfinished generations as it may (max_active)",
+            raise TooManyGenerations(f"this caller has as many unfinished generations as it may ({quota.max_active})",
                                      retry_after_s=retry_after_s(1, ema, busy))
         waiting = int(res[1])
+        if _s(res[4]) == "wait":
+            assert ema is not None
+            allowed = math.floor(max_queue_wait_s * max(1, busy) / ema) if ema > 0 else waiting
+            raise QueueFull(f"the generation queue is full (the estimated wait of {waiting} waiting "
+                            f"generations exceeds {max_queue_wait_s:g} s)",
+                            retry_after_s=retry_after_s(waiting - allowed + 1, ema, busy))
         raise QueueFull(f"the generation queue is full ({waiting} waiting)",
-                        retry_after_s=retry_after_s(waiting - max_queue + 1, ema, busy))
+                        retry_after_s=retry_after_s(waiting - queue_share + 1, ema, busy))
 
     async def status(self, stream_id: uuid.UUID) -> StreamStatus | None:
         k = self.keys(stream_id)

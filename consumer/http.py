@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from broker.errors import PayloadTooLarge
+from broker.errors import InvalidRequest, PayloadTooLarge
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -13,8 +13,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    except ClientDisconnect:
+        # The client left, or was cut off for sending too slowly (--body-timeout-s): an ordinary refusal
+        # (nobody reads it), not an error with a traceback per slow client.
+        raise InvalidRequest("the request body did not arrive whole") from None
     return bytes(body)

@@ -1,9 +1,11 @@
-"""Running the consumer under uvicorn, with a shutdown that does not wait on open SSE streams, and a
-write-stall guard that drops connections whose client stopped reading."""
+"""Running the consumer under uvicorn, with a shutdown that does not wait on open SSE streams, a write-stall
+guard that drops connections whose client stopped reading, and the connection guards of consumer.guards
+(head and body timeouts, connections per address and per pod)."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from types import FrameType
 from typing import Any
@@ -12,6 +14,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from consumer.app import create_app
+from consumer.guards import Guards, guarded, open_file_limit
 from consumer.settings import ConsumerSettings
 
 log = logging.getLogger("rsb.consumer")
@@ -77,10 +80,26 @@ def stall_guarded(base: type[asyncio.Protocol], stall_timeout_s: float) -> type[
     return StallGuarded
 
 
+def who_can_reach(host: str, port: int) -> str:
+    """Who can reach a server listening on ``host``, in words, for the warning of an open API."""
+    if host in ("", "0.0.0.0", "::"):
+        return f"anyone who can reach port {port} of this machine (it listens on every interface)"
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return "programs on this machine only (it listens on loopback)"
+    except ValueError:
+        if host == "localhost":
+            return "programs on this machine only (it listens on loopback)"
+    return f"anyone who can reach {host}:{port}"
+
+
 def build_server(settings: ConsumerSettings, **uvicorn_options: Any) -> ConsumerServer:
     draining = asyncio.Event()
     app = create_app(settings, draining=draining)
-    uvicorn_options.setdefault("http", stall_guarded(AutoHTTPProtocol, settings.send_timeout_s))
+    guards = Guards.derive(head_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+                           per_address=settings.max_connections_per_ip, max_connections=settings.max_connections,
+                           trusted=settings.forwarded_allow_ips, fd_limit=open_file_limit())
+    uvicorn_options.setdefault("http", stall_guarded(guarded(AutoHTTPProtocol, guards), settings.send_timeout_s))
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -89,8 +108,20 @@ def build_server(settings: ConsumerSettings, **uvicorn_options: Any) -> Consumer
         access_log=False,
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
         lifespan="on",
+        timeout_keep_alive=settings.keep_alive_s,
+        # The client address every per-address limit counts: X-Forwarded-For, from these peers only.
+        proxy_headers=True,
+        forwarded_allow_ips=list(settings.forwarded_allow_ips),
+        ws="none",  # no route speaks WebSocket: an upgrade request is an ordinary (refused) request
         **uvicorn_options,
     )
+    if not settings.api_keys_file:
+        log.warning("no API keys (--api-keys FILE): the API is open, without authentication, to %s; each "
+                    "client address gets the per-address limits (docs/security.md)",
+                    who_can_reach(settings.host, settings.port))
+    log.info("connection limits", extra={"max_connections": guards.total, "closed_above": guards.hard_total,
+                                         "per_address": guards.per_address, "head_timeout_s": guards.head_timeout_s,
+                                         "trusted_proxies": ",".join(settings.forwarded_allow_ips)})
     return ConsumerServer(config, draining)
 
 

@@ -18,9 +18,10 @@ from typing import cast
 
 from broker.errors import Expired, NotFound, RetryLater
 from broker.events import Event
+from broker.keys import principal
 from broker.models import ServedModels
 from broker.request import GenerationRequest, RequestLimits
-from broker.store import Created, Store, StreamStatus
+from broker.store import Created, Quota, Store, StreamStatus
 from consumer.auth import ApiKeys, ensure_owner
 from consumer.hub import LiveHub
 from consumer.limits import ConnectionLimiter
@@ -39,7 +40,8 @@ UNKNOWN_MODEL = "default"
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who is asking: the API key id ("" without keys) and the client address."""
+    """Who is asking: the API key id ("" without keys) and the client's address group
+    (consumer.limits.address_group)."""
 
     key_id: str
     ip: str
@@ -104,6 +106,20 @@ class StreamService:
         key = self.api_keys.get(caller.key_id)
         return int(key.limits.get(name, 0)) if key is not None else 0
 
+    def quota(self, caller: Caller) -> Quota:
+        """What the caller may have queued or running, and how fast it may create: charged to its API key
+        (whose ``limits`` override the pod's defaults; 0 there = no limit), or without keys to its address
+        group. Anonymous callers behind one address share it (an office behind NAT): the defaults leave
+        them room (docs/security.md)."""
+        s = self.settings
+        limits = {}
+        if self.api_keys.enabled:
+            key = self.api_keys.get(caller.key_id)
+            limits = key.limits if key is not None else {}
+        return Quota(principal(caller.key_id, caller.ip), max_active=int(limits.get("max_active", s.max_active)),
+                     burst=int(limits.get("create_burst", s.create_burst)),
+                     rate_per_s=float(limits.get("create_rate_per_s", s.create_rate_per_s)))
+
     def limits_for(self, caller: Caller) -> RequestLimits:
         return self.settings.request_limits(self.key_limit(caller, "max_tokens"))
 
@@ -116,13 +132,13 @@ class StreamService:
 
     async def create(self, caller: Caller, request: GenerationRequest, stream_id: uuid.UUID) -> Created:
         """Create the stream (or recognise a retry of the same request). Raises Conflict, Expired,
-        QueueFull or TooManyGenerations."""
+        QueueFull, TooManyGenerations or RateLimited."""
         s = self.settings
         try:
             res = await self.store.create(stream_id, request, default_model=await self.default_model(),
-                                          max_queue=s.max_queue, retention_s=s.retention_s,
-                                          abandon_after_s=s.abandon_after_s, key_id=caller.key_id,
-                                          max_active=self.key_limit(caller, "max_active"))
+                                          max_queue=s.max_queue, max_queue_wait_s=s.max_queue_wait_s,
+                                          retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
+                                          key_id=caller.key_id, quota=self.quota(caller))
         except RetryLater:
             self.metrics.inc("rsb_creates_rejected_total")
             raise

@@ -20,7 +20,23 @@ class ConsumerSettings(Settings):
     port: int = setting(8000, "port to listen on")
     heartbeat_s: float = setting(15.0, "idle seconds before an SSE comment heartbeat")
     max_body_bytes: int = setting(1024 * 1024, "larger request bodies get 413")
-    max_queue: int = setting(0, "queued generations beyond which creates get 429 (0 = no bound)")
+    max_queue: int = setting(
+        10_000, "queued generations beyond which creates get 429 queue_full: the bound before any job has "
+        "finished, when there is no wait estimate yet (0 = no bound)")
+    max_queue_wait_s: float = setting(
+        300.0, "creates get 429 queue_full while the estimated wait of a new one (waiting jobs x average job "
+        "time / running jobs) exceeds this (0 = no bound)")
+    max_active: int = setting(
+        100, "unfinished (queued or running) generations one caller may have: an API key, or without keys a "
+        "client address (an IPv6 /64); more get 429 too_many_generations (0 = no limit; a key's limits.max_active "
+        "overrides)")
+    create_burst: int = setting(
+        100, "creates one caller (as for --max-active) may make at once; past it they refill at "
+        "--create-rate-per-s and the rest get 429 rate_limited (0 = no rate limit; a key's limits.create_burst "
+        "overrides)")
+    create_rate_per_s: float = setting(
+        5.0, "sustained creates per second of one caller, once its burst is used (a key's "
+        "limits.create_rate_per_s overrides)")
     abandon_after_s: float = setting(0.0, "cancel generations nobody has read for this long (0 = off)")
     retention_s: int = setting(3600, "how long a finished stream stays readable")
     redis_pool_size: int = setting(
@@ -40,7 +56,27 @@ class ConsumerSettings(Settings):
     read_token_ttl_s: int = setting(900, "lifetime of the read tokens issued at create")
     max_messages: int = setting(1024, "most messages one request may carry")
     max_prompt_chars: int = setting(200_000, "longest prompt (or messages' content in all)")
-    max_streams_per_ip: int = setting(0, "open SSE streams one client address may hold on this pod (0 = no limit)")
+    max_streams_per_ip: int = setting(
+        1000, "open SSE streams one client address (an IPv6 /64) may hold on this pod; more get 429 "
+        "too_many_connections (0 = no limit)")
+    max_connections_per_ip: int = setting(
+        1200, "TCP connections one peer address (an IPv6 /64) may hold on this pod; more get 503 "
+        "too_many_connections, and past twice this a closed socket. Peers in --forwarded-allow-ips are "
+        "exempt: a proxy carries many clients, counted by their forwarded address (0 = no limit)")
+    max_connections: int = setting(
+        0, "TCP connections this pod holds at most; more get 503 overloaded, and past the open-file limit's "
+        "last 5 percent a closed socket (0 = 90 percent of the open-file limit, which the consumer raises to "
+        "its hard limit at start)")
+    header_timeout_s: float = setting(
+        10.0, "a connection that has not sent a whole request head this long after it opened (or after the "
+        "first byte of its next request) is closed")
+    body_timeout_s: float = setting(30.0, "a request body not received whole this long after its head is cut off")
+    keep_alive_s: int = setting(5, "an idle keep-alive connection is closed after this long (a proxy's upstream "
+                                "keep-alive must be shorter: deploy/nginx.conf)")
+    forwarded_allow_ips: tuple[str, ...] = setting(
+        ("127.0.0.1", "::1"), "comma-separated proxy addresses or networks (CIDR; '*' for any) whose "
+        "X-Forwarded-For names the client: its address for every per-address limit. Only a proxy that "
+        "overwrites the header (deploy/nginx.conf) may be trusted")
     cors_origins: tuple[str, ...] = setting(
         (), "comma-separated origins allowed by CORS (default: none; '*' for any)")
     log_content: bool = setting(False, "log prompts at create (off by default: users' data)")

@@ -12,7 +12,7 @@ from broker.chats import ChatStore
 from broker.store import Store
 from consumer.auth import ApiKeys
 from consumer.hub import LiveHub
-from consumer.limits import ConnectionLimiter
+from consumer.limits import ConnectionLimiter, address_group
 from consumer.metrics import Metrics
 from consumer.service import Caller, StreamService
 from consumer.settings import ConsumerSettings
@@ -43,5 +43,7 @@ def state_of(conn: HTTPConnection) -> State:
 
 
 def caller_of(conn: HTTPConnection) -> Caller:
-    """The caller's key id (checked by the auth middleware before any /v1 or /api route runs) and address."""
-    return Caller(str(conn.scope.get("rsb.key_id", "")), conn.client.host if conn.client else "")
+    """The caller's key id (checked by the auth middleware before any /v1 or /api route runs) and address group
+    (consumer.limits.address_group of the client address, which uvicorn takes from X-Forwarded-For when
+    the peer is a trusted proxy, --forwarded-allow-ips)."""
+    return Caller(str(conn.scope.get("rsb.key_id", "")), address_group(conn.client.host) if conn.client else "")

@@ -7,6 +7,12 @@ Redis connections (CLIENT LIST entries whose address is one of the consumer's so
 while idle with every reader connected (cores = CPU seconds / wall second over ``--idle-s``).
 Reference, same run and load: a bare Starlette/uvicorn app holding the same number of SSE responses
 that only send heartbeats (bench/direct_app.py ``/idle``), i.e. what the connections alone cost.
+
+The consumer runs with its default connection limits (1,000 open streams per client address, 1,200
+connections per address, 90% of the open-file limit per pod, the head timeout): the readers come from
+``ceil(readers / 1000)`` loopback addresses (127.0.0.2, 127.0.0.3, ...), as many users behind as many
+addresses would. Only the setup's creates (all from one address, never finished) run with the per-caller
+create limits lifted.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from bench.sseclient import RawConnection
 from bench.stats import ratio
 
 CLIENTS_SHARD = 100  # readers per httpx client: a small pool per client keeps httpx's pool scans short
+READERS_PER_ADDRESS = 1000  # the consumer's default --max-streams-per-ip
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -59,8 +66,13 @@ async def load_readers(ctl: Control, base: str, readers: int, streams: int, path
     sids = await _create_streams(base, streams) if path == "" else []
     ctl.mark("created")
     await ctl.wait_go()
-    clients = [httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=httpx.Timeout(3600, connect=60))
-               for _ in range(-(-readers // CLIENTS_SHARD))]
+    def address(shard: int) -> str:
+        return f"127.0.0.{2 + shard * CLIENTS_SHARD // READERS_PER_ADDRESS}"
+
+    clients = [httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address=address(i),
+                                                                    limits=httpx.Limits(max_connections=None)),
+                                 timeout=httpx.Timeout(3600, connect=60))
+               for i in range(-(-readers // CLIENTS_SHARD))]
     first = asyncio.Semaphore(200)  # connects in flight
     got_first = 0
     all_in = asyncio.Event()
@@ -134,7 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"params": {"readers": args.readers, "streams": streams, "heartbeat_s": args.heartbeat_s,
                                       "idle_s": args.idle_s}}
     with procs.redis_server() as server, procs.procs() as started:
-        consumer, base = procs.start_consumer(server.url, "--heartbeat-s", str(args.heartbeat_s))
+        consumer, base = procs.start_consumer(server.url, "--heartbeat-s", str(args.heartbeat_s),
+                                              lifted=procs.UNLIMITED_CREATES)
         started.append(consumer)
         load = procs.Load("bench.scenarios.capacity:load_readers",
                           {"base": base, "readers": args.readers, "streams": streams, "path": ""})

@@ -12,11 +12,11 @@ import redis
 from helpers import create_outcome
 
 from broker.connection import connect
-from broker.errors import Conflict
+from broker.errors import Conflict, RateLimited, TooManyGenerations
 from broker.events import EventType, encode_data
 from broker.redis_server import RedisServer
 from broker.request import GenerationRequest
-from broker.store import Claim, Store, Unclaimable
+from broker.store import Claim, Quota, Store, Unclaimable
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 
@@ -55,6 +55,56 @@ async def test_queue_bound_is_enforced_atomically(store: Store) -> None:
     assert sum(create_outcome(r) == "created" for r in results) == 5
     assert sum(create_outcome(r) == "queue_full" for r in results) == 15
     assert await store.waiting() == 5
+
+
+async def test_a_callers_create_rate_allows_its_burst_at_once_then_refills(store: Store) -> None:
+    quota = Quota("a:test", burst=10, rate_per_s=2.0)  # 500 ms per create once the burst is used
+    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, default_model="m", max_queue=0, retention_s=60,
+                                                  quota=quota) for _ in range(30)), return_exceptions=True)
+    assert sorted(create_outcome(r) for r in results).count("created") == 10
+    refused = [r for r in results if isinstance(r, RateLimited)]
+    assert len(refused) == 20 and all(r.retry_after_s == 1 for r in refused)
+    await asyncio.sleep(1.2)  # two intervals and a bit: two more
+    more = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, default_model="m", max_queue=0, retention_s=60,
+                                               quota=quota) for _ in range(5)), return_exceptions=True)
+    assert [create_outcome(r) for r in more].count("created") == 2
+    # A retry of an accepted create is answered whatever the rate: it costs nothing.
+    sid = uuid.uuid4()
+    other = Quota("a:other", burst=1, rate_per_s=0.001)
+    assert (await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60, quota=other)).created
+    again = await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60, quota=other)
+    assert not again.created
+
+
+async def test_a_callers_counters_leave_redis_once_it_has_nothing_unfinished(store: Store) -> None:
+    quota = Quota("a:gone", max_active=2, burst=5, rate_per_s=1000.0)
+    sids = [uuid.uuid4() for _ in range(3)]
+    results = [await store.create(s, REQ, default_model="m", max_queue=0, retention_s=60, quota=quota)
+               for s in sids[:2]]
+    assert all(r.created for r in results)
+    with pytest.raises(TooManyGenerations):
+        await store.create(sids[2], REQ, default_model="m", max_queue=0, retention_s=60, quota=quota)
+    tenant = store.keys(sids[0]).tenant("a:gone")
+    assert await store.redis.ttl(tenant) == -1  # unfinished generations: kept
+    for sid in sids[:2]:
+        await store.cancel(sid, "client")
+    await asyncio.sleep(0.02)  # the rate limiter forgets within a few ms at 1,000 per second
+    assert not await store.redis.exists(tenant)
+
+
+@pytest.mark.parametrize("partitions", [1, 4])
+async def test_a_callers_limits_are_divided_over_partitions(redis_server: RedisServer, redis_client: redis.Redis,
+                                                            partitions: int) -> None:
+    r = connect(redis_server.url)
+    store = Store(r, partitions)
+    quota = Quota("a:p", max_active=8)
+    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, default_model="m", max_queue=0, retention_s=60,
+                                                  quota=quota) for _ in range(64)), return_exceptions=True)
+    created = [create_outcome(x) for x in results].count("created")
+    # Each partition holds ceil(8 / P) of them: exactly 8 with one partition; with 4, 2 per partition.
+    assert created == 8
+    assert {create_outcome(x) for x in results} == {"created", "too_many_generations"}
+    await r.aclose()
 
 
 async def test_a_zombie_cannot_append_or_finish_after_a_new_claim(store: Store) -> None:

@@ -16,6 +16,18 @@ from helpers import create, read_sse
 
 from broker.redis_server import RedisServer
 from consumer.auth import new_key
+from consumer.limits import TrustedProxies, address_group
+
+
+def _keys_file(tmp_path: Path, alice_limits: dict[str, Any]) -> tuple[Path, str, str]:
+    """A keys file of two keys, alice's with these limits and bob's with none; and their tokens."""
+    alice, alice_entry = cast("tuple[str, dict[str, Any]]", new_key("alice"))  # a JSON entry: limits go in it
+    bob, bob_entry = new_key("bob")
+    alice_entry["limits"] = alice_limits
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [alice_entry, bob_entry]}))
+    return keys, alice, bob
+
 
 # A stack with limits on, and the headers that send alice's key (limited) and bob's.
 Limited = tuple[Stack, dict[str, str], dict[str, str]]
@@ -23,11 +35,7 @@ Limited = tuple[Stack, dict[str, str], dict[str, str]]
 
 @pytest.fixture
 def limited(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> Limited:
-    alice, alice_entry = cast("tuple[str, dict[str, Any]]", new_key("alice"))  # a JSON entry: limits go in it
-    bob, bob_entry = new_key("bob")
-    alice_entry["limits"] = {"max_tokens": 50, "max_sse": 3}
-    keys = tmp_path / "keys.json"
-    keys.write_bytes(orjson.dumps({"keys": [alice_entry, bob_entry]}))
+    keys, alice, bob = _keys_file(tmp_path, {"max_tokens": 50, "max_sse": 3})
     s = stack_factory(redis_server.url)
     s.consumer("--api-keys", str(keys), "--max-messages", "3", "--max-prompt-chars", "100",
                "--max-streams-per-ip", "5", "--cors-origins", "https://app.example", "--read-token-ttl-s", "2")
@@ -141,11 +149,7 @@ def test_a_flood_from_one_key_leaves_other_keys_streams_unaffected(stack_factory
     import asyncio
     import statistics
 
-    alice, alice_entry = cast("tuple[str, dict[str, Any]]", new_key("alice"))  # a JSON entry: limits go in it
-    bob, bob_entry = new_key("bob")
-    alice_entry["limits"] = {"max_sse": 20}
-    keys = tmp_path / "keys.json"
-    keys.write_bytes(orjson.dumps({"keys": [alice_entry, bob_entry]}))
+    keys, alice, bob = _keys_file(tmp_path, {"max_sse": 20})
     s = stack_factory(redis_server.url)
     s.consumer("--api-keys", str(keys))
     s.generator(model=slow_model)
@@ -200,11 +204,7 @@ def test_a_flood_from_one_key_leaves_other_keys_streams_unaffected(stack_factory
 
 
 def test_unfinished_generations_per_key_at_exactly_max_active(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
-    alice, alice_entry = cast("tuple[str, dict[str, Any]]", new_key("alice"))  # a JSON entry: limits go in it
-    bob, bob_entry = new_key("bob")
-    alice_entry["limits"] = {"max_active": 2}
-    keys = tmp_path / "keys.json"
-    keys.write_bytes(orjson.dumps({"keys": [alice_entry, bob_entry]}))
+    keys, alice, bob = _keys_file(tmp_path, {"max_active": 2})
     s = stack_factory(redis_server.url)
     s.consumer("--api-keys", str(keys))  # no generator yet: everything stays queued
     with s.client() as c:
@@ -230,3 +230,30 @@ def test_unfinished_generations_per_key_at_exactly_max_active(stack_factory: Sta
         while create(c, max_tokens=4).status_code != 201:
             assert time.monotonic() < deadline
             time.sleep(0.2)
+
+
+def test_with_keys_the_create_rate_is_per_key_and_a_key_may_override_it(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
+    keys, alice, bob = _keys_file(tmp_path, {"create_burst": 2, "create_rate_per_s": 0.01})
+    s = stack_factory(redis_server.url)
+    s.consumer("--api-keys", str(keys))
+    with s.client() as c:
+        c.headers.update({"Authorization": f"Bearer {alice}"})
+        codes = [create(c).status_code for _ in range(3)]
+        assert codes == [201, 201, 429]
+        r = create(c)
+        assert r.json()["error"]["code"] == "rate_limited" and int(r.headers["retry-after"]) >= 60
+        c.headers.update({"Authorization": f"Bearer {bob}"})  # same address, another key: its own share
+        assert [create(c).status_code for _ in range(5)] == [201] * 5
+
+
+def test_an_address_group_is_an_ipv4_address_or_an_ipv6_64() -> None:
+    assert address_group("203.0.113.9") == "203.0.113.9"
+    assert address_group("2001:db8:1:2::1") == address_group("2001:db8:1:2:ffff::7") == "2001:db8:1:2::/64"
+    assert address_group("2001:db8:1:3::1") != address_group("2001:db8:1:2::1")
+    assert address_group("::ffff:198.51.100.4") == "198.51.100.4"
+    assert address_group("/run/rsb.sock") == "/run/rsb.sock"
+    proxies = TrustedProxies(["127.0.0.1", "10.0.0.0/8", "fd00::/8", "/run/nginx.sock"])
+    assert "127.0.0.1" in proxies and "10.1.2.3" in proxies and "fd12::1" in proxies
+    assert "/run/nginx.sock" in proxies and "127.0.0.2" not in proxies and "11.0.0.1" not in proxies
+    assert "8.8.8.8" in TrustedProxies(["*"])

@@ -270,6 +270,24 @@ def test_a_failed_generation_is_an_error_for_chat_and_a_failed_response(
     assert client.responses.retrieve(events[0].response.id).model_dump() == events[-1].response.model_dump()
 
 
+def test_a_callers_limits_are_openai_429s_with_retry_after(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    s = stack_factory(redis_server.url)
+    s.generator()
+    # A burst of 2 and a slow refill, to reach the limit in three requests.
+    s.consumer("--create-burst", "2", "--create-rate-per-s", "0.01")
+    client = _client(s.base_url)
+    assert client.chat.completions.create(model="m", messages=CHAT, max_tokens=4).choices[0].message.content
+    assert client.responses.create(model="m", input="Hi", max_output_tokens=4).status == "incomplete"  # length
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model="m", messages=CHAT, max_tokens=4)
+    assert isinstance(e.value.body, dict) and e.value.body["code"] == "rate_limited"
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    with pytest.raises(openai.RateLimitError) as e:
+        client.responses.create(model="m", input="Hi", max_output_tokens=4)
+    assert isinstance(e.value.body, dict) and e.value.body["code"] == "rate_limited"
+
+
 def test_a_draining_pod_ends_response_streams_for_a_resume_and_chat_streams_with_an_error(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     s = stack_factory(redis_server.url)

@@ -1,0 +1,426 @@
+"""Hostile clients against a real `rsb consumer` started with no limit flag: the defaults alone must keep the
+pod and the queue up (issue 17). Several client addresses come from binding client sockets to 127.0.0.2,
+127.0.0.3, ... (Linux's loopback answers for all of 127/8); 127.0.0.1 is the default trusted proxy, so a
+hostile address here is never 127.0.0.1. The figures each test prints are the ones docs/security.md quotes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import orjson
+import psutil
+import pytest
+import redis
+from conftest import StackFactory
+from helpers import create, read_sse
+
+from broker.redis_server import RedisServer
+from consumer.server import who_can_reach
+
+HOSTILE, OTHER, THIRD = "127.0.0.2", "127.0.0.3", "127.0.0.4"
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def _client(url: str, local: str, headers: dict[str, str] | None = None) -> httpx.Client:
+    return httpx.Client(base_url=url, transport=httpx.HTTPTransport(local_address=local), timeout=30,
+                        headers=headers)
+
+
+def _aclient(url: str, local: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, transport=httpx.AsyncHTTPTransport(local_address=local),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None), timeout=60)
+
+
+async def _connect(local: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    sock = socket.socket()
+    sock.bind((local, 0))
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    return await asyncio.open_connection(sock=sock)
+
+
+async def _response(reader: asyncio.StreamReader) -> bytes:
+    """One whole response with a Content-Length, from a raw connection."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return head + await reader.readexactly(length)
+
+
+async def _closed_after(reader: asyncio.StreamReader, opened: float) -> tuple[float, bytes]:
+    """Seconds from ``opened`` until the server closed the connection, and what it sent before."""
+    got = b""
+    with contextlib.suppress(ConnectionError):
+        while chunk := await reader.read(65536):
+            got += chunk
+    return time.monotonic() - opened, got
+
+
+@pytest.mark.timeout(180)
+def test_half_open_connections_are_closed_after_the_header_timeout_and_others_are_served(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """The issue's slowloris: 3,000 connections from one address that send half a request line, then
+    nothing. The pod holds the address's first 1,200 (--max-connections-per-ip) until the 10 s head timeout,
+    refuses the next 1,200 within 2 s and closes the rest at once; other addresses are served meanwhile; an
+    idle keep-alive connection goes after 5 s."""
+    s = stack_factory(redis_server.url)
+    s.generator()
+    proc, url = s.consumer()  # no flag: the defaults
+    port, pod = _port(url), psutil.Process(proc.pid)
+    fds_before = pod.num_fds()
+
+    async def run() -> tuple[list[float], float, float, int]:
+        conns = []
+        for _ in range(3000):
+            reader, writer = await _connect(HOSTILE, port)
+            writer.write(b"GET /v1/stre")  # half a request line, and nothing more, ever
+            conns.append((reader, writer, time.monotonic()))
+        watchers = [asyncio.create_task(_closed_after(r, t)) for r, _, t in conns]
+        # An idle keep-alive connection (a whole request, then silence).
+        r, w = await _connect(THIRD, port)
+        w.write(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        idle_opened = time.monotonic()
+        keep_alive = asyncio.create_task(_closed_after(r, idle_opened))
+
+        def other_address_reads() -> float:
+            t0 = time.monotonic()
+            with _client(url, OTHER) as c:
+                sid = create(c, max_tokens=20).json()["id"]
+                assert read_sse(c, f"/v1/streams/{sid}/events").events[-1].event == "done"
+            return time.monotonic() - t0
+
+        other = asyncio.create_task(asyncio.to_thread(other_address_reads))
+        await asyncio.sleep(4.0)  # the refused ones are gone, the first 1,200 are held
+        held_fds = pod.num_fds() - fds_before
+
+        def hostile_request() -> httpx.Response:
+            with _client(url, HOSTILE) as c:
+                return c.get("/healthz")
+
+        # The hostile address itself, at its cap, is refused with a 503 that says why.
+        refused = await asyncio.to_thread(hostile_request)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_connections"
+        assert int(refused.headers["retry-after"]) >= 1
+        served_s = await other
+        results = await asyncio.gather(*watchers)
+        idle_s, got = await keep_alive
+        assert got.startswith(b"HTTP/1.1 200")
+        for _, writer, _ in conns:
+            writer.close()
+        return [t for t, _ in results], served_s, idle_s, held_fds
+
+    closed, served_s, idle_s, held_fds = asyncio.run(run())
+    held, refused, cut = closed[:1200], closed[1200:2400], closed[2400:]
+    print(f"\n3,000 half-open connections: the first 1,200 closed after {min(held):.1f}-{max(held):.1f} s, the "
+          f"next 1,200 after {min(refused):.1f}-{max(refused):.1f} s, the last 600 after {max(cut):.2f} s; "
+          f"descriptors held by the pod 4 s in: {held_fds}; another address created and read a stream in "
+          f"{served_s:.2f} s meanwhile; an idle keep-alive connection closed after {idle_s:.1f} s")
+    assert all(9.5 <= t <= 16 for t in held)  # --header-timeout-s 10
+    assert all(1.5 <= t <= 6 for t in refused)  # a refused connection gets 2 s to send its head
+    assert all(t <= 2 for t in cut)  # past twice the cap: closed at once
+    assert held_fds < 1300  # the address's 1,200, not one per connection attempted
+    assert served_s < 9  # served while the half-open connections were still held
+    assert 4.5 <= idle_s <= 9  # --keep-alive-s 5
+    deadline = time.monotonic() + 10
+    while pod.num_fds() > fds_before + 20:  # every descriptor comes back
+        assert time.monotonic() < deadline, pod.num_fds()
+        time.sleep(0.1)
+
+
+def test_the_timeouts_leave_legitimate_connections_alone(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """An SSE reader outlives every timeout (the head's ends with the head); a keep-alive connection's next
+    request, and a body sent in parts, are served. Through the whole server (the stall guard included)."""
+    s = stack_factory(redis_server.url)
+    # Timeouts of 1 s, so that outliving them takes seconds, not minutes; the rule is the same.
+    _, url = s.consumer("--header-timeout-s", "1", "--body-timeout-s", "1", "--keep-alive-s", "2",
+                        "--heartbeat-s", "0.5")
+    with _client(url, OTHER) as c:
+        sid = create(c).json()["id"]  # no generator: it stays queued, its reader gets heartbeats
+
+    async def run() -> tuple[int, bytes, bytes]:
+        reader, writer = await _connect(OTHER, _port(url))
+        writer.write(f"GET /v1/streams/{sid}/events HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        got = b""
+        async with asyncio.timeout(10):
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 3.5:
+                got += await reader.read(65536)
+        writer.close()
+        r2, w2 = await _connect(THIRD, _port(url))
+        w2.write(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        first = await _response(r2)
+        await asyncio.sleep(1.5)  # past the head timeout, within keep-alive
+        w2.write(b"POST /v1/streams HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 16\r\n\r\n{\"prompt\"")
+        await asyncio.sleep(0.6)  # a body in two parts, both within the body timeout
+        w2.write(b": \"hi\"}")
+        second = await _response(r2)
+        # A body refused before it is in (413 from its Content-Length): the pod drains the rest of it and
+        # the connection serves the next request (no reset: those bytes are not a request head).
+        big = 2 * 1024 * 1024
+        w2.write(f"POST /v1/streams HTTP/1.1\r\nHost: t\r\nContent-Length: {big}\r\n\r\n".encode())
+        third = await _response(r2)
+        w2.write(b"x" * big)
+        await w2.drain()
+        w2.write(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        fourth = await _response(r2)
+        w2.close()
+        return got.count(b": keep-alive"), first, second + third + fourth
+
+    beats, first, rest = asyncio.run(run())
+    assert beats >= 5  # still open 3.5 s in, heartbeats flowing
+    assert first.startswith(b"HTTP/1.1 200")
+    assert [part[:3] for part in rest.split(b"HTTP/1.1 ")[1:]] == [b"201", b"413", b"200"]
+
+
+def test_a_body_that_stops_arriving_is_cut_after_the_body_timeout(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    s = stack_factory(redis_server.url)
+    # A shorter --body-timeout-s than the default 30 s: the rule is the same, the test is shorter.
+    proc, url = s.consumer("--body-timeout-s", "2")
+
+    async def run() -> float:
+        reader, writer = await _connect(HOSTILE, _port(url))
+        writer.write(b"POST /v1/streams HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # 11 of 100 bytes, then nothing
+        took, got = await _closed_after(reader, time.monotonic())
+        assert got == b""  # no answer is owed: the request never arrived whole
+        writer.close()
+        return took
+
+    took = asyncio.run(run())
+    assert 1.8 <= took <= 6
+    assert redis_client.keys("rsb:*:s:*") == []  # nothing was created
+    assert "Traceback" not in proc.output()  # a slow client is no error of the pod's
+
+
+@pytest.mark.timeout(180)
+def test_a_create_flood_from_one_address_is_refused_past_its_share(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """The issue's flood: 5,000 anonymous creates with max_tokens 4096 from one address (no generator yet,
+    so nothing finishes): 100 are accepted (--max-active, --create-burst), every other one is a 429 with
+    Retry-After; a second address still creates."""
+    s = stack_factory(redis_server.url)
+    _, url = s.consumer()  # no flag: the defaults
+    memory_before = redis_client.info("memory")["used_memory"]
+
+    async def flood() -> tuple[list[httpx.Response], float]:
+        sem = asyncio.Semaphore(64)
+        async with _aclient(url, HOSTILE) as ac:
+            async def one() -> httpx.Response:
+                async with sem:
+                    return await ac.post("/v1/streams", json={"prompt": "write a long story " * 20,
+                                                              "max_tokens": 4096})
+            t0 = time.monotonic()
+            responses = await asyncio.gather(*(one() for _ in range(5000)))
+            return list(responses), time.monotonic() - t0
+
+    responses, took = asyncio.run(flood())
+    codes = [r.status_code for r in responses]
+    refused = [r for r in responses if r.status_code == 429]
+    reasons = {r.json()["error"]["code"] for r in refused}
+    grown = redis_client.info("memory")["used_memory"] - memory_before
+    print(f"\n5,000 creates from one address in {took:.1f} s: {codes.count(201)} accepted, {len(refused)} "
+          f"refused ({', '.join(sorted(reasons))}); Redis grew by {grown / 2**20:.2f} MiB")
+    assert codes.count(201) == 100 and len(refused) == 4900
+    assert reasons <= {"too_many_generations", "rate_limited"}
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert redis_client.xlen("rsb:{p0}:jobs") == 100
+    with _client(url, OTHER) as c:  # another address has its own share
+        r = create(c, max_tokens=4096)
+        assert r.status_code == 201
+        first = read_sse(c, f"/v1/streams/{r.json()['id']}/events", stop_after=1).events[0]
+        assert first.event == "queued" and first.data["position"] == 101
+
+
+@pytest.mark.timeout(180)
+def test_a_sustained_create_flood_gets_the_rate_while_another_address_creates_and_reads(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """With a generator finishing the flood's (short) jobs, the unfinished bound never binds: the create rate
+    does. One address gets its burst of 100, then 5 per second; another creates and reads answers whole."""
+    s = stack_factory(redis_server.url)
+    s.generator()
+    _, url = s.consumer()  # no flag: the defaults
+
+    async def flood(seconds: float) -> tuple[list[httpx.Response], float]:
+        out: list[httpx.Response] = []
+        async with _aclient(url, HOSTILE) as ac:
+            t0 = time.monotonic()
+
+            async def worker() -> None:
+                while time.monotonic() - t0 < seconds:
+                    out.append(await ac.post("/v1/streams", json={"prompt": "hi", "max_tokens": 4}))
+
+            await asyncio.gather(*(worker() for _ in range(16)))
+            return out, time.monotonic() - t0
+
+    def other_address() -> list[str]:
+        texts = []
+        with _client(url, OTHER) as c:
+            for _ in range(5):
+                r = create(c, max_tokens=12)
+                assert r.status_code == 201, r.text
+                events = read_sse(c, f"/v1/streams/{r.json()['id']}/events").events
+                assert events[-1].event == "done"
+                texts.append("".join(e.data["text"] for e in events if e.event == "delta"))
+        return texts
+
+    async def run() -> tuple[list[httpx.Response], float, list[str]]:
+        other = asyncio.create_task(asyncio.to_thread(other_address))
+        responses, took = await flood(6.0)
+        return responses, took, await other
+
+    responses, took, texts = asyncio.run(run())
+    accepted = sum(r.status_code == 201 for r in responses)
+    refused = [r for r in responses if r.status_code == 429]
+    print(f"\nsustained flood: {len(responses)} creates from one address in {took:.1f} s, {accepted} accepted "
+          f"(a burst of 100, then 5/s), {len(refused)} refused; another address read 5 answers whole")
+    assert {r.status_code for r in responses} == {201, 429}
+    assert 100 <= accepted <= 100 + 5 * took + 2
+    codes = {r.json()["error"]["code"] for r in refused}
+    assert "rate_limited" in codes and codes <= {"rate_limited", "too_many_generations"}
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert len(texts) == 5 and all(texts)
+
+
+@pytest.mark.timeout(180)
+def test_the_queue_never_holds_more_than_its_bound(stack_factory: StackFactory, redis_server: RedisServer,
+                                                   redis_client: redis.Redis, slow_model: Path) -> None:
+    """Both bounds of the queue, from many addresses at once: a count (--max-queue, the bound before any job
+    finished) and, once there is a job time to estimate from, the estimated wait (--max-queue-wait-s)."""
+    s = stack_factory(redis_server.url)
+    # Bounds small enough to reach from a few addresses: the default count (10,000) would need a hundred.
+    _, url = s.consumer("--max-queue", "40", "--max-queue-wait-s", "2")
+    addresses = [f"127.0.0.{i}" for i in range(2, 6)]
+
+    async def flood(n_each: int) -> list[httpx.Response]:
+        clients = [_aclient(url, a) for a in addresses]
+        try:
+            return list(await asyncio.gather(*(c.post("/v1/streams", json={"prompt": "hi", "max_tokens": 300})
+                                               for c in clients for _ in range(n_each))))
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    # 1. No job has finished: no estimate, the count bound holds.
+    first = asyncio.run(flood(30))
+    assert sum(r.status_code == 201 for r in first) == 40
+    full = [r for r in first if r.status_code == 429]
+    assert {r.json()["error"]["code"] for r in full} == {"queue_full"}
+    assert all(1 <= int(r.headers["retry-after"]) <= 60 for r in full)
+    assert redis_client.xlen("rsb:{p0}:jobs") == 40
+    assert int(redis_client.hget("rsb:{p0}:qstats", "waiting") or 0) == 40
+    # 2. A generator serves the queue; then it stops, leaving an average job time behind.
+    gen = s.generator(model=slow_model)
+    deadline = time.monotonic() + 120
+    while int(redis_client.hget("rsb:{p0}:qstats", "waiting") or 0) > 0 or \
+            int(redis_client.hget("rsb:{p0}:qstats", "busy") or 0) > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    gen.stop()
+    ema = float(redis_client.hget("rsb:{p0}:qstats", "ema_job_s") or 0)
+    assert ema > 0
+    # A create is refused once the jobs ahead of it would take over 2 s (no worker running: busy counts as 1).
+    allowed = min(40, int(2 // ema) + 1)
+    second = asyncio.run(flood(30))
+    print(f"\nqueue bounds: 40 of 120 creates queued by the count bound; with an average job time of "
+          f"{ema:.2f} s and a 2 s wait bound, {sum(r.status_code == 201 for r in second)} of 120")
+    assert sum(r.status_code == 201 for r in second) == allowed
+    assert {r.json()["error"]["code"] for r in second if r.status_code != 201} == {"queue_full"}
+    assert int(redis_client.hget("rsb:{p0}:qstats", "waiting") or 0) == allowed
+
+
+@pytest.mark.timeout(240)
+def test_a_read_flood_is_refused_at_the_cap_and_nothing_is_lost_for_others(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
+    """1,500 SSE connects at once from one address: 1,000 are admitted (--max-streams-per-ip), the rest
+    refused (429 in the app, 503 past the address's TCP cap); every admitted reader, and a reader from
+    another address, gets the whole answer."""
+    s = stack_factory(redis_server.url)
+    _, url = s.consumer()  # no flag: the defaults
+    port = _port(url)
+    with s.client() as c:
+        sid = create(c, max_tokens=200).json()["id"]  # queued: no generator yet
+
+    async def reader(local: str) -> tuple[int, bytes]:
+        r, w = await _connect(local, port)
+        w.write(f"GET /v1/streams/{sid}/events HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode())
+        got = b""
+        with contextlib.suppress(ConnectionError):
+            while chunk := await r.read(65536):
+                got += chunk
+                if not got.startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in got:
+                    break  # a refusal: its status is all that matters here
+        w.close()
+        return int(got[9:12] or 0), got
+
+    async def run() -> tuple[list[tuple[int, bytes]], list[str]]:
+        tasks = [asyncio.create_task(reader(HOSTILE)) for _ in range(1500)]
+        deadline = time.monotonic() + 60
+        while sum(t.done() for t in tasks) < 500:  # every refusal answered: the admitted ones are reading
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        s.generator()
+
+        def other() -> list[str]:
+            with _client(url, OTHER) as c:
+                return read_sse(c, f"/v1/streams/{sid}/events").ids
+
+        other_ids = await asyncio.to_thread(other)
+        return list(await asyncio.gather(*tasks)), other_ids
+
+    results, other_ids = asyncio.run(run())
+    statuses = [code for code, _ in results]
+    admitted = [body for code, body in results if code == 200]
+    print(f"\nread flood: 1,500 connects from one address: {statuses.count(200)} admitted, "
+          f"{statuses.count(429)} refused 429, {statuses.count(503)} refused 503")
+    assert statuses.count(200) == 1000 and statuses.count(429) + statuses.count(503) == 500
+    assert other_ids and all(body.count(b"\nid: ") + body.count(b"\r\nid: ") >= 1 for body in admitted)
+    for body in admitted:  # each admitted reader got every event, in order, exactly once
+        ids = [line.split(b": ", 1)[1].decode() for line in body.split(b"\n") if line.startswith(b"id: ")]
+        assert ids == other_ids
+    assert b"event: done" in admitted[0]
+
+
+def test_behind_a_trusted_proxy_each_forwarded_client_has_its_own_share(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """From a trusted proxy (127.0.0.1, the default --forwarded-allow-ips) X-Forwarded-For names the client;
+    from any other peer the header is ignored, so it cannot be used to dodge a limit."""
+    s = stack_factory(redis_server.url)
+    # A small burst and rate, to reach them with a few requests; what is tested is whose share is used.
+    _, url = s.consumer("--create-burst", "3", "--create-rate-per-s", "0.01")
+
+    def creates(local: str, forwarded: str | None, n: int) -> list[int]:
+        headers = {"X-Forwarded-For": forwarded} if forwarded else {}
+        with _client(url, local, headers=headers) as c:
+            return [create(c).status_code for _ in range(n)]
+
+    assert creates("127.0.0.1", "198.51.100.7", 4) == [201, 201, 201, 429]
+    assert creates("127.0.0.1", "198.51.100.8", 3) == [201, 201, 201]  # another client behind the proxy
+    assert creates("127.0.0.1", "2001:db8:1:2::1", 3) == [201, 201, 201]
+    assert creates("127.0.0.1", "2001:db8:1:2::ffff", 1) == [429]  # the same /64
+    assert creates(HOSTILE, None, 3) == [201, 201, 201]
+    assert creates(HOSTILE, f"203.0.113.{uuid.uuid4().int % 250}", 1) == [429]  # not a proxy: header ignored
+
+
+def test_an_open_api_says_so_at_start_and_to_whom(stack_factory: StackFactory, redis_server: RedisServer) -> None:
+    s = stack_factory(redis_server.url)
+    local, _ = s.consumer()
+    lines = [orjson.loads(line) for line in local.output().splitlines() if line.startswith("{")]
+    warnings = [line["msg"] for line in lines if line["level"] == "warning"]
+    assert any("the API is open, without authentication, to programs on this machine only" in m for m in warnings)
+    # Other listen addresses, without binding them here (0.0.0.0 could meet another process's port).
+    assert who_can_reach("0.0.0.0", 8000) == who_can_reach("::", 8000) == (
+        "anyone who can reach port 8000 of this machine (it listens on every interface)")
+    assert who_can_reach("::1", 8000).startswith("programs on this machine only")
+    assert who_can_reach("10.1.2.3", 8000) == "anyone who can reach 10.1.2.3:8000"
