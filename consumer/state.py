@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
+from broker.durable import DurableStore
 from broker.store import Store
 from consumer.auth import ApiKeys
 from consumer.hub import LiveHub
@@ -28,6 +29,8 @@ class State:
     api_keys: ApiKeys
     limiter: ConnectionLimiter
     service: StreamService
+    #: Durable Streams (consumer/views/durable): streams that clients name and write.
+    durable: DurableStore
     #: Set on SIGTERM (by consumer.server) or at the end of the lifespan: open responses end at a frame
     #: boundary and tell their client to reconnect elsewhere.
     draining: asyncio.Event

@@ -5,6 +5,6 @@ from __future__ import annotations
 
 from starlette.routing import BaseRoute
 
-from consumer.views import native, openai, ops, web
+from consumer.views import durable, native, openai, ops, web
 
-ROUTES: list[BaseRoute] = [*native.ROUTES, *ops.ROUTES, *openai.ROUTES, *web.ROUTES]
+ROUTES: list[BaseRoute] = [*native.ROUTES, *ops.ROUTES, *openai.ROUTES, *durable.ROUTES, *web.ROUTES]
