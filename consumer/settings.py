@@ -49,7 +49,8 @@ class ConsumerSettings(Settings):
         "read timeout)")
     ds_sse_max_s: float = setting(
         60.0, "Durable Streams: an SSE response ends after this long; clients reconnect from their last offset")
-    ds_max_body_bytes: int = setting(4 * 1024 * 1024, "Durable Streams: larger PUT/POST bodies get 413")
+    ds_max_body_bytes: int = setting(
+        1024 * 1024, "Durable Streams: larger PUT/POST bodies get 413 (deploy/nginx.conf allows 2 MiB)")
     ds_max_stream_bytes: int = setting(
         64 * 1024 * 1024, "Durable Streams: most bytes one stream may hold (each message also counts 64 bytes); "
         "appends past it get 413 (0 = no bound)")

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from broker.errors import NotFound
+from consumer.state import state_of
 from consumer.views.durable import generations, streams
 from consumer.views.durable.protocol import METHODS, REQUEST_HEADERS, endpoint, respond, stream_path
 
@@ -40,6 +41,7 @@ async def dispatch(request: Request) -> Response:
         raise NotFound("reserved path: subscriptions are not supported")
     if request.method == "OPTIONS":
         return preflight(request)
+    state_of(request).metrics.inc(f'rsb_ds_requests_total{{method="{request.method}"}}')
     if first == streams.GENERATIONS:
         return await generations.handle(request, path)
     return await _HANDLERS[request.method](request, path)
