@@ -2,9 +2,11 @@
 
 Native view (the reference, same run): ``--streams`` generations of the paced engine at ``--rate`` tokens/s
 each, read over ``/v1/streams/{id}/events`` (bench.scenarios.latency's load). Durable Streams: ``--streams``
-JSON streams; a writer process appends ``{"t": <unix time>}`` to each at ``--rate`` per second with HTTP
-POSTs to a second consumer (another pod: appends and reads meet only in Redis, as across a deployment);
-readers follow every stream on the first consumer, with ``live=sse``, then with ``live=long-poll``. Two
+JSON streams; a writer process appends ``{"t": <unix time>}`` to each at ``--rate`` per second, its POSTs going
+to a second consumer (another pod: appends and reads meet only in Redis, as across a deployment);
+readers follow every stream on the first consumer, with ``live=sse``, then with ``live=long-poll``; each mode
+runs twice, with the appends made by the append script directly (what a POST runs: only the reading pod's
+work differs from the native view's) and then over HTTP (the whole path a producer takes). Two
 measures for each path: from the moment Redis stored the append (the millisecond of the entry id: the
 native event id, the first half of a Durable Streams offset) to receipt, and from the producer's own
 timestamp to receipt (native: the paced engine's token time; Durable Streams: just before the POST).
@@ -27,6 +29,7 @@ from bench.sseclient import RawConnection, client, frames
 from bench.stats import ratio, summarize
 
 MODES = ("sse", "long-poll")
+VIAS = ("redis", "http")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -117,19 +120,33 @@ async def load_ds(ctl: Control, base: str, paths: list[str], mode: str, warmup_s
             "appends_per_s": len(lat) / duration_s}
 
 
-async def ds_writer(ctl: Control, host: str, port: int, paths: list[str], rate: float, seconds: float,
-                    connections: int = 16) -> dict[str, Any]:
+async def ds_writer(ctl: Control, redis_url: str, base: str, paths: list[str], rate: float, seconds: float,
+                    via: str, connections: int = 16) -> dict[str, Any]:
     """``{"t": now}`` to every stream ``rate`` times a second, spread over each period like independent
-    producers; raw HTTP/1.1 keep-alive connections (httpx's own CPU would be the bottleneck at this rate)."""
-    conns = [RawConnection(host, port) for _ in range(connections)]
+    producers. ``via`` ``http``: POSTs to a consumer, over raw HTTP/1.1 keep-alive connections (httpx's own
+    CPU would be the bottleneck at this rate); ``redis``: the append script itself (what the POST runs), so the
+    reading pod's work is all that differs from the native view's."""
+    import redis.asyncio as aioredis
+
+    from broker.durable import DurableStore
+
+    store = DurableStore(aioredis.Redis.from_url(redis_url, max_connections=connections))
+    host, port = base.removeprefix("http://").split(":")
+    conns = [RawConnection(host, int(port)) for _ in range(connections)]
     period = 1.0 / rate
     groups = [paths[i::10] for i in range(10)]
-    statuses: dict[int, int] = {}
+    outcomes: dict[str, int] = {}
 
     async def send(conn: RawConnection, batch: list[str]) -> None:
         for path in batch:
-            status, _ = await conn.request("POST", path, orjson.dumps({"t": time.time()}))
-            statuses[status] = statuses.get(status, 0) + 1
+            body = orjson.dumps({"t": time.time()})
+            if via == "http":
+                status, _ = await conn.request("POST", path, body)
+                key = str(status)
+            else:
+                key = (await store.append(store.keys("", path.removeprefix("/v1/stream/")), body,
+                                          "application/json")).outcome.value
+            outcomes[key] = outcomes.get(key, 0) + 1
 
     t0 = time.monotonic()
     n = 0
@@ -142,10 +159,11 @@ async def ds_writer(ctl: Control, host: str, port: int, paths: list[str], rate: 
         n += 1
     for conn in conns:
         await conn.close()
-    return {"statuses": {str(k): v for k, v in statuses.items()}}
+    await store.redis.aclose()
+    return {"outcomes": outcomes}
 
 
-def _ds_run(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+def _ds_run(args: argparse.Namespace, mode: str, via: str) -> dict[str, Any]:
     with procs.redis_server() as server, procs.procs() as started:
         reader_pod, base = procs.start_consumer(server.url, "--ds-long-poll-timeout-s", "20")
         writer_pod, writer_base = procs.start_consumer(server.url)
@@ -159,10 +177,9 @@ def _ds_run(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                            "duration_s": args.duration_s}, name=f"ds-{mode}")
         try:
             connected = load.wait_mark("connected", 180)["readers"]
-            host, port = writer_base.removeprefix("http://").split(":")
             writer = procs.Load("bench.scenarios.durable:ds_writer",
-                                {"host": host, "port": int(port), "paths": paths, "rate": args.rate,
-                                 "seconds": args.warmup_s + args.duration_s + 1.0}, name="ds-writer")
+                                {"redis_url": server.url, "base": writer_base, "paths": paths, "rate": args.rate,
+                                 "seconds": args.warmup_s + args.duration_s + 1.0, "via": via}, name="ds-writer")
             try:
                 result: dict[str, Any] = load.finish(args.warmup_s + args.duration_s + 120)
                 result["writer"] = writer.finish(60)
@@ -191,20 +208,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out["native"] = load.finish(args.warmup_s + args.duration_s + 180)
         finally:
             load.kill()
+    paths = [("native SSE", "native")]
     for mode in MODES:
-        out[f"ds_{mode}"] = _ds_run(args, mode)
+        for via in VIAS:
+            key = f"ds_{mode}_{via}"
+            out[key] = _ds_run(args, mode, via)
+            paths.append((f"Durable Streams live={mode}, appends via {via}", key))
 
     rows = []
-    for label, key in (("native SSE", "native"), ("Durable Streams live=sse", "ds_sse"),
-                       ("Durable Streams live=long-poll", "ds_long-poll")):
+    for label, key in paths:
         r = out[key]
         xadd, stamp = r["latency_from_xadd_ms"], r["latency_ms"]
-        rows.append([label, xadd["n"], xadd["p50"], xadd["p99"], stamp["p50"], stamp["p99"], r["n_errors"]])
+        rows.append([label, stamp["n"], xadd["p50"], xadd["p99"], stamp["p50"], stamp["p99"], r["n_errors"]])
     print(table(f"\n== durable: {args.streams} streams x {args.rate:g} appends/s, append -> live reader (ms)",
-                ["path", "samples", "append p50", "append p99", "producer p50", "producer p99", "errors"], rows))
+                ["path", "messages", "append p50", "append p99", "producer p50", "producer p99", "errors"], rows))
     native_p99 = out["native"]["latency_from_xadd_ms"]["p99"]
-    out["p99_ratio_to_native"] = {mode: ratio(out[f"ds_{mode}"]["latency_from_xadd_ms"]["p99"], native_p99)
-                                  for mode in MODES}
-    print(f"append -> reader p99 relative to the native view: sse {out['p99_ratio_to_native']['sse']:.2f}x, "
-          f"long-poll {out['p99_ratio_to_native']['long-poll']:.2f}x")
+    out["p99_ratio_to_native"] = {key: ratio(out[key]["latency_from_xadd_ms"]["p99"], native_p99)
+                                  for _, key in paths[1:]}
+    print("append -> reader p99 relative to the native view: "
+          + ", ".join(f"{key} {r:.2f}x" for key, r in out["p99_ratio_to_native"].items()))
     return out

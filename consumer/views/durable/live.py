@@ -1,8 +1,8 @@
-"""Live reads of a Durable Stream: long-poll and SSE. Neither holds a Redis connection while it waits: each
-subscribes the stream's channel on the pod's LiveHub (one pub/sub connection for every reader), reads the
-stream once the subscription is confirmed (so nothing appended in between is missed), and reads again when
-an append, a close or a delete wakes it. Both count against the per-address and per-key connection limits,
-like the native view's SSE readers."""
+"""Live reads of a Durable Stream: long-poll and SSE. Neither holds a Redis connection while it waits: one
+that has to wait subscribes the stream's channel on the pod's LiveHub (one pub/sub connection for every
+reader), reads the stream once the subscription is confirmed (so nothing appended in between is missed), and
+reads again when an append, a close or a delete wakes it. Both count against the per-address and per-key
+connection limits, like the native view's SSE readers."""
 
 from __future__ import annotations
 
@@ -46,27 +46,29 @@ async def long_poll(request: Request, state: State, keys: DurableKeys, offset: s
 
 
 async def _long_poll(request: Request, state: State, keys: DurableKeys, offset: str) -> Response:
+    # A reader that is behind gets its data without touching the hub: only one that waits subscribes.
+    page = await read(state, keys, offset)
+    if page.entries:
+        return page_response(request, page, offset, cursor=cursor(request))
+    if page.closed:
+        return no_content(page.tail, closed=True, cursor=cursor(request))  # at the end: never wait
+    if id_key(page.after) != id_key(page.tail):
+        # An offset past the tail (no offset we minted): say where the tail is rather than wait there.
+        return page_response(request, page, offset, cursor=cursor(request))
     sub = await state.hub.subscribe(keys.channel)
     try:
-        page = await read(state, keys, offset)
-        if page.entries:
-            return page_response(request, page, offset, cursor=cursor(request))
-        if page.closed:
-            return no_content(page.tail, closed=True, cursor=cursor(request))  # at the end: never wait
-        if id_key(page.after) != id_key(page.tail):
-            # An offset past the tail (no offset we minted): say where the tail is rather than wait there.
-            return page_response(request, page, offset, cursor=cursor(request))
+        # Read again once the subscription is confirmed: whatever came after that wakes us, and whatever
+        # came between the first read and the subscription is found here.
+        page = await read(state, keys, page.tail, refresh=False)
+        timed_out = not (page.entries or page.closed)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + state.settings.ds_long_poll_timeout_s
-        timed_out = True
-        while (left := deadline - loop.time()) > 0:
+        while timed_out and (left := deadline - loop.time()) > 0:
             if not await sub.wait(left):
                 break
             sub.take()  # a wake-up only: the stream says what happened
             page = await read(state, keys, page.tail)
-            if page.entries or page.closed:
-                timed_out = False
-                break
+            timed_out = not (page.entries or page.closed)
         if timed_out:
             # One last read restarts a sliding TTL and catches an append the hub could not report (a pub/sub
             # reconnect).
