@@ -1,12 +1,10 @@
 """The Durable Streams server conformance suite (npm @durable-streams/server-conformance-tests, pinned in
 tests/durable/harness) against real consumers: every test the protocol's reference server passes
 (tests/durable/harness/baseline/reference-0.3.7-lp500ms.tsv, measured with the same harness) must pass on rsb,
-on a standalone Redis and on the 3-master Redis Cluster. The two runs go side by side: the suite mostly waits
-(TTL windows, long-poll timeouts)."""
+on a standalone Redis and on the 3-master Redis Cluster."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -38,13 +36,15 @@ def vitest() -> Path:
     return binary
 
 
-def statuses(report: Path) -> dict[str, str]:
-    """``describe > ... > test`` -> passed / failed / skipped, from vitest's JSON report."""
-    out: dict[str, str] = {}
+def statuses(report: Path) -> dict[str, tuple[str, str]]:
+    """``describe > ... > test`` -> (passed / failed / skipped, the first line of its failure), from vitest's
+    JSON report."""
+    out: dict[str, tuple[str, str]] = {}
     for f in json.loads(report.read_text())["testResults"]:
         for t in f["assertionResults"]:
             titles = [a for i, a in enumerate(t["ancestorTitles"]) if not (i == 0 and a == _OUTER)]
-            out[" > ".join([*titles, t["title"]])] = "skipped" if t["status"] == "pending" else t["status"]
+            failure = (t.get("failureMessages") or [""])[0].split("\n", 1)[0]
+            out[" > ".join([*titles, t["title"]])] = ("skipped" if t["status"] == "pending" else t["status"], failure)
     return out
 
 
@@ -52,7 +52,7 @@ def baseline() -> dict[str, str]:
     return {name: status for status, name in (line.split("\t", 1) for line in BASELINE.read_text().splitlines())}
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(700)
 def test_every_conformance_test_the_reference_passes_passes_on_rsb(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
         redis_cluster: RedisClusterServers, cluster_client: redis.RedisCluster, tmp_path: Path) -> None:
@@ -61,29 +61,30 @@ def test_every_conformance_test_the_reference_passes_passes_on_rsb(
     _, standalone = stack_factory(redis_server.url).consumer(*flags)
     _, cluster = stack_factory(redis_cluster.url).consumer(*flags, "--partitions", "6")
     reports: dict[str, Path] = {}
-    t0 = time.monotonic()
-    with contextlib.ExitStack() as stack:
-        procs = []
-        for label, url in (("standalone", standalone), ("cluster", cluster)):
-            reports[label] = tmp_path / f"{label}.json"
-            env = {**os.environ, "DS_BASE_URL": url, "DS_LONG_POLL_TIMEOUT_MS": str(LONG_POLL_MS)}
-            log = stack.enter_context(open(tmp_path / f"{label}.log", "wb"))
-            procs.append(stack.enter_context(subprocess.Popen(
-                [str(binary), "run", "--reporter=json", f"--outputFile={reports[label]}"], cwd=HARNESS, env=env,
-                stdout=log, stderr=subprocess.STDOUT)))
-        for proc in procs:
-            try:
-                proc.wait(timeout=360)
-            finally:
-                proc.kill()  # a no-op once it exited
+    took: dict[str, float] = {}
+    # One run after the other: the suite's timing tests (TTL windows of 1-2 s judged to within ~0.5 s, 5 s test
+    # timeouts around long-polls) must not compete for this 2-core machine with a second run. For the same
+    # reason a failed test runs once more (--retry=1): on a machine shared with other test suites a request can
+    # take seconds; a test must fail twice to count, and every test that needed its second try is printed.
+    for label, url in (("standalone", standalone), ("cluster", cluster)):
+        reports[label] = tmp_path / f"{label}.json"
+        env = {**os.environ, "DS_BASE_URL": url, "DS_LONG_POLL_TIMEOUT_MS": str(LONG_POLL_MS)}
+        t0 = time.monotonic()
+        with open(tmp_path / f"{label}.log", "wb") as log:
+            subprocess.run([str(binary), "run", "--retry=1", "--reporter=json", f"--outputFile={reports[label]}"],
+                           cwd=HARNESS, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300)
+        took[label] = time.monotonic() - t0
     expected = baseline()
     reference_passes = sorted(n for n, st in expected.items() if st == "passed")
     for label, report in reports.items():
         assert report.exists(), (tmp_path / f"{label}.log").read_text()[-3000:]
         got = statuses(report)
-        counts = {st: sum(1 for v in got.values() if v == st) for st in ("passed", "failed", "skipped")}
-        print(f"\n{label}: {counts} in {time.monotonic() - t0:.0f}s (reference: {len(reference_passes)} passed)")
+        counts = {st: sum(1 for v, _ in got.values() if v == st) for st in ("passed", "failed", "skipped")}
+        retried = [f"{n}: {why}" for n, (st, why) in got.items() if st == "passed" and why]
+        print(f"\n{label}: {counts} in {took[label]:.0f}s (reference: {len(reference_passes)} passed); passed on "
+              f"the second try: {len(retried)}", *retried, sep="\n  ")
         assert len(got) == len(expected), f"{label}: {len(got)} tests ran, the suite has {len(expected)}"
-        missing = [n for n in reference_passes if got.get(n) != "passed"]
+        missing = [f"{n}: {got[n][1] if n in got else 'did not run'}" for n in reference_passes
+                   if got.get(n, ("absent", ""))[0] != "passed"]
         assert not missing, f"{label}: the reference passes these, rsb does not:\n" + "\n".join(missing)
         assert counts["passed"] >= len(reference_passes)

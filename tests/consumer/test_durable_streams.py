@@ -232,6 +232,7 @@ def test_each_api_key_has_its_own_paths_and_its_own_limits(stack_factory: StackF
         assert a.delete("/v1/stream/y").status_code == 204 and put(a, "/v1/stream/z").status_code == 201
 
         assert post(a, "/v1/stream/x", b"x" * 1001).status_code == 413  # body
+        assert post(a, "/v1/stream/x", b"x" * (8 << 20)).status_code == 413  # read and dropped: no reset
         assert post(a, "/v1/stream/x", b"x" * 200).status_code == 204
         assert post(a, "/v1/stream/x", b"x" * 200).status_code == 413  # the stream's size
 

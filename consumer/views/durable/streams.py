@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from broker.durable import Appended, ForkSpec, Outcome, StreamSpec, offset_of
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, PayloadTooLarge
 from broker.keys import DurableKeys
 from consumer.errors import error_response
 from consumer.http import read_body
@@ -38,6 +38,24 @@ from consumer.views.durable.responses import page_response
 GENERATIONS = "rsb"
 
 
+# A body refused for its size is still read (and dropped) up to this much before the 413: a client that is
+# still sending when the server answers and closes sees its connection reset, not the 413.
+DRAIN_MAX_BYTES = 32 * 1024 * 1024
+
+
+async def body_of(request: Request, limit: int) -> bytes:
+    try:
+        return await read_body(request, limit)
+    except PayloadTooLarge:
+        seen = 0
+        while seen <= DRAIN_MAX_BYTES:
+            message = await request.receive()
+            seen += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        raise
+
+
 def keys_of(request: Request, state: State, path: str) -> DurableKeys:
     """Each API key has its own namespace of paths."""
     return state.durable.keys(caller_of(request).key_id, path)
@@ -58,7 +76,7 @@ async def put(request: Request, path: str) -> Response:
         raise InvalidRequest("forking an rsb generation is not supported; read it from /v1/stream/rsb/<id>")
     spec = StreamSpec(content_type(request, fork=source is not None), ttl_s, expires_at, expires_ms,
                       is_true(request, CLOSED))
-    body = await read_body(request, state.settings.ds_max_body_bytes)
+    body = await body_of(request, state.settings.ds_max_body_bytes)
     fork = ForkSpec(keys_of(request, state, source), fork_offset, sub_offset) if source is not None else None
     res = await state.durable.create(keys_of(request, state, path), spec, body, fork=fork,
                                      max_streams=max_streams(request, state),
@@ -75,7 +93,7 @@ async def post(request: Request, path: str) -> Response:
     state = state_of(request)
     prod = producer(request)
     close = is_true(request, CLOSED)
-    body = await read_body(request, state.settings.ds_max_body_bytes)
+    body = await body_of(request, state.settings.ds_max_body_bytes)
     if not body and not close:
         raise InvalidRequest("an append needs a body (or Stream-Closed: true to close the stream)")
     ctype = request.headers.get("content-type")
