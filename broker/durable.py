@@ -3,24 +3,16 @@ to Redis about them. Every change is one script of broker.durable_scripts; reads
 fork's copy) are plain XRANGEs.
 
 A Durable Stream is named by its client (a URL path) within its API key's namespace (broker.keys
-``DurableKeys``). Its offsets are Redis entry ids rendered ``%016d_%016d`` (``offset_of``): fixed width, so byte
-order is numeric order and offsets sort lexicographically and strictly increase; ``0000000000000000_0000000000000000``
-is the start of every stream. Forks are copied at creation (the protocol allows any mechanism): a fork lives in
-its own name's slot, and a copy makes it an ordinary stream for reads, live modes, TTL and producers, so no read
-ever spans two slots. Its source keeps a reference (the fork's name in its ``forks`` set) so that deleting the
-source only soft-deletes it (410) until its last fork goes.
-
-JSON mode stores each POST's items as compact JSON (never a raw newline) joined by ``\\n``: a read joins the
-entries into one array without parsing anything.
+``DurableKeys``); its offsets and stored forms are broker.durable_format's. Forks are copied at creation (the
+protocol allows any mechanism): a fork lives in its own name's slot, and a copy makes it an ordinary stream for
+reads, live modes, TTL and producers, so no read ever spans two slots. Its source keeps a reference (the fork's
+name in its ``forks`` set) so that deleting the source only soft-deletes it (410) until its last fork goes.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -29,82 +21,16 @@ from redis.asyncio.cluster import RedisCluster
 
 from broker import durable_scripts, scripts
 from broker.connection import RedisClient
+from broker.durable_format import JSON_TYPE, ZERO_ID, encode_json, json_array, normalize_content_type
 from broker.errors import Conflict, Expired, InvalidRequest, NotFound, PayloadTooLarge, TooManyStreams
 from broker.keys import DurableKeys
 
-ZERO_ID = "0-0"
-JSON_TYPE = "application/json"
-DEFAULT_TYPE = "application/octet-stream"
 #: What each stored message costs against a stream's size cap besides its bytes (Redis's bookkeeping per entry).
 ENTRY_CHARGE = 64
 # Entries per XRANGE while copying a fork's inherited history.
 COPY_PAGE = 1000
 # Forks a visit of a soft-deleted stream checks for having gone away by expiry (bounds the visit's work).
 PRUNE_MAX = 64
-
-_OFFSET = re.compile(r"\A(\d{1,20})_(\d{1,20})\Z")
-_U64_MAX = 2**64 - 1
-
-
-def offset_of(entry_id: str) -> str:
-    """The protocol offset of a Redis entry id: ``1795948061229-3`` -> ``0001795948061229_0000000000000003``."""
-    ms, _, seq = entry_id.partition("-")
-    return f"{int(ms):016d}_{int(seq):016d}"
-
-
-def entry_id_of(offset: str) -> str | None:
-    """The Redis id of a well-formed offset (any width of digits, each part an unsigned 64-bit number)."""
-    m = _OFFSET.match(offset)
-    if m is None:
-        return None
-    ms, seq = int(m.group(1)), int(m.group(2))
-    if ms > _U64_MAX or seq > _U64_MAX:
-        return None
-    return f"{ms}-{seq}"
-
-
-def id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq)
-
-
-def normalize_content_type(raw: str) -> str:
-    """The media type, for comparisons: parameters dropped, trimmed, lowercased."""
-    return raw.split(";", 1)[0].strip().lower()
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError("JSON numbers must be finite")
-    return value
-
-
-def _no_constant(text: str) -> Any:
-    raise ValueError(f"{text} is not JSON")
-
-
-def encode_json(body: bytes, *, allow_empty: bool) -> bytes | None:
-    """A JSON-mode body in its stored form: a top-level array is flattened one level (each element is one
-    message), anything else is one message; items compact, joined by newlines. None: not JSON (or ``[]``,
-    unless ``allow_empty``: a PUT may create an empty stream, a POST must append something)."""
-    try:
-        value = json.loads(body.decode("utf-8"), parse_float=_finite, parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    items = value if isinstance(value, list) else [value]
-    if not items and not allow_empty:
-        return None
-    try:
-        return "\n".join(json.dumps(item, ensure_ascii=False, separators=(",", ":")) for item in items).encode()
-    except (ValueError, RecursionError):
-        return None
-
-
-def json_array(stored: Iterable[bytes]) -> bytes:
-    """Stored JSON-mode entries as one JSON array."""
-    return b"[" + b",".join(e.replace(b"\n", b",") for e in stored if e) + b"]"
-
 
 def _s(v: bytes | str | None) -> str:
     if v is None:

@@ -115,3 +115,17 @@ def wait_status(client: httpx.Client, sid: str, statuses: set[str], timeout_s: f
             return dict(r.json())
         assert time.monotonic() < deadline, f"stream {sid} never reached {statuses}: {r.text}"
         time.sleep(0.05)
+
+
+async def wait_readers(client: httpx.AsyncClient, n: int, timeout_s: float) -> None:
+    """Wait until the consumer behind ``client`` counts ``n`` connected readers (its /metrics)."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = (await client.get("/metrics")).text
+        readers = next(float(line.split()[1]) for line in m.splitlines() if line.startswith("rsb_connected_readers "))
+        if readers >= n:
+            return
+        assert time.monotonic() < deadline, f"only {readers} of {n} readers connected"
+        await asyncio.sleep(0.05)

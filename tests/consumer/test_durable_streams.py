@@ -19,7 +19,7 @@ import pytest
 import redis
 from conftest import Stack, StackFactory
 from durable_streams import stream as ds_stream
-from helpers import create, read_sse
+from helpers import create, read_sse, wait_readers
 
 from broker.redis_server import RedisServer
 from consumer.auth import new_key
@@ -172,15 +172,7 @@ def test_waiting_long_polls_hold_no_redis_connection_each(ds: str, redis_client:
         async with httpx.AsyncClient(base_url=ds, limits=limits, timeout=30) as ac:
             polls = [asyncio.create_task(ac.get(paths[i % 40], params={"offset": tails[i % 40], "live": "long-poll"}))
                      for i in range(200)]
-            deadline = time.monotonic() + 20
-            while True:
-                m = (await ac.get("/metrics")).text
-                readers = next(float(line.split()[1]) for line in m.splitlines()
-                               if line.startswith("rsb_connected_readers "))
-                if readers >= 200:
-                    break
-                assert time.monotonic() < deadline, f"only {readers} long-polls waiting"
-                await asyncio.sleep(0.05)
+            await wait_readers(ac, 200, 20)  # every long-poll is waiting
             conns = [cl for cl in redis_client.client_list() if cl["id"] not in baseline]
             assert len(conns) <= 8, [cl["cmd"] for cl in conns]  # the pool (7) and the one pub/sub connection
             for i, p in enumerate(paths):

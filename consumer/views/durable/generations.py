@@ -18,7 +18,8 @@ from typing import cast
 from starlette.requests import Request
 from starlette.responses import Response
 
-from broker.durable import JSON_TYPE, ZERO_ID, Page, id_key, offset_of
+from broker.durable import Page
+from broker.durable_format import JSON_TYPE, ZERO_ID, id_key, offset_of
 from broker.errors import InvalidRequest, NotFound
 from broker.events import Event
 from broker.store import TERMINAL_STATUSES, StreamStatus

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from broker.durable import Page, id_key
+from broker.durable import Page
+from broker.durable_format import id_key
 from broker.keys import DurableKeys
 from consumer.hub import Subscription
 from consumer.sse import Draining, Gone, SSEResponse, race

@@ -14,7 +14,8 @@ from datetime import datetime
 from starlette.requests import Request
 from starlette.responses import Response
 
-from broker.durable import DEFAULT_TYPE, Producer, entry_id_of
+from broker.durable import Producer
+from broker.durable_format import DEFAULT_TYPE, entry_id_of
 from broker.errors import InvalidRequest, NotFound, RetryLater
 from consumer.errors import as_rsb_error, error_response, internal_error
 

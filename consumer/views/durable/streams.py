@@ -7,13 +7,14 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from broker.durable import Appended, ForkSpec, Outcome, StreamSpec, offset_of
+from broker.durable import Appended, ForkSpec, Outcome, StreamSpec
+from broker.durable_format import offset_of
 from broker.errors import InvalidRequest, PayloadTooLarge
 from broker.keys import DurableKeys
 from consumer.errors import error_response
 from consumer.http import read_body
 from consumer.state import State, caller_of, state_of
-from consumer.views.durable import live
+from consumer.views.durable.live import long_poll, read, sse
 from consumer.views.durable.protocol import (
     CLOSED,
     EXPECTED_SEQ,
@@ -147,9 +148,9 @@ async def get(request: Request, path: str) -> Response:
         if offset is None:
             raise InvalidRequest(f"live={mode} needs an offset (-1 for the start, now for the tail)")
         if mode == "sse":
-            return await live.sse(request, state, keys, offset)
-        return await live.long_poll(request, state, keys, offset)
-    page = await live.read(state, keys, offset or "-1")
+            return await sse(request, state, keys, offset)
+        return await long_poll(request, state, keys, offset)
+    page = await read(state, keys, offset or "-1")
     return page_response(request, page, offset)
 
 
