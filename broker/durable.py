@@ -110,6 +110,7 @@ class Page:
     after: str
     more: bool  # cut short by the page limits: read on from ``next_id``
     entries: list[tuple[str, bytes]]
+    ttl_s: int = 0  # the stream's sliding TTL (0: none)
 
     @property
     def next_id(self) -> str:
@@ -346,9 +347,9 @@ class DurableStore:
             raise NotFound("no stream at this path")
         if tag == "gone":
             raise await self._gone(keys)
-        tail, closed, ct, is_json, gen, start, more = (_s(v) for v in res[1:8])
-        entries = [(_s(res[i]), bytes(res[i + 1])) for i in range(8, len(res), 2)]
-        return Page(tail, closed == "1", ct, is_json == "1", gen, start, more == "1", entries)
+        tail, closed, ct, is_json, gen, start, more, ttl = (_s(v) for v in res[1:9])
+        entries = [(_s(res[i]), bytes(res[i + 1])) for i in range(9, len(res), 2)]
+        return Page(tail, closed == "1", ct, is_json == "1", gen, start, more == "1", entries, int(ttl or 0))
 
     async def head(self, keys: DurableKeys) -> Meta:
         """The stream's metadata; restarts no TTL. Raises NotFound, Expired."""

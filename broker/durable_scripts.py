@@ -205,12 +205,12 @@ return {'ok', tail}
 READ = _HELPERS + """
 -- KEYS: meta, data, producers, forks, tenant ; ARGV: after ('-1' | 'now' | id), count, max bytes, refresh
 local m = KEYS[1]
-local e = redis.call('HMGET', m, 'soft', 'tail', 'closed', 'ct', 'json', 'gen')
+local e = redis.call('HMGET', m, 'soft', 'tail', 'closed', 'ct', 'json', 'gen', 'ttl')
 if not e[2] then return {'notfound'} end
 if e[1] == '1' then return {'gone'} end
 local after = ARGV[1]
 if after == 'now' then after = e[2] elseif after == '-1' then after = '0-0' end
-local out = {'ok', e[2], e[3] or '0', e[4], e[5] or '0', e[6], after, '0'}
+local out = {'ok', e[2], e[3] or '0', e[4], e[5] or '0', e[6], after, '0', e[7] or ''}
 if cmp_id(after, e[2]) < 0 then
   local count, max = tonumber(ARGV[2]), tonumber(ARGV[3])
   local entries = redis.call('XRANGE', KEYS[2], '(' .. after, '+', 'COUNT', count)

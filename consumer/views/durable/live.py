@@ -97,7 +97,8 @@ async def sse(request: Request, state: State, keys: DurableKeys, offset: str) ->
 async def _sse_frames(request: Request, state: State, keys: DurableKeys, sub: Subscription,
                       page: Page) -> AsyncIterator[bytes | None]:
     """The first page, then every page the stream grows by, each as a data event and its control event; a
-    keep-alive control (which also restarts a sliding TTL) after each --heartbeat-s of silence. Ends after the
+    keep-alive control (which also restarts a sliding TTL) after each --heartbeat-s of silence (half the TTL,
+    if that is shorter). Ends after the
     final control of a closed stream, or after --ds-sse-max-s (the client reconnects from its last offset)."""
     settings = state.settings
     text = is_text(page.content_type)
@@ -113,7 +114,9 @@ async def _sse_frames(request: Request, state: State, keys: DurableKeys, sub: Su
             left = ends_at - loop.time()
             if left <= 0:
                 return
-            woke = await sub.wait(min(settings.heartbeat_s, left))
+            # The keep-alive's read restarts a sliding TTL: an open reader keeps a short-lived stream alive.
+            idle_s = min(settings.heartbeat_s, page.ttl_s / 2) if page.ttl_s else settings.heartbeat_s
+            woke = await sub.wait(min(idle_s, left))
             sub.take()
             if not woke and ends_at - loop.time() <= 0:
                 return
