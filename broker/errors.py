@@ -44,6 +44,13 @@ class Conflict(RsbError):
     status_code = 409
 
 
+class TooManyStreams(RsbError):
+    """An API key holds as many Durable Streams as it may (``--ds-max-streams``, or the key's ``max_ds_streams``)."""
+
+    code = "too_many_streams"
+    status_code = 429
+
+
 class RetryLater(RsbError):
     """Base for errors that carry a ``Retry-After``."""
 

@@ -22,6 +22,9 @@ cluster bus to every node, so its cost grows with the cluster, and a subscriber 
 A sharded channel lives on the shard that owns its slot (the stream's own), and a consumer pod tails all
 its streams with one SSUBSCRIBE connection per master. SPUBLISH needs Redis 7; the standalone default
 keeps PUBLISH, which every server rsb can embed supports.
+
+The scripts of Durable Streams (streams named and written by clients, broker.durable) are in
+broker.durable_scripts.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ it again). Standard library only: the client imports it without the server's dep
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 HEARTBEAT = b": keep-alive\n\n"
@@ -26,6 +27,14 @@ def frame(data: bytes, *, event: bytes | None = None, event_id: bytes | None = N
     if event is not None:
         out += b"event: " + event + b"\n"
     return out + b"data: " + data + b"\n\n"
+
+
+def frame_lines(event: bytes, lines: Iterable[bytes]) -> bytes:
+    """One event whose data spans ``lines`` (none may contain CR or LF: split the payload on them first), each
+    written ``data:<line>``, with no space after the colon: a parser drops one leading space if there is one,
+    so without it every line arrives verbatim, leading spaces included. The Durable Streams protocol frames
+    its events this way (consumer/views/durable)."""
+    return b"event: " + event + b"\n" + b"".join(b"data:" + line + b"\n" for line in lines) + b"\n"
 
 
 def retry_hint(ms: int) -> bytes:

@@ -256,6 +256,11 @@ class Store:
         entries: Any = await self.redis.xrange(k.events, min=start, max="+", count=count)
         return [Event.from_entry(eid, fields) for eid, fields in entries]
 
+    async def last_event_id(self, stream_id: uuid.UUID) -> str | None:
+        """The id of the stream's latest event (None: no events)."""
+        entries: Any = await self.redis.xrevrange(self.keys(stream_id).events, count=1)
+        return _s(entries[0][0]) if entries else None
+
     async def expired(self, stream_id: uuid.UUID) -> bool:
         """Whether this id belonged to a stream that ended and passed its retention (410, not 404)."""
         return bool(await self.redis.exists(self.keys(stream_id).tombstone))

@@ -13,6 +13,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from broker.chats import ChatStore
 from broker.connection import connect, connect_blocking
+from broker.durable import DurableStore
 from broker.store import Store
 from consumer.auth import ApiKeys
 from consumer.errors import HANDLERS
@@ -24,6 +25,7 @@ from consumer.service import StreamService
 from consumer.settings import ConsumerSettings
 from consumer.state import STATE_KEY, State
 from consumer.views import ROUTES
+from consumer.views.durable import protocol as durable_protocol
 
 # How often a pod records, per stream it serves, that a reader is connected. Must stay well under the
 # generators' --disconnect-grace-s and any --abandon-after-s.
@@ -65,7 +67,8 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
         store = Store(redis, b.partitions)
         service = StreamService(settings, store, hub, metrics, api_keys, limiter)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
-                      service=service, chats=ChatStore(redis), draining=drain)
+                      service=service, chats=ChatStore(redis),
+                      durable=DurableStore(redis, b.partitions), draining=drain)
         # A read stream must never look unread for abandon_after_s: touch well within it.
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)
@@ -83,8 +86,9 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
     app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
     app.add_middleware(AuthMiddleware, keys=api_keys)
     if settings.cors_origins:  # outermost, so preflights and 401s carry the CORS headers too
+        # The Durable Streams view (consumer/views/durable) adds its methods and its Stream-*/Producer-* headers.
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type",
-                                                                           "Last-Event-ID"],
-                           expose_headers=["Retry-After"], max_age=600)
+                           allow_methods=list(durable_protocol.METHODS),
+                           allow_headers=sorted({"Last-Event-ID", *durable_protocol.REQUEST_HEADERS}),
+                           expose_headers=list(durable_protocol.RESPONSE_HEADERS), max_age=600)
     return app

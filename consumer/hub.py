@@ -38,7 +38,7 @@ class Subscription:
 
     __slots__ = ("_wake", "buffer", "channel", "max_buffered", "resync", "stream_id", "watched")
 
-    def __init__(self, channel: bytes, stream_id: uuid.UUID, max_buffered: int, watched: bool = False) -> None:
+    def __init__(self, channel: bytes, stream_id: uuid.UUID | None, max_buffered: int, watched: bool = False) -> None:
         self.channel = channel
         self.stream_id = stream_id
         # Whether the stream's generation depends on having readers (cancel_on_disconnect, abandonment).
@@ -120,12 +120,15 @@ class LiveHub:
         out = []
         for subs in self._subs.values():
             first = next(iter(subs), None)
-            if first is not None and first.watched:
+            if first is not None and first.watched and first.stream_id is not None:
                 out.append(first.stream_id)
         return out
 
-    async def subscribe(self, channel: str, stream_id: uuid.UUID, *, watched: bool = False) -> Subscription:
-        """A live feed of ``channel``; returns once Redis confirmed the subscription (or a resync is due)."""
+    async def subscribe(self, channel: str, stream_id: uuid.UUID | None = None, *,
+                        watched: bool = False) -> Subscription:
+        """A live feed of ``channel``; returns once Redis confirmed the subscription (or a resync is due).
+        ``stream_id``: the rsb stream behind the channel, if any (Durable Streams channels have none: their
+        messages, ``<offset>\\n<kind>\\n``, only wake readers, who then read the stream)."""
         ch = channel.encode()
         sub = Subscription(ch, stream_id, self._max_buffered, watched)
         subs = self._subs.get(ch)

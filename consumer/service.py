@@ -201,12 +201,20 @@ class StreamService:
                             return True
         return False
 
+    async def page(self, stream_id: uuid.UUID, after_id: str | None, count: int = REPLAY_PAGE) -> list[Event]:
+        """Up to ``count`` events after ``after_id`` (None: from the start), without waiting for more."""
+        return await self.store.read(stream_id, after_id, count=count)
+
+    async def last_event_id(self, stream_id: uuid.UUID) -> str | None:
+        """The id of the stream's latest event so far (None: none yet)."""
+        return await self.store.last_event_id(stream_id)
+
     async def events_so_far(self, stream_id: uuid.UUID) -> list[Event]:
         """Every event appended so far, without waiting for more."""
         out: list[Event] = []
         last = None
         while True:
-            page = await self.store.read(stream_id, last, count=REPLAY_PAGE)
+            page = await self.page(stream_id, last)
             out.extend(page)
             if len(page) < REPLAY_PAGE:
                 return out

@@ -80,6 +80,23 @@ class ConsumerSettings(Settings):
     cors_origins: tuple[str, ...] = setting(
         (), "comma-separated origins allowed by CORS (default: none; '*' for any)")
     log_content: bool = setting(False, "log prompts at create (off by default: users' data)")
+    # Durable Streams at /v1/stream/ (consumer/views/durable, docs/protocol.md).
+    ds_long_poll_timeout_s: float = setting(
+        20.0, "Durable Streams: how long a long-poll waits for data before its 204 (keep it under every proxy's "
+        "read timeout)")
+    ds_sse_max_s: float = setting(
+        60.0, "Durable Streams: an SSE response ends after this long; clients reconnect from their last offset")
+    ds_max_body_bytes: int = setting(
+        1024 * 1024, "Durable Streams: larger PUT/POST bodies get 413 (deploy/nginx.conf allows 2 MiB)")
+    ds_max_stream_bytes: int = setting(
+        64 * 1024 * 1024, "Durable Streams: most bytes one stream may hold (each message also counts 64 bytes); "
+        "appends past it get 413 (0 = no bound)")
+    ds_max_streams: int = setting(
+        10000, "Durable Streams one API key may hold, forks included (a key's max_ds_streams limit overrides; "
+        "0 = no bound); more get 429")
+    ds_read_max_bytes: int = setting(
+        1024 * 1024, "Durable Streams: bytes a read response or an SSE data event carries at most (one message "
+        "at least)")
 
     def request_limits(self, key_max_tokens: int = 0) -> RequestLimits:
         """What one create may ask for; ``key_max_tokens`` narrows max_tokens for an API key (0: no limit)."""

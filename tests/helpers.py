@@ -202,3 +202,16 @@ def assert_english(text: str, min_words: int = 20) -> None:
     assert len(words) >= min_words, f"only {len(words)} words: {text!r}"
     common = sum(w in COMMON_ENGLISH for w in words)
     assert common / len(words) > 0.2, f"few common English words ({common}/{len(words)}): {text!r}"
+
+async def wait_readers(client: httpx.AsyncClient, n: int, timeout_s: float) -> None:
+    """Wait until the consumer behind ``client`` counts ``n`` connected readers (its /metrics)."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = (await client.get("/metrics")).text
+        readers = next(float(line.split()[1]) for line in m.splitlines() if line.startswith("rsb_connected_readers "))
+        if readers >= n:
+            return
+        assert time.monotonic() < deadline, f"only {readers} of {n} readers connected"
+        await asyncio.sleep(0.05)

@@ -4,7 +4,9 @@ every request the document allows accepted and every one it forbids refused. It 
 command line, as a user would, with a fixed seed so a failure reproduces.
 
 Not in the document, so not fuzzed here: the AI SDK view (/api/chat...), whose contract is the `ai`
-package's transport and UI message stream, driven with the real client (ai@5 and ai@6) in test_aisdk.py."""
+package's transport and UI message stream, driven with the real client (ai@5 and ai@6) in test_aisdk.py; and
+the Durable Streams view (/v1/stream/{path}), whose contract is the protocol's own conformance suite
+(test_durable_conformance.py), its behaviours tested in test_durable_streams.py."""
 
 from __future__ import annotations
 

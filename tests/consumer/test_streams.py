@@ -14,7 +14,7 @@ import httpx
 import orjson
 import redis
 from conftest import Stack, StackFactory
-from helpers import SSERead, create, read_sse, wait_status
+from helpers import SSERead, create, read_sse, wait_readers, wait_status
 
 from broker.redis_server import RedisServer
 
@@ -187,15 +187,7 @@ def test_500_live_readers_hold_a_small_bounded_number_of_redis_connections(stack
                                for block in buf.split(b"\n\n") if b"event: delta" in block)
 
             tasks = [asyncio.create_task(one(sids[i % 100])) for i in range(500)]
-            deadline = time.monotonic() + 60
-            while True:
-                m = (await ac.get("/metrics")).text
-                readers = next(float(line.split()[1]) for line in m.splitlines()
-                               if line.startswith("rsb_connected_readers "))
-                if readers >= 500:
-                    break
-                assert time.monotonic() < deadline, f"only {readers} readers connected"
-                await asyncio.sleep(0.1)
+            await wait_readers(ac, 500, 60)
             conns = [cl for cl in redis_client.client_list() if cl["id"] not in baseline]
             # The whole consumer: the command pool (7 at most) plus one pub/sub connection.
             assert len(conns) <= 8, [cl["cmd"] for cl in conns]
