@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import time
@@ -12,6 +13,7 @@ import traceback
 from bench.procs import raise_nofile
 from bench.report import write_json
 from bench.scenarios import SCENARIOS
+from broker import runtime
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run_one(name: str, args: argparse.Namespace) -> bool:
     mod = importlib.import_module(f"bench.scenarios.{name}")
     t0 = time.monotonic()
-    print(f"\n##### {name}", flush=True)
+    load_before = os.getloadavg()[0]
+    print(f"\n##### {name} (stack {runtime.stack()}, load average {load_before:.1f})", flush=True)
     try:
         result = mod.run(args)
     except Exception:
@@ -39,6 +42,9 @@ def run_one(name: str, args: argparse.Namespace) -> bool:
         return False
     result["wall_s"] = round(time.monotonic() - t0, 1)
     result["command"] = "python3 -m bench " + " ".join(sys.argv[1:])
+    # The machine is shared: the load around a run says how much to trust its ratios.
+    result["machine"] = {"stack": runtime.stack(), "load_before": round(load_before, 2),
+                         "load_after": round(os.getloadavg()[0], 2)}
     tag = getattr(args, "tag", "")
     write_json(f"{name}-{tag}" if tag else name, result)
     return True

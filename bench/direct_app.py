@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from bench.paced_engine import PacedEngine
 from bench.procs import raise_nofile
+from broker import runtime
 from broker.request import RequestLimits, parse_create_body
 from generator.handoff import TokenHandoff
 
@@ -101,7 +102,7 @@ def main() -> None:
                                 log_level="warning", access_log=False, timeout_graceful_shutdown=1)
         await uvicorn.Server(config).serve()
 
-    asyncio.run(run())
+    runtime.run(run())
 
 
 if __name__ == "__main__":

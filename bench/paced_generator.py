@@ -22,6 +22,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 
 from bench.paced_engine import PacedEngine
 from bench.procs import raise_nofile
+from broker import runtime
 from broker.connection import connect
 from broker.logs import setup_logging
 from broker.settings import BrokerSettings
@@ -97,7 +98,7 @@ def main() -> None:
     raise_nofile()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # thread stacks on demand, for diagnosis
     setup_logging(args.log_level)
-    asyncio.run(serve(args))
+    runtime.run(serve(args))
 
 
 if __name__ == "__main__":

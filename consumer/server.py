@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from broker import runtime
 from consumer.app import create_app
 from consumer.guards import Guards, guarded, open_file_limit
 from consumer.settings import ConsumerSettings
@@ -127,5 +128,5 @@ def build_server(settings: ConsumerSettings, **uvicorn_options: Any) -> Consumer
 
 def run_consumer(settings: ConsumerSettings) -> None:
     server = build_server(settings)
-    log.info("consumer listening", extra={"url": f"http://{settings.host}:{settings.port}"})
+    log.info("consumer listening", extra={"url": f"http://{settings.host}:{settings.port}", "stack": runtime.stack()})
     server.run()

@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 
+from broker import runtime
 from broker.connection import connect, connect_blocking
 from broker.store import Store
 from generator.engines import Engine, build_engine
@@ -43,7 +44,8 @@ async def serve(settings: GeneratorSettings, engine: Engine) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    log.info("generator ready", extra={"worker_id": worker.worker_id, "model": engine.name})
+    log.info("generator ready", extra={"worker_id": worker.worker_id, "model": engine.name,
+                                           "stack": runtime.stack()})
     try:
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -65,4 +67,4 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 def run_generator(settings: GeneratorSettings) -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine = build_engine(settings.engine)
-    asyncio.run(serve(settings, engine))
+    runtime.run(serve(settings, engine))
