@@ -29,6 +29,12 @@ def frame(data: bytes, *, event: bytes | None = None, event_id: bytes | None = N
     return out + b"data: " + data + b"\n\n"
 
 
+def event_frame(event_id: bytes, event: bytes, data: bytes) -> bytes:
+    """``frame`` with all three fields, as every stored event is sent: one formatting operation (a replay
+    frames hundreds of thousands of events a second)."""
+    return b"id: %b\nevent: %b\ndata: %b\n\n" % (event_id, event, data)
+
+
 def frame_lines(event: bytes, lines: Iterable[bytes]) -> bytes:
     """One event whose data spans ``lines`` (none may contain CR or LF: split the payload on them first), each
     written ``data:<line>``, with no space after the colon: a parser drops one leading space if there is one,

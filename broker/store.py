@@ -21,7 +21,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from broker import scripts
-from broker.connection import RedisClient
+from broker.connection import RAW_ENTRIES, RedisClient
 from broker.errors import Conflict, Expired, QueueFull, RateLimited, TooManyGenerations
 from broker.events import TERMINAL_TYPES, Event, EventType, encode_data
 from broker.keys import JOBS_GROUP, StreamKeys, jobs_key, principal, queue_stats_key, stream_key_prefix
@@ -253,8 +253,9 @@ class Store:
         """Events strictly after ``after_id`` (None: from the start), at most ``count``."""
         k = self.keys(stream_id)
         start = "-" if after_id is None else f"({after_id}"
-        entries: Any = await self.redis.xrange(k.events, min=start, max="+", count=count)
-        return [Event.from_entry(eid, fields) for eid, fields in entries]
+        entries: Any = await self.redis.execute_command("XRANGE", k.events, start, "+", "COUNT", count,
+                                                        keys=[k.events], **{RAW_ENTRIES: True})
+        return [Event.from_raw(entry) for entry in entries]
 
     async def last_event_id(self, stream_id: uuid.UUID) -> str | None:
         """The id of the stream's latest event (None: no events)."""

@@ -64,9 +64,10 @@ async def read_batches(
                             next_beat = time.monotonic() + idle_s
                         sub.take()
                         continue
-                    end = next((i for i, ev in enumerate(page) if ev.is_terminal), None)
-                    if end is not None:
-                        yield page[: end + 1]
+                    # Nothing is appended after a terminal event (FINISH closes the stream), so only a page's
+                    # last event can be one.
+                    if page and page[-1].is_terminal:
+                        yield page
                         return
                     if page:
                         yield page

@@ -128,5 +128,6 @@ def build_server(settings: ConsumerSettings, **uvicorn_options: Any) -> Consumer
 
 def run_consumer(settings: ConsumerSettings) -> None:
     server = build_server(settings)
+    runtime.tune_gc()
     log.info("consumer listening", extra={"url": f"http://{settings.host}:{settings.port}", "stack": runtime.stack()})
     server.run()

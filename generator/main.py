@@ -67,4 +67,5 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 def run_generator(settings: GeneratorSettings) -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine = build_engine(settings.engine)
+    runtime.tune_gc()
     runtime.run(serve(settings, engine))

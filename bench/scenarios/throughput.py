@@ -23,6 +23,7 @@ from bench.prefill import prefill
 from bench.report import goal_row, print_goals, table
 from bench.sseclient import client
 from bench.stats import ratio
+from broker import runtime
 from broker.keys import StreamKeys
 
 
@@ -59,6 +60,7 @@ async def load_sse(ctl: Control, base: str, sids: list[str], readers: int, durat
 
 async def load_xrange(ctl: Control, redis_url: str, sids: list[str], readers: int,
                       duration_s: float) -> dict[str, Any]:
+    runtime.tune_gc()  # the consumer's collector settings: the ceiling is measured on equal terms
     r = aioredis.Redis(connection_pool=BlockingConnectionPool.from_url(redis_url, max_connections=8))
     keys = [StreamKeys.of(uuid.UUID(s), 1).events for s in sids]
     counts = [0] * readers
@@ -106,6 +108,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 [["rsb SSE, one consumer", rsb, f"consumer {out['rsb']['consumer_cores']:.2f} cores, "
                   f"load process {out['rsb']['load_cores']:.2f} cores"],
                  ["reference: redis-py XRANGE, one process", ref, "same pages (512), pool of 8"]]))
-    out["goals"] = {"ge_50pct_of_reference": r >= 0.5}
-    print_goals("throughput", [goal_row("rsb / reference", r * 100, ">= 50%", r >= 0.5, "%")])
+    out["goals"] = {"ge_70pct_of_reference": r >= 0.7}
+    print_goals("throughput", [goal_row("rsb / reference", r * 100, ">= 70%", r >= 0.7, "%")])
     return out

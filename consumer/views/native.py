@@ -76,7 +76,7 @@ async def native_frames(batches: AsyncIterator[list[Event] | None], metrics: Met
         if batch is None:
             yield None
             continue
-        yield b"".join(ev.to_sse() for ev in batch)
+        yield b"".join([ev.to_sse() for ev in batch])
         metrics.inc("rsb_events_sent_total", len(batch))  # after the send: the generator resumes then
 
 
