@@ -1,7 +1,9 @@
 """generator: a long llama.cpp generation through the rsb worker into Redis vs a bare Llama.generate loop.
 
-Same model (the demo model from generator.engines.demo_model.build_demo_model, random weights, end-of-sequence
-masked so every run makes exactly ``--tokens`` tokens), prompt, seed, sampler, threads and context.
+Same model (``--model smollm2``, the default: the real SmolLM2-135M-Instruct that ``rsb up`` serves; or
+``--model demo``: the random-weight demo model of generator.engines.demo_model, far faster per token, so
+rsb's own cost per token weighs far more), end-of-sequence masked so every run makes exactly ``--tokens``
+tokens, prompt, seed, sampler, threads and context.
 Bare: ``Llama.generate`` in its own process, a time stamp per token. rsb: ``rsb generator --ignore-eos``
 and a stream created through the Store; a token's time is the Redis entry id (ms) of the delta that
 completed its text, the start is the ``started`` event (appended just before prefill, as the bare clock
@@ -25,7 +27,7 @@ import orjson
 
 from bench import procs
 from bench.loadproc import Control
-from bench.report import fmt, goal_row, print_goals, table
+from bench.report import goal_row, print_goals, table
 from bench.stats import ratio
 from broker.connection import connect
 from broker.events import parse_event_id
@@ -37,13 +39,18 @@ SEED, TEMPERATURE, TOP_P, TOP_K = 1234, 0.8, 0.95, 40
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=4000, help="tokens per generation (default 4000)")
+    p.add_argument("--model", choices=("smollm2", "demo"), default="smollm2",
+                   help="smollm2: the default model (real weights, ~50 tokens/s here); demo: random weights (default "
+                        "smollm2)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per generation (default 600 for smollm2, 4000 for demo)")
     p.add_argument("--rounds", type=int, default=3, help="alternating bare/rsb rounds (default 3)")
     p.add_argument("--n-threads", type=int, default=1, help="llama.cpp threads, both sides (default 1)")
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--embd", type=int, default=64, help="demo model width (default 64: the rsb demo model)")
     p.add_argument("--layers", type=int, default=2, help="demo model blocks (default 2)")
-    p.add_argument("--window", type=int, default=500, help="first/last N tokens compared (default 500)")
+    p.add_argument("--window", type=int, default=None,
+                   help="first/last N tokens compared (default a sixth of --tokens, at most 500)")
 
 
 async def bare_generate(ctl: Control, model: str, tokens: int, n_threads: int, n_ctx: int,
@@ -156,11 +163,22 @@ def _rates(times: list[float], window: int) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from generator.engines.demo_model import build_demo_model
+    from generator.engines.models import default_model
 
-    tmp = Path(tempfile.mkdtemp(prefix="rsb-bench-model-"))
-    model = str(build_demo_model(tmp / f"demo-{args.embd}x{args.layers}.gguf", embd=args.embd, layers=args.layers))
+    if args.tokens is None:
+        args.tokens = 600 if args.model == "smollm2" else 4000
+    if args.window is None:
+        args.window = min(500, args.tokens // 6)
+    if args.model == "smollm2":
+        model = str(default_model().path)
+        model_name = "SmolLM2-135M-Instruct (the default model)"
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="rsb-bench-model-"))
+        model = str(build_demo_model(tmp / f"demo-{args.embd}x{args.layers}.gguf", embd=args.embd,
+                                     layers=args.layers))
+        model_name = f"demo {args.embd}x{args.layers} (random weights)"
     out: dict[str, Any] = {"params": {"tokens": args.tokens, "rounds": args.rounds, "n_threads": args.n_threads,
-                                      "n_ctx": args.n_ctx, "model": f"demo {args.embd}x{args.layers} (random weights)",
+                                      "n_ctx": args.n_ctx, "model": model_name,
                                       "prompt": PROMPT, "seed": SEED, "temperature": TEMPERATURE, "top_p": TOP_P}}
     bare_runs: list[dict[str, float]] = []
     rsb_runs: list[dict[str, float]] = []
@@ -208,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     over_first, over_last = (first - b_first) / w * 1000, (last - b_last) / w * 1000
     out["rsb"]["overhead_ms_per_token_first_window"] = over_first
     out["rsb"]["overhead_ms_per_token_last_window"] = over_last
-    print(table(f"\n== generator: {args.tokens} tokens, demo model {args.embd}x{args.layers}, "
+    print(table(f"\n== generator: {args.tokens} tokens, {model_name}, "
                 f"{args.n_threads} thread(s), median of {args.rounds}",
                 ["path", "tokens/s", f"first {w} s", f"last {w} s", "runs tokens/s"],
                 [["bare Llama.generate", b_tps, med(bare_runs, "first_window_s"), med(bare_runs, "last_window_s"),
@@ -216,12 +234,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  ["rsb worker -> Redis", r_tps, first, last, " ".join(f"{r['tokens_per_s']:.0f}" for r in rsb_runs)]]))
     print(f"rsb text identical to bare (same tokens): {same_all}; rsb overhead per token: first {w} "
           f"{over_first:.3f} ms, last {w} {over_last:.3f} ms")
-    out["goals"] = {"ge_97pct_tokens_per_s": rr >= 0.97, "last_window_not_slower": lf <= 1.0,
+    # llama.cpp itself slows down as its context fills: rsb may not add to that (its own slowdown within 0.02).
+    b_lf = out["bare"]["last_over_first_window"]
+    out["goals"] = {"ge_98pct_tokens_per_s": rr >= 0.98, "slowdown_as_bare": lf <= b_lf + 0.02,
                     "overhead_flat": over_last <= max(over_first, 0.0) + 0.005}
     print_goals("generator", [
-        goal_row("rsb / bare tokens/s", rr * 100, ">= 97%", rr >= 0.97, "%"),
-        goal_row(f"last {w} / first {w} time (rsb)", lf, "<= 1.0", lf <= 1.0),
-        ["  same, bare engine alone", fmt(out["bare"]["last_over_first_window"]), "(info)", "-"],
+        goal_row("rsb / bare tokens/s", rr * 100, ">= 98%", rr >= 0.98, "%"),
+        goal_row(f"last {w} / first {w} time (rsb)", lf, f"<= {b_lf + 0.02:.2f} (bare's + 0.02)",
+                 out["goals"]["slowdown_as_bare"]),
         goal_row(f"rsb overhead ms/token, last {w} vs first", over_last,
                  f"<= {max(over_first, 0.0) + 0.005:.3f}", out["goals"]["overhead_flat"]),
     ])
