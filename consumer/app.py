@@ -1,5 +1,5 @@
 """The Starlette application: the typed state built in the lifespan, the routes of every view, the
-authentication middleware and the one error boundary."""
+authentication middleware and the one error boundary; in front of it, the readers' route (consumer.front)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp
 
 from broker.chats import ChatStore
 from broker.connection import connect, connect_blocking
@@ -17,6 +18,7 @@ from broker.durable import DurableStore
 from broker.store import Store
 from consumer.auth import ApiKeys
 from consumer.errors import HANDLERS
+from consumer.front import FrontDoor
 from consumer.hub import LiveHub
 from consumer.limits import ConnectionLimiter
 from consumer.metrics import Metrics
@@ -41,7 +43,7 @@ async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
                 await store.touch(ids[i:i + 1000])
 
 
-def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = None) -> Starlette:
+def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = None) -> ASGIApp:
     """``draining`` is set by the server on SIGTERM: open SSE responses then end at an event boundary."""
     # Loaded here, not in the lifespan: a broken keys file must stop the start, with its message.
     api_keys = (ApiKeys.load(settings.api_keys_file, settings.read_token_secret) if settings.api_keys_file
@@ -91,4 +93,4 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
                            allow_methods=list(durable_protocol.METHODS),
                            allow_headers=sorted({"Last-Event-ID", *durable_protocol.REQUEST_HEADERS}),
                            expose_headers=list(durable_protocol.RESPONSE_HEADERS), max_age=600)
-    return app
+    return FrontDoor(app, api_keys, cors=bool(settings.cors_origins))

@@ -54,3 +54,13 @@ async def internal_error(request: Request, exc: Exception) -> Response:
 
 HANDLERS = {RsbError: rsb_error, HTTPException: http_error, **dict.fromkeys(UNAVAILABLE_ERRORS, rsb_error),
             Exception: internal_error}
+
+
+async def error_for(request: Request, exc: Exception) -> Response:
+    """The response the app's exception handlers give ``exc`` (the most specific class wins, as in Starlette),
+    for code served below Starlette's own error boundary (consumer.front)."""
+    for cls in type(exc).__mro__:
+        handler = HANDLERS.get(cls)
+        if handler is not None:
+            return await handler(request, exc)
+    return await internal_error(request, exc)

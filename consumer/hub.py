@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from broker.connection import RedisClient
 from broker.events import Event
 from broker.pubsub import Channels
+from consumer.clock import Clock
 
 log = logging.getLogger("rsb.consumer.hub")
 
@@ -36,9 +37,10 @@ class Subscription:
     a resync: a reader that falls behind (a slow client) costs at most ``max_buffered`` events of memory
     here, and catches up from the Redis Stream, page by page, at its own pace."""
 
-    __slots__ = ("_wake", "buffer", "channel", "max_buffered", "resync", "stream_id", "watched")
+    __slots__ = ("_clock", "_wake", "buffer", "channel", "max_buffered", "resync", "stream_id", "watched")
 
-    def __init__(self, channel: bytes, stream_id: uuid.UUID | None, max_buffered: int, watched: bool = False) -> None:
+    def __init__(self, channel: bytes, stream_id: uuid.UUID | None, max_buffered: int, watched: bool = False,
+                 clock: Clock | None = None) -> None:
         self.channel = channel
         self.stream_id = stream_id
         # Whether the stream's generation depends on having readers (cancel_on_disconnect, abandonment).
@@ -47,6 +49,7 @@ class Subscription:
         self.max_buffered = max_buffered
         self.resync = False
         self._wake = asyncio.Event()
+        self._clock = clock or Clock()
 
     def push(self, event: Event) -> None:
         if self.resync:
@@ -64,17 +67,21 @@ class Subscription:
         self._wake.set()
 
     async def wait(self, timeout_s: float) -> bool:
-        """Wait for events or a resync request; False on timeout."""
+        """Wait for events or a resync request; False on timeout (which may come a clock granule late)."""
         if self.buffer or self.resync:
             return True
-        self._wake.clear()
-        try:
-            # asyncio.timeout, not wait_for: a cancellation racing the wake-up must not be swallowed.
-            async with asyncio.timeout(timeout_s):
-                await self._wake.wait()
-        except TimeoutError:
+        if timeout_s <= 0:
             return False
-        return True
+        self._wake.clear()
+        # The pod's shared clock, not a timer of our own per wait (consumer.clock); a cancellation while
+        # waiting propagates as is.
+        wake = self._wake.set
+        key = self._clock.call_at(self._clock.now() + timeout_s, wake)
+        try:
+            await self._wake.wait()
+        finally:
+            self._clock.cancel(key, wake)
+        return bool(self.buffer or self.resync)
 
     def take(self) -> tuple[list[Event], bool]:
         """The buffered events and whether the reader must re-read the range first."""
@@ -87,6 +94,7 @@ class Subscription:
 class LiveHub:
     def __init__(self, redis: RedisClient, *, max_buffered: int = 256) -> None:
         self._max_buffered = max_buffered
+        self.clock = Clock()
         self._subs: dict[bytes, set[Subscription]] = {}
         # The confirmation each channel's first reader waits for; later readers wait behind it.
         self._pending: dict[bytes, asyncio.Future[None]] = {}
@@ -130,7 +138,7 @@ class LiveHub:
         ``stream_id``: the rsb stream behind the channel, if any (Durable Streams channels have none: their
         messages, ``<offset>\\n<kind>\\n``, only wake readers, who then read the stream)."""
         ch = channel.encode()
-        sub = Subscription(ch, stream_id, self._max_buffered, watched)
+        sub = Subscription(ch, stream_id, self._max_buffered, watched, self.clock)
         subs = self._subs.get(ch)
         if subs:
             subs.add(sub)

@@ -28,30 +28,35 @@ class AuthMiddleware:
         if scope["type"] != "http" or not self.keys.enabled or not scope["path"].startswith(_API_PREFIXES):
             await self.app(scope, receive, send)
             return
-        authorization = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-                break
         try:
-            scope["rsb.key_id"] = self._authenticate(scope, authorization)
+            scope["rsb.key_id"] = authenticate(self.keys, scope)
         except Unauthorized as e:
-            # Before any route runs, so before anyone knows which protocol is spoken: the body carries both
-            # rsb's fields (code, message) and OpenAI's (type, param), which every view's clients read.
-            body = {"error": {"code": e.code, "message": e.message, "type": "invalid_request_error", "param": None}}
-            response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            await response(scope, receive, send)
+            await unauthorized(e)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
-    def _authenticate(self, scope: Scope, authorization: str | None) -> str:
-        if authorization is None and scope["method"] == "GET":
-            m = _READABLE.match(scope["path"])
-            token = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
-            if m is not None and token:
-                try:
-                    stream_id = uuid.UUID(m.group(1))
-                except ValueError:
-                    raise Unauthorized("invalid read token") from None
-                return self.keys.check_read_token(token[0], stream_id)
-        return self.keys.authenticate(authorization)
+
+def unauthorized(e: Unauthorized) -> JSONResponse:
+    # Before any route runs, so before anyone knows which protocol is spoken: the body carries both rsb's
+    # fields (code, message) and OpenAI's (type, param), which every view's clients read.
+    body = {"error": {"code": e.code, "message": e.message, "type": "invalid_request_error", "param": None}}
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def authenticate(keys: ApiKeys, scope: Scope) -> str:
+    """The caller's key id, from the Authorization header or a read token; raises Unauthorized."""
+    authorization = None
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            authorization = value.decode("latin-1")
+            break
+    if authorization is None and scope["method"] == "GET":
+        m = _READABLE.match(scope["path"])
+        token = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
+        if m is not None and token:
+            try:
+                stream_id = uuid.UUID(m.group(1))
+            except ValueError:
+                raise Unauthorized("invalid read token") from None
+            return keys.check_read_token(token[0], stream_id)
+    return keys.authenticate(authorization)

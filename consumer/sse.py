@@ -16,7 +16,6 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from starlette.background import BackgroundTask
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
@@ -97,7 +96,9 @@ class SSEResponse(Response):
         self.shutdown = shutdown
         self.send_timeout_s = send_timeout_s
         self.shutdown_frame = shutdown_frame
-        self.background = BackgroundTask(on_close) if on_close is not None else None
+        # Called directly, not as a BackgroundTask: Starlette runs a plain function in a worker thread.
+        self.background = None
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -105,8 +106,8 @@ class SSEResponse(Response):
         finally:
             with contextlib.suppress(Exception):
                 await self.frames.aclose()  # type: ignore[attr-defined]
-            if self.background is not None:
-                await self.background()
+            if self.on_close is not None:
+                self.on_close()
 
     async def _serve(self, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -134,10 +135,36 @@ class SSEResponse(Response):
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def _stream(self, send: Send) -> None:
-        async for chunk in self.frames:
-            # A reader that stops reading is dropped after send_timeout_s instead of pinning memory;
-            # it can resume from its last event id. (asyncio.timeout, not wait_for: before Python 3.12
-            # wait_for can swallow a cancellation that races with the send completing, and the stream
-            # would go on after the response ended.)
-            async with asyncio.timeout(self.send_timeout_s):
+        # A reader that stops reading is dropped after send_timeout_s instead of pinning memory; it can resume
+        # from its last event id. One watchdog timer per response, re-armed when it fires, instead of a timer
+        # set and cancelled around every send (consumer.server's stall guard applies the same rule to the
+        # transport; this is the rule seen from the app).
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        sending_since: float | None = None
+        stalled = False
+        handle: asyncio.TimerHandle
+
+        def watchdog() -> None:
+            nonlocal handle, stalled
+            if sending_since is not None and loop.time() - sending_since >= self.send_timeout_s:
+                stalled = True
+                task.cancel()
+                return
+            due = self.send_timeout_s if sending_since is None else sending_since + self.send_timeout_s - loop.time()
+            handle = loop.call_later(due, watchdog)
+
+        handle = loop.call_later(self.send_timeout_s, watchdog)
+        try:
+            async for chunk in self.frames:
+                sending_since = loop.time()
                 await self._send(send, HEARTBEAT if chunk is None else chunk)
+                sending_since = None
+        except asyncio.CancelledError:
+            if not stalled:
+                raise
+            task.uncancel()
+            raise TimeoutError from None
+        finally:
+            handle.cancel()

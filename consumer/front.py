@@ -1,0 +1,56 @@
+"""The front door: the route every reader holds open, ``GET /v1/streams/{id}/events``, served below
+Starlette's middleware stack and router; every other request goes on to the Starlette app.
+
+An SSE reader keeps its whole call chain alive for as long as it reads: under Starlette that is the error
+middleware, the authentication middleware, the exception middleware, the router, the route and the
+request wrapper, each a suspended frame, and each ``send`` goes through two wrappers. For thousands of
+open readers that is memory per reader and CPU per event; for one resume it is part of the time to the
+first event. The behaviour is the same as through the app: the same authentication (consumer.middleware),
+the same handler (consumer.views.native.stream_events), the same JSON errors (consumer.errors). With CORS
+configured, requests take the app's path, where the CORS middleware adds its headers.
+"""
+
+from __future__ import annotations
+
+import re
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from broker.errors import Unauthorized
+from consumer.auth import ApiKeys
+from consumer.errors import error_for
+from consumer.middleware import authenticate, unauthorized
+from consumer.views.native import stream_events
+
+_EVENTS = re.compile(r"\A/v1/streams/([^/]+)/events\Z")
+
+
+class FrontDoor:
+    def __init__(self, app: ASGIApp, keys: ApiKeys, *, cors: bool) -> None:
+        self.app = app
+        self.keys = keys
+        self.cors = cors
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET" and not self.cors:
+            m = _EVENTS.match(scope["path"])
+            if m is not None:
+                await self._events(scope, receive, send, m.group(1))
+                return
+        await self.app(scope, receive, send)
+
+    async def _events(self, scope: Scope, receive: Receive, send: Send, raw_id: str) -> None:
+        scope["path_params"] = {"stream_id": raw_id}
+        request = Request(scope, receive)
+        try:
+            if self.keys.enabled:
+                try:
+                    scope["rsb.key_id"] = authenticate(self.keys, scope)
+                except Unauthorized as e:
+                    await unauthorized(e)(scope, receive, send)
+                    return
+            response = await stream_events(request)
+        except Exception as exc:  # the app's one error boundary, as its exception handlers answer
+            response = await error_for(request, exc)
+        await response(scope, receive, send)
