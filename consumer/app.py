@@ -25,6 +25,7 @@ from consumer.metrics import Metrics
 from consumer.middleware import AuthMiddleware
 from consumer.service import StreamService
 from consumer.settings import ConsumerSettings
+from consumer.sse import Drain
 from consumer.state import STATE_KEY, State
 from consumer.views import ROUTES
 from consumer.views.durable import protocol as durable_protocol
@@ -43,13 +44,13 @@ async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
                 await store.touch(ids[i:i + 1000])
 
 
-def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = None) -> ASGIApp:
+def create_app(settings: ConsumerSettings, *, draining: Drain | None = None) -> ASGIApp:
     """``draining`` is set by the server on SIGTERM: open SSE responses then end at an event boundary."""
     # Loaded here, not in the lifespan: a broken keys file must stop the start, with its message.
     api_keys = (ApiKeys.load(settings.api_keys_file, settings.read_token_secret) if settings.api_keys_file
                 else ApiKeys.disabled())
     limiter = ConnectionLimiter(settings.max_streams_per_ip)
-    drain = draining or asyncio.Event()
+    drain = draining or Drain()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, State]]:

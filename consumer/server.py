@@ -17,6 +17,7 @@ from broker import runtime
 from consumer.app import create_app
 from consumer.guards import Guards, guarded, open_file_limit
 from consumer.settings import ConsumerSettings
+from consumer.sse import Drain
 
 log = logging.getLogger("rsb.consumer")
 
@@ -25,7 +26,7 @@ class ConsumerServer(uvicorn.Server):
     """uvicorn waits for open connections before exiting, and an SSE response never closes on its own.
     On SIGTERM/SIGINT we also set ``draining``, so every open stream ends at an event boundary."""
 
-    def __init__(self, config: uvicorn.Config, draining: asyncio.Event) -> None:
+    def __init__(self, config: uvicorn.Config, draining: Drain) -> None:
         super().__init__(config)
         self.draining = draining
 
@@ -95,7 +96,7 @@ def who_can_reach(host: str, port: int) -> str:
 
 
 def build_server(settings: ConsumerSettings, **uvicorn_options: Any) -> ConsumerServer:
-    draining = asyncio.Event()
+    draining = Drain()
     app = create_app(settings, draining=draining)
     guards = Guards.derive(head_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
                            per_address=settings.max_connections_per_ip, max_connections=settings.max_connections,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -61,21 +62,63 @@ class Draining(Exception):
     """The pod is shutting down."""
 
 
-async def race(work: Awaitable[T], receive: Receive, shutdown: asyncio.Event) -> T:
-    """``work``'s result, unless the client disconnects (Gone) or the pod drains (Draining) first; the
-    losers are cancelled and awaited either way."""
-    job = asyncio.ensure_future(work)
+class Drain(asyncio.Event):
+    """The pod's shutdown signal: an ``asyncio.Event`` whose ``set`` also runs the callbacks registered with
+    ``on_set``, at once, so thousands of open responses each react to it without a task waiting on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: set[Callable[[], None]] = set()
+
+    def set(self) -> None:
+        if self.is_set():
+            return
+        super().set()
+        for callback in list(self._callbacks):
+            callback()
+
+    def on_set(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Register ``callback``; returns what unregisters it."""
+        self._callbacks.add(callback)
+        return lambda: self._callbacks.discard(callback)
+
+
+async def race(work: Awaitable[T], receive: Receive, shutdown: Drain) -> T:
+    """``work``'s result, unless the client disconnects (Gone) or the pod drains (Draining) first.
+
+    ``work`` runs in the calling task, which is cancelled (and the cancellation turned into Gone or Draining)
+    when the other side wins; the only other task is the one that waits for the client's disconnect, because
+    only a pending ``receive`` learns of it. The drain comes through a callback (Drain.on_set)."""
+    if shutdown.is_set():
+        if inspect.iscoroutine(work):
+            work.close()
+        raise Draining
+    task = asyncio.current_task()
+    assert task is not None
+    winner: list[type[Exception]] = []
+
+    def interrupt(reason: type[Exception]) -> None:
+        if not winner and task.cancelling() == 0:
+            winner.append(reason)
+            task.cancel()
+
+    def on_gone(fut: asyncio.Future[None]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            interrupt(Gone)
+
     gone = asyncio.ensure_future(wait_disconnect(receive))
-    drain = asyncio.ensure_future(shutdown.wait())
+    gone.add_done_callback(on_gone)
+    off = shutdown.on_set(lambda: interrupt(Draining))
     try:
-        done, _ = await asyncio.wait({job, gone, drain}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if winner and task.uncancel() == 0:
+            raise winner[0] from None
+        raise
     finally:
-        await cancel_all(job, gone, drain)
-    if job in done:
-        return job.result()
-    if gone in done:
-        raise Gone
-    raise Draining
+        off()
+        gone.remove_done_callback(on_gone)
+        await cancel_all(gone)
 
 
 class SSEResponse(Response):
@@ -86,7 +129,7 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, frames: AsyncIterator[bytes | None], *, shutdown: asyncio.Event, send_timeout_s: float,
+    def __init__(self, frames: AsyncIterator[bytes | None], *, shutdown: Drain, send_timeout_s: float,
                  headers: Mapping[str, str] | None = None, shutdown_frame: bytes = RECONNECT_HINT,
                  on_close: Callable[[], None] | None = None) -> None:
         # As StreamingResponse does: no body attribute, so no Content-Length (the body is chunked).
@@ -148,7 +191,8 @@ class SSEResponse(Response):
 
         def watchdog() -> None:
             nonlocal handle, stalled
-            if sending_since is not None and loop.time() - sending_since >= self.send_timeout_s:
+            stuck = sending_since is not None and loop.time() - sending_since >= self.send_timeout_s
+            if stuck and not task.cancelling():  # not when the response is already being ended
                 stalled = True
                 task.cancel()
                 return

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
@@ -17,6 +16,7 @@ from consumer.limits import ConnectionLimiter, address_group
 from consumer.metrics import Metrics
 from consumer.service import Caller, StreamService
 from consumer.settings import ConsumerSettings
+from consumer.sse import Drain
 
 STATE_KEY = "rsb"
 
@@ -36,7 +36,7 @@ class State:
     durable: DurableStore
     #: Set on SIGTERM (by consumer.server) or at the end of the lifespan: open responses end at a frame
     #: boundary and tell their client to reconnect elsewhere.
-    draining: asyncio.Event
+    draining: Drain
 
 
 def state_of(conn: HTTPConnection) -> State:
