@@ -33,15 +33,12 @@ class FrontDoor:
         self.cors = cors
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "GET" and not self.cors:
-            m = _EVENTS.match(scope["path"])
-            if m is not None:
-                await self._events(scope, receive, send, m.group(1))
-                return
-        await self.app(scope, receive, send)
-
-    async def _events(self, scope: Scope, receive: Receive, send: Send, raw_id: str) -> None:
-        scope["path_params"] = {"stream_id": raw_id}
+        m = _EVENTS.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "GET" else None
+        if m is None or self.cors:
+            await self.app(scope, receive, send)
+            return
+        # One frame, not two: it stays suspended under every open reader.
+        scope["path_params"] = {"stream_id": m.group(1)}
         request = Request(scope, receive)
         try:
             if self.keys.enabled:

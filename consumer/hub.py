@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections import deque
 from collections.abc import Iterable
 
 from redis.exceptions import RedisError
@@ -37,7 +36,9 @@ class Subscription:
     a resync: a reader that falls behind (a slow client) costs at most ``max_buffered`` events of memory
     here, and catches up from the Redis Stream, page by page, at its own pace."""
 
-    __slots__ = ("_clock", "_wake", "buffer", "channel", "max_buffered", "resync", "stream_id", "watched")
+    # Per reader, so lean: a list (a deque starts with a 600-byte block) and a future made only while the
+    # reader waits (an asyncio.Event holds a deque of its own).
+    __slots__ = ("_clock", "_waiter", "buffer", "channel", "max_buffered", "resync", "stream_id", "watched")
 
     def __init__(self, channel: bytes, stream_id: uuid.UUID | None, max_buffered: int, watched: bool = False,
                  clock: Clock | None = None) -> None:
@@ -45,26 +46,31 @@ class Subscription:
         self.stream_id = stream_id
         # Whether the stream's generation depends on having readers (cancel_on_disconnect, abandonment).
         self.watched = watched
-        self.buffer: deque[Event] = deque()
+        self.buffer: list[Event] = []
         self.max_buffered = max_buffered
         self.resync = False
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self._clock = clock or Clock()
 
     def push(self, event: Event) -> None:
         if self.resync:
             return  # the reader will re-read the range anyway
         if len(self.buffer) >= self.max_buffered:
-            self.buffer.clear()
+            self.buffer = []
             self.resync = True
         else:
             self.buffer.append(event)
-        self._wake.set()
+        self._wake()
 
     def request_resync(self) -> None:
-        self.buffer.clear()
+        self.buffer = []
         self.resync = True
-        self._wake.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def wait(self, timeout_s: float) -> bool:
         """Wait for events or a resync request; False on timeout (which may come a clock granule late)."""
@@ -72,21 +78,21 @@ class Subscription:
             return True
         if timeout_s <= 0:
             return False
-        self._wake.clear()
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
         # The pod's shared clock, not a timer of our own per wait (consumer.clock); a cancellation while
         # waiting propagates as is.
-        wake = self._wake.set
+        wake = self._wake
         key = self._clock.call_at(self._clock.now() + timeout_s, wake)
         try:
-            await self._wake.wait()
+            await waiter
         finally:
+            self._waiter = None
             self._clock.cancel(key, wake)
         return bool(self.buffer or self.resync)
 
     def take(self) -> tuple[list[Event], bool]:
         """The buffered events and whether the reader must re-read the range first."""
-        events = list(self.buffer)
-        self.buffer.clear()
+        events, self.buffer = self.buffer, []
         resync, self.resync = self.resync, False
         return events, resync
 

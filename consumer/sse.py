@@ -83,6 +83,28 @@ class Drain(asyncio.Event):
         return lambda: self._callbacks.discard(callback)
 
 
+class _Race:
+    """The state of one ``race``: bound methods as callbacks, not closures (each open reader holds them)."""
+
+    __slots__ = ("task", "winner")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.winner: type[Exception] | None = None
+
+    def interrupt(self, reason: type[Exception]) -> None:
+        if self.winner is None and self.task.cancelling() == 0:
+            self.winner = reason
+            self.task.cancel()
+
+    def on_gone(self, fut: asyncio.Future[None]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.interrupt(Gone)
+
+    def on_drain(self) -> None:
+        self.interrupt(Draining)
+
+
 async def race(work: Awaitable[T], receive: Receive, shutdown: Drain) -> T:
     """``work``'s result, unless the client disconnects (Gone) or the pod drains (Draining) first.
 
@@ -95,29 +117,19 @@ async def race(work: Awaitable[T], receive: Receive, shutdown: Drain) -> T:
         raise Draining
     task = asyncio.current_task()
     assert task is not None
-    winner: list[type[Exception]] = []
-
-    def interrupt(reason: type[Exception]) -> None:
-        if not winner and task.cancelling() == 0:
-            winner.append(reason)
-            task.cancel()
-
-    def on_gone(fut: asyncio.Future[None]) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            interrupt(Gone)
-
+    state = _Race(task)
     gone = asyncio.ensure_future(wait_disconnect(receive))
-    gone.add_done_callback(on_gone)
-    off = shutdown.on_set(lambda: interrupt(Draining))
+    gone.add_done_callback(state.on_gone)
+    off = shutdown.on_set(state.on_drain)
     try:
         return await work
     except asyncio.CancelledError:
-        if winner and task.uncancel() == 0:
-            raise winner[0] from None
+        if state.winner is not None and task.uncancel() == 0:
+            raise state.winner from None
         raise
     finally:
         off()
-        gone.remove_done_callback(on_gone)
+        gone.remove_done_callback(state.on_gone)
         await cancel_all(gone)
 
 
@@ -145,33 +157,30 @@ class SSEResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await self._serve(receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            try:
+                await race(self._stream(send), receive, self.shutdown)
+            except Gone:
+                return  # nobody to send the end of the body to
+            except TimeoutError:
+                return  # the client stopped reading: nothing more can reach it; uvicorn closes the connection
+            except Draining:
+                if self.shutdown_frame:
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(CLOSING_SEND_TIMEOUT_S):
+                            await self._send(send, self.shutdown_frame)
+            except Exception:  # the stream failed between frames: end the body, the client resumes
+                pass
+            # The stream ended (terminal event sent), failed between events or the pod drains: either way the
+            # body ends at a frame boundary and the client can resume from its last id.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CLOSING_SEND_TIMEOUT_S):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             with contextlib.suppress(Exception):
                 await self.frames.aclose()  # type: ignore[attr-defined]
             if self.on_close is not None:
                 self.on_close()
-
-    async def _serve(self, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        try:
-            await race(self._stream(send), receive, self.shutdown)
-        except Gone:
-            return  # nobody to send the end of the body to
-        except TimeoutError:
-            return  # the client stopped reading: nothing more can reach it; uvicorn closes the connection
-        except Draining:
-            if self.shutdown_frame:
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(CLOSING_SEND_TIMEOUT_S):
-                        await self._send(send, self.shutdown_frame)
-        except Exception:  # the stream failed between frames: end the body, the client resumes
-            pass
-        # The stream ended (terminal event sent), failed between events or the pod drains: either way the
-        # body ends at a frame boundary and the client can resume from its last id.
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(CLOSING_SEND_TIMEOUT_S):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     @staticmethod
     async def _send(send: Send, chunk: bytes) -> None:
