@@ -133,6 +133,14 @@ async def race(work: Awaitable[T], receive: Receive, shutdown: Drain) -> T:
         await cancel_all(gone)
 
 
+def _default_raw_headers() -> list[tuple[bytes, bytes]]:
+    prototype = Response(media_type="text/event-stream", headers=SSE_HEADERS)
+    return [(k, v) for k, v in prototype.raw_headers if k != b"content-length"]
+
+
+_DEFAULT_RAW_HEADERS = _default_raw_headers()
+
+
 class SSEResponse(Response):
     """``frames`` yields bytes (one or more whole frames, written in one send: per-send costs, a loop
     iteration and a syscall, dominate per-event costs) or None when a heartbeat is due. On shutdown the
@@ -146,7 +154,12 @@ class SSEResponse(Response):
                  on_close: Callable[[], None] | None = None) -> None:
         # As StreamingResponse does: no body attribute, so no Content-Length (the body is chunked).
         self.status_code = 200
-        self.init_headers({**SSE_HEADERS, **(headers or {})})
+        if headers:
+            self.init_headers({**SSE_HEADERS, **headers})
+        else:
+            # Most responses send exactly these: one list for all of them (about 1 kB per open reader
+            # otherwise). Nothing mutates a response's headers once it is built.
+            self.raw_headers = _DEFAULT_RAW_HEADERS
         self.frames = frames
         self.shutdown = shutdown
         self.send_timeout_s = send_timeout_s

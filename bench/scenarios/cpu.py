@@ -117,6 +117,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   direct_res["cpu_s_per_1000_tokens"], ",".join(direct_res["ends"]), direct_res["wall_s"]]]))
     if rsb["streams_not_ended"]:
         print(f"rsb: {rsb['streams_not_ended']} stream(s) never got their terminal event (see docs/benchmarks.md)")
-    out["goals"] = {"le_1_5x_direct": r <= 1.5}
-    print_goals("cpu", [goal_row("rsb / direct CPU per token", r, "<= 1.5x", r <= 1.5, "x")])
+    out["goals"] = {"le_1_3x_direct": r <= 1.3}
+    print_goals("cpu", [goal_row("rsb / direct CPU per token", r, "<= 1.3x", r <= 1.3, "x")])
     return out

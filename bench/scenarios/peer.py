@@ -304,4 +304,10 @@ def _print(out: dict[str, Any], args: argparse.Namespace) -> None:
                 crash_rows))
     ok = rc["resumed_reader"]["exactly_once_in_order"] and rc["resumed_reader"]["end"] == "done"
     out["goals"] = {"rsb_recovers_from_crash": ok}
-    print_goals("peer", [goal_row("rsb stream completes exactly once after the crash", float(ok), "yes", ok)])
+    goals = [goal_row("rsb stream completes exactly once after the crash", float(ok), "yes", ok)]
+    if "peer_resume" in out:
+        peer_p50 = out["peer_resume"]["last_chunk_ms"]["p50"]
+        out["goals"]["resume_p50_le_peer"] = rr["p50"] <= peer_p50
+        goals.append(goal_row("rsb resume p50 (ms)", rr["p50"], f"<= {peer_p50:.2f} (the peer's)",
+                              rr["p50"] <= peer_p50))
+    print_goals("peer", goals)
