@@ -29,7 +29,9 @@ class TokenHandoff:
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
         self._max_pending = max_pending
-        self._ready = asyncio.Event()
+        # The loop's waiter while it waits (set from the thread with call_soon_threadsafe): a bare future, not
+        # an asyncio.Event awaited through wait_for, which costs a task and a timer per token.
+        self._waiter: asyncio.Future[None] | None = None
         self._waiting = False
         self._closed = False
         self._error: BaseException | None = None
@@ -49,7 +51,7 @@ class TokenHandoff:
             wake = self._waiting
             self._waiting = False
         if wake:
-            self._loop.call_soon_threadsafe(self._ready.set)
+            self._loop.call_soon_threadsafe(self._wake)
         return True
 
     def progress(self, processed: int, total: int) -> None:
@@ -59,16 +61,21 @@ class TokenHandoff:
             wake = self._waiting
             self._waiting = False
         if wake:
-            self._loop.call_soon_threadsafe(self._ready.set)
+            self._loop.call_soon_threadsafe(self._wake)
 
     def close(self, error: BaseException | None = None) -> None:
         with self._lock:
             self._closed = True
             self._error = error
             self._waiting = False
-        self._loop.call_soon_threadsafe(self._ready.set)
+        self._loop.call_soon_threadsafe(self._wake)
 
     # -- consumer (event loop) -----------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self, timeout_s: float | None = None) -> Batch:
         """Everything handed over so far (at least one piece unless closed or timed out)."""
@@ -81,11 +88,18 @@ class TokenHandoff:
                     self._space.notify_all()
                     return Batch(pieces, self._closed and not self._items, self._error, progress)
                 self._waiting = True
-                self._ready.clear()
+                waiter = self._waiter = self._loop.create_future()
+            timer = self._loop.call_later(timeout_s, self._wake) if timeout_s is not None else None
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout_s)
-            except TimeoutError:
-                return Batch([], False)
+                await waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+            with self._lock:
+                if not (self._items or self._closed or self._progress is not None):
+                    self._waiting = False
+                    return Batch([], False)  # timed out
 
     def abandon(self) -> None:
         """The consumer stops reading: unblock the producer for good."""
