@@ -1,8 +1,9 @@
 """``python3 -m bench.direct_app --port P --tokens-per-s 20``: the naive design rsb replaces.
 
 The engine runs inside the HTTP process and each request streams SSE straight from it: no Redis, no
-resume, no second process. Same ``PacedEngine`` and the same thread-to-loop hand-off
-(``generator.handoff.TokenHandoff``) as the rsb worker, so the difference in CPU is the broker's.
+resume, no second process. Same ``PacedEngine``, run by the rsb worker's own producer into the same hand-off
+(``generator.handoff.produce``, ``TokenHandoff``: on the loop, or in a thread per generation with
+``--threaded``), so the difference in CPU is the broker's.
 ``GET /idle`` holds an SSE response open with heartbeats only (the reference of the capacity scenario).
 """
 
@@ -24,13 +25,13 @@ from bench.paced_engine import PacedEngine
 from bench.procs import raise_nofile
 from broker import runtime
 from broker.request import RequestLimits, parse_create_body
-from generator.handoff import TokenHandoff
+from generator.handoff import TokenHandoff, produce
 
 HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-def build_app(tokens_per_s: float, heartbeat_s: float) -> Starlette:
-    engine = PacedEngine(tokens_per_s)
+def build_app(tokens_per_s: float, heartbeat_s: float, *, threaded: bool = False) -> Starlette:
+    engine = PacedEngine(tokens_per_s, on_loop=not threaded)
 
     async def stream(request: Request) -> Response:
         max_tokens = int(request.query_params.get("max_tokens", "100"))
@@ -41,18 +42,8 @@ def build_app(tokens_per_s: float, heartbeat_s: float) -> Starlette:
             loop = asyncio.get_running_loop()
             handoff = TokenHandoff(loop, 256)
             stop = threading.Event()
-
-            def infer() -> None:
-                try:
-                    gen = engine.start(req, prefix_text="", max_tokens=max_tokens, stop=stop)
-                    for piece in gen.pieces:
-                        if not handoff.put(piece):
-                            break
-                    handoff.close()
-                except BaseException as e:
-                    handoff.close(e)
-
-            thread = asyncio.ensure_future(asyncio.to_thread(infer))
+            # The worker's own producer: the same engine path (on the loop, or a thread with --threaded).
+            producer = produce(engine, req, handoff, prefix_text="", max_tokens=max_tokens, stop=stop)
             n = 0
             try:
                 while True:
@@ -67,7 +58,9 @@ def build_app(tokens_per_s: float, heartbeat_s: float) -> Starlette:
             finally:
                 stop.set()
                 handoff.abandon()
-                await asyncio.gather(thread, return_exceptions=True)
+                if engine.on_loop:
+                    producer.cancel()
+                await asyncio.gather(producer, return_exceptions=True)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
 
@@ -92,13 +85,15 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tokens-per-s", type=float, default=20.0)
     p.add_argument("--heartbeat-s", type=float, default=15.0)
+    p.add_argument("--threaded", action="store_true", help="the paced engine in a thread per generation")
     args = p.parse_args()
     raise_nofile()
     import concurrent.futures
 
     async def run() -> None:
         asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=2048))
-        config = uvicorn.Config(build_app(args.tokens_per_s, args.heartbeat_s), host="127.0.0.1", port=args.port,
+        app = build_app(args.tokens_per_s, args.heartbeat_s, threaded=args.threaded)
+        config = uvicorn.Config(app, host="127.0.0.1", port=args.port,
                                 log_level="warning", access_log=False, timeout_graceful_shutdown=1)
         await uvicorn.Server(config).serve()
 

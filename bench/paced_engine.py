@@ -9,9 +9,10 @@ hands it to Redis, so a reader can compute append-to-receive latency per token.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from broker.request import GenerationRequest
 from generator.engines.base import Generation
@@ -30,20 +31,39 @@ def parse_tokens(text: str) -> list[tuple[int, float]]:
 
 class PacedEngine:
     """``generator.engine.Engine``: ``tokens_per_s`` tokens per second per generation, on an absolute
-    schedule (no drift), stopping between tokens as soon as ``stop`` is set."""
+    schedule (no drift), stopping between tokens as soon as ``stop`` is set. ``on_loop`` (the default): it
+    produces on the event loop, as an engine that only waits (an upstream server) can; False: in an
+    inference thread per generation, as llama.cpp does."""
 
-    def __init__(self, tokens_per_s: float, *, name: str = NAME) -> None:
+    def __init__(self, tokens_per_s: float, *, name: str = NAME, on_loop: bool = True) -> None:
         if tokens_per_s <= 0:
             raise ValueError("tokens_per_s must be positive")
         self.name = name
         self.period_s = 1.0 / tokens_per_s
+        self.on_loop = on_loop
 
     def start(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int,
               stop: threading.Event) -> Generation:
         first = len(prefix_text.split())
         gen = Generation(prompt_tokens=1, pieces=iter(()))
-        gen.pieces = self._run(gen, first, max_tokens, stop)
+        if self.on_loop:
+            gen.apieces = self._arun(gen, first, max_tokens, stop)
+        else:
+            gen.pieces = self._run(gen, first, max_tokens, stop)
         return gen
+
+    async def _arun(self, gen: Generation, first: int, max_tokens: int, stop: threading.Event) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for n in range(max_tokens):
+            delay = t0 + (n + 1) * self.period_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)  # the worker cancels the producer when it stops early
+            if stop.is_set():
+                gen.finish_reason = "stop"
+                return
+            yield f"{first + n}:{time.time():.6f} "
+        gen.finish_reason = "length"
 
     def _run(self, gen: Generation, first: int, max_tokens: int, stop: threading.Event) -> Iterator[str]:
         t0 = time.monotonic()

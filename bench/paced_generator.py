@@ -48,7 +48,7 @@ async def serve(args: argparse.Namespace) -> None:
                                  lease_s=args.lease_s, shutdown_grace_s=1.0, concurrency=args.workers)
     redis = connect(args.redis_url, max_connections=args.pool, retries=1)
     blocking = blocking_client(args.redis_url, args.partitions + 2)
-    engine = PacedEngine(args.tokens_per_s)
+    engine = PacedEngine(args.tokens_per_s, on_loop=not args.threaded)
     store = Store(redis, args.partitions)
     await store.ensure_groups()
     # One worker running --workers generations at once, as a worker driving an upstream server does; its
@@ -94,6 +94,8 @@ def main() -> None:
     p.add_argument("--partitions", type=int, default=1)
     p.add_argument("--lease-s", type=float, default=10.0)
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--threaded", action="store_true",
+                   help="the paced engine in a thread per generation (as llama.cpp runs), not on the loop")
     args = p.parse_args()
     raise_nofile()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # thread stacks on demand, for diagnosis

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from broker import scripts
 from broker.connection import RAW_ENTRIES, RedisClient
@@ -361,11 +361,20 @@ class Store:
                           ) -> list[AppendResult | BaseException]:
         """Several streams' appends in one pipeline (one round trip). Each script still runs atomically on
         its own; their results (or errors) come back in order."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for claim, seq_before, seq_after, events in calls:
-                keys, args = self._append_call(claim, seq_before, seq_after, events)
-                await self._append(keys=keys, args=args, client=pipe)
-            raw = await pipe.execute(raise_on_error=False)
+        packed = [self._append_call(claim, seq_before, seq_after, events)
+                  for claim, seq_before, seq_after, events in calls]
+        for attempt in range(2):
+            # EVALSHA directly: a Script object in a pipeline makes redis-py ask SCRIPT EXISTS first, a second
+            # round trip per batch. When the script is missing (Redis restarted, SCRIPT FLUSH), it is loaded
+            # and the batch sent again: an append that already landed answers its seq check, not twice.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for keys, args in packed:
+                    pipe.evalsha(self._append.sha, len(keys), *keys, *args)
+                raw = await pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in raw):
+                await self.redis.script_load(self._append.script)
+                continue
+            break
         return [r if isinstance(r, BaseException) else self._append_result(r) for r in raw]
 
     @staticmethod

@@ -17,9 +17,11 @@ _Call = tuple[Claim, int, int, Sequence[tuple[str, bytes]]]
 
 
 class AppendBatcher:
-    def __init__(self, store: Store, max_batch: int = 512) -> None:
+    def __init__(self, store: Store, max_batch: int = 512, interval_s: float = 0.0) -> None:
         self.store = store
         self.max_batch = max_batch
+        self.interval_s = interval_s
+        self._last_flush = float("-inf")
         self._pending: list[tuple[_Call, asyncio.Future[AppendResult]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -32,7 +34,19 @@ class AppendBatcher:
         return await fut
 
     async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._pending:
+            wait_s = self._last_flush + self.interval_s - loop.time()
+            if wait_s > 0:
+                try:
+                    await asyncio.sleep(wait_s)  # the appends of this interval go together
+                except asyncio.CancelledError:  # stopped: nobody may wait forever for an append that never left
+                    for _, fut in self._pending:
+                        if not fut.done():
+                            fut.set_exception(ConnectionError("the append batcher stopped"))
+                    self._pending = []
+                    raise
+            self._last_flush = loop.time()
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
             try:
                 results = await self.store.append_many([call for call, _ in batch])

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from broker.events import EventType, delta, encode_data
 from broker.store import AppendResult, Claim, Job, Store, Unclaimable, started_event
 from generator.engines import Engine, Generation, error_code
-from generator.handoff import TokenHandoff
+from generator.handoff import TokenHandoff, produce
 from generator.lease import Run, keep_lease
 from generator.metrics import GeneratorMetrics
 from generator.retry import until_done
@@ -130,20 +130,8 @@ class JobRunner:
         remaining = max(0, req.max_tokens - claim.seq)
         t_start = time.monotonic()
         gen_holder: list[Generation] = []
-
-        def infer() -> None:
-            try:
-                gen = self.engine.start(req, prefix_text=prefix, max_tokens=remaining, stop=run.stop)
-                gen.on_progress = handoff.progress
-                gen_holder.append(gen)
-                for piece in gen.pieces:
-                    if not handoff.put(piece):
-                        break
-                handoff.close()
-            except BaseException as e:  # handed to the loop, which ends the stream with `error`
-                handoff.close(e)
-
-        thread_done = asyncio.ensure_future(asyncio.to_thread(infer))
+        producer = produce(self.engine, req, handoff, prefix_text=prefix, max_tokens=remaining, stop=run.stop,
+                              on_start=gen_holder.append)
         s = self.settings
         renewer = asyncio.create_task(keep_lease(run, self.store, self.worker_id, s.lease_s, s.disconnect_grace_s))
         stops = StopFilter(req.stop)
@@ -190,9 +178,11 @@ class JobRunner:
                     break
         finally:
             handoff.abandon()
+            if getattr(self.engine, "on_loop", False):
+                producer.cancel()  # a loop producer may be asleep until its next token
             run.generation_over = True  # the renewer's own stop flag: cancellation alone can be swallowed
             renewer.cancel()
-            await asyncio.gather(thread_done, return_exceptions=True)
+            await asyncio.gather(producer, return_exceptions=True)
             await asyncio.wait({renewer}, timeout=RENEWER_STOP_S)
         if run.fenced_out:
             log.warning("lost the lease; another worker owns the stream", extra={"stream_id": str(claim.stream_id)})

@@ -1,4 +1,5 @@
-"""The bounded hand-off from the inference thread to the event loop.
+"""The bounded hand-off from the inference thread to the event loop, and ``produce``, which runs an engine's
+generation into it: in a thread, or on the loop for engines that say ``on_loop``.
 
 The thread puts one piece of text per token; the loop takes everything available at once, so tokens
 that arrive while an append is in flight are coalesced into the next one. Putting costs a lock and,
@@ -11,7 +12,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from broker.request import GenerationRequest
+from generator.engines.base import Engine, Generation
 
 
 @dataclass(slots=True)
@@ -32,6 +37,8 @@ class TokenHandoff:
         # The loop's waiter while it waits (set from the thread with call_soon_threadsafe): a bare future, not
         # an asyncio.Event awaited through wait_for, which costs a task and a timer per token.
         self._waiter: asyncio.Future[None] | None = None
+        # A loop producer (``aput``) waiting for room.
+        self._space_waiter: asyncio.Future[None] | None = None
         self._waiting = False
         self._closed = False
         self._error: BaseException | None = None
@@ -53,6 +60,29 @@ class TokenHandoff:
         if wake:
             self._loop.call_soon_threadsafe(self._wake)
         return True
+
+    async def aput(self, piece: str) -> bool:
+        """``put`` for a producer on the event loop: waits (without blocking the loop) while the buffer is full."""
+        while len(self._items) >= self._max_pending and not self._abandoned:
+            waiter = self._space_waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._space_waiter = None
+        if self._abandoned:
+            return False
+        with self._lock:
+            self._items.append(piece)
+            wake = self._waiting
+            self._waiting = False
+        if wake:
+            self._wake()
+        return True
+
+    def _room(self) -> None:
+        waiter = self._space_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def progress(self, processed: int, total: int) -> None:
         """Prefill progress (only the latest value is kept: it replaces, never queues)."""
@@ -86,6 +116,7 @@ class TokenHandoff:
                     self._items.clear()
                     progress, self._progress = self._progress, None
                     self._space.notify_all()
+                    self._room()
                     return Batch(pieces, self._closed and not self._items, self._error, progress)
                 self._waiting = True
                 waiter = self._waiter = self._loop.create_future()
@@ -106,3 +137,48 @@ class TokenHandoff:
         with self._space:
             self._abandoned = True
             self._space.notify_all()
+        self._room()
+
+
+def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *, prefix_text: str,
+            max_tokens: int, stop: threading.Event,
+            on_start: Callable[[Generation], None] | None = None) -> asyncio.Future[None]:
+    """Run a generation of ``engine`` into ``handoff`` (closed at the end, with the error if one was raised);
+    ``on_start`` gets the Generation. In an inference thread, or, for an engine that says ``on_loop``, as a
+    task on the running loop. The future ends when the producer has."""
+
+    def started(gen: Generation) -> None:
+        gen.on_progress = handoff.progress
+        if on_start is not None:
+            on_start(gen)
+
+    if getattr(engine, "on_loop", False):
+        async def on_loop() -> None:
+            try:
+                gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop)
+                started(gen)
+                assert gen.apieces is not None, "an on_loop engine fills apieces"
+                async for piece in gen.apieces:
+                    if not await handoff.aput(piece):
+                        break
+                handoff.close()
+            except asyncio.CancelledError:
+                handoff.close()
+                raise
+            except Exception as e:  # handed to the loop, which ends the stream with `error`
+                handoff.close(e)
+
+        return asyncio.ensure_future(on_loop())
+
+    def in_thread() -> None:
+        try:
+            gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop)
+            started(gen)
+            for piece in gen.pieces:
+                if not handoff.put(piece):
+                    break
+            handoff.close()
+        except BaseException as e:  # handed to the loop, which ends the stream with `error`
+            handoff.close(e)
+
+    return asyncio.ensure_future(asyncio.to_thread(in_thread))

@@ -54,6 +54,10 @@ class GeneratorSettings(Settings):
         256, "tokens the inference thread may run ahead of Redis before it waits (the bounded hand-off)")
     concurrency: int = setting(
         1, "generations one worker runs at once (in-process llama.cpp: 1; an --upstream server: more)")
+    append_batch_ms: float = setting(
+        5.0, "with --concurrency above 1: the appends of a worker's generations go to Redis together, at most "
+        "once per this many ms (fewer round trips per token; adds at most this to delivery; 0 = as soon as the "
+        "previous batch returns)")
     metrics_port: int = setting(0, "serve this worker's Prometheus /metrics on this port (0 = off)")
     metrics_host: str = setting("127.0.0.1", "address of the worker's /metrics endpoint")
     disconnect_grace_s: float = setting(

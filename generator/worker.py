@@ -46,7 +46,8 @@ class Worker:
         self.metrics = GeneratorMetrics()
         # Many generations at once: their appends share pipelines. (Cluster pipelines would split by
         # node anyway; there each append goes on its own.)
-        appender: Appender = AppendBatcher(store) if settings.concurrency > 1 and not store.cluster else store
+        appender: Appender = (AppendBatcher(store, interval_s=settings.append_batch_ms / 1000)
+                              if settings.concurrency > 1 and not store.cluster else store)
         self.runner = JobRunner(settings, engine, store, appender, self.metrics, self.worker_id)
         self._background: set[asyncio.Task[Any]] = set()
         self.poller = JobPoller(store, blocking, self.worker_id, settings.lease_s, self._spawn)

@@ -27,6 +27,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=200, help="concurrent streams (default 200)")
     p.add_argument("--rate", type=float, default=20.0, help="tokens/s per stream (default 20)")
     p.add_argument("--tokens", type=int, default=200, help="tokens per stream (default 200: 10 s)")
+    p.add_argument("--threaded", action="store_true",
+                   help="the paced engine in a thread per generation on both sides (as llama.cpp runs)")
 
 
 async def load_streams(ctl: Control, base: str, direct: bool, streams: int, tokens: int,
@@ -92,18 +94,21 @@ def _drive(base: str, direct: bool, args: argparse.Namespace, pids: list[int],
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"params": {"streams": args.streams, "rate": args.rate, "tokens": args.tokens},
-                           "engine": "paced (deterministic, bench/paced_engine.py)"}
+    out: dict[str, Any] = {"params": {"streams": args.streams, "rate": args.rate, "tokens": args.tokens,
+                                      "threaded": args.threaded},
+                           "engine": "paced (deterministic, bench/paced_engine.py), "
+                                     + ("a thread per generation" if args.threaded else "on the event loop")}
     with procs.redis_server() as server, procs.procs() as started:
         consumer, base = procs.start_consumer(server.url)
         started.append(consumer)
-        gen = procs.start_paced_generator(server.url, workers=args.streams, tokens_per_s=args.rate)
+        threaded = ("--threaded",) if args.threaded else ()
+        gen = procs.start_paced_generator(server.url, workers=args.streams, tokens_per_s=args.rate, extra=threaded)
         started.append(gen)
         assert server.proc is not None
         out["rsb"] = _drive(base, False, args, [consumer.pid, gen.pid], server.proc.pid)
         gen.stop()
         consumer.stop()
-        direct, dbase = procs.start_direct(args.rate)
+        direct, dbase = procs.start_direct(args.rate, *threaded)
         started.append(direct)
         out["direct"] = _drive(dbase, True, args, [direct.pid], None)
     rsb, direct_res = out["rsb"], out["direct"]

@@ -1,10 +1,13 @@
 """What every engine is: the interface the worker drives, the running generation it gets back, and the one
-error family engines raise. Engines run in a worker thread, never on the event loop."""
+error family engines raise. Engines run in a worker thread, never on the event loop, unless they say
+``on_loop = True``: engines whose generations only wait (on a network, on a clock) and produce on the loop.
+A thread per generation costs a thread wake-up, a GIL hand-over and a loop wake-up per token: fine for
+llama.cpp's one generation per process, most of a worker's CPU when it runs hundreds at once."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,6 +60,8 @@ class Generation:
     #: Set by the worker before iterating: engines that process a long prompt in steps call it with
     #: (prompt tokens processed, prompt tokens) between steps, from the inference thread.
     on_progress: Callable[[int, int], None] | None = None
+    #: A loop engine's pieces (see ``on_loop``), instead of ``pieces``.
+    apieces: AsyncIterator[str] | None = None
 
 
 class Engine(Protocol):
@@ -74,7 +79,9 @@ class Engine(Protocol):
         """Tokenize the prompt (chat template applied for ``messages``) followed by ``prefix_text``
         (answer text already appended by an earlier attempt, which the generation continues), and return
         a Generation that produces at most ``max_tokens`` more tokens. Called in the inference thread:
-        prefill may happen here or on the first ``next()``."""
+        prefill may happen here or on the first ``next()``. An engine with a true ``on_loop`` attribute is
+        called on the event loop instead, and fills ``apieces`` (an async iterator) rather than ``pieces``."""
         ...
 
     def close(self) -> None: ...
+
