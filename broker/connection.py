@@ -183,8 +183,11 @@ def connect_blocking(url: str, *, max_connections: int = 2, cluster: bool = Fals
     return _standalone(url, max_connections=max_connections, retries=0, socket_timeout=None)
 
 
-def connect_node(cluster: RedisCluster, host: str, port: int) -> Redis:
-    """A standalone client for one cluster node, for its sharded pub/sub connection (SSUBSCRIBE only
-    works on the node that owns the channel's slot). One connection, no socket timeout."""
+def connect_node(cluster: RedisCluster, host: str, port: int, *, max_connections: int = 1,
+                 socket_timeout: float | None = None) -> Redis:
+    """A standalone client for one cluster node: for its sharded pub/sub connection (SSUBSCRIBE only
+    works on the node that owns the channel's slot; one connection, no socket timeout), or for a script
+    and the WAIT that must follow it on the same connection (broker.durability)."""
     url = getattr(cluster, "source_url", None) or f"redis://{host}:{port}"
-    return _standalone(node_url(url, host, port), max_connections=1, retries=0, socket_timeout=None)
+    return _standalone(node_url(url, host, port), max_connections=max_connections, retries=0,
+                       socket_timeout=socket_timeout)

@@ -12,7 +12,7 @@ import enum
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ import orjson
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from broker import scripts
+from broker import durability, scripts
 from broker.connection import RedisClient
 from broker.errors import Conflict, Expired, QueueFull, RateLimited, TooManyGenerations
 from broker.events import TERMINAL_TYPES, Event, EventType, encode_data
@@ -140,12 +140,18 @@ class Store:
     Works unchanged on a standalone server and on Redis Cluster (``redis`` a RedisCluster): every call
     touches the keys of one partition, i.e. one hash slot, except the per-partition loops below."""
 
-    def __init__(self, redis: RedisClient, partitions: int = 1) -> None:
+    def __init__(self, redis: RedisClient, partitions: int = 1, *, durability_level: str = durability.LOCAL,
+                 replica_wait_ms: int = 1000, replica_patience_s: float | None = None) -> None:
         self.redis = redis
         self.partitions = partitions
         self.cluster = isinstance(redis, RedisCluster)
+        replicated = durability_level == durability.REPLICATED
+        # replicated: events become visible (published, readable) only once a replica has them.
+        self.gate = durability.ReplicaGate(redis, wait_ms=replica_wait_ms,
+                                           patience_s=replica_patience_s) if replicated else None
 
         def register(text: str) -> Any:
+            text = durability.prepare(text, replicated=replicated)
             return redis.register_script(scripts.for_cluster(text) if self.cluster else text)
 
         self._create = register(scripts.CREATE)
@@ -187,14 +193,13 @@ class Store:
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
-        res = await self._create(
-            keys=[k.meta, k.events, k.jobs, k.queue_stats, k.tombstone,
-                  k.tenant(quota.principal or principal(key_id, ""))],
-            args=[str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
+        res = await self._call(
+            k, self._create, [k.meta, k.events, k.jobs, k.queue_stats, k.tombstone,
+                              k.tenant(quota.principal or principal(key_id, ""))],
+            [str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
                   queue_share, request.model or default_model, request.max_tokens, k.channel, key_id,
                   retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
-                  max_queue_wait_s],
-        )
+                  max_queue_wait_s], lambda r: "" if int(r[0]) == 1 else None)
         code = int(res[0])
         if code == 1:
             return Created(True, "queued")
@@ -249,15 +254,29 @@ class Store:
             return None
         return GenerationRequest.from_canonical(raw.encode() if isinstance(raw, str) else raw)
 
-    async def read(self, stream_id: uuid.UUID, after_id: str | None, count: int = 512) -> list[Event]:
-        """Events strictly after ``after_id`` (None: from the start), at most ``count``."""
+    async def _call(self, k: StreamKeys, script: Any, keys: list[str], args: list[Any],
+                    visible: Callable[[Any], str | None]) -> Any:
+        """Run one of a stream's scripts. At ``replicated`` through the gate: its events become visible up to
+        ``visible(result)`` ('' = the stream's last; None: nothing new) once a replica has them."""
+        if self.gate is None:
+            return await script(keys=keys, args=args)
+        return await self.gate.call(k, script, keys, args, visible)
+
+    async def read(self, stream_id: uuid.UUID, after_id: str | None, count: int = 512, *,
+                   visible_only: bool = True) -> list[Event]:
+        """Events strictly after ``after_id`` (None: from the start), at most ``count``. ``visible_only``:
+        what readers may see (at ``replicated``, up to the watermark); a worker continuing a stream reads it all."""
         k = self.keys(stream_id)
+        if self.gate is not None and visible_only:
+            return (await self.gate.read(k, after_id, count, check=False))[0]
         start = "-" if after_id is None else f"({after_id}"
         entries: Any = await self.redis.xrange(k.events, min=start, max="+", count=count)
         return [Event.from_entry(eid, fields) for eid, fields in entries]
 
     async def last_event_id(self, stream_id: uuid.UUID) -> str | None:
-        """The id of the stream's latest event (None: no events)."""
+        """The id of the stream's latest event readers may see (None: no events)."""
+        if self.gate is not None:
+            return await self.gate.watermark(self.keys(stream_id))
         entries: Any = await self.redis.xrevrange(self.keys(stream_id).events, count=1)
         return _s(entries[0][0]) if entries else None
 
@@ -282,10 +301,10 @@ class Store:
         k = self.keys(stream_id)
         usage = orjson.dumps(empty_usage())
         data = encode_data({"reason": reason, "usage": empty_usage()})
-        code, status = await self._cancel(
-            keys=[k.meta, k.events, k.queue_stats, k.aborted, k.tombstone, k.aborted_totals],
-            args=[reason, k.channel, data, usage, f"{time.time():.6f}", k.control, str(stream_id)],
-        )
+        code, status = await self._call(
+            k, self._cancel, [k.meta, k.events, k.queue_stats, k.aborted, k.tombstone, k.aborted_totals],
+            [reason, k.channel, data, usage, f"{time.time():.6f}", k.control, str(stream_id)],
+            lambda r: "" if int(r[0]) in (0, 1) else None)  # 0, 1: the stream has ended; nothing comes after
         if int(code) == -1:
             return None
         return _s(status)
@@ -354,7 +373,9 @@ class Store:
     async def append(self, claim: Claim, seq_before: int, seq_after: int,
                      events: Sequence[tuple[str, bytes]]) -> AppendResult:
         keys, args = self._append_call(claim, seq_before, seq_after, events)
-        return self._append_result(await self._append(keys=keys, args=args))
+        # Visible up to its last event; a retry that finds the batch landed, up to the stream's last one.
+        return self._append_result(await self._call(claim.keys, self._append, keys, args, lambda r: (
+            _s(r[2]) if int(r[0]) == 0 else "" if int(r[0]) == -2 and int(r[1]) == seq_after else None)))
 
     async def append_many(self, calls: Sequence[tuple[Claim, int, int, Sequence[tuple[str, bytes]]]]
                           ) -> list[AppendResult | BaseException]:
@@ -390,12 +411,12 @@ class Store:
                      usage: dict[str, Any], model: str = "", reason: str = "", compute_s: float = 0.0) -> str | None:
         """Append the terminal event and close the stream. None: this claim no longer owns it."""
         k = claim.keys
-        eid = await self._finish(
-            keys=[k.meta, k.events, k.aborted, k.queue_stats, k.tombstone, k.aborted_totals],
-            args=[claim.fence, k.channel, etype, encode_data(data), status, orjson.dumps(usage), model,
+        eid = await self._call(
+            k, self._finish, [k.meta, k.events, k.aborted, k.queue_stats, k.tombstone, k.aborted_totals],
+            [claim.fence, k.channel, etype, encode_data(data), status, orjson.dumps(usage), model,
                   f"{time.time():.6f}", reason or status, usage.get("prompt_tokens", 0),
                   usage.get("completion_tokens", 0), f"{compute_s:.6f}", str(claim.stream_id)],
-        )
+            lambda r: None if r is None else _s(r))
         return None if eid is None else _s(eid)
 
     async def renew(self, claim: Claim, worker_id: str, disconnect_grace_s: float) -> AppendResult:

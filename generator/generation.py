@@ -108,7 +108,7 @@ class JobRunner:
         started = False
         after: str | None = None
         while True:
-            events = await self.store.read(claim.stream_id, after, count=1024)
+            events = await self.store.read(claim.stream_id, after, count=1024, visible_only=False)
             if not events:
                 return "".join(text), started
             for ev in events:

@@ -45,8 +45,9 @@ class Worker:
         self.worker_id = settings.worker_id or default_worker_id()
         self.metrics = GeneratorMetrics()
         # Many generations at once: their appends share pipelines. (Cluster pipelines would split by
-        # node anyway; there each append goes on its own.)
-        appender: Appender = AppendBatcher(store) if settings.concurrency > 1 and not store.cluster else store
+        # node anyway; there each append goes on its own. At ``replicated`` each append waits for its replica.)
+        batch = settings.concurrency > 1 and not store.cluster and store.gate is None
+        appender: Appender = AppendBatcher(store) if batch else store
         self.runner = JobRunner(settings, engine, store, appender, self.metrics, self.worker_id)
         self._background: set[asyncio.Task[Any]] = set()
         self.poller = JobPoller(store, blocking, self.worker_id, settings.lease_s, self._spawn)

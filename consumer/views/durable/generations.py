@@ -110,7 +110,8 @@ async def _read(state: State, sid: uuid.UUID, st: StreamStatus, offset: str | No
 
 def _batches(state: State, sid: uuid.UUID, st: StreamStatus, after: str) -> AsyncGenerator[list[Event] | None, None]:
     return cast(AsyncGenerator[list[Event] | None, None],
-                state.service.batches(sid, None if after == ZERO_ID else after, watched=st.watched))
+                state.service.batches(sid, None if after == ZERO_ID else after, watched=st.watched,
+                                                         resets=False))
 
 
 async def _next_batch(state: State, sid: uuid.UUID, st: StreamStatus, after: str) -> list[Event] | None:
