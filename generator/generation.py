@@ -124,6 +124,8 @@ class JobRunner:
         prefix, started = await until_done(lambda: self._prefix_text(claim))
         if not started:
             if not await self._append(run, claim.seq, claim.seq, [started_event(self.engine.name)]):
+                if run.handing_over:
+                    await self._hand_over(run)
                 return
         loop = asyncio.get_running_loop()
         handoff = TokenHandoff(loop, self.settings.handoff_tokens)
@@ -198,9 +200,7 @@ class JobRunner:
             log.warning("lost the lease; another worker owns the stream", extra={"stream_id": str(claim.stream_id)})
             return
         if run.handing_over:
-            released = await until_done(lambda: self.store.release(claim, self.worker_id))
-            log.info("handed the job over", extra={"stream_id": str(claim.stream_id), "released": released})
-            run.fenced_out = True  # not ours to acknowledge any more
+            await self._hand_over(run)
             return
         compute_s = time.monotonic() - t_start
         gen = gen_holder[0] if gen_holder else None
@@ -217,6 +217,11 @@ class JobRunner:
             u = usage.as_dict()
             await self._finish(run, EventType.DONE, {"finish_reason": reason, "usage": u}, "done", u)
 
+    async def _hand_over(self, run: Run) -> None:
+        released = await until_done(lambda: self.store.release(run.claim, self.worker_id))
+        log.info("handed the job over", extra={"stream_id": str(run.claim.stream_id), "released": released})
+        run.fenced_out = True  # not ours to acknowledge any more
+
     async def _append(self, run: Run, seq_before: int, seq_after: int,
                       events: Sequence[tuple[str, bytes]]) -> bool:
         """Append, surviving Redis outages. False when this worker no longer owns the stream."""
@@ -227,6 +232,15 @@ class JobRunner:
             return True
         if res.seq is not None and res.seq == seq_after:
             return True  # an earlier try landed; its reply was lost
+        if res.seq is not None and res.seq < seq_before:
+            # Still ours, but the stream has fewer tokens than we appended: a Redis failover lost its last
+            # appends (durability local). Our text went past the stream's: hand the job over at once, and
+            # whoever claims it (this worker too) continues from what the stream has.
+            log.warning("the stream lost its last appends (a Redis failover): handing the job over",
+                        extra={"stream_id": str(run.claim.stream_id), "seq": res.seq, "expected": seq_before})
+            run.handing_over = True
+            run.stop.set()
+            return False
         run.cancel_reason = run.cancel_reason or res.cancel_reason
         run.fenced_out = True
         return False

@@ -281,7 +281,7 @@ class RedisClusterServers:
             client.close()
         for line in str(nodes).splitlines():
             parts = line.split()
-            if "master" not in parts[2] or "fail" in parts[2]:
+            if "master" not in parts[2]:
                 continue
             for rng in parts[8:]:
                 if rng.startswith("["):

@@ -34,7 +34,8 @@ def _delta(text: str) -> tuple[str, bytes]:
 def _replica_ids(pair: PrimaryReplica, key: str) -> list[str]:
     client = redis.Redis(port=pair.replica.port, decode_responses=True)
     try:
-        return [eid for eid, _ in client.xrange(key)]
+        entries: Any = client.xrange(key)
+        return [eid for eid, _ in entries]
     finally:
         client.close()
 
@@ -131,7 +132,7 @@ def test_a_generation_pauses_while_no_replica_answers(primary_replica: PrimaryRe
     assert len(ids) == len(set(ids))
     client = redis.Redis(port=pair.primary.port, decode_responses=True)
     try:
-        stored = client.xrange(StreamKeys.of(uuid.UUID(sid), 1).events)
+        stored: Any = client.xrange(StreamKeys.of(uuid.UUID(sid), 1).events)
     finally:
         client.close()
     assert ids == [eid for eid, _ in stored]  # every event once, in order: the reader's text is the stream's
