@@ -52,6 +52,7 @@ class Follower:
         self.urls, self.sid = urls, sid
         self.events: list[SSE] = []
         self.done = False
+        self.gone = False  # 404: the stream itself was lost (its creation had not reached a replica)
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -69,6 +70,9 @@ class Follower:
                             c.stream("GET", f"/v1/streams/{self.sid}/events", headers=headers) as r:
                         if r.status_code == 204:
                             self.done = True
+                            break
+                        if r.status_code == 404:
+                            self.done = self.gone = True
                             break
                         if r.status_code != 200:
                             time.sleep(0.2)
@@ -114,6 +118,17 @@ def _stream(cluster: RedisClusterServers, sid: str) -> list[tuple[str, str, dict
     return [(eid, f["t"], orjson.loads(f["d"])) for eid, f in entries]
 
 
+def _diagnose(cluster: RedisClusterServers, f: Follower) -> str:
+    k = StreamKeys.of(uuid.UUID(f.sid), PARTITIONS)
+    client = redis.Redis(port=cluster.primary_of(k.meta).port, decode_responses=True)
+    try:
+        meta = client.hgetall(k.meta)
+        return (f"{f.sid}: meta {meta}, {client.xlen(k.events)} events, read {len(f.events)}, "
+                f"pending {client.xpending(k.jobs, 'generators')}, jobs {client.xlen(k.jobs)}")
+    finally:
+        client.close()
+
+
 def _start_stack(stack_factory: StackFactory, cluster: RedisClusterServers, model: Path, durability: str
                  ) -> tuple[Stack, list[str]]:
     stack = stack_factory(cluster.url)
@@ -151,11 +166,17 @@ def _trial(stack: Stack, urls: list[str], cluster: RedisClusterServers, max_toke
         for f in followers:
             f.thread.join(max(1.0, deadline + 60 - time.monotonic()))
         stuck = [f.sid for f in followers if not f.done]
-        assert not stuck, f"{len(stuck)} of {len(sids)} streams never ended for their readers: {stuck}"
+        assert not stuck, f"{len(stuck)} of {len(sids)} streams never ended for their readers: " + "; ".join(
+            _diagnose(cluster, f) for f in followers if not f.done)
         assert all(f.error is None for f in followers), [f.error for f in followers]
-        lost = resets = 0
+        lost = resets = gone = 0
         for f in followers:
             stream = _stream(cluster, f.sid)
+            if f.gone:  # told explicitly (404); everything it had read is lost
+                assert stream == [], f.sid
+                gone += 1
+                lost += sum(e.event != "reset" for e in f.events)
+                continue
             ids = [eid for eid, _, _ in stream]
             text = "".join(d["text"] for _, t, d in stream if t == "delta")
             assert stream[-1][1] == "done", stream[-1]
@@ -170,7 +191,7 @@ def _trial(stack: Stack, urls: list[str], cluster: RedisClusterServers, max_toke
                 assert delivered == ids, f"reader {f.sid} skipped or repeated events silently"
             else:
                 assert missing, f"reader {f.sid} got a reset with nothing lost"
-        return {"streams": len(sids), "lost": lost, "resets": resets}
+        return {"streams": len(sids), "lost": lost, "resets": resets, "streams_lost": gone}
     finally:
         if victim.proc is None:
             victim.start()
@@ -184,7 +205,7 @@ def test_a_primary_failover_loses_nothing_a_reader_saw_with_replicated(
     stack, urls = _start_stack(stack_factory, ha_cluster, slow_model, "replicated")
     result = _trial(stack, urls, ha_cluster, max_tokens=300)
     print(f"\nreplicated: {result}")
-    assert result["lost"] == 0 and result["resets"] == 0
+    assert result["lost"] == 0 and result["resets"] == 0 and result["streams_lost"] == 0
 
 
 LOCAL_TRIALS = 2
@@ -196,7 +217,8 @@ def test_readers_never_silently_skip_after_a_failover_with_local(
     ha_cluster.flush()
     stack, urls = _start_stack(stack_factory, ha_cluster, slow_model, "local")
     results = [_trial(stack, urls, ha_cluster, max_tokens=300) for _ in range(LOCAL_TRIALS)]
-    print(f"\nlocal: {results}; events lost in {LOCAL_TRIALS} trials: {sum(r['lost'] for r in results)}")
+    print(f"\nlocal: {results}; events lost in {LOCAL_TRIALS} trials: {sum(r['lost'] for r in results)}, "
+          f"streams lost: {sum(r['streams_lost'] for r in results)}")
 
 
 def _slot_owner_and_other(cluster: RedisClusterServers, slot: int) -> tuple[Any, Any, str, str]:
