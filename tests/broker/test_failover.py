@@ -249,7 +249,7 @@ def test_a_live_reshard_loses_nothing(ha_cluster: RedisClusterServers, stack_fac
     ha_cluster.flush()
     stack, urls = _start_stack(stack_factory, ha_cluster, slow_model, "local")
     with stack.client() as c:
-        sids = []
+        sids: list[str] = []
         while len(sids) < 3:  # streams of one partition: their keys share the slot that moves
             sid = str(uuid.uuid4())
             if StreamKeys.of(uuid.UUID(sid), PARTITIONS).partition == 0:
