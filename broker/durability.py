@@ -62,6 +62,8 @@ REPLICATED = "replicated"
 _PUBLISH = "local function publish_event(ch, msg) redis.call('PUBLISH', ch, msg) end\n"
 _NO_PUBLISH = "local function publish_event(ch, msg) end\n"
 
+# Tries of one gated write whose node failed or moved (a fresh slot map each time) before the caller is told.
+ROUTE_TRIES = 3
 # Waits between WAITs that found no replica: the generation is paused meanwhile.
 WAIT_RETRY_BACKOFF = Backoff(base_s=0.05, cap_s=2.0)
 
@@ -187,8 +189,18 @@ class ReplicaGate:
     async def write(self, keys: StreamKeys, script: Any, script_keys: list[str], args: list[Any]) -> Any:
         """Run ``script``, then wait until a replica has what it wrote (pausing, with retries, while none
         answers). Raises transient errors (broker.connection.UNAVAILABLE_ERRORS) for the caller to retry."""
-        client = await self._node(keys.meta)
-        res, acked = await self._wait(client, keys.meta, script, script_keys, args)
+        for tries in range(ROUTE_TRIES):
+            # A pooled connection to a node that has since died, or a slot map from before a failover, fails
+            # the first try: the slot map is read again (``_wait``) and the script retried (they are all safe
+            # to run twice), so a failover long past costs a caller no error.
+            try:
+                client = await self._node(keys.meta)
+                res, acked = await self._wait(client, keys.meta, script, script_keys, args)
+                break
+            except _STALE_ROUTE:
+                if tries == ROUTE_TRIES - 1:
+                    raise
+                await asyncio.sleep(WAIT_RETRY_BACKOFF.delay(tries))
         attempt = 0
         give_up = None if self.patience_s is None else time.monotonic() + self.patience_s
         while acked < self.replicas:
