@@ -159,6 +159,12 @@ class ReplicaGate:
                                                            socket_timeout=timeout_s)
         return client
 
+    async def aclose(self) -> None:
+        """Close the per-master clients (the shared client is its owner's to close)."""
+        nodes, self._nodes = list(self._nodes.values()), {}
+        for client in nodes:
+            await client.aclose()
+
     async def _stale(self) -> None:
         """The slot map is out of date (a failover or a slot move): read it again before the retry."""
         if self._cluster is None:

@@ -86,6 +86,8 @@ def create_app(settings: ConsumerSettings, *, draining: asyncio.Event | None = N
             toucher.cancel()
             await asyncio.gather(toucher, return_exceptions=True)
             await hub.stop()
+            if store.gate is not None:
+                await store.gate.aclose()
             await redis.aclose()
             await blocking.aclose()
 
