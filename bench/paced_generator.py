@@ -49,7 +49,7 @@ async def serve(args: argparse.Namespace) -> None:
     redis = connect(args.redis_url, max_connections=args.pool, retries=1)
     blocking = blocking_client(args.redis_url, args.partitions + 2)
     engine = PacedEngine(args.tokens_per_s, on_loop=not args.threaded)
-    store = Store(redis, args.partitions)
+    store = Store(redis, args.partitions, durability_level=args.durability)
     await store.ensure_groups()
     # One worker running --workers generations at once, as a worker driving an upstream server does; its
     # appends share pipelines (generator/appends.py).
@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=16, help="command connections shared by the workers")
     p.add_argument("--partitions", type=int, default=1)
     p.add_argument("--lease-s", type=float, default=10.0)
+    p.add_argument("--durability", default="local", choices=("local", "replicated"))
     p.add_argument("--log-level", default="warning")
     p.add_argument("--threaded", action="store_true",
                    help="the paced engine in a thread per generation (as llama.cpp runs), not on the loop")

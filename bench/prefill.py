@@ -11,8 +11,9 @@ import orjson
 
 from broker.connection import connect
 from broker.events import EventType, encode_data
+from broker.records import Claim
 from broker.request import RequestLimits, parse_create_body
-from broker.store import Claim, Store, started_event
+from broker.store import Store, started_event
 
 BATCH = 256
 

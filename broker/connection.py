@@ -1,8 +1,11 @@
 """Redis connections. One factory, so every role gets the same timeouts, retries and keepalive.
 
-A URL names a standalone server (``redis://host:port/0``, ``rediss://``) or a Redis Cluster
+A URL names a standalone server (``redis://host:port/0``, ``rediss://``), a Redis Cluster
 (``redis+cluster://host:port``, ``rediss+cluster://``, or any URL with ``cluster=True``: the
-``--redis-cluster`` flag): any one node is enough, the client discovers the others. Every key of one
+``--redis-cluster`` flag): any one node is enough, the client discovers the others; or a primary that Redis
+Sentinel watches (``redis+sentinel://host:port[,host:port...]/service_name[/db]``, ``rediss+sentinel://``
+for TLS to the servers): the client asks the sentinels for the current primary at each (re)connect, so it
+follows a failover. Every key of one
 stream, and of one partition's job queue, shares a hash tag (broker.keys), so each script and each
 multi-key command stays in one slot; what must span slots (polling many job queues, tailing many
 streams) is grouped per slot by the generator and per node by the consumer's live hub.
@@ -18,6 +21,7 @@ from redis._parsers.helpers import parse_stream_list
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import AbstractBackoff
 from redis.exceptions import (
     BusyLoadingError,
@@ -38,6 +42,7 @@ COMMAND_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
 
 #: Redis errors that mean "Redis cannot serve this now, try again soon": the server is unreachable, loading,
 #: or a cluster is moving slots or failing over (a write landing on a demoted primary gets READONLY). Workers
@@ -48,6 +53,32 @@ UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
 
 # Either kind of client: the commands rsb uses have the same signatures on both.
 RedisClient = Redis | RedisCluster
+
+
+def is_sentinel_url(url: str) -> bool:
+    return urlsplit(url).scheme in SENTINEL_SCHEMES
+
+
+def _sentinel(url: str, *, max_connections: int, retries: int, socket_timeout: float | None) -> Redis:
+    """A client of the primary that the sentinels of ``url`` name for its service."""
+    parts = urlsplit(url)
+    hosts = []
+    for item in parts.netloc.rpartition("@")[2].split(","):
+        host, _, port = item.strip().rpartition(":")
+        hosts.append((host or "127.0.0.1", int(port or 26379)))
+    path = [p for p in parts.path.split("/") if p]
+    if not path:
+        raise ValueError("a redis+sentinel:// URL names the service: redis+sentinel://host:26379/mymaster[/db]")
+    db = int(path[1]) if len(path) > 1 else 0
+    common: dict[str, Any] = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_keepalive": True}
+    sentinel = Sentinel(hosts, sentinel_kwargs={**common, "socket_timeout": COMMAND_TIMEOUT_S}, **common)
+    auth: dict[str, Any] = {}
+    if parts.password is not None:
+        auth = {"username": parts.username or None, "password": parts.password}
+    client: Redis = sentinel.master_for(
+        path[0], db=db, socket_timeout=socket_timeout, max_connections=max_connections, retry=_retry(retries),
+        ssl=SENTINEL_SCHEMES[parts.scheme] == "rediss", **auth)
+    return client
 
 
 def is_cluster_url(url: str) -> bool:
@@ -126,7 +157,13 @@ class BoundedRedisCluster(RedisCluster):
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self.gate:
-            return await super().execute_command(*args, **kwargs)
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except (ReadOnlyError, MasterDownError):
+                # A node that was a master is a replica now (a failover redis-py has not seen yet): read the
+                # slot map again before the caller's retry, instead of retrying the same node.
+                self._initialize = True
+                raise
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
         if shard_hint:
@@ -191,6 +228,8 @@ def connect(url: str, *, max_connections: int = 8, retries: int = 3, cluster: bo
     if cluster or is_cluster_url(url):
         return _cluster(cluster_url(url), max_connections=max_connections, retries=retries,
                         socket_timeout=COMMAND_TIMEOUT_S)
+    if is_sentinel_url(url):
+        return _sentinel(url, max_connections=max_connections, retries=retries, socket_timeout=COMMAND_TIMEOUT_S)
     return _standalone(url, max_connections=max_connections, retries=retries, socket_timeout=COMMAND_TIMEOUT_S)
 
 
@@ -200,11 +239,16 @@ def connect_blocking(url: str, *, max_connections: int = 2, cluster: bool = Fals
     On a cluster, pub/sub does not go through this client's pool: see ``connect_node``."""
     if cluster or is_cluster_url(url):
         return _cluster(cluster_url(url), max_connections=max_connections, retries=0, socket_timeout=None)
+    if is_sentinel_url(url):
+        return _sentinel(url, max_connections=max_connections, retries=0, socket_timeout=None)
     return _standalone(url, max_connections=max_connections, retries=0, socket_timeout=None)
 
 
-def connect_node(cluster: RedisCluster, host: str, port: int) -> Redis:
-    """A standalone client for one cluster node, for its sharded pub/sub connection (SSUBSCRIBE only
-    works on the node that owns the channel's slot). One connection, no socket timeout."""
+def connect_node(cluster: RedisCluster, host: str, port: int, *, max_connections: int = 1,
+                 socket_timeout: float | None = None) -> Redis:
+    """A standalone client for one cluster node: for its sharded pub/sub connection (SSUBSCRIBE only
+    works on the node that owns the channel's slot; one connection, no socket timeout), or for a script
+    and the WAIT that must follow it on the same connection (broker.durability)."""
     url = getattr(cluster, "source_url", None) or f"redis://{host}:{port}"
-    return _standalone(node_url(url, host, port), max_connections=1, retries=0, socket_timeout=None)
+    return _standalone(node_url(url, host, port), max_connections=max_connections, retries=0,
+                       socket_timeout=socket_timeout)

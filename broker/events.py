@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from broker.connection import RAW_ENTRIES
 from broker.sse import event_frame
 
 
@@ -25,6 +26,11 @@ class EventType(StrEnum):
     DONE = "done"
     CANCELLED = "cancelled"
     ERROR = "error"
+    # Not stored: sent by a reader whose resume point is no longer in the stream (a Redis failover lost the
+    # events after it, see consumer.reader). {"last_event_id": str | null}: the newest event the reader and the
+    # stream still share (null: none); its id is that event's id (or ``RESET_FROM_START``), and the events
+    # that follow are the stream's from there.
+    RESET = "reset"
 
 
 #: The types that end a stream; also the statuses of a stream that ended (a stream's final status is the type
@@ -108,6 +114,24 @@ class Event:
         # The id comes from Redis and the type from EventType, so neither can carry CR, LF or NUL;
         # the data is single-line JSON. Framing cannot break.
         return event_frame(self.id.encode(), self.type.encode(), self.data)
+
+
+#: The id of a ``reset`` that restarts a reader from the stream's start (no event in common).
+RESET_FROM_START = "0-0"
+
+
+def reset_event(last_common_id: str | None) -> Event:
+    """Tell a reader to roll back to ``last_common_id`` (None: to the start): drop what it received after it."""
+    return Event(last_common_id or RESET_FROM_START, EventType.RESET, encode_data({"last_event_id": last_common_id}))
+
+
+async def read_range(redis: Any, key: str, start: str, count: int) -> list[Event]:
+    """``XRANGE key start + COUNT count`` as events, decoded straight from the raw reply (broker.connection's
+    RAW_ENTRIES: no dict per entry). ``redis``: any client (one made elsewhere parses as usual; from_raw
+    reads both)."""
+    entries: Any = await redis.execute_command("XRANGE", key, start, "+", "COUNT", count, keys=[key],
+                                               **{RAW_ENTRIES: True})
+    return [Event.from_raw(entry) for entry in entries]
 
 
 def delta(text: str) -> tuple[str, bytes]:

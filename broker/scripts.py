@@ -9,7 +9,9 @@ appended), ``cancel`` (reason of a pending cancel), ``last_id`` (terminal event 
 
 Every appended event is also PUBLISHed on the stream's live channel as ``<id>\\n<type>\\n<data>`` so
 consumer pods can tail thousands of streams over one pub/sub connection; the stream stays the source of
-truth (a pod that misses a message re-reads the range).
+truth (a pod that misses a message re-reads the range). The scripts publish events through
+``publish_event``, which broker.durability defines per durability level: at ``replicated`` it publishes
+nothing, and the events are published once a replica has them.
 
 All keys a script touches share the partition's hash tag (broker.keys), so every script runs in one
 slot on Redis Cluster; that includes the keys the CLAIM script builds inside Lua (the waiting streams of
@@ -60,7 +62,7 @@ local function close_stream(meta, events, tomb, channel, etype, data, status, us
     if left_ms > 0 then redis.call('PEXPIRE', tk, math.ceil(left_ms)) else redis.call('DEL', tk) end
   end
   local eid = redis.call('XADD', events, '*', 't', etype, 'd', data)
-  redis.call('PUBLISH', channel, eid .. '\\n' .. etype .. '\\n' .. data)
+  publish_event(channel, eid .. '\\n' .. etype .. '\\n' .. data)
   redis.call('HSET', meta, 'status', status, 'usage', usage, 'last_id', eid, 'finished_at', now)
   redis.call('HDEL', meta, 'worker')
   redis.call('EXPIRE', meta, retention)
@@ -134,7 +136,7 @@ if q[2] then
 end
 local data = '{"position":' .. (waiting + 1) .. ',"eta_s":' .. eta .. '}'
 local eid = redis.call('XADD', KEYS[2], '*', 't', 'queued', 'd', data)
-redis.call('PUBLISH', ARGV[8], eid .. '\\n' .. 'queued' .. '\\n' .. data)
+publish_event(ARGV[8], eid .. '\\n' .. 'queued' .. '\\n' .. data)
 return {1, 'queued'}
 """
 
@@ -182,7 +184,7 @@ if last then
       if q[1] then eta = string.format('%.3f', pos * tonumber(q[1]) / math.max(1, tonumber(q[2] or '1'))) end
       local data = '{"position":' .. pos .. ',"eta_s":' .. eta .. '}'
       local eid = redis.call('XADD', ARGV[4] .. sid .. ':events', '*', 't', 'queued', 'd', data)
-      redis.call('PUBLISH', ARGV[4] .. sid .. ':live', eid .. '\\n' .. 'queued' .. '\\n' .. data)
+      publish_event(ARGV[4] .. sid .. ':live', eid .. '\\n' .. 'queued' .. '\\n' .. data)
     end
   end
 end
@@ -200,11 +202,12 @@ local m = redis.call('HMGET', KEYS[1], 'fence', 'status', 'cancel', 'seq')
 if m[1] ~= ARGV[1] or m[2] ~= 'running' then return {-1, m[3] or ''} end
 if (m[4] or '0') ~= ARGV[3] then return {-2, m[4] or '0'} end
 redis.call('HSET', KEYS[1], 'seq', ARGV[4])
+local eid = ''
 for i = 5, #ARGV, 2 do
-  local eid = redis.call('XADD', KEYS[2], '*', 't', ARGV[i], 'd', ARGV[i + 1])
-  redis.call('PUBLISH', ARGV[2], eid .. '\\n' .. ARGV[i] .. '\\n' .. ARGV[i + 1])
+  eid = redis.call('XADD', KEYS[2], '*', 't', ARGV[i], 'd', ARGV[i + 1])
+  publish_event(ARGV[2], eid .. '\\n' .. ARGV[i] .. '\\n' .. ARGV[i + 1])
 end
-return {0, m[3] or ''}
+return {0, m[3] or '', eid}
 """
 
 # Closes: two terminal events (a zombie finishing after the new owner, or finish racing cancel-while-
@@ -215,6 +218,10 @@ FINISH = _RECORD_ABORT + _CLOSE + """
 --       reason, prompt_tokens, completion_tokens, compute_s, sid
 local m = redis.call('HMGET', KEYS[1], 'fence', 'status', 'model', 'max_tokens', 'key_id', 'retention_s',
   'claimed_at')
+if m[1] == ARGV[1] and (m[2] == 'done' or m[2] == 'cancelled' or m[2] == 'error') then
+  -- A retry of this very claim's finish whose reply was lost: the same answer again.
+  return redis.call('HGET', KEYS[1], 'last_id')
+end
 if m[1] ~= ARGV[1] or m[2] ~= 'running' then return false end
 local model = m[3]
 if ARGV[7] ~= '' then model = ARGV[7] end

@@ -265,13 +265,21 @@ class BrokerSettings(Settings):
     title: ClassVar[str] = "Redis"
 
     redis_url: str | None = setting(
-        None, "Redis URL: redis://host:6379/0, rediss://user:pass@host:6380/0, or redis+cluster://node:6379 "
-        "for a Redis Cluster (any one node)")
+        None, "Redis URL: redis://host:6379/0, rediss://user:pass@host:6380/0, redis+cluster://node:6379 "
+        "for a Redis Cluster (any one node), or redis+sentinel://host:26379[,host:26379]/service[/db] for "
+        "Redis Sentinel")
     partitions: int = setting(
         1, "job/key partitions; fixed per deployment (1 = strict FIFO on one server; on a Redis Cluster a few "
         "per master: their hash slots are spread evenly over all masters)")
     cluster: bool = setting(
         False, "--redis-url is one node of a Redis Cluster (same as a redis+cluster:// URL)", flag="redis-cluster")
+    durability: str = setting(
+        "local", "when an event becomes visible to readers: local (as soon as the primary has it) or replicated "
+        "(only once WAIT confirms a replica has it too: survives a primary failover; needs a replica)",
+        choices=DURABILITY_LEVELS)
+    replica_wait_ms: int = setting(
+        1000, "replicated: how long one WAIT waits for a replica's acknowledgement; with none, the generation "
+        "pauses (readers get heartbeats) and WAIT is retried")
 
     @property
     def url(self) -> str:

@@ -8,124 +8,38 @@ commands, made here too, so that no other module names a Redis key or a command.
 
 from __future__ import annotations
 
-import enum
 import math
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
-from broker import scripts
-from broker.connection import RAW_ENTRIES, RedisClient
+from broker import durability, scripts
+from broker.connection import RedisClient
 from broker.errors import Conflict, Expired, QueueFull, RateLimited, TooManyGenerations
-from broker.events import TERMINAL_TYPES, Event, EventType, encode_data
+from broker.events import Event, EventType, encode_data, read_range
 from broker.keys import JOBS_GROUP, StreamKeys, jobs_key, principal, queue_stats_key, stream_key_prefix
+from broker.records import (
+    NO_QUOTA,
+    AppendResult,
+    Claim,
+    Created,
+    Job,
+    Quota,
+    StreamStatus,
+    Unclaimable,
+    empty_usage,
+)
 from broker.request import GenerationRequest
 
-STATUSES = ("queued", "running", "done", "cancelled", "error")
-TERMINAL_STATUSES = TERMINAL_TYPES
 # Waiting streams whose `queued` position is refreshed on each claim (bounds the claim script's work).
 POSITION_UPDATES = 32
 # Streams touched per script call: bounds one call's time inside Redis (a script blocks the server).
 TOUCH_BATCH = 500
-
-
-@dataclass(frozen=True, slots=True)
-class Quota:
-    """What one caller may have, checked and counted in the create's own atomic step. ``principal`` is who
-    is charged (broker.keys.principal: an API key or an address group; "" = the key id of the create).
-    0 = no limit: ``max_active`` unfinished (queued or running) generations, ``burst`` creates at once
-    refilled at ``rate_per_s``."""
-
-    principal: str = ""
-    max_active: int = 0
-    burst: int = 0
-    rate_per_s: float = 0.0
-
-    def share(self, partitions: int) -> tuple[int, int, int]:
-        """(max_active, burst, interval_ms) of one partition. A caller's counters live in each partition's
-        own slot, so that they are checked and counted in the create's one step on Redis Cluster too:
-        each of P partitions allows ceil(limit / P) and the rate / P (exact with one partition, the
-        default; with more, a caller whose creates happen to crowd one partition meets its share there a
-        little before the whole)."""
-        max_active = -(-self.max_active // partitions) if self.max_active > 0 else 0
-        if self.burst <= 0 or self.rate_per_s <= 0:
-            return max_active, 0, 0
-        return max_active, -(-self.burst // partitions), max(1, round(1000 * partitions / self.rate_per_s))
-
-
-NO_QUOTA = Quota()
-
-
-@dataclass(frozen=True, slots=True)
-class Created:
-    """A create that was accepted: ``created`` is False for a retry of an identical request (same id)."""
-
-    created: bool
-    status: str
-
-
-class Unclaimable(enum.Enum):
-    """Why a job has nothing left to run."""
-
-    GONE = "the stream no longer exists"
-    FINISHED = "the stream already ended"
-
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    """An entry of a partition's job stream: the stream to generate."""
-
-    partition: int
-    entry_id: str
-    stream_id: uuid.UUID
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    stream_id: uuid.UUID
-    keys: StreamKeys
-    fence: int
-    attempts: int
-    request: GenerationRequest
-    cancel_reason: str
-    model: str
-    seq: int
-    job_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class StreamStatus:
-    status: str
-    model: str
-    created_at: float
-    usage: dict[str, Any] | None
-    last_id: str | None
-    cancel_on_disconnect: bool
-    max_tokens: int
-    key_id: str
-    abandon_s: float = 0.0
-
-    @property
-    def watched(self) -> bool:
-        """Whether the generation depends on having readers (so pods must record that it has some)."""
-        return self.status not in TERMINAL_STATUSES and (self.cancel_on_disconnect or self.abandon_s > 0)
-
-
-@dataclass(frozen=True, slots=True)
-class AppendResult:
-    ok: bool
-    cancel_reason: str
-    seq: int | None = None  # the stored seq when the append was refused for a seq mismatch
-
-
-def empty_usage() -> dict[str, Any]:
-    return {"prompt_tokens": 0, "completion_tokens": 0, "ttft_ms": None, "tpot_ms": None}
 
 
 def _s(v: bytes | str | None) -> str:
@@ -140,12 +54,18 @@ class Store:
     Works unchanged on a standalone server and on Redis Cluster (``redis`` a RedisCluster): every call
     touches the keys of one partition, i.e. one hash slot, except the per-partition loops below."""
 
-    def __init__(self, redis: RedisClient, partitions: int = 1) -> None:
+    def __init__(self, redis: RedisClient, partitions: int = 1, *, durability_level: str = durability.LOCAL,
+                 replica_wait_ms: int = 1000, replica_patience_s: float | None = None) -> None:
         self.redis = redis
         self.partitions = partitions
         self.cluster = isinstance(redis, RedisCluster)
+        replicated = durability_level == durability.REPLICATED
+        # replicated: events become visible (published, readable) only once a replica has them.
+        self.gate = durability.ReplicaGate(redis, wait_ms=replica_wait_ms,
+                                           patience_s=replica_patience_s) if replicated else None
 
         def register(text: str) -> Any:
+            text = durability.prepare(text, replicated=replicated)
             return redis.register_script(scripts.for_cluster(text) if self.cluster else text)
 
         self._create = register(scripts.CREATE)
@@ -187,14 +107,13 @@ class Store:
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
-        res = await self._create(
-            keys=[k.meta, k.events, k.jobs, k.queue_stats, k.tombstone,
-                  k.tenant(quota.principal or principal(key_id, ""))],
-            args=[str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
+        res = await self._call(
+            k, self._create, [k.meta, k.events, k.jobs, k.queue_stats, k.tombstone,
+                              k.tenant(quota.principal or principal(key_id, ""))],
+            [str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
                   queue_share, request.model or default_model, request.max_tokens, k.channel, key_id,
                   retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
-                  max_queue_wait_s],
-        )
+                  max_queue_wait_s], lambda r: "" if int(r[0]) == 1 else None)
         code = int(res[0])
         if code == 1:
             return Created(True, "queued")
@@ -249,16 +168,27 @@ class Store:
             return None
         return GenerationRequest.from_canonical(raw.encode() if isinstance(raw, str) else raw)
 
-    async def read(self, stream_id: uuid.UUID, after_id: str | None, count: int = 512) -> list[Event]:
-        """Events strictly after ``after_id`` (None: from the start), at most ``count``."""
+    async def _call(self, k: StreamKeys, script: Any, keys: list[str], args: list[Any],
+                    visible: Callable[[Any], str | None]) -> Any:
+        """Run one of a stream's scripts. At ``replicated`` through the gate: its events become visible up to
+        ``visible(result)`` ('' = the stream's last; None: nothing new) once a replica has them."""
+        if self.gate is None:
+            return await script(keys=keys, args=args)
+        return await self.gate.call(k, script, keys, args, visible)
+
+    async def read(self, stream_id: uuid.UUID, after_id: str | None, count: int = 512, *,
+                   visible_only: bool = True) -> list[Event]:
+        """Events strictly after ``after_id`` (None: from the start), at most ``count``. ``visible_only``:
+        what readers may see (at ``replicated``, up to the watermark); a worker continuing a stream reads it all."""
         k = self.keys(stream_id)
-        start = "-" if after_id is None else f"({after_id}"
-        entries: Any = await self.redis.execute_command("XRANGE", k.events, start, "+", "COUNT", count,
-                                                        keys=[k.events], **{RAW_ENTRIES: True})
-        return [Event.from_raw(entry) for entry in entries]
+        if self.gate is not None and visible_only:
+            return (await self.gate.read(k, after_id, count, check=False))[0]
+        return await read_range(self.redis, k.events, "-" if after_id is None else f"({after_id}", count)
 
     async def last_event_id(self, stream_id: uuid.UUID) -> str | None:
-        """The id of the stream's latest event (None: no events)."""
+        """The id of the stream's latest event readers may see (None: no events)."""
+        if self.gate is not None:
+            return await self.gate.watermark(self.keys(stream_id))
         entries: Any = await self.redis.xrevrange(self.keys(stream_id).events, count=1)
         return _s(entries[0][0]) if entries else None
 
@@ -283,10 +213,10 @@ class Store:
         k = self.keys(stream_id)
         usage = orjson.dumps(empty_usage())
         data = encode_data({"reason": reason, "usage": empty_usage()})
-        code, status = await self._cancel(
-            keys=[k.meta, k.events, k.queue_stats, k.aborted, k.tombstone, k.aborted_totals],
-            args=[reason, k.channel, data, usage, f"{time.time():.6f}", k.control, str(stream_id)],
-        )
+        code, status = await self._call(
+            k, self._cancel, [k.meta, k.events, k.queue_stats, k.aborted, k.tombstone, k.aborted_totals],
+            [reason, k.channel, data, usage, f"{time.time():.6f}", k.control, str(stream_id)],
+            lambda r: "" if int(r[0]) in (0, 1) else None)  # 0, 1: the stream has ended; nothing comes after
         if int(code) == -1:
             return None
         return _s(status)
@@ -355,7 +285,9 @@ class Store:
     async def append(self, claim: Claim, seq_before: int, seq_after: int,
                      events: Sequence[tuple[str, bytes]]) -> AppendResult:
         keys, args = self._append_call(claim, seq_before, seq_after, events)
-        return self._append_result(await self._append(keys=keys, args=args))
+        # Visible up to its last event; a retry that finds the batch landed, up to the stream's last one.
+        return self._append_result(await self._call(claim.keys, self._append, keys, args, lambda r: (
+            _s(r[2]) if int(r[0]) == 0 else "" if int(r[0]) == -2 and int(r[1]) == seq_after else None)))
 
     async def append_many(self, calls: Sequence[tuple[Claim, int, int, Sequence[tuple[str, bytes]]]]
                           ) -> list[AppendResult | BaseException]:
@@ -400,12 +332,12 @@ class Store:
                      usage: dict[str, Any], model: str = "", reason: str = "", compute_s: float = 0.0) -> str | None:
         """Append the terminal event and close the stream. None: this claim no longer owns it."""
         k = claim.keys
-        eid = await self._finish(
-            keys=[k.meta, k.events, k.aborted, k.queue_stats, k.tombstone, k.aborted_totals],
-            args=[claim.fence, k.channel, etype, encode_data(data), status, orjson.dumps(usage), model,
+        eid = await self._call(
+            k, self._finish, [k.meta, k.events, k.aborted, k.queue_stats, k.tombstone, k.aborted_totals],
+            [claim.fence, k.channel, etype, encode_data(data), status, orjson.dumps(usage), model,
                   f"{time.time():.6f}", reason or status, usage.get("prompt_tokens", 0),
                   usage.get("completion_tokens", 0), f"{compute_s:.6f}", str(claim.stream_id)],
-        )
+            lambda r: None if r is None else _s(r))
         return None if eid is None else _s(eid)
 
     async def renew(self, claim: Claim, worker_id: str, disconnect_grace_s: float) -> AppendResult:

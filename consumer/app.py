@@ -44,6 +44,10 @@ async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
                 await store.touch(ids[i:i + 1000])
 
 
+# How long a create or cancel waits for a replica (durability replicated) before answering 503.
+REPLICA_PATIENCE_S = 5.0
+
+
 def create_app(settings: ConsumerSettings, *, draining: Drain | None = None) -> ASGIApp:
     """``draining`` is set by the server on SIGTERM: open SSE responses then end at an event boundary."""
     # Loaded here, not in the lifespan: a broken keys file must stop the start, with its message.
@@ -67,7 +71,9 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None) -> 
         metrics.gauge("rsb_live_hub_reconnects", lambda: hub.reconnects, "pub/sub reconnects since start")
         metrics.gauge("rsb_live_hub_connections", lambda: hub.connections,
                       "pub/sub connections to Redis (1, or one per master on a cluster)")
-        store = Store(redis, b.partitions)
+        # replicated: a create or cancel that no replica acknowledges in time answers 503 (it is idempotent).
+        store = Store(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms,
+                      replica_patience_s=REPLICA_PATIENCE_S)
         service = StreamService(settings, store, hub, metrics, api_keys, limiter)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, chats=ChatStore(redis),
@@ -83,6 +89,8 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None) -> 
             toucher.cancel()
             await asyncio.gather(toucher, return_exceptions=True)
             await hub.stop()
+            if store.gate is not None:
+                await store.gate.aclose()
             await redis.aclose()
             await blocking.aclose()
 

@@ -1,4 +1,19 @@
-"""One reader's view of a stream: replay after the resume point, then tail live, until the terminal event."""
+"""One reader's view of a stream: replay after the resume point, then tail live, until the terminal event.
+
+The reset rule. Redis replicates asynchronously: with durability ``local``, a primary that dies may take the
+last events of a stream with it after a reader received them, and the worker that continues the stream
+appends other events, under new ids, after the last one that survived. So whenever this reader reads the
+range (the replay after a resume point, and every re-read after a missed live message or a failover) it
+checks that its resume point is still in the stream; when it is not (it is newer than the stream's last
+event, or gone while later ones exist), the reader first sends a ``reset`` event whose id (and
+``last_event_id``) is the newest event the stream still has at or before the reader's point (``0-0``/null:
+none), then every event after that one. A client drops what it received after that id (the text of the
+deltas after it) and applies what follows: never a silent skip, never a silent duplicate. With durability
+``replicated`` no event a reader can see is lost by a failover, and no reset happens.
+
+On Redis Cluster an idle reader also re-reads its range at each heartbeat: a live message published while
+its shard failed over may have been lost without its connection noticing.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +24,8 @@ from collections.abc import AsyncIterator
 
 from redis.exceptions import RedisError
 
-from broker.events import Event, parse_event_id
+from broker import durability
+from broker.events import RESET_FROM_START, Event, parse_event_id, reset_event
 from broker.store import Store
 from consumer.hub import LiveHub
 
@@ -40,22 +56,36 @@ async def read_batches(
 ) -> AsyncIterator[list[Event] | None]:
     """``read_stream`` by the batch: a replay page, or all the live events that arrived together, so the
     response can write them in one send (one syscall, one loop iteration) instead of one per event."""
-    sub = await hub.subscribe(store.keys(stream_id).channel, stream_id, watched=watched)
+    keys = store.keys(stream_id)
+    sub = await hub.subscribe(keys.channel, stream_id, watched=watched)
     if watched:
         with contextlib.suppress(RedisError, OSError):
             await store.touch([stream_id])  # a reader is here now (cancel_on_disconnect counts from here)
     try:
-        last = after_id
-        last_key = parse_event_id(after_id) if after_id else (0, 0)
+        last = None if after_id == RESET_FROM_START else after_id  # a client resuming after a reset to the start
+        last_key = parse_event_id(last) if last else (0, 0)
         need_range = True
         # Heartbeats are due idle_s after whatever was yielded last, event or heartbeat.
         next_beat = time.monotonic() + idle_s
         while True:
             if need_range:
                 # Replay (or catch up after a resync) from the stream itself, page by page.
+                check = last is not None
                 while True:
                     try:
-                        page = await store.read(stream_id, last, count=REPLAY_PAGE)
+                        if check and last is not None:
+                            page, found = await durability.read_after(store.redis, store.gate, keys, last, REPLAY_PAGE)
+                            if not found:  # the reset rule (see the module doc)
+                                common = await durability.last_common_id(store.redis, keys, last)
+                                reset = reset_event(common)
+                                yield [reset]
+                                next_beat = time.monotonic() + idle_s
+                                last, last_key = common, parse_event_id(reset.id)
+                                check = False
+                                continue
+                            check = False
+                        else:
+                            page = await store.read(stream_id, last, count=REPLAY_PAGE)
                     except (RedisError, OSError):
                         # Redis is away: keep the reader with heartbeats; the hub's reconnect resyncs us.
                         await sub.wait(min(RETRY_READ_S, max(0.0, next_beat - time.monotonic())))
@@ -80,6 +110,7 @@ async def read_batches(
             if not await sub.wait(max(0.0, next_beat - time.monotonic())):
                 yield None
                 next_beat = time.monotonic() + idle_s
+                need_range = store.cluster  # see the module doc
                 continue
             events, resync = sub.take()
             if resync:

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from typing import cast
 
 from broker.errors import Expired, NotFound, RetryLater
-from broker.events import Event
+from broker.events import Event, EventType, parse_event_id
 from broker.keys import principal
 from broker.models import ServedModels
+from broker.records import Created, Quota, StreamStatus
 from broker.request import GenerationRequest, RequestLimits
-from broker.store import Created, Quota, Store, StreamStatus
+from broker.store import Store
 from consumer.auth import ApiKeys, ensure_owner
 from consumer.hub import LiveHub
 from consumer.limits import ConnectionLimiter
@@ -174,32 +175,47 @@ class StreamService:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def batches(self, stream_id: uuid.UUID, after_id: str | None, *,
-                watched: bool = True) -> AsyncIterator[list[Event] | None]:
+    def batches(self, stream_id: uuid.UUID, after_id: str | None, *, watched: bool = True,
+                resets: bool = True) -> AsyncIterator[list[Event] | None]:
         """Every event after ``after_id`` by the batch (a replay page, or the live events that arrived
-        together), ``None`` when a heartbeat is due, to the terminal event (consumer.reader)."""
-        return read_batches(self.store, self.hub, stream_id, after_id, self.settings.heartbeat_s, watched=watched)
+        together), ``None`` when a heartbeat is due, to the terminal event (consumer.reader). ``resets``:
+        pass ``reset`` events on (a view whose protocol can say "drop what came after this id"); else the
+        batches end just before one, so that the response ends and its client re-syncs."""
+        batches = read_batches(self.store, self.hub, stream_id, after_id, self.settings.heartbeat_s, watched=watched)
+        return batches if resets else _until_reset(batches)
 
     def tail(self, stream_id: uuid.UUID) -> AsyncGenerator[Event | None, None]:
-        """The stream from its first event, live ones included: ``None`` for each heartbeat due. Close it
-        (``aclosing``) so its live subscription ends with the reader, not at garbage collection."""
-        return cast(AsyncGenerator[Event | None, None],
-                    read_stream(self.store, self.hub, stream_id, None, self.settings.heartbeat_s))
+        """The stream from its first event, live ones included: ``None`` for each heartbeat due; it ends
+        before a ``reset`` (the views that tail cannot take text back: their response ends, and the client
+        re-syncs). Close it (``aclosing``) so its live subscription ends with the reader, not at garbage
+        collection."""
+        return _events_until_reset(read_stream(self.store, self.hub, stream_id, None, self.settings.heartbeat_s))
 
     async def fold(self, stream_id: uuid.UUID, feed: Callable[[Event], object],
                    timeout_s: float | None = None) -> bool:
         """Feed every event of the stream to ``feed``, live ones included, until the terminal event (True)
-        or ``timeout_s`` (False)."""
+        or ``timeout_s`` (False). A ``reset`` takes back the events after the id it names, so ``feed`` gets
+        the events only once they are final (at the end)."""
+        kept: list[Event] = []
+        ended = False
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
-                async with aclosing(self.tail(stream_id)) as events:
+                async with aclosing(cast(AsyncGenerator[Event | None, None], read_stream(
+                        self.store, self.hub, stream_id, None, self.settings.heartbeat_s))) as events:
                     async for ev in events:
                         if ev is None:
                             continue
-                        feed(ev)
+                        if ev.type == EventType.RESET:
+                            back = parse_event_id(ev.id) or (0, 0)
+                            kept = [k for k in kept if (parse_event_id(k.id) or (0, 0)) <= back]
+                            continue
+                        kept.append(ev)
                         if ev.is_terminal:
-                            return True
-        return False
+                            ended = True
+                            break
+        for ev in kept:
+            feed(ev)
+        return ended
 
     async def page(self, stream_id: uuid.UUID, after_id: str | None, count: int = REPLAY_PAGE) -> list[Event]:
         """Up to ``count`` events after ``after_id`` (None: from the start), without waiting for more."""
@@ -219,3 +235,28 @@ class StreamService:
             if len(page) < REPLAY_PAGE:
                 return out
             last = page[-1].id
+
+
+async def _until_reset(batches: AsyncIterator[list[Event] | None]) -> AsyncGenerator[list[Event] | None, None]:
+    """The batches up to (not including) a ``reset``."""
+    try:
+        async for batch in batches:
+            if batch is not None:
+                cut = next((i for i, ev in enumerate(batch) if ev.type == EventType.RESET), None)
+                if cut is not None:
+                    if cut:
+                        yield batch[:cut]
+                    return
+            yield batch
+    finally:
+        await cast(AsyncGenerator[list[Event] | None, None], batches).aclose()
+
+
+async def _events_until_reset(events: AsyncIterator[Event | None]) -> AsyncGenerator[Event | None, None]:
+    try:
+        async for ev in events:
+            if ev is not None and ev.type == EventType.RESET:
+                return
+            yield ev
+    finally:
+        await cast(AsyncGenerator[Event | None, None], events).aclose()

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from broker.store import AppendResult, Claim, Store
+from broker.records import AppendResult, Claim
+from broker.store import Store
 
 _Call = tuple[Claim, int, int, Sequence[tuple[str, bytes]]]
 

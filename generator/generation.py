@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from broker.events import EventType, delta, encode_data
-from broker.store import AppendResult, Claim, Job, Store, Unclaimable, started_event
+from broker.records import AppendResult, Claim, Job, Unclaimable
+from broker.store import Store, started_event
 from generator.engines import Engine, Generation, error_code
 from generator.handoff import TokenHandoff, produce
 from generator.lease import Run, keep_lease
@@ -108,7 +109,7 @@ class JobRunner:
         started = False
         after: str | None = None
         while True:
-            events = await self.store.read(claim.stream_id, after, count=1024)
+            events = await self.store.read(claim.stream_id, after, count=1024, visible_only=False)
             if not events:
                 return "".join(text), started
             for ev in events:
@@ -124,6 +125,8 @@ class JobRunner:
         prefix, started = await until_done(lambda: self._prefix_text(claim))
         if not started:
             if not await self._append(run, claim.seq, claim.seq, [started_event(self.engine.name)]):
+                if run.handing_over:
+                    await self._hand_over(run)
                 return
         loop = asyncio.get_running_loop()
         handoff = TokenHandoff(loop, self.settings.handoff_tokens)
@@ -188,9 +191,7 @@ class JobRunner:
             log.warning("lost the lease; another worker owns the stream", extra={"stream_id": str(claim.stream_id)})
             return
         if run.handing_over:
-            released = await until_done(lambda: self.store.release(claim, self.worker_id))
-            log.info("handed the job over", extra={"stream_id": str(claim.stream_id), "released": released})
-            run.fenced_out = True  # not ours to acknowledge any more
+            await self._hand_over(run)
             return
         compute_s = time.monotonic() - t_start
         gen = gen_holder[0] if gen_holder else None
@@ -207,6 +208,11 @@ class JobRunner:
             u = usage.as_dict()
             await self._finish(run, EventType.DONE, {"finish_reason": reason, "usage": u}, "done", u)
 
+    async def _hand_over(self, run: Run) -> None:
+        released = await until_done(lambda: self.store.release(run.claim, self.worker_id))
+        log.info("handed the job over", extra={"stream_id": str(run.claim.stream_id), "released": released})
+        run.fenced_out = True  # not ours to acknowledge any more
+
     async def _append(self, run: Run, seq_before: int, seq_after: int,
                       events: Sequence[tuple[str, bytes]]) -> bool:
         """Append, surviving Redis outages. False when this worker no longer owns the stream."""
@@ -217,6 +223,15 @@ class JobRunner:
             return True
         if res.seq is not None and res.seq == seq_after:
             return True  # an earlier try landed; its reply was lost
+        if res.seq is not None and res.seq < seq_before:
+            # Still ours, but the stream has fewer tokens than we appended: a Redis failover lost its last
+            # appends (durability local). Our text went past the stream's: hand the job over at once, and
+            # whoever claims it (this worker too) continues from what the stream has.
+            log.warning("the stream lost its last appends (a Redis failover): handing the job over",
+                        extra={"stream_id": str(run.claim.stream_id), "seq": res.seq, "expected": seq_before})
+            run.handing_over = True
+            run.stop.set()
+            return False
         run.cancel_reason = run.cancel_reason or res.cancel_reason
         run.fenced_out = True
         return False

@@ -21,7 +21,8 @@ from redis.exceptions import RedisError
 
 from broker.connection import RedisClient
 from broker.keys import partition_slot
-from broker.store import Job, Store
+from broker.records import Job
+from broker.store import Store
 
 log = logging.getLogger("rsb.generator")
 

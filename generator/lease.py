@@ -24,7 +24,8 @@ from broker.backoff import Attempts
 from broker.connection import RedisClient
 from broker.keys import control_channel
 from broker.pubsub import Channels
-from broker.store import Claim, Store
+from broker.records import Claim
+from broker.store import Store
 
 log = logging.getLogger("rsb.generator")
 

@@ -24,7 +24,8 @@ async def serve(settings: GeneratorSettings, engine: Engine) -> None:
     redis = connect(b.url, max_connections=4, retries=1, cluster=b.cluster)
     # One blocking XREADGROUP per hash slot polled (one on a standalone server) plus the cancel listener.
     blocking = connect_blocking(b.url, max_connections=b.partitions + 1, cluster=b.cluster)
-    worker = Worker(settings, engine, Store(redis, settings.broker.partitions), blocking)
+    store = Store(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms)
+    worker = Worker(settings, engine, store, blocking)
     metrics_server = None
     if settings.metrics_port:
         metrics_server = await serve_metrics(worker.metrics, settings.metrics_host, settings.metrics_port)
@@ -54,6 +55,8 @@ async def serve(settings: GeneratorSettings, engine: Engine) -> None:
             h.cancel()
         if metrics_server is not None:
             metrics_server.close()
+        if store.gate is not None:
+            await store.gate.aclose()
         await redis.aclose()
         await blocking.aclose()
         engine.close()

@@ -19,7 +19,8 @@ from typing import Any
 from broker.backoff import Attempts
 from broker.connection import RedisClient
 from broker.models import ANNOUNCE_INTERVAL_S, ServedModels
-from broker.store import Job, Store
+from broker.records import Job
+from broker.store import Store
 from generator.appends import AppendBatcher
 from generator.engines import Engine
 from generator.generation import Appender, JobRunner
@@ -45,9 +46,9 @@ class Worker:
         self.worker_id = settings.worker_id or default_worker_id()
         self.metrics = GeneratorMetrics()
         # Many generations at once: their appends share pipelines. (Cluster pipelines would split by
-        # node anyway; there each append goes on its own.)
-        appender: Appender = (AppendBatcher(store, interval_s=settings.append_batch_ms / 1000)
-                              if settings.concurrency > 1 and not store.cluster else store)
+        # node anyway; there each append goes on its own. At ``replicated`` each append waits for its replica.)
+        batch = settings.concurrency > 1 and not store.cluster and store.gate is None
+        appender: Appender = AppendBatcher(store, interval_s=settings.append_batch_ms / 1000) if batch else store
         self.runner = JobRunner(settings, engine, store, appender, self.metrics, self.worker_id)
         self._background: set[asyncio.Task[Any]] = set()
         self.poller = JobPoller(store, blocking, self.worker_id, settings.lease_s, self._spawn)

@@ -34,7 +34,7 @@ from rsb._exceptions import (
     UnavailableError,
     error_from_response,
 )
-from rsb._models import Event, StreamInfo, StreamStatus
+from rsb._models import Answer, Event, StreamInfo, StreamStatus
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -248,13 +248,13 @@ class Client(_BaseClient):
 
     def text(self, stream_id: str, last_event_id: str | None = None) -> tuple[str, Event | None]:
         """The answer after ``last_event_id`` once the stream ends, and its terminal event."""
-        parts: list[str] = []
+        answer = Answer()
         end: Event | None = None
         for event in self.stream(stream_id, last_event_id):
-            parts.append(event.text)
+            answer.feed(event)
             if event.terminal:
                 end = event
-        return "".join(parts), end
+        return answer.text, end
 
 
 class AsyncClient(_BaseClient):
@@ -324,10 +324,10 @@ class AsyncClient(_BaseClient):
             await asyncio.sleep(read.failed(cause))
 
     async def text(self, stream_id: str, last_event_id: str | None = None) -> tuple[str, Event | None]:
-        parts: list[str] = []
+        answer = Answer()
         end: Event | None = None
         async for event in self.stream(stream_id, last_event_id):
-            parts.append(event.text)
+            answer.feed(event)
             if event.terminal:
                 end = event
-        return "".join(parts), end
+        return answer.text, end

@@ -28,6 +28,34 @@ class Event:
         return self.type in TERMINAL_TYPES
 
 
+class Answer:
+    """The text of a stream as its events come, ``reset`` events included: a reset (a Redis failover lost
+    events this reader had) drops the text received after the event it names, and the deltas that follow
+    continue from there."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[str, str]] = []  # (event id, text)
+
+    def feed(self, event: Event) -> None:
+        if event.type == "reset":
+            back = _id_key(event.id)
+            while self._parts and _id_key(self._parts[-1][0]) > back:
+                self._parts.pop()
+        elif event.type == "delta":
+            self._parts.append((event.id, event.text))
+
+    @property
+    def text(self) -> str:
+        return "".join(t for _, t in self._parts)
+
+
+def _id_key(event_id: str) -> tuple[int, ...]:
+    # A reset's id is one this server issued, so ordering ids is safe here (they stay opaque otherwise).
+    return tuple(int(p) for p in event_id.split("-"))
+
+
 @dataclass(frozen=True, slots=True)
 class StreamInfo:
     """The answer to ``create``: ``created`` is False when the id already existed with this request."""

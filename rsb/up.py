@@ -278,6 +278,9 @@ def run_stack(settings: UpSettings) -> int:
         redis_url = gen.broker.redis_url
         if redis_url:
             check_redis(redis_url)
+        elif gen.broker.durability == "replicated":
+            # The private server has no replica: every generation would pause for good.
+            raise StackError("--durability replicated needs a Redis with a replica: pass --redis-url")
         else:
             try:
                 server = RedisServer(appendonly=True).start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -97,6 +98,38 @@ def own_redis() -> Iterator[RedisServer]:
     server.cleanup()
 
 
+class PrimaryReplica:
+    """A standalone primary and one replica of it (``--replicaof``), each a real redis-server."""
+
+    def __init__(self) -> None:
+        self.primary = RedisServer(extra_args=("--repl-diskless-sync-delay", "0")).start()
+        self.replica = RedisServer(extra_args=("--replicaof", "127.0.0.1", str(self.primary.port))).start()
+        self.wait_synced()
+
+    def wait_synced(self, timeout_s: float = 20.0) -> None:
+        client = redis.Redis(port=self.replica.port)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while client.info("replication").get("master_link_status") != "up":
+                assert time.monotonic() < deadline, "the replica did not sync"
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def cleanup(self) -> None:
+        for s in (self.replica, self.primary):
+            if s.proc is not None and s.proc.poll() is None:
+                os.kill(s.proc.pid, signal.SIGCONT)  # a test may leave it stopped
+            s.cleanup()
+
+
+@pytest.fixture
+def primary_replica() -> Iterator[PrimaryReplica]:
+    pair = PrimaryReplica()
+    yield pair
+    pair.cleanup()
+
+
 @pytest.fixture
 def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client = redis.Redis(port=redis_server.port)
@@ -180,16 +213,18 @@ def stack(stack_factory: StackFactory, redis_server: RedisServer, redis_client: 
 
 
 class RedisClusterServers:
-    """A real Redis Cluster of ``masters`` redis-server processes (no replicas) on free ports, created with
-    ``redis-cli --cluster create`` like an operator would."""
+    """A real Redis Cluster of ``masters`` redis-server processes (and ``replicas`` per master) on free ports,
+    created with ``redis-cli --cluster create`` like an operator would."""
 
-    def __init__(self, masters: int = 3) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 2000) -> None:
         # Each node needs a client port and a cluster-bus port (by default port + 10000, which may be taken or
         # past 65535): pick both explicitly, holding the sockets until all are chosen so none repeats.
         import socket
 
+        self.replicas = replicas
+        count = masters * (1 + replicas)
         held: list[socket.socket] = []
-        for _ in range(2 * masters):
+        for _ in range(2 * count):
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
             held.append(sock)
@@ -197,8 +232,8 @@ class RedisClusterServers:
         for sock in held:
             sock.close()
         self.nodes = [RedisServer(ports[2 * i], extra_args=(
-            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
-            "--cluster-port", str(ports[2 * i + 1]))) for i in range(masters)]
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout",
+            str(node_timeout_ms), "--cluster-port", str(ports[2 * i + 1]))) for i in range(count)]
 
     @property
     def url(self) -> str:
@@ -215,27 +250,59 @@ class RedisClusterServers:
             n.start()
         cli = shutil.which("redis-cli")
         assert cli, "redis-cli is needed to create a cluster (Debian package redis-tools)"
-        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "0",
-                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        deadline = time.monotonic() + 30
-        for p in self.ports:
-            client = redis.Redis(port=p)
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas",
+                        str(self.replicas), "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        self.wait_ok()
+        return self
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every live node reports cluster_state:ok and every replica is in sync with its master."""
+        deadline = time.monotonic() + timeout_s
+        for n in self.nodes:
+            if n.proc is None:
+                continue
+            client = redis.Redis(port=n.port)
             try:
-                while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO") or (
+                        client.info("replication").get("master_link_status", "up") != "up"):
                     assert time.monotonic() < deadline, "the cluster did not reach cluster_state:ok"
                     time.sleep(0.05)
             finally:
                 client.close()
-        return self
+
+    def primary_of(self, key: str) -> RedisServer:
+        """The node that owns ``key``'s slot now, by the cluster's own view (CLUSTER NODES of a live node)."""
+        live = next(n for n in self.nodes if n.proc is not None)
+        client = redis.Redis(port=live.port, decode_responses=True)
+        try:
+            slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
+            nodes = client.execute_command("CLUSTER", "NODES")
+        finally:
+            client.close()
+        for line in str(nodes).splitlines():
+            parts = line.split()
+            if "master" not in parts[2]:
+                continue
+            for rng in parts[8:]:
+                if rng.startswith("["):
+                    continue
+                lo, _, hi = rng.partition("-")
+                if int(lo) <= slot <= int(hi or lo):
+                    port = int(parts[1].split("@")[0].rsplit(":", 1)[1])
+                    return next(n for n in self.nodes if n.port == port)
+        raise AssertionError(f"no master owns the slot of {key!r}")
 
     def client(self) -> redis.RedisCluster:
         return redis.RedisCluster(host="127.0.0.1", port=self.ports[0])
 
     def flush(self) -> None:
-        for p in self.ports:
-            client = redis.Redis(port=p)
+        for n in self.nodes:
+            if n.proc is None:
+                continue
+            client = redis.Redis(port=n.port)
             try:
-                client.flushall()
+                if client.execute_command("ROLE")[0] == b"master":
+                    client.flushall()
             finally:
                 client.close()
 

@@ -14,9 +14,9 @@ from starlette.routing import Route
 
 from broker.errors import InvalidRequest, NotFound
 from broker.events import TERMINAL_TYPES, Event, parse_event_id
+from broker.records import StreamStatus
 from broker.report import aborted_report, parse_time
 from broker.request import parse_create_body
-from broker.store import StreamStatus
 from consumer.http import read_body
 from consumer.metrics import Metrics
 from consumer.sse import SSEResponse

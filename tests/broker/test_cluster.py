@@ -17,8 +17,9 @@ from helpers import create, create_outcome, read_sse, wait_status
 
 from broker.connection import connect
 from broker.keys import jobs_key, partition_of, partition_slot
+from broker.records import Claim
 from broker.request import GenerationRequest
-from broker.store import Claim, Store
+from broker.store import Store
 
 PARTITIONS = 6
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from typing import cast
@@ -14,9 +15,10 @@ from helpers import create_outcome
 from broker.connection import connect
 from broker.errors import Conflict, RateLimited, TooManyGenerations
 from broker.events import EventType, encode_data
+from broker.records import Claim, Quota, Unclaimable
 from broker.redis_server import RedisServer
 from broker.request import GenerationRequest
-from broker.store import Claim, Quota, Store, Unclaimable
+from broker.store import Store
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 
@@ -161,6 +163,8 @@ async def test_finish_sets_status_usage_expiry_and_records_aborts(store: Store) 
     records = cast("list[tuple[bytes, dict[bytes, bytes]]]", await store.redis.xrange(store.keys(sid).aborted))
     assert len(records) == 1 and records[0][1][b"reason"] == b"client"
     assert records[0][1][b"completion_tokens"] == b"5" and records[0][1][b"max_tokens"] == b"32"
-    # A second finish (a retry, or a zombie) adds nothing.
-    assert await store.finish(claim, EventType.DONE, {}, status="done", usage={}) is None
+    # A second finish adds nothing: a retry of this claim's (its reply lost) gets the same id, a zombie's None.
+    assert await store.finish(claim, EventType.DONE, {}, status="done", usage={}) == eid
+    zombie = dataclasses.replace(claim, fence=claim.fence - 1)
+    assert await store.finish(zombie, EventType.DONE, {}, status="done", usage={}) is None
     assert len(await store.read(sid, None)) == 2

@@ -22,9 +22,10 @@ from conftest import StackFactory
 
 from broker.connection import connect
 from broker.events import EventType, encode_data
+from broker.records import Claim
 from broker.redis_server import RedisServer
 from broker.request import GenerationRequest
-from broker.store import Claim, Store
+from broker.store import Store
 
 REQ = GenerationRequest(None, "x", None, 100000, 0.8, 0.95, None, (), False)
 

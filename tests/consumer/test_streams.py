@@ -236,8 +236,9 @@ def test_crafted_unicode_deltas_roundtrip_exactly(redis_server: RedisServer, red
 
     from broker.connection import connect
     from broker.events import EventType, encode_data
+    from broker.records import Claim
     from broker.request import GenerationRequest
-    from broker.store import Claim, Store
+    from broker.store import Store
 
     pieces = ["你好", "世界", "🌍🚀", "\r\n", "line\nbreak", "\u2028sep\u2029", "nul\x00", "\ufffd",
               'quote"\\', "é", " "]

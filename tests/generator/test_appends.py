@@ -9,9 +9,10 @@ import redis
 
 from broker.connection import connect
 from broker.events import EventType, encode_data
+from broker.records import Claim
 from broker.redis_server import RedisServer
 from broker.request import GenerationRequest
-from broker.store import Claim, Store
+from broker.store import Store
 from generator.appends import AppendBatcher
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)

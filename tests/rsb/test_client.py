@@ -278,3 +278,17 @@ def test_rsb_tail_follows_a_running_stream_and_rsb_chat_reports_an_unreachable_s
     dead = f"http://127.0.0.1:{free_port()}"
     gone = _rsb("chat", "Hello", "--url", dead, "--max-retries", "1")
     assert gone.returncode == 3 and b"rsb chat:" in gone.stderr
+
+
+def test_a_reset_takes_back_the_text_after_the_id_it_names() -> None:
+    """What ``text()`` does with a ``reset`` (a failover lost events the reader had: docs/failures.md)."""
+    from rsb._models import Answer, Event
+
+    answer = Answer()
+    for ev in [Event("1-0", "started", {}), Event("2-0", "delta", {"text": "ab"}), Event("3-0", "delta", {"text": "c"}),
+               Event("4-0", "delta", {"text": "d"}), Event("2-0", "reset", {"last_event_id": "2-0"}),
+               Event("5-0", "delta", {"text": "C"})]:
+        answer.feed(ev)
+    assert answer.text == "abC"
+    answer.feed(Event("0-0", "reset", {"last_event_id": None}))
+    assert answer.text == ""

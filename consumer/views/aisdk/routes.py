@@ -10,8 +10,8 @@ from starlette.responses import JSONResponse, Response
 from broker.chats import POINTER_MARGIN_S, Turn, turn_stream_id
 from broker.errors import Expired, NotFound
 from broker.events import TERMINAL_TYPES
+from broker.records import StreamStatus
 from broker.request import parse_json_object, validate_create_body
-from broker.store import StreamStatus
 from consumer.http import read_body
 from consumer.service import Caller, Slot
 from consumer.sse import SSEResponse
@@ -24,7 +24,8 @@ STREAM_ID_HEADER = "x-rsb-stream-id"
 
 def _respond(state: State, slot: Slot, stream_id: uuid.UUID, st: StreamStatus) -> Response:
     state.metrics.inc("rsb_reads_total")
-    frames = turn_frames(state.service.batches(stream_id, None, watched=st.watched), stream_id, state.metrics)
+    batches = state.service.batches(stream_id, None, watched=st.watched, resets=False)
+    frames = turn_frames(batches, stream_id, state.metrics)
     return SSEResponse(frames, shutdown=state.draining, send_timeout_s=state.settings.send_timeout_s,
                        headers={**HEADERS, STREAM_ID_HEADER: str(stream_id)}, shutdown_frame=SHUTDOWN_FRAME,
                        on_close=slot.release)

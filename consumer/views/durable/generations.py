@@ -22,7 +22,7 @@ from broker.durable import Page
 from broker.durable_format import JSON_TYPE, ZERO_ID, id_key, offset_of
 from broker.errors import InvalidRequest, NotFound
 from broker.events import Event
-from broker.store import TERMINAL_STATUSES, StreamStatus
+from broker.records import TERMINAL_STATUSES, StreamStatus
 from consumer.reader import REPLAY_PAGE
 from consumer.sse import Draining, Gone, SSEResponse, race
 from consumer.state import State, caller_of, state_of
@@ -110,7 +110,8 @@ async def _read(state: State, sid: uuid.UUID, st: StreamStatus, offset: str | No
 
 def _batches(state: State, sid: uuid.UUID, st: StreamStatus, after: str) -> AsyncGenerator[list[Event] | None, None]:
     return cast(AsyncGenerator[list[Event] | None, None],
-                state.service.batches(sid, None if after == ZERO_ID else after, watched=st.watched))
+                state.service.batches(sid, None if after == ZERO_ID else after, watched=st.watched,
+                                                         resets=False))
 
 
 async def _next_batch(state: State, sid: uuid.UUID, st: StreamStatus, after: str) -> list[Event] | None:

@@ -18,8 +18,8 @@ from starlette.types import ASGIApp
 
 from broker.errors import InvalidRequest
 from broker.events import Event, EventType
+from broker.records import StreamStatus
 from broker.request import RequestLimits, check_integer
-from broker.store import StreamStatus
 from consumer.service import StreamService
 from consumer.sse import SSEResponse
 from consumer.state import caller_of, state_of

@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.errors import Conflict, Expired, InvalidRequest, RetryLater, RsbError
+from broker.records import StreamStatus
 from broker.request import validate_create_body
-from broker.store import StreamStatus
 from consumer.errors import as_rsb_error
 from consumer.http import read_body
 from consumer.service import Caller

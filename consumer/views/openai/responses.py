@@ -20,8 +20,8 @@ from starlette.types import ASGIApp
 
 from broker.errors import NotFound
 from broker.events import Event, EventType, parse_event_id
+from broker.records import StreamStatus
 from broker.request import GenerationRequest
-from broker.store import StreamStatus
 from consumer.service import Slot, StreamService
 from consumer.sse import SSEResponse
 from consumer.state import caller_of, state_of

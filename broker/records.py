@@ -1,0 +1,109 @@
+"""What the store hands back: the records of a stream, of a job and of a claim, and the create quota. Plain
+frozen values (no Redis here); broker.store reads and writes them."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from broker.events import TERMINAL_TYPES
+from broker.keys import StreamKeys
+from broker.request import GenerationRequest
+
+STATUSES = ("queued", "running", "done", "cancelled", "error")
+TERMINAL_STATUSES = TERMINAL_TYPES
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """What one caller may have, checked and counted in the create's own atomic step. ``principal`` is who
+    is charged (broker.keys.principal: an API key or an address group; "" = the key id of the create).
+    0 = no limit: ``max_active`` unfinished (queued or running) generations, ``burst`` creates at once
+    refilled at ``rate_per_s``."""
+
+    principal: str = ""
+    max_active: int = 0
+    burst: int = 0
+    rate_per_s: float = 0.0
+
+    def share(self, partitions: int) -> tuple[int, int, int]:
+        """(max_active, burst, interval_ms) of one partition. A caller's counters live in each partition's
+        own slot, so that they are checked and counted in the create's one step on Redis Cluster too:
+        each of P partitions allows ceil(limit / P) and the rate / P (exact with one partition, the
+        default; with more, a caller whose creates happen to crowd one partition meets its share there a
+        little before the whole)."""
+        max_active = -(-self.max_active // partitions) if self.max_active > 0 else 0
+        if self.burst <= 0 or self.rate_per_s <= 0:
+            return max_active, 0, 0
+        return max_active, -(-self.burst // partitions), max(1, round(1000 * partitions / self.rate_per_s))
+
+
+NO_QUOTA = Quota()
+
+
+@dataclass(frozen=True, slots=True)
+class Created:
+    """A create that was accepted: ``created`` is False for a retry of an identical request (same id)."""
+
+    created: bool
+    status: str
+
+
+class Unclaimable(enum.Enum):
+    """Why a job has nothing left to run."""
+
+    GONE = "the stream no longer exists"
+    FINISHED = "the stream already ended"
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """An entry of a partition's job stream: the stream to generate."""
+
+    partition: int
+    entry_id: str
+    stream_id: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    stream_id: uuid.UUID
+    keys: StreamKeys
+    fence: int
+    attempts: int
+    request: GenerationRequest
+    cancel_reason: str
+    model: str
+    seq: int
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    status: str
+    model: str
+    created_at: float
+    usage: dict[str, Any] | None
+    last_id: str | None
+    cancel_on_disconnect: bool
+    max_tokens: int
+    key_id: str
+    abandon_s: float = 0.0
+
+    @property
+    def watched(self) -> bool:
+        """Whether the generation depends on having readers (so pods must record that it has some)."""
+        return self.status not in TERMINAL_STATUSES and (self.cancel_on_disconnect or self.abandon_s > 0)
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    ok: bool
+    cancel_reason: str
+    seq: int | None = None  # the stored seq when the append was refused for a seq mismatch
+
+
+def empty_usage() -> dict[str, Any]:
+    return {"prompt_tokens": 0, "completion_tokens": 0, "ttft_ms": None, "tpot_ms": None}

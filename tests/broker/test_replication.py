@@ -1,0 +1,140 @@
+"""Durability ``replicated`` on a real primary and its replica (two redis-server processes): an event becomes
+visible (readable, published) only once the replica has it; with the replica stopped (SIGSTOP) the
+generation pauses and readers get heartbeats, never an event the replica lacks; SIGCONT and it goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from conftest import PrimaryReplica, StackFactory
+from helpers import SSE, create, sse_blocks
+
+from broker.connection import connect
+from broker.events import EventType, encode_data
+from broker.keys import StreamKeys
+from broker.records import Claim
+from broker.request import GenerationRequest
+from broker.store import Store
+
+REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
+
+
+def _delta(text: str) -> tuple[str, bytes]:
+    return EventType.DELTA, encode_data({"text": text})
+
+
+def _replica_ids(pair: PrimaryReplica, key: str) -> list[str]:
+    client = redis.Redis(port=pair.replica.port, decode_responses=True)
+    try:
+        entries: Any = client.xrange(key)
+        return [eid for eid, _ in entries]
+    finally:
+        client.close()
+
+
+async def test_an_event_is_visible_only_once_the_replica_has_it(primary_replica: PrimaryReplica) -> None:
+    pair = primary_replica
+    r = connect(pair.primary.url)
+    store = Store(r, durability_level="replicated", replica_wait_ms=100)
+    assert pair.replica.proc is not None
+    try:
+        sid = uuid.uuid4()
+        k = store.keys(sid)
+        await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+        claim = await store.claim(sid, "w")
+        assert isinstance(claim, Claim)
+        pubsub = r.pubsub()
+        await pubsub.subscribe(k.channel)
+        assert (await store.append(claim, 0, 1, [_delta("a")])).ok
+        seen = [e.id for e in await store.read(sid, None)]
+        assert len(seen) == 2 and seen == _replica_ids(pair, k.events)  # queued + "a", both on the replica
+
+        os.kill(pair.replica.proc.pid, signal.SIGSTOP)
+        try:
+            pending = asyncio.ensure_future(store.append(claim, 1, 2, [_delta("b")]))
+            await asyncio.sleep(1.0)
+            assert not pending.done()  # paused: no replica acknowledged it
+            everything = await store.read(sid, None, visible_only=False)
+            assert [e.type for e in everything] == ["queued", "delta", "delta"]  # on the primary...
+            assert [e.id for e in await store.read(sid, None)] == seen  # ...but no reader may see it
+            assert await store.last_event_id(sid) == seen[-1]
+        finally:
+            os.kill(pair.replica.proc.pid, signal.SIGCONT)
+        res = await asyncio.wait_for(pending, 15)
+        assert res.ok
+        visible = await store.read(sid, None)
+        assert [e.id for e in visible] == [e.id for e in everything]
+        assert [e.id for e in visible] == _replica_ids(pair, k.events)
+        published: list[str] = []
+        deadline = time.monotonic() + 5
+        while len(published) < 2 and time.monotonic() < deadline:
+            msg: dict[str, Any] | None = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+            if msg is not None:
+                published.append(msg["data"].split(b"\n", 1)[0].decode())
+        assert published == [e.id for e in visible[1:]]  # "a", then "b" only once the replica had it
+        await pubsub.aclose()
+    finally:
+        await r.aclose()
+
+
+def _follow(base_url: str, sid: str, out: list[tuple[float, SSE | bytes]]) -> None:
+    with httpx.Client(base_url=base_url, timeout=httpx.Timeout(60.0)) as c, \
+            c.stream("GET", f"/v1/streams/{sid}/events") as resp:
+        for parsed in sse_blocks(resp):
+            out.append((time.monotonic(), parsed if isinstance(parsed, SSE) else parsed[1]))
+
+
+@pytest.mark.timeout(120)
+def test_a_generation_pauses_while_no_replica_answers(primary_replica: PrimaryReplica,
+                                                      stack_factory: StackFactory) -> None:
+    pair = primary_replica
+    assert pair.replica.proc is not None
+    stack = stack_factory(pair.primary.url)
+    flags = ("--durability", "replicated", "--replica-wait-ms", "100")
+    stack.generator(*flags)
+    stack.consumer(*flags, "--heartbeat-s", "0.3")
+    with stack.client() as c:
+        r = create(c, max_tokens=3000)
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        got: list[tuple[float, SSE | bytes]] = []
+        reader = threading.Thread(target=_follow, args=(stack.base_url, sid, got), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while sum(isinstance(x, SSE) and x.event == "delta" for _, x in got) < 20:
+            assert time.monotonic() < deadline, "no deltas came"
+            time.sleep(0.02)
+        os.kill(pair.replica.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # an append whose WAIT was answered before the stop may still arrive
+            before = sum(isinstance(x, SSE) for _, x in got)
+            stopped_at = time.monotonic()
+            time.sleep(2.0)
+            during = [x for t, x in got if t >= stopped_at]
+            assert not any(isinstance(x, SSE) for x in during), "an event was delivered while no replica had it"
+            assert sum(isinstance(x, bytes) for x in during) >= 3  # heartbeats kept the reader
+            assert sum(isinstance(x, SSE) for _, x in got) == before
+        finally:
+            os.kill(pair.replica.proc.pid, signal.SIGCONT)
+        reader.join(60)
+        assert not reader.is_alive(), "the stream did not end after the replica came back"
+    events = [x for _, x in got if isinstance(x, SSE)]
+    assert events[-1].event == "done"
+    ids = [e.id for e in events]
+    assert len(ids) == len(set(ids))
+    client = redis.Redis(port=pair.primary.port, decode_responses=True)
+    try:
+        stored: Any = client.xrange(StreamKeys.of(uuid.UUID(sid), 1).events)
+    finally:
+        client.close()
+    assert ids == [eid for eid, _ in stored]  # every event once, in order: the reader's text is the stream's
+    assert events[-1].data["usage"]["completion_tokens"] == 3000
