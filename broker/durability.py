@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -250,7 +250,7 @@ class ReplicaGate:
 
 
 async def read_after(redis: RedisClient, gate: ReplicaGate | None, keys: StreamKeys, after_id: str,
-                     count: int) -> tuple[list[Event], bool]:
+                     count: int) -> tuple[Sequence[Event], bool]:
     """Up to ``count`` readable events after ``after_id``, and whether ``after_id`` is in the stream. One
     round trip: the range starts AT ``after_id`` (inclusive) and drops it when it is there."""
     if gate is not None:

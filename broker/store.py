@@ -177,7 +177,7 @@ class Store:
         return await self.gate.call(k, script, keys, args, visible)
 
     async def read(self, stream_id: uuid.UUID, after_id: str | None, count: int = 512, *,
-                   visible_only: bool = True) -> list[Event]:
+                   visible_only: bool = True) -> Sequence[Event]:
         """Events strictly after ``after_id`` (None: from the start), at most ``count``. ``visible_only``:
         what readers may see (at ``replicated``, up to the watermark); a worker continuing a stream reads it all."""
         k = self.keys(stream_id)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from redis.exceptions import RedisError
 
@@ -53,7 +53,7 @@ async def read_stream(
 
 async def read_batches(
     store: Store, hub: LiveHub, stream_id: uuid.UUID, after_id: str | None, idle_s: float, *, watched: bool = True
-) -> AsyncIterator[list[Event] | None]:
+) -> AsyncIterator[Sequence[Event] | None]:
     """``read_stream`` by the batch: a replay page, or all the live events that arrived together, so the
     response can write them in one send (one syscall, one loop iteration) instead of one per event."""
     keys = store.keys(stream_id)

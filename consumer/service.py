@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import cast
@@ -176,7 +176,7 @@ class StreamService:
     # -- reading -------------------------------------------------------------------------------
 
     def batches(self, stream_id: uuid.UUID, after_id: str | None, *, watched: bool = True,
-                resets: bool = True) -> AsyncIterator[list[Event] | None]:
+                resets: bool = True) -> AsyncIterator[Sequence[Event] | None]:
         """Every event after ``after_id`` by the batch (a replay page, or the live events that arrived
         together), ``None`` when a heartbeat is due, to the terminal event (consumer.reader). ``resets``:
         pass ``reset`` events on (a view whose protocol can say "drop what came after this id"); else the
@@ -217,7 +217,7 @@ class StreamService:
             feed(ev)
         return ended
 
-    async def page(self, stream_id: uuid.UUID, after_id: str | None, count: int = REPLAY_PAGE) -> list[Event]:
+    async def page(self, stream_id: uuid.UUID, after_id: str | None, count: int = REPLAY_PAGE) -> Sequence[Event]:
         """Up to ``count`` events after ``after_id`` (None: from the start), without waiting for more."""
         return await self.store.read(stream_id, after_id, count=count)
 
@@ -237,7 +237,8 @@ class StreamService:
             last = page[-1].id
 
 
-async def _until_reset(batches: AsyncIterator[list[Event] | None]) -> AsyncGenerator[list[Event] | None, None]:
+async def _until_reset(batches: AsyncIterator[Sequence[Event] | None]
+                       ) -> AsyncGenerator[Sequence[Event] | None, None]:
     """The batches up to (not including) a ``reset``."""
     try:
         async for batch in batches:
@@ -249,7 +250,7 @@ async def _until_reset(batches: AsyncIterator[list[Event] | None]) -> AsyncGener
                     return
             yield batch
     finally:
-        await cast(AsyncGenerator[list[Event] | None, None], batches).aclose()
+        await cast(AsyncGenerator[Sequence[Event] | None, None], batches).aclose()
 
 
 async def _events_until_reset(events: AsyncIterator[Event | None]) -> AsyncGenerator[Event | None, None]:

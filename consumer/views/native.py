@@ -5,7 +5,7 @@ service; this module only speaks the native protocol (its JSON bodies and its SS
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 
 from starlette.requests import Request
@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from broker.errors import InvalidRequest, NotFound
-from broker.events import TERMINAL_TYPES, Event, parse_event_id
+from broker.events import TERMINAL_TYPES, Event, EventPage, parse_event_id
 from broker.records import StreamStatus
 from broker.report import aborted_report, parse_time
 from broker.request import parse_create_body
@@ -70,13 +70,15 @@ def resume_id(request: Request) -> str | None:
     return (header if header is not None else query) or None
 
 
-async def native_frames(batches: AsyncIterator[list[Event] | None], metrics: Metrics) -> AsyncIterator[bytes | None]:
+async def native_frames(batches: AsyncIterator[Sequence[Event] | None], metrics: Metrics
+                        ) -> AsyncIterator[bytes | None]:
     """rsb's own SSE frames (``id``, ``event``, ``data``), a batch per send."""
     async for batch in batches:
         if batch is None:
             yield None
             continue
-        yield b"".join([ev.to_sse() for ev in batch])
+        # A replay page is framed straight from Redis's reply (broker.events.EventPage).
+        yield batch.frames() if isinstance(batch, EventPage) else b"".join([ev.to_sse() for ev in batch])
         metrics.inc("rsb_events_sent_total", len(batch))  # after the send: the generator resumes then
 
 

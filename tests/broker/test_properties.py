@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.errors import InvalidRequest
-from broker.events import Event, EventType, encode_data, parse_event_id
+from broker.events import Event, EventPage, EventType, encode_data, parse_event_id
 from broker.request import GenerationRequest, RequestLimits, parse_create_body
 
 NASTY = st.sampled_from(["\r", "\n", "\r\n", "\x00", "\u2028", "\u2029", "\ud800", "\udfff", "\ufeff", "data: x",
@@ -31,6 +31,22 @@ def _parse_frames(raw: bytes) -> list[dict[str, str]]:
         name, _, value = line.partition(":")
         fields[name] = value[1:] if value.startswith(" ") else value
     return events
+
+
+@given(st.lists(st.tuples(IDS, st.sampled_from(list(EventType)), TEXT), max_size=20), st.booleans())
+@settings(max_examples=200)
+def test_a_page_frames_exactly_as_its_events_do(rows: list[tuple[str, str, str]], parsed: bool) -> None:
+    """EventPage frames a raw XRANGE reply in one pass; a reply parsed into dicts (a client made elsewhere)
+    goes through the Events: both are byte for byte what each Event sends, and indexing or slicing gives
+    the same Events."""
+    stored = [(eid.encode(), etype.encode(), encode_data({"text": text})) for eid, etype, text in rows]
+    entries = [(eid, {b"t": t, b"d": d}) if parsed else [eid, [b"t", t, b"d", d]] for eid, t, d in stored]
+    page = EventPage(entries)
+    events = [Event(eid.decode(), t.decode(), d) for eid, t, d in stored]
+    assert page.frames() == b"".join(ev.to_sse() for ev in events)
+    assert list(page) == events and len(page) == len(events)
+    if events:
+        assert page[-1] == events[-1] and list(page[1:]) == events[1:]
 
 
 @given(TEXT, IDS)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import orjson
@@ -112,7 +112,7 @@ class TurnChunks:
         return out + DONE_FRAME
 
 
-async def turn_frames(batches: AsyncIterator[list[Event] | None], stream_id: uuid.UUID,
+async def turn_frames(batches: AsyncIterator[Sequence[Event] | None], stream_id: uuid.UUID,
                       metrics: Metrics) -> AsyncIterator[bytes | None]:
     """The turn from its start (``batches`` reads the stream from its first event), a batch per send;
     ``None`` when a heartbeat (an SSE comment, which the SDK skips) is due."""

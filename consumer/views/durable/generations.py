@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import cast
 
 from starlette.requests import Request
@@ -49,7 +49,7 @@ def item(ev: Event) -> bytes:
     return b'{"id":"%s","type":"%s","data":%s}' % (ev.id.encode(), ev.type.encode(), ev.data)
 
 
-def page_of(events: list[Event], after: str, *, more: bool, ended: bool) -> Page:
+def page_of(events: Sequence[Event], after: str, *, more: bool, ended: bool) -> Page:
     """``ended``: the generation is over and nothing is left after ``after``."""
     if events:
         tail, closed = events[-1].id, events[-1].is_terminal
@@ -108,13 +108,14 @@ async def _read(state: State, sid: uuid.UUID, st: StreamStatus, offset: str | No
     return page_of(events, after, more=len(events) >= REPLAY_PAGE, ended=st.status in TERMINAL_STATUSES)
 
 
-def _batches(state: State, sid: uuid.UUID, st: StreamStatus, after: str) -> AsyncGenerator[list[Event] | None, None]:
-    return cast(AsyncGenerator[list[Event] | None, None],
+def _batches(state: State, sid: uuid.UUID, st: StreamStatus, after: str
+             ) -> AsyncGenerator[Sequence[Event] | None, None]:
+    return cast(AsyncGenerator[Sequence[Event] | None, None],
                 state.service.batches(sid, None if after == ZERO_ID else after, watched=st.watched,
                                                          resets=False))
 
 
-async def _next_batch(state: State, sid: uuid.UUID, st: StreamStatus, after: str) -> list[Event] | None:
+async def _next_batch(state: State, sid: uuid.UUID, st: StreamStatus, after: str) -> Sequence[Event] | None:
     """The next events after ``after``, waiting up to --ds-long-poll-timeout-s, through the one reader."""
     batches = _batches(state, sid, st, after)
     try:
