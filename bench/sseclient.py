@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,28 @@ class RawConnection:
                 length = int(line[15:])
         data = await self._reader.readexactly(length) if length else b""
         return status, data
+
+    async def get_counting(self, path: str, marker: bytes, on_count: Callable[[int], bool]) -> None:
+        """GET a chunked (SSE) response, reporting how many ``marker``s each read brought to ``on_count``;
+        returns at the response's end, or when ``on_count`` says stop (the connection is then closed). No
+        HTTP parsing beyond the head: the load process must cost far less than the server it loads."""
+        if self._writer is None:
+            await self.connect()
+        self._writer.write(f"GET {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n\r\n".encode())
+        await self._reader.readuntil(b"\r\n\r\n")
+        tail, end = b"", b"\r\n0\r\n\r\n"  # the last chunk of a chunked body
+        keep = max(len(marker), len(end)) - 1
+        while True:
+            data = await self._reader.read(1 << 16)
+            if not data:
+                raise ConnectionError("the server closed the connection mid-response")
+            window = tail + data  # a marker or the end may straddle two reads (counted once: tail is short)
+            if not on_count(window.count(marker)):
+                await self.close()
+                return
+            if window.endswith(end):
+                return
+            tail = window[-keep:]
 
     async def close(self) -> None:
         if self._writer is not None:

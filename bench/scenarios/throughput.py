@@ -1,6 +1,7 @@
 """throughput: delivered events/s at saturation on one consumer process.
 
-``--readers`` concurrent SSE readers (one load process) read whole finished streams of ``--events``
+``--readers`` concurrent SSE readers (one load process, bare keep-alive HTTP/1.1 connections that count
+event lines: ``bench.sseclient.RawConnection``) read whole finished streams of ``--events``
 events from the start, over and over, for ``--duration-s``; events counted at the client.
 Reference, same Redis and data: the raw redis-py read ceiling, one Python process reading the same
 entries with XRANGE (pages of 512, the consumer's page) with the same concurrency and pool size (8).
@@ -21,7 +22,7 @@ from bench import procs
 from bench.loadproc import Control
 from bench.prefill import prefill
 from bench.report import goal_row, print_goals, table
-from bench.sseclient import client
+from bench.sseclient import RawConnection
 from bench.stats import ratio
 from broker import runtime
 from broker.keys import StreamKeys
@@ -38,17 +39,25 @@ async def load_sse(ctl: Control, base: str, sids: list[str], readers: int, durat
     counts = [0] * readers
     end = time.monotonic() + duration_s
 
+    host, port = base.removeprefix("http://").split(":")
+
     async def reader(i: int) -> None:
-        async with client() as http:
+        # A bare keep-alive HTTP/1.1 connection counting event lines (httpx's per-chunk Python work made the
+        # load process, not the server, what limited this run on 2 cores).
+        conn = RawConnection(host, int(port))
+
+        def count(n: int) -> bool:
+            counts[i] += n
+            return time.monotonic() < end
+
+        try:
             n = i
             while time.monotonic() < end:
                 sid = sids[n % len(sids)]
                 n += 1
-                async with http.stream("GET", f"{base}/v1/streams/{sid}/events") as r:
-                    async for chunk in r.aiter_raw():
-                        counts[i] += chunk.count(b"\nevent: ")
-                        if time.monotonic() >= end:
-                            return
+                await conn.get_counting(f"/v1/streams/{sid}/events", b"\nevent: ", count)
+        finally:
+            await conn.close()
 
     ctl.mark("start")
     t0, c0 = time.monotonic(), time.process_time()
