@@ -114,3 +114,4 @@ class RawConnection:
     async def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._reader = self._writer = None

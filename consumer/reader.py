@@ -17,6 +17,7 @@ its shard failed over may have been lost without its connection noticing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -30,6 +31,10 @@ from broker.store import Store
 from consumer.hub import LiveHub
 
 REPLAY_PAGE = 512
+# A replay's pages double up to this: the first comes fast, and a long catch-up takes few round trips (each a
+# loopback write that wakes Redis: the largest single cost of a resume). A page is sent as one write, and
+# flow control holds the next until the client took it, so a reader holds at most one page.
+REPLAY_PAGE_MAX = 2048
 RETRY_READ_S = 1.0
 
 
@@ -61,6 +66,7 @@ async def read_batches(
     if watched:
         with contextlib.suppress(RedisError, OSError):
             await store.touch([stream_id])  # a reader is here now (cancel_on_disconnect counts from here)
+    prefetch: asyncio.Future[Sequence[Event]] | None = None
     try:
         last = None if after_id == RESET_FROM_START else after_id  # a client resuming after a reset to the start
         last_key = parse_event_id(last) if last else (0, 0)
@@ -71,10 +77,11 @@ async def read_batches(
             if need_range:
                 # Replay (or catch up after a resync) from the stream itself, page by page.
                 check = last is not None
+                count = REPLAY_PAGE
                 while True:
                     try:
                         if check and last is not None:
-                            page, found = await durability.read_after(store.redis, store.gate, keys, last, REPLAY_PAGE)
+                            page, found = await durability.read_after(store.redis, store.gate, keys, last, count)
                             if not found:  # the reset rule (see the module doc)
                                 common = await durability.last_common_id(store.redis, keys, last)
                                 reset = reset_event(common)
@@ -84,8 +91,11 @@ async def read_batches(
                                 check = False
                                 continue
                             check = False
+                        elif prefetch is not None:
+                            task, prefetch = prefetch, None
+                            page = await task
                         else:
-                            page = await store.read(stream_id, last, count=REPLAY_PAGE)
+                            page = await store.read(stream_id, last, count=count)
                     except (RedisError, OSError):
                         # Redis is away: keep the reader with heartbeats; the hub's reconnect resyncs us.
                         await sub.wait(min(RETRY_READ_S, max(0.0, next_beat - time.monotonic())))
@@ -99,12 +109,17 @@ async def read_batches(
                     if page and page[-1].is_terminal:
                         yield page
                         return
+                    full = len(page) >= count
+                    if full:
+                        # The next page is read while this one is sent: Redis's side of it overlaps ours.
+                        count = min(2 * count, REPLAY_PAGE_MAX)
+                        prefetch = asyncio.ensure_future(store.read(stream_id, page[-1].id, count=count))
                     if page:
                         yield page
                         next_beat = time.monotonic() + idle_s
                         last = page[-1].id
                         last_key = parse_event_id(last)
-                    if len(page) < REPLAY_PAGE:
+                    if not full:
                         break
                 need_range = False
             if not await sub.wait(max(0.0, next_beat - time.monotonic())):
@@ -131,4 +146,6 @@ async def read_batches(
                 if fresh[-1].is_terminal:
                     return
     finally:
+        if prefetch is not None:
+            prefetch.cancel()
         hub.unsubscribe(sub)
