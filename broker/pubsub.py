@@ -176,8 +176,19 @@ class _Shard:
                 await asyncio.sleep(delay)
 
     async def _dispatch(self, ps: PubSub) -> None:
+        msg_kind = self._msg_type.encode()
         while True:
-            msg: dict[str, Any] | None = await ps.get_message(ignore_subscribe_messages=False, timeout=_IDLE_WAKE_S)
+            # get_message is parse_response + handle_message; a data message (every token of every tailed
+            # stream) is handed on from the raw reply, without the dict and the handler lookups redis-py
+            # builds for it. Everything else goes through handle_message, which keeps PubSub's own
+            # bookkeeping (its channels, pending unsubscribes) right.
+            response: Any = await ps.parse_response(block=False, timeout=_IDLE_WAKE_S)
+            if not response:
+                continue
+            if response[0] == msg_kind and len(response) == 3:
+                self.owner.on_message(response[1], response[2])
+                continue
+            msg: dict[str, Any] | None = await ps.handle_message(response, ignore_subscribe_messages=False)
             if msg is None:
                 continue
             kind, ch = msg["type"], msg["channel"]
