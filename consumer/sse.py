@@ -1,7 +1,7 @@
 """The one SSE response of the consumer, for every protocol view: the event stream, the heartbeat, the
-client's disconnect and the pod's shutdown, raced in one task group so whichever comes first ends the
-response cleanly. Views only decide what bytes each event becomes (``frames``); everything about the
-connection is here.
+client's disconnect and the pod's shutdown, raced (``race``) so whichever comes first ends the response
+cleanly; the stream runs in the response's own task, so an open reader costs one task more, not three.
+Views only decide what bytes each event becomes (``frames``); everything about the connection is here.
 
 Memory per reader stays bounded whatever the client does: frames are pulled from the view one batch at a
 time and each ``send`` waits while uvicorn's transport buffer is full (flow control), so nothing piles up
