@@ -171,6 +171,13 @@ class BoundedRedisCluster(RedisCluster):
         return _GatedPipeline(self, transaction)  # type: ignore[abstract]  # as upstream's pipeline()
 
 
+def reply_text(v: bytes | str | None) -> str:
+    """A Redis reply (bytes; str from a client that decodes) as text; None (a missing field) as ''."""
+    if v is None:
+        return ""
+    return v.decode() if isinstance(v, bytes) else v
+
+
 #: An option of XRANGE/XREVRANGE (``execute_command(..., raw_entries=True)``): the reply stays as Redis sent it,
 #: ``[[id, [field, value, ...]], ...]``, for broker.events.Event.from_raw to read directly. redis-py's own
 #: parsing builds a dict per entry (pairs_to_dict): a fifth of the consumer's CPU in a replay.

@@ -20,7 +20,7 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 
 from broker import durable_scripts, scripts
-from broker.connection import RedisClient
+from broker.connection import RedisClient, reply_text
 from broker.durable_format import JSON_TYPE, ZERO_ID, encode_json, json_array, normalize_content_type
 from broker.errors import Conflict, Expired, InvalidRequest, NotFound, PayloadTooLarge, TooManyStreams
 from broker.keys import DurableKeys
@@ -31,11 +31,6 @@ ENTRY_CHARGE = 64
 COPY_PAGE = 1000
 # Forks a visit of a soft-deleted stream checks for having gone away by expiry (bounds the visit's work).
 PRUNE_MAX = 64
-
-def _s(v: bytes | str | None) -> str:
-    if v is None:
-        return ""
-    return v.decode() if isinstance(v, bytes) else v
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,11 +202,11 @@ class DurableStore:
 
     @staticmethod
     def _created(res: list[Any], spec: StreamSpec) -> Created:
-        tag = _s(res[0])
+        tag = reply_text(res[0])
         if tag == "created":
-            return Created(True, _s(res[1]), spec.content_type, spec.closed)
+            return Created(True, reply_text(res[1]), spec.content_type, spec.closed)
         if tag == "exists":
-            return Created(False, _s(res[2]), _s(res[3]), _s(res[4]) == "1")
+            return Created(False, reply_text(res[2]), reply_text(res[3]), reply_text(res[4]) == "1")
         if tag == "soft":
             raise Conflict("this stream was deleted but forks still reference it: the path cannot be reused yet")
         if tag == "limit":
@@ -226,12 +221,12 @@ class DurableStore:
         # The same PUT again is answered without touching the source (and without taking a reference).
         probe = await self._create_call(keys, spec, ctn_given, ctn_given, [], fork=fork, fork_offset=fork_offset,
                                         inherit=inherit, probe=True)
-        if _s(probe[0]) != "absent":
+        if reply_text(probe[0]) != "absent":
             return self._created(probe, spec)
         src = fork.source
         ref = await self._fork_ref(keys=[src.meta, src.data, src.forks],
                                    args=[keys.name, ctn_given, fork_offset, fork.sub_offset])
-        tag = _s(ref[0])
+        tag = reply_text(ref[0])
         if tag == "notfound":
             raise NotFound("the fork's source stream does not exist")
         if tag == "soft":
@@ -242,7 +237,7 @@ class DurableStore:
             raise InvalidRequest("Stream-Fork-Offset is beyond the source stream's tail")
         if tag == "sub":
             raise InvalidRequest("Stream-Fork-Sub-Offset: the source has no data after the fork offset")
-        offset, ct, ctn, is_json, ttl, exp, expms, gen = (_s(v) for v in ref[1:9])
+        offset, ct, ctn, is_json, ttl, exp, expms, gen = (reply_text(v) for v in ref[1:9])
         next_entry: bytes = ref[9]
         try:
             copies, size = await self._copy(src, offset, gen, max_bytes)
@@ -267,7 +262,7 @@ class DurableStore:
             await self._release(src, keys.name)
             raise
         # Another PUT of this path won a race: the reference stays only if that stream is a fork of this source.
-        if _s(res[0]) != "created" and _s(res[1]) != src.name:
+        if reply_text(res[0]) != "created" and reply_text(res[1]) != src.name:
             await self._release(src, keys.name)
         return self._created(res, StreamSpec(spec.content_type or ct, spec.ttl_s, spec.expires_at,
                                              spec.expires_ms, spec.closed))
@@ -281,14 +276,14 @@ class DurableStore:
             page: Any = await self.redis.xrange(src.data, min=start, max=upto, count=COPY_PAGE)
             for entry_id, fields in page:
                 data = fields[b"b"]
-                out.append((_s(entry_id), data))
+                out.append((reply_text(entry_id), data))
                 size += len(data) + ENTRY_CHARGE
             if max_bytes and size > max_bytes:
                 raise PayloadTooLarge(f"the fork exceeds the stream size limit ({max_bytes} bytes)")
             if len(page) < COPY_PAGE:
                 break
             start = "(" + out[-1][0]
-        if _s(await self.redis.hget(src.meta, "gen")) != gen:
+        if reply_text(await self.redis.hget(src.meta, "gen")) != gen:
             raise NotFound("the fork's source stream went away while it was copied")
         return out, size
 
@@ -318,13 +313,13 @@ class DurableStore:
             keys.channel, stored, ctn, int(close), stream_seq, producer.id if producer else "",
             producer.epoch if producer else 0, producer.seq if producer else 0, int(valid), max_bytes,
             len(stored) + ENTRY_CHARGE])
-        tag = _s(res[0])
+        tag = reply_text(res[0])
         if tag == "notfound":
             raise NotFound("no stream at this path")
         if tag == "gone":
             raise await self._gone(keys)
         outcome = Outcome(tag)
-        vals = [_s(v) for v in res[1:]]
+        vals = [reply_text(v) for v in res[1:]]
         if outcome in (Outcome.OK, Outcome.DUPLICATE_CLOSE, Outcome.ALREADY_CLOSED, Outcome.CLOSED,
                        Outcome.TYPE_MISMATCH):
             return Appended(outcome, tail=vals[0])
@@ -342,13 +337,13 @@ class DurableStore:
         """Entries after ``after`` (an entry id, ``-1`` or ``now``), at most ``count`` and about ``max_bytes``
         (never fewer than one). ``refresh``: this read restarts a sliding TTL. Raises NotFound, Expired."""
         res = await self._read(keys=keys.all, args=[after, count, max_bytes, int(refresh)])
-        tag = _s(res[0])
+        tag = reply_text(res[0])
         if tag == "notfound":
             raise NotFound("no stream at this path")
         if tag == "gone":
             raise await self._gone(keys)
-        tail, closed, ct, is_json, gen, start, more, ttl = (_s(v) for v in res[1:9])
-        entries = [(_s(res[i]), bytes(res[i + 1])) for i in range(9, len(res), 2)]
+        tail, closed, ct, is_json, gen, start, more, ttl = (reply_text(v) for v in res[1:9])
+        entries = [(reply_text(res[i]), bytes(res[i + 1])) for i in range(9, len(res), 2)]
         return Page(tail, closed == "1", ct, is_json == "1", gen, start, more == "1", entries, int(ttl or 0))
 
     async def head(self, keys: DurableKeys) -> Meta:
@@ -356,47 +351,48 @@ class DurableStore:
         raw = await self.redis.hmget(keys.meta, ["ct", "tail", "closed", "ttl", "exp", "soft"])
         if raw[1] is None:
             raise NotFound("no stream at this path")
-        if _s(raw[5]) == "1":
+        if reply_text(raw[5]) == "1":
             raise await self._gone(keys)
-        return Meta(_s(raw[0]), _s(raw[1]), _s(raw[2]) == "1", _s(raw[3]), _s(raw[4]))
+        return Meta(reply_text(raw[0]), reply_text(raw[1]), reply_text(raw[2]) == "1", reply_text(raw[3]),
+                    reply_text(raw[4]))
 
     # -- delete -----------------------------------------------------------------------------------------
 
     async def delete(self, keys: DurableKeys) -> None:
         """Delete the stream (only soft-delete it while forks reference it). Raises NotFound, Expired."""
         res = await self._delete(keys=keys.all, args=[keys.channel])
-        tag = _s(res[0])
+        tag = reply_text(res[0])
         if tag == "notfound":
             raise NotFound("no stream at this path")
         if tag == "gone":
             raise await self._gone(keys)
         if tag == "soft":
             await self._prune(keys)
-        elif _s(res[1]):
-            await self._release(DurableKeys.named(_s(res[1]), self.partitions), keys.name)
+        elif reply_text(res[1]):
+            await self._release(DurableKeys.named(reply_text(res[1]), self.partitions), keys.name)
 
     async def _release(self, source: DurableKeys, fork_name: str) -> None:
         """Drop a fork's reference on its source; a soft-deleted source left without forks is collected, and
         so on up the chain."""
         while True:
             res = await self._unref(keys=source.all, args=[fork_name])
-            if _s(res[0]) != "collected" or not _s(res[1]):
+            if reply_text(res[0]) != "collected" or not reply_text(res[1]):
                 return
-            fork_name, source = source.name, DurableKeys.named(_s(res[1]), self.partitions)
+            fork_name, source = source.name, DurableKeys.named(reply_text(res[1]), self.partitions)
 
     async def _prune(self, keys: DurableKeys) -> bool:
         """Drop the references of forks that expired (they never call back): True when that collected the
         stream. Bounded to PRUNE_MAX forks per visit."""
         members: Any = await self.redis.srandmember(keys.forks, PRUNE_MAX)
         for raw in members or []:
-            name = _s(raw)
+            name = reply_text(raw)
             fork = DurableKeys.named(name, self.partitions)
-            if _s(await self.redis.hget(fork.meta, "from")) == keys.name:
+            if reply_text(await self.redis.hget(fork.meta, "from")) == keys.name:
                 continue
             res = await self._unref(keys=keys.all, args=[name])
-            if _s(res[0]) == "collected":
-                if _s(res[1]):
-                    await self._release(DurableKeys.named(_s(res[1]), self.partitions), keys.name)
+            if reply_text(res[0]) == "collected":
+                if reply_text(res[1]):
+                    await self._release(DurableKeys.named(reply_text(res[1]), self.partitions), keys.name)
                 return True
         return False
 

@@ -19,7 +19,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from broker import durability, scripts
-from broker.connection import RedisClient
+from broker.connection import RedisClient, reply_text
 from broker.errors import Conflict, Expired, QueueFull, RateLimited, TooManyGenerations
 from broker.events import Event, EventType, encode_data, read_range
 from broker.keys import JOBS_GROUP, StreamKeys, jobs_key, principal, queue_stats_key, stream_key_prefix
@@ -41,11 +41,6 @@ POSITION_UPDATES = 32
 # Streams touched per script call: bounds one call's time inside Redis (a script blocks the server).
 TOUCH_BATCH = 500
 
-
-def _s(v: bytes | str | None) -> str:
-    if v is None:
-        return ""
-    return v.decode() if isinstance(v, bytes) else v
 
 
 class Store:
@@ -118,12 +113,12 @@ class Store:
         if code == 1:
             return Created(True, "queued")
         if code == 0:
-            return Created(False, _s(res[1]))
+            return Created(False, reply_text(res[1]))
         if code == -1:
             raise Conflict("a stream with this id exists with a different request")
         if code == -2:
             raise Expired("a stream with this id existed and expired; use a new id")
-        ema_raw, busy = _s(res[2]), int(res[3] or 0)
+        ema_raw, busy = reply_text(res[2]), int(res[3] or 0)
         ema = float(ema_raw) if ema_raw else None
         if code == -5:
             raise RateLimited(f"too many creates from this caller (a burst of {quota.burst}, then "
@@ -132,7 +127,7 @@ class Store:
             raise TooManyGenerations(f"this caller has as many unfinished generations as it may ({quota.max_active})",
                                      retry_after_s=retry_after_s(1, ema, busy))
         waiting = int(res[1])
-        if _s(res[4]) == "wait":
+        if reply_text(res[4]) == "wait":
             assert ema is not None
             allowed = math.floor(max_queue_wait_s * max(1, busy) / ema) if ema > 0 else waiting
             raise QueueFull(f"the generation queue is full (the estimated wait of {waiting} waiting "
@@ -150,14 +145,14 @@ class Store:
             return None
         req = orjson.loads(raw[5]) if raw[5] else {}
         return StreamStatus(
-            status=_s(raw[0]),
-            model=_s(raw[1]),
+            status=reply_text(raw[0]),
+            model=reply_text(raw[1]),
             created_at=float(raw[2] or 0),
             usage=orjson.loads(raw[3]) if raw[3] else None,
-            last_id=_s(raw[4]) or None,
+            last_id=reply_text(raw[4]) or None,
             cancel_on_disconnect=bool(req.get("cancel_on_disconnect", False)),
             max_tokens=int(raw[6] or 0),
-            key_id=_s(raw[7]),
+            key_id=reply_text(raw[7]),
             abandon_s=float(raw[8] or 0),
         )
 
@@ -190,7 +185,7 @@ class Store:
         if self.gate is not None:
             return await self.gate.watermark(self.keys(stream_id))
         entries: Any = await self.redis.xrevrange(self.keys(stream_id).events, count=1)
-        return _s(entries[0][0]) if entries else None
+        return reply_text(entries[0][0]) if entries else None
 
     async def expired(self, stream_id: uuid.UUID) -> bool:
         """Whether this id belonged to a stream that ended and passed its retention (410, not 404)."""
@@ -219,7 +214,7 @@ class Store:
             lambda r: "" if int(r[0]) in (0, 1) else None)  # 0, 1: the stream has ended; nothing comes after
         if int(code) == -1:
             return None
-        return _s(status)
+        return reply_text(status)
 
     async def waiting(self) -> int:
         """Streams enqueued and not yet claimed, over all partitions."""
@@ -246,7 +241,7 @@ class Store:
                                                min_idle_time=min_idle_ms, start_id="0-0", count=1)
         for entry_id, fields in res[1]:
             if fields:  # an entry deleted meanwhile comes back without fields
-                return Job(partition, _s(entry_id), uuid.UUID(_s(fields[b"sid"])))
+                return Job(partition, reply_text(entry_id), uuid.UUID(reply_text(fields[b"sid"])))
         return None
 
     async def read_new_jobs(self, blocking: RedisClient, keys: dict[str, int], worker_id: str,
@@ -256,7 +251,7 @@ class Store:
         timeout (the call blocks up to ``block_ms``)."""
         streams: dict[Any, Any] = dict.fromkeys(keys, ">")
         res: Any = await blocking.xreadgroup(JOBS_GROUP, worker_id, streams, count=1, block=block_ms)
-        return [Job(keys[_s(key)], _s(entry_id), uuid.UUID(_s(fields[b"sid"])))
+        return [Job(keys[reply_text(key)], reply_text(entry_id), uuid.UUID(reply_text(fields[b"sid"])))
                 for key, entries in res or [] for entry_id, fields in entries]
 
     async def hand_back(self, job: Job, worker_id: str) -> None:
@@ -280,14 +275,14 @@ class Store:
             return Unclaimable.GONE if int(res[0]) == -1 else Unclaimable.FINISHED
         fence, attempts, req, cancel, model, seq, jid = res
         return Claim(stream_id, k, int(fence), int(attempts), GenerationRequest.from_canonical(req),
-                     _s(cancel), _s(model), int(seq), _s(jid))
+                     reply_text(cancel), reply_text(model), int(seq), reply_text(jid))
 
     async def append(self, claim: Claim, seq_before: int, seq_after: int,
                      events: Sequence[tuple[str, bytes]]) -> AppendResult:
         keys, args = self._append_call(claim, seq_before, seq_after, events)
         # Visible up to its last event; a retry that finds the batch landed, up to the stream's last one.
         return self._append_result(await self._call(claim.keys, self._append, keys, args, lambda r: (
-            _s(r[2]) if int(r[0]) == 0 else "" if int(r[0]) == -2 and int(r[1]) == seq_after else None)))
+            reply_text(r[2]) if int(r[0]) == 0 else "" if int(r[0]) == -2 and int(r[1]) == seq_after else None)))
 
     async def append_many(self, calls: Sequence[tuple[Claim, int, int, Sequence[tuple[str, bytes]]]]
                           ) -> list[AppendResult | BaseException]:
@@ -323,10 +318,10 @@ class Store:
     def _append_result(raw: Any) -> AppendResult:
         code, detail = int(raw[0]), raw[1]
         if code == 0:
-            return AppendResult(True, _s(detail))
+            return AppendResult(True, reply_text(detail))
         if code == -2:
             return AppendResult(False, "", seq=int(detail))
-        return AppendResult(False, _s(detail))
+        return AppendResult(False, reply_text(detail))
 
     async def finish(self, claim: Claim, etype: str, data: dict[str, Any], *, status: str,
                      usage: dict[str, Any], model: str = "", reason: str = "", compute_s: float = 0.0) -> str | None:
@@ -337,8 +332,8 @@ class Store:
             [claim.fence, k.channel, etype, encode_data(data), status, orjson.dumps(usage), model,
                   f"{time.time():.6f}", reason or status, usage.get("prompt_tokens", 0),
                   usage.get("completion_tokens", 0), f"{compute_s:.6f}", str(claim.stream_id)],
-            lambda r: None if r is None else _s(r))
-        return None if eid is None else _s(eid)
+            lambda r: None if r is None else reply_text(r))
+        return None if eid is None else reply_text(eid)
 
     async def renew(self, claim: Claim, worker_id: str, disconnect_grace_s: float) -> AppendResult:
         """Extend the lease; the reply carries any cancel reason (incl. abandoned / disconnect)."""
@@ -346,7 +341,7 @@ class Store:
         code, cancel = await self._renew(keys=[k.meta, k.jobs],
                                          args=[claim.fence, JOBS_GROUP, worker_id, claim.job_id,
                                                f"{time.time():.3f}", disconnect_grace_s])
-        return AppendResult(int(code) == 0, _s(cancel))
+        return AppendResult(int(code) == 0, reply_text(cancel))
 
     async def release(self, claim: Claim, worker_id: str) -> bool:
         """Hand the job over to the next worker that polls, without waiting for the lease to lapse."""
