@@ -151,7 +151,9 @@ def test_live_tail_on_a_cluster_uses_one_pubsub_connection_per_master(stack_fact
     s = stack_factory(redis_cluster.url)
     s.consumer("--partitions", str(PARTITIONS), "--heartbeat-s", "5")
     with s.client() as c:
-        sids = [create(c, max_tokens=16).json()["id"] for _ in range(60)]  # queued: no generator yet
+        created = [create(c, max_tokens=16) for _ in range(60)]  # queued: no generator yet
+        assert all(r.status_code == 201 for r in created), [r.text for r in created if r.status_code != 201][:3]
+        sids = [r.json()["id"] for r in created]
     baseline = {p: {cl["id"] for cl in redis.Redis(port=p).client_list()} for p in redis_cluster.ports}
 
     async def readers() -> list[str]:
