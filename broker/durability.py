@@ -49,7 +49,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.backoff import Backoff
 from broker.connection import COMMAND_TIMEOUT_S, RedisClient, connect_node
-from broker.events import Event, read_range
+from broker.events import Event, EventPage, read_range
 from broker.keys import StreamKeys
 
 log = logging.getLogger("rsb.durability")
@@ -237,12 +237,12 @@ class ReplicaGate:
         return res
 
     async def read(self, keys: StreamKeys, after_id: str | None, count: int, *,
-                   check: bool) -> tuple[list[Event], bool]:
+                   check: bool) -> tuple[Sequence[Event], bool]:
         """Visible events after ``after_id`` and whether ``after_id`` is in the stream (always True
         unless ``check``)."""
         found, entries = await self._read(keys=[keys.meta, keys.events],
                                           args=[after_id or "", count, "1" if check else "0"])
-        return [Event.from_entry(eid, dict(zip(f[::2], f[1::2], strict=True))) for eid, f in entries], bool(found)
+        return EventPage(entries), bool(found)  # the script returns entries as XRANGE does
 
     async def watermark(self, keys: StreamKeys) -> str | None:
         raw = await self.redis.hget(keys.meta, "wm")
