@@ -23,10 +23,10 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from bench.paced_engine import PacedEngine
 from bench.procs import raise_nofile
 from broker import runtime
-from broker.connection import connect
 from broker.logs import setup_logging
+from broker.redis.connection import connect
 from broker.settings import BrokerSettings
-from broker.store import Store
+from broker.streams.store import Store
 from generator.settings import GeneratorSettings
 from generator.worker import Worker
 
@@ -34,7 +34,7 @@ log = logging.getLogger("rsb.bench.paced")
 
 
 def blocking_client(url: str, connections: int) -> Redis:
-    """Like ``broker.connection.connect_blocking`` (no socket timeout) with room for ``connections``."""
+    """Like ``broker.redis.connection.connect_blocking`` (no socket timeout) with room for ``connections``."""
     pool = BlockingConnectionPool.from_url(url, max_connections=connections, timeout=5.0, socket_timeout=None,
                                            socket_connect_timeout=2.0, socket_keepalive=True)
     return Redis(connection_pool=pool)

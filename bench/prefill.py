@@ -9,11 +9,11 @@ from typing import Any
 
 import orjson
 
-from broker.connection import connect
 from broker.events import EventType, encode_data
-from broker.records import Claim
+from broker.redis.connection import connect
 from broker.request import RequestLimits, parse_create_body
-from broker.store import Store, started_event
+from broker.streams.records import Claim
+from broker.streams.store import Store, started_event
 
 BATCH = 256
 

@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import httpx
 
-from broker.redis_server import RedisServer, free_port
+from broker.redis.server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = Path(tempfile.gettempdir()) / "rsb-bench-logs"

@@ -1,5 +1,5 @@
 """The one backoff of rsb: exponential, capped, with jitter. Workers waiting for Redis, the pub/sub
-reconnect loop, redis-py's own command retries (through ``broker.connection``) and the Python client's
+reconnect loop, redis-py's own command retries (through ``broker.redis.connection``) and the Python client's
 reconnects all wait by it, so clients that lost the same server never come back in lockstep.
 
 Attempt ``n`` (from 0) waits a random time in ``[floor * d, d]`` with ``d = min(cap_s, base_s * 2**n)``:

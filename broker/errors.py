@@ -66,7 +66,7 @@ class QueueFull(RetryLater):
 
 class TooManyConnections(RetryLater):
     """Open streams per client address or per API key at their limit (counted per pod); at the HTTP
-    server's level (consumer.guards), connections of one address past their cap, answered 503."""
+    server's level (consumer.edge.guards), connections of one address past their cap, answered 503."""
 
     code = "too_many_connections"
     status_code = 429
@@ -88,7 +88,7 @@ class RateLimited(RetryLater):
 
 
 class Overloaded(RetryLater):
-    """The pod holds as many connections as it may (consumer.guards): another pod, or later, may serve."""
+    """The pod holds as many connections as it may (consumer.edge.guards): another pod, or later, may serve."""
 
     code = "overloaded"
     status_code = 503

@@ -15,7 +15,6 @@ from typing import Any, overload
 
 import orjson
 
-from broker.connection import RAW_ENTRIES
 from broker.sse import event_frame
 
 
@@ -28,8 +27,8 @@ class EventType(StrEnum):
     CANCELLED = "cancelled"
     ERROR = "error"
     # Not stored: sent by a reader whose resume point is no longer in the stream (a Redis failover lost the
-    # events after it, see consumer.reader). {"last_event_id": str | null}: the newest event the reader and the
-    # stream still share (null: none); its id is that event's id (or ``RESET_FROM_START``), and the events
+    # events after it, see consumer.streaming.reader). {"last_event_id": str | null}: the newest event the reader
+    # and the stream still share (null: none); its id is that event's id (or ``RESET_FROM_START``), and the events
     # that follow are the stream's from there.
     RESET = "reset"
 
@@ -166,14 +165,6 @@ class EventPage(Sequence[Event]):
         if all(type(f) is list and len(f) == 4 and f[0] == b"t" and f[2] == b"d" for _, f in entries):
             return b"".join([event_frame(eid, f[1], f[3]) for eid, f in entries])
         return b"".join([ev.to_sse() for ev in self])
-
-
-async def read_range(redis: Any, key: str, start: str, count: int) -> EventPage:
-    """``XRANGE key start + COUNT count`` as an EventPage of the raw reply (broker.connection's RAW_ENTRIES: no dict
-    per entry). ``redis``: any client (one made elsewhere parses as usual; Event.from_raw reads both)."""
-    entries: Any = await redis.execute_command("XRANGE", key, start, "+", "COUNT", count, keys=[key],
-                                               **{RAW_ENTRIES: True})
-    return EventPage(entries if isinstance(entries, list) else list(entries))
 
 
 def delta(text: str) -> tuple[str, bytes]:

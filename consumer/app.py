@@ -1,5 +1,5 @@
 """The Starlette application: the typed state built in the lifespan, the routes of every view, the
-authentication middleware and the one error boundary; in front of it, the readers' route (consumer.front)."""
+authentication middleware and the one error boundary; in front of it, the readers' route (consumer.edge.front)."""
 
 from __future__ import annotations
 
@@ -7,28 +7,28 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
-from broker.chats import ChatStore
-from broker.connection import connect, connect_blocking
-from broker.durable import DurableStore
-from broker.store import Store
-from consumer.auth import ApiKeys
-from consumer.errors import HANDLERS
-from consumer.front import FrontDoor
-from consumer.hub import LiveHub
-from consumer.limits import ConnectionLimiter
+from broker.durable.store import DurableStore
+from broker.redis.connection import UNAVAILABLE_ERRORS, connect, connect_blocking
+from broker.streams.chats import ChatStore
+from broker.streams.store import Store
+from consumer.edge.auth import ApiKeys
+from consumer.edge.errors import HANDLERS
+from consumer.edge.front import FrontDoor
+from consumer.edge.limits import ConnectionLimiter
+from consumer.edge.middleware import AuthMiddleware
 from consumer.metrics import Metrics
-from consumer.middleware import AuthMiddleware
-from consumer.service import StreamService
 from consumer.settings import ConsumerSettings
-from consumer.sse import Drain
 from consumer.state import STATE_KEY, State
+from consumer.streaming.hub import LiveHub
+from consumer.streaming.service import StreamService
+from consumer.streaming.sse import Drain
 from consumer.views import ROUTES
 from consumer.views.durable import protocol as durable_protocol
+from consumer.views.native import stream_events
 
 # How often a pod records, per stream it serves, that a reader is connected. Must stay well under the
 # generators' --disconnect-grace-s and any --abandon-after-s.
@@ -39,7 +39,7 @@ async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         ids = hub.stream_ids()
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*UNAVAILABLE_ERRORS):
             for i in range(0, len(ids), 1000):
                 await store.touch(ids[i:i + 1000])
 
@@ -102,4 +102,4 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None) -> 
                            allow_methods=list(durable_protocol.METHODS),
                            allow_headers=sorted({"Last-Event-ID", *durable_protocol.REQUEST_HEADERS}),
                            expose_headers=list(durable_protocol.RESPONSE_HEADERS), max_age=600)
-    return FrontDoor(app, api_keys, cors=bool(settings.cors_origins))
+    return FrontDoor(app, stream_events, api_keys, cors=bool(settings.cors_origins))

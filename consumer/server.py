@@ -1,5 +1,5 @@
 """Running the consumer under uvicorn, with a shutdown that does not wait on open SSE streams, a write-stall
-guard that drops connections whose client stopped reading, and the connection guards of consumer.guards
+guard that drops connections whose client stopped reading, and the connection guards of consumer.edge.guards
 (head and body timeouts, connections per address and per pod)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from broker import runtime
 from consumer.app import create_app
-from consumer.guards import Guards, guarded, open_file_limit
+from consumer.edge.guards import Guards, guarded, open_file_limit
 from consumer.settings import ConsumerSettings
-from consumer.sse import Drain
+from consumer.streaming.sse import Drain
 
 log = logging.getLogger("rsb.consumer")
 

@@ -7,16 +7,16 @@ from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
-from broker.chats import ChatStore
-from broker.durable import DurableStore
-from broker.store import Store
-from consumer.auth import ApiKeys
-from consumer.hub import LiveHub
-from consumer.limits import ConnectionLimiter, address_group
+from broker.durable.store import DurableStore
+from broker.streams.chats import ChatStore
+from broker.streams.store import Store
+from consumer.edge.auth import ApiKeys
+from consumer.edge.limits import ConnectionLimiter, address_group
 from consumer.metrics import Metrics
-from consumer.service import Caller, StreamService
 from consumer.settings import ConsumerSettings
-from consumer.sse import Drain
+from consumer.streaming.hub import LiveHub
+from consumer.streaming.service import Caller, StreamService
+from consumer.streaming.sse import Drain
 
 STATE_KEY = "rsb"
 
@@ -47,6 +47,6 @@ def state_of(conn: HTTPConnection) -> State:
 
 def caller_of(conn: HTTPConnection) -> Caller:
     """The caller's key id (checked by the auth middleware before any /v1 or /api route runs) and address group
-    (consumer.limits.address_group of the client address, which uvicorn takes from X-Forwarded-For when
+    (consumer.edge.limits.address_group of the client address, which uvicorn takes from X-Forwarded-For when
     the peer is a trusted proxy, --forwarded-allow-ips)."""
     return Caller(str(conn.scope.get("rsb.key_id", "")), address_group(conn.client.host) if conn.client else "")

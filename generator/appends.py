@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from broker.records import AppendResult, Claim
-from broker.store import Store
+from broker.streams.records import AppendResult, Claim
+from broker.streams.store import Store
 
 _Call = tuple[Claim, int, int, Sequence[tuple[str, bytes]]]
 

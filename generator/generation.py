@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from broker.events import EventType, delta, encode_data
-from broker.records import AppendResult, Claim, Job, Unclaimable
-from broker.store import Store, started_event
+from broker.streams.records import AppendResult, Claim, Job, Unclaimable
+from broker.streams.store import Store, started_event
 from generator.engines import Engine, Generation, error_code
 from generator.handoff import TokenHandoff, produce
 from generator.lease import Run, keep_lease

@@ -17,12 +17,10 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from broker.connection import RedisClient
-from broker.keys import partition_slot
-from broker.records import Job
-from broker.store import Store
+from broker.redis.connection import UNAVAILABLE_ERRORS, RedisClient
+from broker.redis.keyspace import partition_slot
+from broker.streams.records import Job
+from broker.streams.store import Store
 
 log = logging.getLogger("rsb.generator")
 
@@ -120,7 +118,7 @@ class JobPoller:
         for job in jobs:
             try:
                 await self.store.hand_back(job, self.worker_id)
-            except (RedisError, OSError) as e:  # it is still pending: taken over after lease_s
+            except UNAVAILABLE_ERRORS as e:  # it is still pending: taken over after lease_s
                 log.warning("could not hand a job back: %s", e)
 
     async def cancel_polls(self) -> None:

@@ -18,14 +18,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from redis.exceptions import RedisError
-
 from broker.backoff import Attempts
-from broker.connection import RedisClient
-from broker.keys import control_channel
-from broker.pubsub import Channels
-from broker.records import Claim
-from broker.store import Store
+from broker.redis.connection import UNAVAILABLE_ERRORS, RedisClient
+from broker.redis.pubsub import Channels
+from broker.streams.keys import control_channel
+from broker.streams.records import Claim
+from broker.streams.store import Store
 
 log = logging.getLogger("rsb.generator")
 
@@ -59,7 +57,7 @@ async def keep_lease(run: Run, store: Store, worker_id: str, lease_s: float, dis
         await asyncio.sleep(interval)
         try:
             res = await store.renew(run.claim, worker_id, disconnect_grace_s)
-        except (RedisError, OSError):
+        except UNAVAILABLE_ERRORS:
             # redis-py may turn our own cancellation mid-command into a connection error: a cancelled
             # renewer must stop, or the job waits on it forever (renewed, never finished).
             task = asyncio.current_task()
@@ -76,7 +74,7 @@ async def check_cancel(run: Run, store: Store, worker_id: str, disconnect_grace_
     """A cancel notice came for ``run``: ask RENEW, which says whether (and why) it is cancelled."""
     try:
         res = await store.renew(run.claim, worker_id, disconnect_grace_s)
-    except (RedisError, OSError):
+    except UNAVAILABLE_ERRORS:
         return  # the renewal loop asks again within lease_s / 3
     run.cancel(res.cancel_reason)
 
@@ -101,7 +99,7 @@ async def listen_for_cancels(blocking: RedisClient, partitions: int,
                 try:
                     await channels.subscribe(control_channel(p, partitions).encode())
                     break
-                except (RedisError, OSError) as e:  # e.g. no slot map yet: the cluster is unreachable
+                except UNAVAILABLE_ERRORS as e:  # e.g. no slot map yet: the cluster is unreachable
                     log.warning("cancel listener cannot subscribe yet: %s", e)
                     await attempts.sleep()
         await asyncio.Event().wait()  # until cancelled at shutdown; the shards run on their own

@@ -9,8 +9,8 @@ import signal
 import sys
 
 from broker import runtime
-from broker.connection import connect, connect_blocking
-from broker.store import Store
+from broker.redis.connection import connect, connect_blocking
+from broker.streams.store import Store
 from generator.engines import Engine, build_engine
 from generator.metrics import serve_metrics
 from generator.settings import GeneratorSettings

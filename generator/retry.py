@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from broker.backoff import Attempts
-from broker.connection import UNAVAILABLE_ERRORS
+from broker.redis.connection import UNAVAILABLE_ERRORS
 
 log = logging.getLogger("rsb.generator")
 

@@ -17,10 +17,10 @@ from collections.abc import Coroutine
 from typing import Any
 
 from broker.backoff import Attempts
-from broker.connection import RedisClient
-from broker.models import ANNOUNCE_INTERVAL_S, ServedModels
-from broker.records import Job
-from broker.store import Store
+from broker.redis.connection import RedisClient
+from broker.streams.records import Job
+from broker.streams.served_models import ANNOUNCE_INTERVAL_S, ServedModels
+from broker.streams.store import Store
 from generator.appends import AppendBatcher
 from generator.engines import Engine
 from generator.generation import Appender, JobRunner

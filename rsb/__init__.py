@@ -22,7 +22,7 @@ from rsb._exceptions import (
     StreamInterrupted,
     UnavailableError,
 )
-from rsb._models import Event, StreamInfo, StreamStatus
+from rsb._types import Event, StreamInfo, StreamStatus
 
 __version__ = "0.2.0"
 

@@ -34,7 +34,7 @@ from rsb._exceptions import (
     UnavailableError,
     error_from_response,
 )
-from rsb._models import Answer, Event, StreamInfo, StreamStatus
+from rsb._types import Answer, Event, StreamInfo, StreamStatus
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -13,10 +13,10 @@ from typing import Any, ClassVar, TextIO
 
 import orjson
 
-from broker.connection import connect
 from broker.errors import RsbError
-from broker.report import GROUP_BYS, aborted_report, parse_time, render_csv, render_table
+from broker.redis.connection import connect
 from broker.settings import BrokerSettings, Settings, setting
+from broker.streams.report import GROUP_BYS, aborted_report, parse_time, render_csv, render_table
 from rsb import DEFAULT_URL, Client, Event, RetryPolicy, RsbClientError, StreamInterrupted, UnavailableError
 
 # Exit statuses: the answer ended with `done` (0), with `error`/`cancelled` (1), the API refused the call

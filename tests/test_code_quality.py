@@ -12,16 +12,37 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("rsb", "broker", "generator", "consumer")
-# Who may import whom (besides itself). broker is the floor; rsb.cli (and the command modules it
-# dispatches to) may import everything; the public client imports only what the floor offers it.
-ALLOWED: dict[str, frozenset[str]] = {
-    "broker": frozenset(),
+# The layers, most specific first: a module belongs to the first layer whose name is its own or a parent of it,
+# and imports only modules of its own layer or of the layers it names (see docs/ARCHITECTURE.md, "The house").
+# broker's top-level modules are the floor of the floor (events, sse, request, settings, errors, backoff, ...:
+# no Redis); broker.redis alone talks redis-py; rsb's streams and Durable Streams stand on it side by side.
+FLOOR = "broker.*"  # broker's top-level modules
+LAYERS: dict[str, frozenset[str]] = {
+    "broker.redis": frozenset({FLOOR}),
+    "broker.streams": frozenset({FLOOR, "broker.redis"}),
+    "broker.durable": frozenset({FLOOR, "broker.redis"}),
+    FLOOR: frozenset(),
     "generator": frozenset({"broker"}),
-    "consumer": frozenset({"broker"}),
-    "rsb": frozenset({"broker"}),
+    # consumer: its settings and metrics, then the HTTP edge, then streaming, then the views, then the app.
+    "consumer.settings": frozenset({"broker"}),
+    "consumer.metrics": frozenset({"broker"}),
+    "consumer.schema": frozenset({"broker"}),
+    "consumer.edge": frozenset({"broker", "consumer.settings", "consumer.metrics"}),
+    "consumer.streaming": frozenset({"broker", "consumer.settings", "consumer.metrics", "consumer.edge"}),
+    "consumer.state": frozenset({"broker", "consumer.settings", "consumer.metrics", "consumer.edge",
+                                 "consumer.streaming"}),
+    "consumer.views": frozenset({"broker", "consumer.settings", "consumer.metrics", "consumer.schema",
+                                 "consumer.edge", "consumer.streaming", "consumer.state"}),
+    "consumer": frozenset({"broker"}),  # app, server: they assemble the rest (see APP_MODULES)
+    # The public client needs only httpx and broker's floor (no Redis: a client-only install runs it).
+    "rsb": frozenset({FLOOR}),
 }
+# What assembles a role may import all of that role.
+APP_MODULES = frozenset({"consumer.app", "consumer.server"})
 # The command line dispatches to every role: the one place allowed to import them all.
-ENTRY_POINTS = frozenset({"rsb.cli", "rsb.up", "rsb.docs", "rsb.__main__"})
+ENTRY_POINTS = frozenset({"rsb.cli", "rsb.up", "rsb.docs", "rsb.__main__", "rsb.commands"})
+# Third-party packages only one layer may import.
+OWNED_IMPORTS = {"redis": "broker.redis", "llama_cpp": "generator.engines"}
 MAX_LINES = 450
 # A longer module says why in its docstring, on a line starting with this.
 LONG_REASON = "Long because"
@@ -74,16 +95,59 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in LAYERS:
+            return name
+    if parts[0] == "broker":
+        return FLOOR
+    raise AssertionError(f"{module} is in no layer")
+
+
+def _allowed(name: str, dep: str) -> bool:
+    own, target = layer_of(name), layer_of(dep)
+    if own == target:
+        return True
+    if name in APP_MODULES and dep.split(".")[0] == name.split(".")[0]:
+        return True
+    for allowed in LAYERS[own]:
+        if target == allowed or target.startswith(allowed + ".") or (allowed == "broker" and
+                                                                     dep.startswith("broker")):
+            return True
+    return False
+
+
 def test_lower_layers_never_import_higher_ones() -> None:
     wrong = []
     for name, deps in _graph().items():
         if name in ENTRY_POINTS:
             continue
-        layer = name.split(".")[0]
         for dep in deps:
-            target = dep.split(".")[0]
-            if target != layer and target not in ALLOWED[layer]:
-                wrong.append(f"{name} imports {dep}")
+            if not _allowed(name, dep):
+                wrong.append(f"{name} ({layer_of(name)}) imports {dep} ({layer_of(dep)})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_only_the_owning_layer_imports_redis_and_llama_cpp() -> None:
+    wrong = []
+    for name, path in _modules():
+        for package in _third_party_imports(path) & set(OWNED_IMPORTS):
+            owner = OWNED_IMPORTS[package]
+            if name != owner and not name.startswith(owner + "."):
+                wrong.append(f"{name} imports {package} (only {owner} may)")
     assert not wrong, "\n".join(sorted(wrong))
 
 
@@ -138,11 +202,12 @@ def test_the_public_client_is_exactly_rsb_all() -> None:
 
 
 def test_the_client_imports_without_the_server_roles() -> None:
-    """`from rsb import Client` must not pull in the server roles (nor llama.cpp): it is what a client-only
-    install runs."""
+    """`from rsb import Client` must not pull in the server roles, llama.cpp or redis-py: it is what a
+    client-only install runs (httpx and broker's floor)."""
     code = ("import sys; from rsb import Client, AsyncClient; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('generator', 'consumer', 'llama_cpp', "
-            "'starlette', 'uvicorn')); print(bad); sys.exit(1 if bad else 0)")
+            "'starlette', 'uvicorn', 'redis', 'hiredis') or m.startswith(('broker.redis', 'broker.streams', "
+            "'broker.durable'))); print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -1,7 +1,7 @@
 """aisdk: resume latency through the Vercel AI SDK view (GET /api/chat/{chat}/stream) vs the native route.
 
 One running turn of ``--events`` events (queued, started, deltas; no terminal event: a resume only serves an
-active turn) is written through the Store and made a chat's active turn (broker.chats). Each try opens a new
+active turn) is written through the Store and made a chat's active turn (broker.streams.chats). Each try opens a new
 TCP connection and reads until the last delta written so far, timed from sending the request:
 
 - view: ``GET /api/chat/bench/stream``, what ``useChat({resume: true})`` sends on page load. It always
@@ -33,9 +33,9 @@ from bench.report import table
 from bench.scenarios.resume import resume_once
 from bench.sseclient import client, parse_frame
 from bench.stats import ratio, summarize
-from broker.chats import ChatStore, Turn
-from broker.connection import connect
+from broker.redis.connection import connect
 from broker.sse import ByteDecoder
+from broker.streams.chats import ChatStore, Turn
 
 CHAT_ID = "bench"
 WARMUP = 5

@@ -21,10 +21,10 @@ from bench.loadproc import Control
 from bench.report import goal_row, print_goals, table
 from bench.sseclient import RawConnection
 from bench.stats import ratio, summarize
-from broker.connection import connect
 from broker.errors import RsbError
+from broker.redis.connection import connect
 from broker.request import RequestLimits, parse_create_body
-from broker.store import Store
+from broker.streams.store import Store
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -23,10 +23,10 @@ from bench.paced_engine import parse_tokens
 from bench.report import table
 from bench.sampling import CpuWindow
 from bench.stats import percentile
-from broker.connection import connect
-from broker.redis_server import RedisServer
+from broker.redis.connection import connect
+from broker.redis.server import RedisServer
 from broker.request import RequestLimits, parse_create_body
-from broker.store import Store
+from broker.streams.store import Store
 
 LEVELS = ("local", "replicated")
 

@@ -128,7 +128,7 @@ async def ds_writer(ctl: Control, redis_url: str, base: str, paths: list[str], r
     reading pod's work is all that differs from the native view's."""
     import redis.asyncio as aioredis
 
-    from broker.durable import DurableStore
+    from broker.durable.store import DurableStore
 
     store = DurableStore(aioredis.Redis.from_url(redis_url, max_connections=connections))
     host, port = base.removeprefix("http://").split(":")

@@ -29,10 +29,10 @@ from bench import procs
 from bench.loadproc import Control
 from bench.report import goal_row, print_goals, table
 from bench.stats import ratio
-from broker.connection import connect
 from broker.events import parse_event_id
+from broker.redis.connection import connect
 from broker.request import RequestLimits, parse_create_body
-from broker.store import Store
+from broker.streams.store import Store
 
 PROMPT = "Once upon a time, in a stream broker far away,"
 SEED, TEMPERATURE, TOP_P, TOP_K = 1234, 0.8, 0.95, 40
@@ -162,8 +162,8 @@ def _rates(times: list[float], window: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from generator.engines.default_model import default_model
     from generator.engines.demo_model import build_demo_model
-    from generator.engines.models import default_model
 
     if args.tokens is None:
         args.tokens = 600 if args.model == "smollm2" else 4000

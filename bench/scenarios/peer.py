@@ -38,7 +38,7 @@ from bench.report import goal_row, print_goals, table
 from bench.scenarios.resume import resume_once
 from bench.sseclient import client, frames
 from bench.stats import summarize
-from broker.redis_server import free_port
+from broker.redis.server import free_port
 
 PEER_DIR = Path(__file__).resolve().parent.parent / "peer"
 

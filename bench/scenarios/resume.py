@@ -22,8 +22,8 @@ from bench.prefill import prefill
 from bench.report import goal_row, print_goals, table
 from bench.sseclient import client, parse_frame
 from bench.stats import ratio, summarize
-from broker.keys import StreamKeys
 from broker.sse import ByteDecoder
+from broker.streams.keys import StreamKeys
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ from bench.report import goal_row, print_goals, table
 from bench.sseclient import RawConnection
 from bench.stats import ratio
 from broker import runtime
-from broker.keys import StreamKeys
+from broker.streams.keys import StreamKeys
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

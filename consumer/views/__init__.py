@@ -1,4 +1,4 @@
-"""The protocol views: each serves the same streams (through consumer.service) in one protocol's shape.
+"""The protocol views: each serves the same streams (through consumer.streaming.service) in one protocol's shape.
 A new protocol is one module (or subpackage) here plus its line in ``ROUTES``."""
 
 from __future__ import annotations

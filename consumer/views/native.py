@@ -1,5 +1,5 @@
 """The native view: the HTTP routes of the contract (``/v1/streams...``, the aborted report). Handlers raise
-broker.errors; consumer.errors turns them into JSON. Everything about a stream goes through the stream
+broker.errors; consumer.edge.errors turns them into JSON. Everything about a stream goes through the stream
 service; this module only speaks the native protocol (its JSON bodies and its SSE frames)."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from starlette.routing import Route
 
 from broker.errors import InvalidRequest, NotFound
 from broker.events import TERMINAL_TYPES, Event, EventPage, parse_event_id
-from broker.records import StreamStatus
-from broker.report import aborted_report, parse_time
 from broker.request import parse_create_body
-from consumer.http import read_body
+from broker.streams.records import StreamStatus
+from broker.streams.report import aborted_report, parse_time
+from consumer.edge.http import read_body
 from consumer.metrics import Metrics
-from consumer.sse import SSEResponse
 from consumer.state import caller_of, state_of
+from consumer.streaming.sse import SSEResponse
 
 
 def path_stream_id(request: Request) -> uuid.UUID:

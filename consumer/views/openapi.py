@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from broker.events import EventType
-from broker.records import STATUSES
-from broker.report import GROUP_BYS
 from broker.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MODEL_MAX_CHARS, ROLES, RequestLimits
+from broker.streams.records import STATUSES
+from broker.streams.report import GROUP_BYS
 from consumer.schema import RETRY_AFTER, error_response, json_response, nullable, sse_response
 from consumer.views.openai.schema import openai_paths
 

@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from broker.report import COUNTERS, aborted_totals
+from broker.streams.report import COUNTERS, aborted_totals
 from consumer.state import state_of
 from consumer.views.openapi import build_openapi
 

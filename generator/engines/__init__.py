@@ -31,7 +31,7 @@ def build_engine(settings: EngineSettings) -> Engine:
     except ImportError as e:
         raise EngineUnavailable(f"in-process llama.cpp needs llama-cpp-python ({e}): pip install 'rsb[llama]', "
                                 "or drive a server with --upstream URL") from None
-    from generator.engines.models import ModelNotFound, resolve_model
+    from generator.engines.default_model import ModelNotFound, resolve_model
 
     try:
         model = resolve_model(settings.model_path, settings.model_name)

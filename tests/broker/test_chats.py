@@ -1,4 +1,4 @@
-"""broker.chats on a real redis-server and a real Redis Cluster: a chat's latest-turn pointer and the turn ids.
+"""broker.streams.chats on a real redis-server and a real Redis Cluster: a chat's latest-turn pointer and the turn ids.
 Racing turns through the view itself (one generation per turn, one active turn, on a cluster too) are in
 tests/consumer/test_aisdk.py."""
 
@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 import pytest
 from conftest import RedisClusterServers
 
-from broker.chats import ChatStore, Turn, turn_stream_id
-from broker.connection import RedisClient, connect
-from broker.keys import chat_key
-from broker.redis_server import RedisServer
+from broker.redis.connection import RedisClient, connect
+from broker.redis.server import RedisServer
+from broker.streams.chats import ChatStore, Turn, turn_stream_id
+from broker.streams.keys import chat_key
 
 
 @pytest.fixture(params=["standalone", "cluster"])

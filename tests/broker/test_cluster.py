@@ -15,11 +15,12 @@ import redis
 from conftest import RedisClusterServers, Stack, StackFactory
 from helpers import create, create_outcome, read_sse, wait_status
 
-from broker.connection import connect
-from broker.keys import jobs_key, partition_of, partition_slot
-from broker.records import Claim
+from broker.redis.connection import connect
+from broker.redis.keyspace import partition_slot
 from broker.request import GenerationRequest
-from broker.store import Store
+from broker.streams.keys import jobs_key, partition_of
+from broker.streams.records import Claim
+from broker.streams.store import Store
 
 PARTITIONS = 6
 
@@ -141,7 +142,7 @@ def test_create_read_resume_cancel_and_idempotency_on_a_cluster(stack_factory: S
 
 
 def _meta(sid: str) -> str:
-    from broker.keys import StreamKeys
+    from broker.streams.keys import StreamKeys
 
     return StreamKeys.of(uuid.UUID(sid), PARTITIONS).meta
 

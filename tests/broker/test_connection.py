@@ -1,4 +1,4 @@
-"""broker.connection against real servers: a redis+sentinel:// URL follows a primary failover that Redis
+"""broker.redis.connection against real servers: a redis+sentinel:// URL follows a primary failover that Redis
 Sentinel (``redis-server --sentinel``) carries out."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import redis
 from conftest import PrimaryReplica
 
-from broker.connection import connect, is_sentinel_url
-from broker.redis_server import find_server_binary, free_port
+from broker.redis.connection import connect, is_sentinel_url
+from broker.redis.server import find_server_binary, free_port
 
 SERVICE = "rsbmaster"
 

@@ -30,7 +30,8 @@ import redis
 from conftest import RedisClusterServers, Stack, StackFactory
 from helpers import SSE, create, sse_blocks
 
-from broker.keys import StreamKeys, partition_slot
+from broker.redis.keyspace import partition_slot
+from broker.streams.keys import StreamKeys
 
 PARTITIONS = 6
 STREAMS = 6

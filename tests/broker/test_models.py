@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 
-from broker.connection import connect
-from broker.models import FORGET_AFTER_S, SEEN_WITHIN_S, ServedModels
-from broker.redis_server import RedisServer
+from broker.redis.connection import connect
+from broker.redis.server import RedisServer
+from broker.streams.served_models import FORGET_AFTER_S, SEEN_WITHIN_S, ServedModels
 
 
 @pytest.fixture

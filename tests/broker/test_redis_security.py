@@ -8,7 +8,7 @@ import pytest
 from conftest import StackFactory
 from helpers import create, read_sse
 
-from broker.redis_server import RedisServer, TlsFiles, make_tls_files
+from broker.redis.server import RedisServer, TlsFiles, make_tls_files
 
 PASSWORD = "s3cret-p@ss:word"
 

@@ -18,12 +18,12 @@ import redis
 from conftest import PrimaryReplica, StackFactory
 from helpers import SSE, create, sse_blocks
 
-from broker.connection import connect
 from broker.events import EventType, encode_data
-from broker.keys import StreamKeys
-from broker.records import Claim
+from broker.redis.connection import connect
 from broker.request import GenerationRequest
-from broker.store import Store
+from broker.streams.keys import StreamKeys
+from broker.streams.records import Claim
+from broker.streams.store import Store
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 

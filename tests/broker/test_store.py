@@ -12,13 +12,13 @@ import pytest
 import redis
 from helpers import create_outcome
 
-from broker.connection import connect
 from broker.errors import Conflict, RateLimited, TooManyGenerations
 from broker.events import EventType, encode_data
-from broker.records import Claim, Quota, Unclaimable
-from broker.redis_server import RedisServer
+from broker.redis.connection import connect
+from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
-from broker.store import Store
+from broker.streams.records import Claim, Quota, Unclaimable
+from broker.streams.store import Store
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 

@@ -14,7 +14,7 @@ import redis
 from conftest import StackFactory
 from helpers import create, read_sse, wait_status
 
-from broker.redis_server import RedisServer
+from broker.redis.server import RedisServer
 
 
 def test_queued_positions_count_down_then_started(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:

@@ -28,9 +28,9 @@ import redis
 from conftest import CHROMIUM, Stack, StackFactory, needs_chromium
 from helpers import read_sse
 
-from broker.redis_server import RedisServer
+from broker.redis.server import RedisServer
 from broker.sse import ByteDecoder, parse_block
-from consumer.auth import new_key
+from consumer.edge.auth import new_key
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "aisdk" / "harness"

@@ -11,8 +11,8 @@ import redis
 from conftest import Stack, StackFactory
 from helpers import create, read_sse, wait_status
 
-from broker.redis_server import RedisServer
-from consumer.auth import new_key
+from broker.redis.server import RedisServer
+from consumer.edge.auth import new_key
 
 # A stack whose consumer knows two API keys, and the headers that send each.
 Tenants = tuple[Stack, dict[str, str], dict[str, str]]

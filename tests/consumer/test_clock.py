@@ -1,11 +1,11 @@
-"""consumer.clock: the pod's one clock for every reader's heartbeat and wake-up."""
+"""consumer.streaming.clock: the pod's one clock for every reader's heartbeat and wake-up."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 
-from consumer.clock import Clock
+from consumer.streaming.clock import Clock
 
 
 def test_callbacks_fire_never_early_at_most_a_granule_late_and_share_one_timer() -> None:

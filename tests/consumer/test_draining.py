@@ -14,7 +14,7 @@ import redis
 from conftest import NginxFactory, ResumingRead, StackFactory, read_resuming
 from helpers import create, read_sse
 
-from broker.redis_server import RedisServer
+from broker.redis.server import RedisServer
 
 
 def _readers(url: str) -> float:

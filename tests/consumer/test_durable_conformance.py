@@ -16,7 +16,7 @@ import pytest
 import redis
 from conftest import ROOT, RedisClusterServers, StackFactory
 
-from broker.redis_server import RedisServer
+from broker.redis.server import RedisServer
 
 HARNESS = ROOT / "tests" / "durable" / "harness"
 BASELINE = HARNESS / "baseline" / "reference-0.3.7-lp500ms.tsv"

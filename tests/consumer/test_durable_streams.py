@@ -21,8 +21,8 @@ from conftest import Stack, StackFactory
 from durable_streams import stream as ds_stream
 from helpers import create, read_sse, wait_readers
 
-from broker.redis_server import RedisServer
-from consumer.auth import new_key
+from broker.redis.server import RedisServer
+from consumer.edge.auth import new_key
 
 
 @pytest.fixture(scope="module")

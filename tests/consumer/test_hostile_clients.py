@@ -20,7 +20,7 @@ import redis
 from conftest import StackFactory
 from helpers import create, read_sse
 
-from broker.redis_server import RedisServer
+from broker.redis.server import RedisServer
 from consumer.server import who_can_reach
 
 HOSTILE, OTHER, THIRD = "127.0.0.2", "127.0.0.3", "127.0.0.4"

@@ -14,9 +14,9 @@ import redis
 from conftest import Stack, StackFactory
 from helpers import create, read_sse
 
-from broker.redis_server import RedisServer
-from consumer.auth import new_key
-from consumer.limits import TrustedProxies, address_group
+from broker.redis.server import RedisServer
+from consumer.edge.auth import new_key
+from consumer.edge.limits import TrustedProxies, address_group
 
 
 def _keys_file(tmp_path: Path, alice_limits: dict[str, Any]) -> tuple[Path, str, str]:

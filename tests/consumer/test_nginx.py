@@ -19,7 +19,7 @@ from conftest import Nginx, NginxFactory, ResumingRead, Stack, StackFactory, rea
 from helpers import create, read_sse
 
 from bench.procs import Proc
-from broker.redis_server import RedisServer
+from broker.redis.server import RedisServer
 
 
 def _metric(url: str, name: str) -> float:

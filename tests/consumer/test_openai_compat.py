@@ -30,8 +30,8 @@ from openai.types.responses import (
     ResponseTextDoneEvent,
 )
 
-from broker.redis_server import RedisServer
-from consumer.auth import new_key
+from broker.redis.server import RedisServer
+from consumer.edge.auth import new_key
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story"}]
 

@@ -20,8 +20,8 @@ import pytest
 import redis
 from conftest import StackFactory
 
-from broker.redis_server import RedisServer
-from consumer.auth import new_key
+from broker.redis.server import RedisServer
+from consumer.edge.auth import new_key
 
 # The limits the consumer runs with: small, so the generated bodies reach them.
 LIMITS = ("--max-tokens-limit", "512", "--max-prompt-chars", "2000", "--max-messages", "16")

@@ -1,4 +1,4 @@
-"""consumer.reader's reset rule, on a real redis-server: a reader whose resume point is no longer in the stream
+"""consumer.streaming.reader's reset rule, on a real redis-server: a reader whose resume point is no longer in the stream
 (a failover lost the events after it; simulated by deleting them with XDEL, which leaves the stream's
 last-id behind as a lost tail does) gets a ``reset`` naming the last event it shares with the stream, then the
 stream's events from there: never a silent skip, never a silent duplicate."""
@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 
-from broker.connection import connect, connect_blocking
 from broker.events import RESET_FROM_START, Event, EventType, encode_data
-from broker.records import Claim
-from broker.redis_server import RedisServer
+from broker.redis.connection import connect, connect_blocking
+from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
-from broker.store import Store
-from consumer.hub import LiveHub
-from consumer.reader import read_stream
+from broker.streams.records import Claim
+from broker.streams.store import Store
+from consumer.streaming.hub import LiveHub
+from consumer.streaming.reader import read_stream
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 IDLE_S = 0.2

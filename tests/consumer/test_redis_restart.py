@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import StackFactory
 from helpers import SSERead, create, read_sse, wait_status
 
-from broker.redis_server import RedisServer
+from broker.redis.server import RedisServer
 
 
 def test_redis_restart_mid_stream_loses_and_repeats_nothing(stack_factory: StackFactory, own_redis: RedisServer, slow_model: Path) -> None:

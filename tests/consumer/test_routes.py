@@ -10,7 +10,7 @@ import httpx
 import pytest
 from helpers import create
 
-from broker.redis_server import RedisServer
+from broker.redis.server import RedisServer
 
 BAD_CREATES = [
     (b"{not json", "invalid_request"),

@@ -3,7 +3,7 @@ connections, and a reader that stops reading neither grows the pod's memory nor 
 stream; past --send-timeout-s it is dropped, and it resumes from its last event id.
 
 The readers here are raw sockets (an asyncio client per reader would cost more than the pod under test); the
-events are appended with broker.store directly, so their number and size are exact."""
+events are appended with broker.streams.store directly, so their number and size are exact."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import pytest
 import redis
 from conftest import StackFactory
 
-from broker.connection import connect
 from broker.events import EventType, encode_data
-from broker.records import Claim
-from broker.redis_server import RedisServer
+from broker.redis.connection import connect
+from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
-from broker.store import Store
+from broker.streams.records import Claim
+from broker.streams.store import Store
 
 REQ = GenerationRequest(None, "x", None, 100000, 0.8, 0.95, None, (), False)
 

@@ -16,7 +16,7 @@ import redis
 from conftest import Stack, StackFactory
 from helpers import SSERead, create, read_sse, wait_readers, wait_status
 
-from broker.redis_server import RedisServer
+from broker.redis.server import RedisServer
 
 
 def _finished(stack: Stack, max_tokens: int = 48, **body: Any) -> tuple[str, SSERead]:
@@ -207,7 +207,7 @@ def test_500_live_readers_hold_a_small_bounded_number_of_redis_connections(stack
 
 
 def test_redis_unreachable_answers_503_with_retry_after(stack_factory: StackFactory) -> None:
-    from broker.redis_server import free_port
+    from broker.redis.server import free_port
 
     s = stack_factory(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     s.consumer()
@@ -234,11 +234,11 @@ def test_crafted_unicode_deltas_roundtrip_exactly(redis_server: RedisServer, red
     """Texts a model can produce that break naive SSE framing: CR, LF, U+2028, NUL, U+FFFD, emoji, CJK."""
     import asyncio as aio
 
-    from broker.connection import connect
     from broker.events import EventType, encode_data
-    from broker.records import Claim
+    from broker.redis.connection import connect
     from broker.request import GenerationRequest
-    from broker.store import Store
+    from broker.streams.records import Claim
+    from broker.streams.store import Store
 
     pieces = ["你好", "世界", "🌍🚀", "\r\n", "line\nbreak", "\u2028sep\u2029", "nul\x00", "\ufffd",
               'quote"\\', "é", " "]

@@ -20,8 +20,8 @@ import redis
 from conftest import CHROMIUM, Stack, StackFactory, needs_chromium
 from helpers import assert_english, create, read_sse, wait_status
 
-from broker.redis_server import RedisServer
-from generator.engines.models import DEFAULT_MODEL_NAME
+from broker.redis.server import RedisServer
+from generator.engines.default_model import DEFAULT_MODEL_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts" / "web"

@@ -7,7 +7,7 @@
 - What the manifests say about rsb is what rsb does: commands, flags and RSB_* variables exist (read from
   `rsb <command> --help`), probe paths and ports are the ones a consumer and a generator started with the
   manifests' own environment answer, the grace periods satisfy docs/deployment.md, the KEDA triggers watch
-  exactly the job streams broker.keys names for the overlay's partitions.
+  exactly the job streams broker.streams.keys names for the overlay's partitions.
 - Every metric the manifests, the alert rules and the dashboard name is served by a live consumer or
   generator; the rules and the dashboard's queries pass `promtool`.
 """
@@ -40,8 +40,8 @@ import pytest
 import yaml
 from helpers import CliCommand, cli_command, read_sse, wait_status
 
-from broker.keys import jobs_key
-from broker.redis_server import RedisServer, free_port
+from broker.redis.server import RedisServer, free_port
+from broker.streams.keys import jobs_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -564,7 +564,7 @@ def test_grace_periods_cover_the_drain(variant: str) -> None:
 @needs_kubectl
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_keda_watches_every_job_stream(variant: str) -> None:
-    """One trigger per partition on exactly the job streams broker.keys names, summed by the formula, with the
+    """One trigger per partition on exactly the job streams broker.streams.keys names, summed by the formula, with the
     target a worker's concurrency; the scaler type and address follow the Redis URL."""
     r = render(variant)
     generator = r.workload("generator")

@@ -7,12 +7,12 @@ import uuid
 
 import redis
 
-from broker.connection import connect
 from broker.events import EventType, encode_data
-from broker.records import Claim
-from broker.redis_server import RedisServer
+from broker.redis.connection import connect
+from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
-from broker.store import Store
+from broker.streams.records import Claim
+from broker.streams.store import Store
 from generator.appends import AppendBatcher
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)

@@ -13,8 +13,8 @@ import pytest
 
 from broker.request import GenerationRequest, Message
 from generator.engines.chat import ChatTemplate, ChatTemplateError, fold_system
+from generator.engines.default_model import default_model_path
 from generator.engines.llama import LlamaEngine
-from generator.engines.models import default_model_path
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 

@@ -12,8 +12,8 @@ import redis
 from conftest import StackFactory
 from helpers import assert_english, create, read_sse
 
-from broker.redis_server import RedisServer
-from generator.engines.models import DEFAULT_MODEL_NAME
+from broker.redis.server import RedisServer
+from generator.engines.default_model import DEFAULT_MODEL_NAME
 
 CONVERSATION = [
     {"role": "system", "content": "You are a concise assistant."},

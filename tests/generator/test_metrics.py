@@ -9,7 +9,7 @@ import redis
 from conftest import StackFactory
 from helpers import create, read_sse, wait_status
 
-from broker.redis_server import RedisServer, free_port
+from broker.redis.server import RedisServer, free_port
 
 
 def _value(text: str, name: str) -> float:

@@ -8,7 +8,7 @@ import redis
 from conftest import StackFactory
 from helpers import create, read_sse
 
-from broker.redis_server import RedisServer
+from broker.redis.server import RedisServer
 
 
 def test_a_long_prompt_sends_progress_while_it_is_processed(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:

@@ -28,7 +28,7 @@ from conftest import StackFactory
 from helpers import create, read_sse, wait_status
 
 from bench.procs import wait_serving
-from broker.redis_server import RedisServer, free_port
+from broker.redis.server import RedisServer, free_port
 from broker.request import GenerationRequest, Message
 from generator.engines import UpstreamError
 from generator.engines.upstream import UpstreamEngine, detect_api

@@ -16,7 +16,7 @@ import redis
 from conftest import Stack, StackFactory
 from helpers import SSE, SSERead, create, read_sse, wait_status
 
-from broker.redis_server import RedisServer
+from broker.redis.server import RedisServer
 
 MAX_TOKENS = 1500
 

@@ -19,7 +19,7 @@ import redis
 from conftest import Stack, StackFactory
 from helpers import read_sse, wait_status
 
-from broker.redis_server import RedisServer, free_port
+from broker.redis.server import RedisServer, free_port
 from rsb import (
     AsyncClient,
     AuthenticationError,
@@ -282,7 +282,7 @@ def test_rsb_tail_follows_a_running_stream_and_rsb_chat_reports_an_unreachable_s
 
 def test_a_reset_takes_back_the_text_after_the_id_it_names() -> None:
     """What ``text()`` does with a ``reset`` (a failover lost events the reader had: docs/failures.md)."""
-    from rsb._models import Answer, Event
+    from rsb._types import Answer, Event
 
     answer = Answer()
     for ev in [Event("1-0", "started", {}), Event("2-0", "delta", {"text": "ab"}), Event("3-0", "delta", {"text": "c"}),

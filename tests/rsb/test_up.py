@@ -17,8 +17,8 @@ import redis
 from helpers import assert_english, create, read_sse
 
 from bench.procs import Proc
-from broker.redis_server import free_port
-from generator.engines.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REQUIREMENT, default_model_path
+from broker.redis.server import free_port
+from generator.engines.default_model import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REQUIREMENT, default_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 

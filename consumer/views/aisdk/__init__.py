@@ -6,7 +6,7 @@
 - ``POST /api/chat/{chat_id}/stop``: stop the active turn (the SDK's ``stop()`` only aborts its fetch).
 
 A turn is an rsb stream, made by the stream service's create from the UI messages and read by its reader;
-the chat → latest turn pointer is broker.chats. Nothing here is a second pipeline: the native routes see
+the chat → latest turn pointer is broker.streams.chats. Nothing here is a second pipeline: the native routes see
 the same streams (the assistant message's id is the stream id). docs/protocol.md describes the view.
 """
 

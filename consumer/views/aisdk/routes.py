@@ -7,15 +7,15 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from broker.chats import POINTER_MARGIN_S, Turn, turn_stream_id
 from broker.errors import Expired, NotFound
 from broker.events import TERMINAL_TYPES
-from broker.records import StreamStatus
 from broker.request import parse_json_object, validate_create_body
-from consumer.http import read_body
-from consumer.service import Caller, Slot
-from consumer.sse import SSEResponse
+from broker.streams.chats import POINTER_MARGIN_S, Turn, turn_stream_id
+from broker.streams.records import StreamStatus
+from consumer.edge.http import read_body
 from consumer.state import State, caller_of, state_of
+from consumer.streaming.service import Caller, Slot
+from consumer.streaming.sse import SSEResponse
 from consumer.views.aisdk.request import ChatRequest, chat_id_of, parse_chat_body
 from consumer.views.aisdk.stream import HEADERS, SHUTDOWN_FRAME, turn_frames
 

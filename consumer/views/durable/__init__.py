@@ -3,7 +3,7 @@
 does not support and why; tests/durable/harness runs the protocol's own conformance suite against it.
 
 - protocol.py: header names, request parsing, the cursor, the error boundary and the security headers;
-- streams.py: streams that clients create and write (broker.durable holds every Redis step);
+- streams.py: streams that clients create and write (broker.durable.store holds every Redis step);
 - live.py: long-poll and SSE over the pod's LiveHub (no Redis connection per waiting reader);
 - generations.py: rsb's own generations, read-only, at ``/v1/stream/rsb/<stream id>``;
 - responses.py: pages, 204s and SSE events on the wire, for both kinds of stream.

@@ -18,14 +18,14 @@ from typing import cast
 from starlette.requests import Request
 from starlette.responses import Response
 
-from broker.durable import Page
-from broker.durable_format import JSON_TYPE, ZERO_ID, id_key, offset_of
+from broker.durable.format import JSON_TYPE, ZERO_ID, id_key, offset_of
+from broker.durable.store import Page
 from broker.errors import InvalidRequest, NotFound
 from broker.events import Event
-from broker.records import TERMINAL_STATUSES, StreamStatus
-from consumer.reader import REPLAY_PAGE
-from consumer.sse import Draining, Gone, SSEResponse, race
+from broker.streams.records import TERMINAL_STATUSES, StreamStatus
 from consumer.state import State, caller_of, state_of
+from consumer.streaming.reader import REPLAY_PAGE
+from consumer.streaming.sse import Draining, Gone, SSEResponse, race
 from consumer.views.durable.protocol import CLOSED, NEXT_OFFSET, cursor, offset_param, respond
 from consumer.views.durable.responses import control_event, no_content, page_events, page_response, sse_headers
 

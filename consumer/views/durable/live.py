@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from broker.durable import Page
-from broker.durable_format import id_key
-from broker.keys import DurableKeys
-from consumer.hub import Subscription
-from consumer.sse import Draining, Gone, SSEResponse, race
+from broker.durable.format import id_key
+from broker.durable.keys import DurableKeys
+from broker.durable.store import Page
 from consumer.state import State, caller_of
+from consumer.streaming.hub import Subscription
+from consumer.streaming.sse import Draining, Gone, SSEResponse, race
 from consumer.views.durable.protocol import cursor, respond
 from consumer.views.durable.responses import is_text, no_content, page_events, page_response, sse_headers
 

@@ -14,10 +14,10 @@ from datetime import datetime
 from starlette.requests import Request
 from starlette.responses import Response
 
-from broker.durable import Producer
-from broker.durable_format import DEFAULT_TYPE, entry_id_of
+from broker.durable.format import DEFAULT_TYPE, entry_id_of
+from broker.durable.store import Producer
 from broker.errors import InvalidRequest, NotFound, RetryLater
-from consumer.errors import as_rsb_error, error_response, internal_error
+from consumer.edge.errors import as_rsb_error, error_response, internal_error
 
 PREFIX = "/v1/stream/"
 MAX_PATH = 1024

@@ -10,8 +10,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from broker.durable import Page
-from broker.durable_format import JSON_TYPE, normalize_content_type, offset_of
+from broker.durable.format import JSON_TYPE, normalize_content_type, offset_of
+from broker.durable.store import Page
 from broker.sse import frame_lines
 from consumer.views.durable.protocol import CLOSED, CURSOR, NEXT_OFFSET, SSE_ENCODING, UP_TO_DATE, respond
 

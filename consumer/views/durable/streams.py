@@ -1,5 +1,5 @@
 """Durable Streams that clients name and write: PUT (create, fork), POST (append, close), GET (catch-up; live
-modes in consumer.views.durable.live), HEAD and DELETE. Every Redis step is broker.durable's; this module
+modes in consumer.views.durable.live), HEAD and DELETE. Every Redis step is broker.durable.store's; this module
 translates headers into its calls and its outcomes into statuses and headers."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from broker.durable import Appended, ForkSpec, Outcome, StreamSpec
-from broker.durable_format import offset_of
+from broker.durable.format import offset_of
+from broker.durable.keys import DurableKeys
+from broker.durable.store import Appended, ForkSpec, Outcome, StreamSpec
 from broker.errors import InvalidRequest, PayloadTooLarge
-from broker.keys import DurableKeys
-from consumer.errors import error_response
-from consumer.http import read_body
+from consumer.edge.errors import error_response
+from consumer.edge.http import read_body
 from consumer.state import State, caller_of, state_of
 from consumer.views.durable.live import long_poll, read, sse
 from consumer.views.durable.protocol import (

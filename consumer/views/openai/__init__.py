@@ -12,7 +12,7 @@ from starlette.routing import BaseRoute, Route
 
 from consumer.views.openai.chat import chat_completions
 from consumer.views.openai.common import openai_route
-from consumer.views.openai.models import list_models, retrieve_model
+from consumer.views.openai.model_list import list_models, retrieve_model
 from consumer.views.openai.responses import cancel_response, create_response, retrieve_response
 
 

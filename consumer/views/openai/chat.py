@@ -18,11 +18,11 @@ from starlette.types import ASGIApp
 
 from broker.errors import InvalidRequest
 from broker.events import Event, EventType
-from broker.records import StreamStatus
 from broker.request import RequestLimits, check_integer
-from consumer.service import StreamService
-from consumer.sse import SSEResponse
+from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
+from consumer.streaming.service import StreamService
+from consumer.streaming.sse import SSEResponse
 from consumer.views.openai.common import (
     DONE_FRAME,
     NULL,

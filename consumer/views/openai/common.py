@@ -21,13 +21,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.errors import Conflict, Expired, InvalidRequest, RetryLater, RsbError
-from broker.records import StreamStatus
 from broker.request import validate_create_body
-from consumer.errors import as_rsb_error
-from consumer.http import read_body
-from consumer.service import Caller
-from consumer.sse import Draining, Gone, race
+from broker.streams.records import StreamStatus
+from consumer.edge.errors import as_rsb_error
+from consumer.edge.http import read_body
 from consumer.state import caller_of, state_of
+from consumer.streaming.service import Caller
+from consumer.streaming.sse import Draining, Gone, race
 
 # Lets a client find the rsb stream behind an OpenAI object (to resume it over /v1/streams/{id}/events).
 STREAM_ID_HEADER = "x-rsb-stream-id"

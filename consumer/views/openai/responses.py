@@ -20,11 +20,11 @@ from starlette.types import ASGIApp
 
 from broker.errors import NotFound
 from broker.events import Event, EventType, parse_event_id
-from broker.records import StreamStatus
 from broker.request import GenerationRequest
-from consumer.service import Slot, StreamService
-from consumer.sse import SSEResponse
+from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
+from consumer.streaming.service import Slot, StreamService
+from consumer.streaming.sse import SSEResponse
 from consumer.views.openai.common import (
     NULL,
     ROLES,

@@ -1,7 +1,7 @@
 """Typed operations on streams and jobs: the only module that talks to Redis about them.
 
 Every change to a stream (create, claim, append, finish, cancel, renew, release, touch, ack) is one Lua
-script of broker.scripts, so each is atomic. Reads (status, events, the stored request) and the job
+script of broker.streams.scripts, so each is atomic. Reads (status, events, the stored request) and the job
 queue's consumer-group commands (XREADGROUP, XAUTOCLAIM, XCLAIM: atomic single commands) are plain
 commands, made here too, so that no other module names a Redis key or a command.
 """
@@ -15,15 +15,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
-from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, ResponseError
 
-from broker import durability, scripts
-from broker.connection import RedisClient, reply_text
 from broker.errors import Conflict, Expired, QueueFull, RateLimited, TooManyGenerations
-from broker.events import Event, EventType, encode_data, read_range
-from broker.keys import JOBS_GROUP, StreamKeys, jobs_key, principal, queue_stats_key, stream_key_prefix
-from broker.records import (
+from broker.events import Event, EventPage, EventType, encode_data
+from broker.redis.connection import (
+    RedisClient,
+    ensure_group,
+    evalsha_many,
+    is_cluster,
+    register_script,
+    reply_text,
+    xrange_raw,
+)
+from broker.request import GenerationRequest
+from broker.streams import replication, scripts
+from broker.streams.keys import JOBS_GROUP, StreamKeys, jobs_key, principal, queue_stats_key, stream_key_prefix
+from broker.streams.records import (
     NO_QUOTA,
     AppendResult,
     Claim,
@@ -34,7 +41,6 @@ from broker.records import (
     Unclaimable,
     empty_usage,
 )
-from broker.request import GenerationRequest
 
 # Waiting streams whose `queued` position is refreshed on each claim (bounds the claim script's work).
 POSITION_UPDATES = 32
@@ -49,19 +55,18 @@ class Store:
     Works unchanged on a standalone server and on Redis Cluster (``redis`` a RedisCluster): every call
     touches the keys of one partition, i.e. one hash slot, except the per-partition loops below."""
 
-    def __init__(self, redis: RedisClient, partitions: int = 1, *, durability_level: str = durability.LOCAL,
+    def __init__(self, redis: RedisClient, partitions: int = 1, *, durability_level: str = replication.LOCAL,
                  replica_wait_ms: int = 1000, replica_patience_s: float | None = None) -> None:
         self.redis = redis
         self.partitions = partitions
-        self.cluster = isinstance(redis, RedisCluster)
-        replicated = durability_level == durability.REPLICATED
+        self.cluster = is_cluster(redis)
+        replicated = durability_level == replication.REPLICATED
         # replicated: events become visible (published, readable) only once a replica has them.
-        self.gate = durability.ReplicaGate(redis, wait_ms=replica_wait_ms,
+        self.gate = replication.ReplicaGate(redis, wait_ms=replica_wait_ms,
                                            patience_s=replica_patience_s) if replicated else None
 
         def register(text: str) -> Any:
-            text = durability.prepare(text, replicated=replicated)
-            return redis.register_script(scripts.for_cluster(text) if self.cluster else text)
+            return register_script(redis, replication.prepare(text, replicated=replicated))
 
         self._create = register(scripts.CREATE)
         self._claim = register(scripts.CLAIM)
@@ -178,7 +183,7 @@ class Store:
         k = self.keys(stream_id)
         if self.gate is not None and visible_only:
             return (await self.gate.read(k, after_id, count, check=False))[0]
-        return await read_range(self.redis, k.events, "-" if after_id is None else f"({after_id}", count)
+        return EventPage(await xrange_raw(self.redis, k.events, "-" if after_id is None else f"({after_id}", count))
 
     async def last_event_id(self, stream_id: uuid.UUID) -> str | None:
         """The id of the stream's latest event readers may see (None: no events)."""
@@ -228,11 +233,7 @@ class Store:
     async def ensure_groups(self) -> None:
         """Create the job queues' consumer group on every partition (idempotent)."""
         for p in range(self.partitions):
-            try:
-                await self.redis.xgroup_create(self.jobs_key(p), JOBS_GROUP, id="0", mkstream=True)
-            except ResponseError as e:  # BUSYGROUP: already there
-                if "BUSYGROUP" not in str(e):
-                    raise
+            await ensure_group(self.redis, self.jobs_key(p), JOBS_GROUP)
 
     async def reclaim_stale_job(self, partition: int, worker_id: str, min_idle_ms: int) -> Job | None:
         """A job whose owner stopped renewing its lease for ``min_idle_ms`` (or that was handed back), now
@@ -290,18 +291,8 @@ class Store:
         its own; their results (or errors) come back in order."""
         packed = [self._append_call(claim, seq_before, seq_after, events)
                   for claim, seq_before, seq_after, events in calls]
-        for attempt in range(2):
-            # EVALSHA directly: a Script object in a pipeline makes redis-py ask SCRIPT EXISTS first, a second
-            # round trip per batch. When the script is missing (Redis restarted, SCRIPT FLUSH), it is loaded
-            # and the batch sent again: an append that already landed answers its seq check, not twice.
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for keys, args in packed:
-                    pipe.evalsha(self._append.sha, len(keys), *keys, *args)
-                raw = await pipe.execute(raise_on_error=False)
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in raw):
-                await self.redis.script_load(self._append.script)
-                continue
-            break
+        # An append that already landed before a reload of the script answers its seq check, not twice.
+        raw = await evalsha_many(self.redis, self._append, packed)
         return [r if isinstance(r, BaseException) else self._append_result(r) for r in raw]
 
     @staticmethod

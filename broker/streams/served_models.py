@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from broker.connection import RedisClient
-from broker.keys import served_models_key
+from broker.redis.connection import RedisClient
+from broker.streams.keys import served_models_key
 
 ANNOUNCE_INTERVAL_S = 10.0
 # Three missed announcements: a generator that stopped (or lost Redis) leaves the list after this long.

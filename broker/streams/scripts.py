@@ -5,28 +5,26 @@ Meta hash fields (``StreamKeys.meta``): ``status`` (queued|running|done|cancelle
 (job entry id), ``fence`` (claim counter), ``attempts``, ``worker``, ``claimed_at``, ``seq`` (tokens
 appended), ``cancel`` (reason of a pending cancel), ``last_id`` (terminal event id), ``usage`` (JSON),
 ``finished_at``, ``key_id``, ``retention_s``, ``abandon_s``, ``cod`` (cancel_on_disconnect),
-``seen`` (last time a reader was connected, refreshed by consumer pods), ``read`` (ever read).
+``seen`` (last time a reader was connected, refreshed by consumer pods), ``read`` (ever read), ``tenant`` (the
+key of the creating caller's counters, ``StreamKeys.tenant``), ``wm``/``wb`` (broker.streams.replication).
 
 Every appended event is also PUBLISHed on the stream's live channel as ``<id>\\n<type>\\n<data>`` so
 consumer pods can tail thousands of streams over one pub/sub connection; the stream stays the source of
 truth (a pod that misses a message re-reads the range). The scripts publish events through
-``publish_event``, which broker.durability defines per durability level: at ``replicated`` it publishes
+``publish_event``, which broker.streams.replication defines per durability level: at ``replicated`` it publishes
 nothing, and the events are published once a replica has them.
 
-All keys a script touches share the partition's hash tag (broker.keys), so every script runs in one
+All keys a script touches share the partition's hash tag (broker.streams.keys), so every script runs in one
 slot on Redis Cluster; that includes the keys the CLAIM script builds inside Lua (the waiting streams of
 its own partition) and the channels it publishes on. Retrying a script whose reply was lost must be safe:
 CREATE and CANCEL are idempotent, APPEND carries a sequence number, FINISH and RELEASE check the fence
 and status.
 
-On Redis Cluster the scripts SPUBLISH instead (``for_cluster``): a plain PUBLISH is broadcast over the
-cluster bus to every node, so its cost grows with the cluster, and a subscriber may sit on any node.
-A sharded channel lives on the shard that owns its slot (the stream's own), and a consumer pod tails all
-its streams with one SSUBSCRIBE connection per master. SPUBLISH needs Redis 7; the standalone default
-keeps PUBLISH, which every server rsb can embed supports.
+On Redis Cluster the scripts SPUBLISH instead (broker.redis.connection.register_script), and a consumer pod
+tails all its streams with one SSUBSCRIBE connection per master.
 
-The scripts of Durable Streams (streams named and written by clients, broker.durable) are in
-broker.durable_scripts.
+The scripts of Durable Streams (streams named and written by clients, broker.durable.store) are in
+broker.durable.scripts.
 """
 
 from __future__ import annotations
@@ -55,11 +53,11 @@ local function close_stream(meta, events, tomb, channel, etype, data, status, us
   -- The creating caller's count of unfinished generations in this partition (same slot as the stream).
   -- With none left, its hash lives only while its rate limiter still remembers something (``tat`` ahead
   -- of now): the counters of the many addresses seen once do not pile up in Redis.
-  local tk = redis.call('HGET', meta, 'tk')
-  if tk and redis.call('HINCRBY', tk, 'active', -1) <= 0 then
+  local tenant = redis.call('HGET', meta, 'tenant')
+  if tenant and redis.call('HINCRBY', tenant, 'active', -1) <= 0 then
     local t = redis.call('TIME')
-    local left_ms = tonumber(redis.call('HGET', tk, 'tat') or '0') - (t[1] * 1000 + math.floor(t[2] / 1000))
-    if left_ms > 0 then redis.call('PEXPIRE', tk, math.ceil(left_ms)) else redis.call('DEL', tk) end
+    local left_ms = tonumber(redis.call('HGET', tenant, 'tat') or '0') - (t[1] * 1000 + math.floor(t[2] / 1000))
+    if left_ms > 0 then redis.call('PEXPIRE', tenant, math.ceil(left_ms)) else redis.call('DEL', tenant) end
   end
   local eid = redis.call('XADD', events, '*', 't', etype, 'd', data)
   publish_event(channel, eid .. '\\n' .. etype .. '\\n' .. data)
@@ -77,9 +75,9 @@ end
 # EXISTS-then-HSET across round trips would let both callers see "absent" and both enqueue a job; a count
 # read in one step and incremented in another would let a concurrent flood through past any bound.
 #
-# The caller's counters (``tk``, the ``tenant`` hash of its API key or address group) live in this
+# The caller's counters (``tenant``, the ``tenant`` hash of its API key or address group) live in this
 # partition's slot, so that checking and counting are this one step even on Redis Cluster: each partition
-# holds its share of a caller's limits (broker.store.Store.create divides them). The create-rate limiter is
+# holds its share of a caller's limits (broker.streams.store.Store.create divides them). The create-rate limiter is
 # GCRA (a token bucket held as one timestamp): ``tat`` is when the caller's bucket will be full again;
 # a create is allowed while ``tat`` is at most (burst - 1) intervals ahead of now, and moves it one
 # interval on. Time is the Redis server's (TIME), not a pod's clock: a pod whose clock runs ahead must not
@@ -125,7 +123,7 @@ end
 local jid = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'rh', ARGV[2], 'req', ARGV[3], 'created_at', ARGV[4],
   'model', ARGV[6], 'max_tokens', ARGV[7], 'jid', jid, 'fence', 0, 'attempts', 0, 'key_id', ARGV[9],
-  'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0, 'tk', KEYS[6])
+  'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0, 'tenant', KEYS[6])
 redis.call('HINCRBY', KEYS[6], 'active', 1)
 if interval > 0 then redis.call('HSET', KEYS[6], 'tat', string.format('%.0f', tat + interval)) end
 redis.call('PERSIST', KEYS[6])  -- it had an expiry while the caller had nothing unfinished
@@ -329,12 +327,7 @@ ADVANCE_TURN = """
 -- KEYS: chat ; ARGV: expected sid ('' = the chat had no turn), new sid, turn key, ttl_s
 local cur = redis.call('HGET', KEYS[1], 'sid') or ''
 if cur ~= ARGV[1] and cur ~= ARGV[2] then return cur end
-redis.call('HSET', KEYS[1], 'sid', ARGV[2], 'tk', ARGV[3])
+redis.call('HSET', KEYS[1], 'sid', ARGV[2], 'turn', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return ARGV[2]
 """
-
-def for_cluster(script: str) -> str:
-    """The script with every publish sharded (see the module doc). Each channel a script publishes on
-    carries the hash tag of the keys it writes, so SPUBLISH stays inside the script's slot."""
-    return script.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")

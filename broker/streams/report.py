@@ -1,6 +1,6 @@
 """The aborted-generation report: what cancelled, abandoned and failed generations cost.
 
-Records are written atomically with each stream's terminal event (broker.scripts) into one Redis Stream
+Records are written atomically with each stream's terminal event (broker.streams.scripts) into one Redis Stream
 per partition; entry ids are millisecond timestamps, so a time range is an id range.
 """
 
@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from broker.connection import RedisClient
 from broker.errors import InvalidRequest
-from broker.keys import aborted_log_key, aborted_totals_key
+from broker.redis.connection import RedisClient
+from broker.streams.keys import aborted_log_key, aborted_totals_key
 
 GROUP_BYS = ("reason", "model", "day")
 COUNTERS = ("streams", "prompt_tokens", "completion_tokens", "tokens_saved", "compute_s")

@@ -23,12 +23,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
-from redis.exceptions import RedisError
-
-from broker import durability
 from broker.events import RESET_FROM_START, Event, parse_event_id, reset_event
-from broker.store import Store
-from consumer.hub import LiveHub
+from broker.redis.connection import UNAVAILABLE_ERRORS
+from broker.streams import replication
+from broker.streams.store import Store
+from consumer.streaming.hub import LiveHub
 
 REPLAY_PAGE = 512
 # A replay's pages double up to this: the first comes fast, and a long catch-up takes few round trips (each a
@@ -64,7 +63,7 @@ async def read_batches(
     keys = store.keys(stream_id)
     sub = await hub.subscribe(keys.channel, stream_id, watched=watched)
     if watched:
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*UNAVAILABLE_ERRORS):
             await store.touch([stream_id])  # a reader is here now (cancel_on_disconnect counts from here)
     prefetch: asyncio.Future[Sequence[Event]] | None = None
     try:
@@ -81,9 +80,9 @@ async def read_batches(
                 while True:
                     try:
                         if check and last is not None:
-                            page, found = await durability.read_after(store.redis, store.gate, keys, last, count)
+                            page, found = await replication.read_after(store.redis, store.gate, keys, last, count)
                             if not found:  # the reset rule (see the module doc)
-                                common = await durability.last_common_id(store.redis, keys, last)
+                                common = await replication.last_common_id(store.redis, keys, last)
                                 reset = reset_event(common)
                                 yield [reset]
                                 next_beat = time.monotonic() + idle_s
@@ -96,7 +95,7 @@ async def read_batches(
                             page = await task
                         else:
                             page = await store.read(stream_id, last, count=count)
-                    except (RedisError, OSError):
+                    except UNAVAILABLE_ERRORS:
                         # Redis is away: keep the reader with heartbeats; the hub's reconnect resyncs us.
                         await sub.wait(min(RETRY_READ_S, max(0.0, next_beat - time.monotonic())))
                         if time.monotonic() >= next_beat:

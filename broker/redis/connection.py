@@ -6,7 +6,7 @@ A URL names a standalone server (``redis://host:port/0``, ``rediss://``), a Redi
 Sentinel watches (``redis+sentinel://host:port[,host:port...]/service_name[/db]``, ``rediss+sentinel://``
 for TLS to the servers): the client asks the sentinels for the current primary at each (re)connect, so it
 follows a failover. Every key of one
-stream, and of one partition's job queue, shares a hash tag (broker.keys), so each script and each
+stream, and of one partition's job queue, shares a hash tag (broker.streams.keys), so each script and each
 multi-key command stays in one slot; what must span slots (polling many job queues, tailing many
 streams) is grouped per slot by the generator and per node by the consumer's live hub.
 """
@@ -17,6 +17,7 @@ import asyncio
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import redis as redis_sync
 from redis._parsers.helpers import parse_stream_list
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
@@ -28,7 +29,9 @@ from redis.exceptions import (
     ClusterDownError,
     ClusterError,
     MasterDownError,
+    NoScriptError,
     ReadOnlyError,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -53,6 +56,67 @@ UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
 
 # Either kind of client: the commands rsb uses have the same signatures on both.
 RedisClient = Redis | RedisCluster
+#: A registered Lua script (``register_script``): called with ``keys=``, ``args=`` and optionally ``client=`` (a
+#: pipeline, which redis-py's AsyncScript types too narrowly to accept).
+Script = Any
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """The one predicate for "Redis is away": whether ``exc`` is one of UNAVAILABLE_ERRORS. Everything else a
+    Redis command raises (a script error, NOSCRIPT, WRONGTYPE) is a bug, surfaced, never retried in silence."""
+    return isinstance(exc, UNAVAILABLE_ERRORS)
+
+
+def is_cluster(client: RedisClient) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+def register_script(client: RedisClient, lua: str) -> Script:
+    """``client.register_script(lua)``, with every PUBLISH of the script sharded (SPUBLISH) on Redis Cluster: a
+    plain PUBLISH is broadcast over the cluster bus to every node, so its cost grows with the cluster and a
+    subscriber may sit on any node, where a sharded channel lives on the shard that owns its slot. Each channel
+    a script publishes on carries the hash tag of the keys it writes, so SPUBLISH stays inside the script's
+    slot. SPUBLISH needs Redis 7; a standalone server keeps PUBLISH, which every server rsb can embed supports."""
+    if is_cluster(client):
+        lua = lua.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
+    script: Script = client.register_script(lua)
+    return script
+
+
+async def evalsha_many(client: RedisClient, script: Script, calls: list[tuple[list[str], list[Any]]]
+                       ) -> list[Any]:
+    """Run ``script`` once per (keys, args) in one pipeline (one round trip); each reply, or the error of that
+    call, in order. EVALSHA directly: a Script object in a pipeline makes redis-py ask SCRIPT EXISTS first, a
+    second round trip per batch. When the script is missing (Redis restarted, SCRIPT FLUSH) it is loaded and
+    the batch sent again, so the scripts must be safe to run twice (rsb's are)."""
+    for attempt in range(2):
+        async with client.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            raw: list[Any] = await pipe.execute(raise_on_error=False)
+        if attempt == 0 and any(isinstance(r, NoScriptError) for r in raw):
+            await client.script_load(script.script)
+            continue
+        return raw
+    raise AssertionError("unreachable")
+
+
+async def ensure_group(client: RedisClient, stream: str, group: str) -> None:
+    """Create consumer group ``group`` of ``stream`` (and the stream) unless it exists."""
+    try:
+        await client.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as e:  # BUSYGROUP: already there
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+async def xrange_raw(client: RedisClient, key: str, start: str, count: int) -> list[Any]:
+    """``XRANGE key start + COUNT count`` as Redis sent it, ``[[id, [field, value, ...]], ...]`` (RAW_ENTRIES:
+    no dict per entry), for broker.events.EventPage. A client made elsewhere parses as usual (a dict per
+    entry); EventPage reads both."""
+    entries: Any = await client.execute_command("XRANGE", key, start, "+", "COUNT", count, keys=[key],
+                                                **{RAW_ENTRIES: True})
+    return entries if isinstance(entries, list) else list(entries)
 
 
 def is_sentinel_url(url: str) -> bool:
@@ -255,7 +319,22 @@ def connect_node(cluster: RedisCluster, host: str, port: int, *, max_connections
                  socket_timeout: float | None = None) -> Redis:
     """A standalone client for one cluster node: for its sharded pub/sub connection (SSUBSCRIBE only
     works on the node that owns the channel's slot; one connection, no socket timeout), or for a script
-    and the WAIT that must follow it on the same connection (broker.durability)."""
+    and the WAIT that must follow it on the same connection (broker.streams.replication)."""
     url = getattr(cluster, "source_url", None) or f"redis://{host}:{port}"
     return _standalone(node_url(url, host, port), max_connections=max_connections, retries=0,
                        socket_timeout=socket_timeout)
+
+
+def probe(url: str, timeout_s: float) -> tuple[str, str] | None:
+    """PING ``url`` once, synchronously (a start-up check, before any event loop runs): None when it answers,
+    else ``(kind, detail)``, kind ``auth`` (the credentials were refused) or ``unreachable``."""
+    client = redis_sync.Redis.from_url(plain_url(url), socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        client.ping()
+    except redis_sync.AuthenticationError as e:
+        return "auth", str(e)
+    except (redis_sync.RedisError, OSError) as e:
+        return "unreachable", str(e)
+    finally:
+        client.close()
+    return None

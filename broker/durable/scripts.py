@@ -1,6 +1,6 @@
-"""The Lua scripts behind Durable Streams (broker.durable): each atomic step of the protocol is one script in
-one hash slot (every key of a stream, and its tenant's set, share the partition's tag: broker.keys).
-broker.scripts holds the scripts of rsb's own generations; these are the same kind of thing for streams that
+"""The Lua scripts behind Durable Streams (broker.durable.store): each atomic step of the protocol is one script in
+one hash slot (every key of a stream, and its tenant's set, share the partition's tag: broker.streams.keys).
+broker.streams.scripts holds the scripts of rsb's own generations; these are the same kind of thing for streams that
 clients name and write.
 
 Meta hash fields (``DurableKeys.meta``): ``ct`` (content type as first given), ``ctn`` (normalized: media type,
@@ -18,7 +18,8 @@ clock is behind its source's.
 
 Every append, close and delete PUBLISHes ``<id>\\n<kind>\\n`` (kind ``a`` append, ``c`` close, ``x`` deleted) on
 the stream's channel: live readers wake up and read the stream itself (it stays the source of truth).
-``broker.scripts.for_cluster`` turns the publishes into SPUBLISH on Redis Cluster, as for every other script.
+``broker.redis.connection.register_script`` turns the publishes into SPUBLISH on Redis Cluster, as for every
+other script.
 
 Strings are never compared with Lua's ``<``: Lua 5.1 compares strings with strcoll, and redis-server sets its
 collation from the locale at start, so ``"B" <= "a"`` depends on the server's environment. ``cmp_bytes`` compares

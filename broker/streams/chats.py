@@ -2,7 +2,7 @@
 
 A chat is many turns and each turn is one rsb stream. All a chat needs in Redis is one pointer per (API
 key, chat id): the latest turn's stream id and its turn key (what tells a repeat of the same request from
-a new one). The pointer is a key of its own (broker.keys.chat_key), in another hash slot than its turns'
+a new one). The pointer is a key of its own (broker.streams.keys.chat_key), in another hash slot than its turns'
 streams on Redis Cluster, so no script can touch both. A turn stays atomic anyway:
 
 - its stream id is derived (uuid5) from the key id, the chat id, the turn key and the stream id of the
@@ -24,9 +24,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from broker import scripts
-from broker.connection import RedisClient
-from broker.keys import chat_key
+from broker.redis.connection import RedisClient
+from broker.streams import scripts
+from broker.streams.keys import chat_key
 
 # Turn stream ids live in their own uuid5 namespace (see turn_stream_id).
 _TURN_NAMESPACE = uuid.UUID("0d5b6f3e-8c1a-4f6e-a2b9-3c7d9e4f1a20")
@@ -59,10 +59,10 @@ class ChatStore:
 
     async def latest(self, key_id: str, chat_id: str) -> Turn | None:
         """The chat's latest turn for this API key (None: it has none, or another key's chat has this id)."""
-        sid, tk = await self.redis.hmget(chat_key(key_id, chat_id), ["sid", "tk"])
+        sid, turn = await self.redis.hmget(chat_key(key_id, chat_id), ["sid", "turn"])
         if sid is None:
             return None
-        return Turn(uuid.UUID(_text(sid)), _text(tk or ""))
+        return Turn(uuid.UUID(_text(sid)), _text(turn or ""))
 
     async def advance(self, key_id: str, chat_id: str, previous: uuid.UUID | None, turn: Turn, ttl_s: int) -> bool:
         """Make ``turn`` the chat's latest if the latest is still ``previous`` (or already ``turn``); False when

@@ -13,7 +13,7 @@ keep-alive timer only runs *between* requests). So, per connection, at the proto
   past ``per_address`` the request is answered ``503 too_many_connections`` + ``Retry-After`` and the
   connection closed; past twice that, the socket is closed at once. Peers that are trusted proxies
   (``--forwarded-allow-ips``) are exempt: their connections carry many clients, which the app counts by
-  forwarded address (consumer.limits).
+  forwarded address (consumer.edge.limits).
 - **connections of the pod**: past ``total`` (90% of the open-file limit by default) the request is
   answered ``503 overloaded``; past ``hard_total`` the socket is closed at once, so the pod never runs out
   of file descriptors (Redis connections, files) whatever arrives.
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.errors import Overloaded, RetryLater, TooManyConnections
-from consumer.errors import error_response
-from consumer.limits import TrustedProxies, address_group
+from consumer.edge.errors import error_response
+from consumer.edge.limits import TrustedProxies, address_group
 
 log = logging.getLogger("rsb.consumer")
 

@@ -1,5 +1,5 @@
 """What the store hands back: the records of a stream, of a job and of a claim, and the create quota. Plain
-frozen values (no Redis here); broker.store reads and writes them."""
+frozen values (no Redis here); broker.streams.store reads and writes them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.events import TERMINAL_TYPES
-from broker.keys import StreamKeys
 from broker.request import GenerationRequest
+from broker.streams.keys import StreamKeys
 
 STATUSES = ("queued", "running", "done", "cancelled", "error")
 TERMINAL_STATUSES = TERMINAL_TYPES
@@ -19,7 +19,7 @@ TERMINAL_STATUSES = TERMINAL_TYPES
 @dataclass(frozen=True, slots=True)
 class Quota:
     """What one caller may have, checked and counted in the create's own atomic step. ``principal`` is who
-    is charged (broker.keys.principal: an API key or an address group; "" = the key id of the create).
+    is charged (broker.streams.keys.principal: an API key or an address group; "" = the key id of the create).
     0 = no limit: ``max_active`` unfinished (queued or running) generations, ``burst`` creates at once
     refilled at ``rate_per_s``."""
 

@@ -1,7 +1,7 @@
 """Subscribing to many channels over few connections, on a standalone server or a Redis Cluster.
 
 Standalone: one pub/sub connection (SUBSCRIBE) carries every channel. Redis Cluster: channels are
-sharded (the scripts SPUBLISH them, see broker.scripts) and SSUBSCRIBE only works on the master that
+sharded (the scripts SPUBLISH them, see broker.streams.scripts) and SSUBSCRIBE only works on the master that
 owns the channel's slot, so there is one connection per master that owns at least one subscribed
 channel: never more connections than masters, however many channels.
 
@@ -29,7 +29,7 @@ from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from broker.backoff import Backoff
-from broker.connection import RedisClient, connect_node
+from broker.redis.connection import RedisClient, connect_node
 
 log = logging.getLogger("rsb.pubsub")
 

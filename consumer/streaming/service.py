@@ -18,17 +18,17 @@ from typing import cast
 
 from broker.errors import Expired, NotFound, RetryLater
 from broker.events import Event, EventType, parse_event_id
-from broker.keys import principal
-from broker.models import ServedModels
-from broker.records import Created, Quota, StreamStatus
 from broker.request import GenerationRequest, RequestLimits
-from broker.store import Store
-from consumer.auth import ApiKeys, ensure_owner
-from consumer.hub import LiveHub
-from consumer.limits import ConnectionLimiter
+from broker.streams.keys import principal
+from broker.streams.records import Created, Quota, StreamStatus
+from broker.streams.served_models import ServedModels
+from broker.streams.store import Store
+from consumer.edge.auth import ApiKeys, ensure_owner
+from consumer.edge.limits import ConnectionLimiter
 from consumer.metrics import Metrics
-from consumer.reader import REPLAY_PAGE, read_batches, read_stream
 from consumer.settings import ConsumerSettings
+from consumer.streaming.hub import LiveHub
+from consumer.streaming.reader import REPLAY_PAGE, read_batches, read_stream
 
 log = logging.getLogger("rsb.consumer")
 
@@ -42,7 +42,7 @@ UNKNOWN_MODEL = "default"
 @dataclass(frozen=True, slots=True)
 class Caller:
     """Who is asking: the API key id ("" without keys) and the client's address group
-    (consumer.limits.address_group)."""
+    (consumer.edge.limits.address_group)."""
 
     key_id: str
     ip: str
@@ -86,7 +86,7 @@ class StreamService:
 
     async def served_models(self) -> list[str]:
         """The models this deployment serves: ``--default-model`` when set, else the names the generators
-        announced recently (broker.models), the most recent first."""
+        announced recently (broker.streams.served_models), the most recent first."""
         if self.settings.default_model:
             return [self.settings.default_model]
         now = time.monotonic()
@@ -178,7 +178,7 @@ class StreamService:
     def batches(self, stream_id: uuid.UUID, after_id: str | None, *, watched: bool = True,
                 resets: bool = True) -> AsyncIterator[Sequence[Event] | None]:
         """Every event after ``after_id`` by the batch (a replay page, or the live events that arrived
-        together), ``None`` when a heartbeat is due, to the terminal event (consumer.reader). ``resets``:
+        together), ``None`` when a heartbeat is due, to the terminal event (consumer.streaming.reader). ``resets``:
         pass ``reset`` events on (a view whose protocol can say "drop what came after this id"); else the
         batches end just before one, so that the response ends and its client re-syncs."""
         batches = read_batches(self.store, self.hub, stream_id, after_id, self.settings.heartbeat_s, watched=watched)

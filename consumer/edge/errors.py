@@ -1,5 +1,5 @@
 """The one boundary where errors become HTTP: every error is JSON with a code, never a traceback. Foreign
-errors are mapped to rsb's family here, once: Redis being away (broker.connection.UNAVAILABLE_ERRORS)
+errors are mapped to rsb's family here, once: Redis being away (broker.redis.connection.UNAVAILABLE_ERRORS)
 is ``Unavailable`` (503 + Retry-After)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from broker.connection import UNAVAILABLE_ERRORS
 from broker.errors import RetryLater, RsbError, Unavailable
+from broker.redis.connection import UNAVAILABLE_ERRORS
 
 log = logging.getLogger("rsb.consumer")
 
@@ -58,7 +58,7 @@ HANDLERS = {RsbError: rsb_error, HTTPException: http_error, **dict.fromkeys(UNAV
 
 async def error_for(request: Request, exc: Exception) -> Response:
     """The response the app's exception handlers give ``exc`` (the most specific class wins, as in Starlette),
-    for code served below Starlette's own error boundary (consumer.front)."""
+    for code served below Starlette's own error boundary (consumer.edge.front)."""
     for cls in type(exc).__mro__:
         handler = HANDLERS.get(cls)
         if handler is not None:

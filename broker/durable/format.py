@@ -1,4 +1,4 @@
-"""How Durable Streams data looks (broker.durable stores it): offsets, content types, and JSON mode's stored
+"""How Durable Streams data looks (broker.durable.store stores it): offsets, content types, and JSON mode's stored
 form. Pure functions, no Redis.
 
 Offsets are Redis entry ids rendered ``%016d_%016d``: fixed width, so byte order is numeric order, offsets sort

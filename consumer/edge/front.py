@@ -5,30 +5,36 @@ An SSE reader keeps its whole call chain alive for as long as it reads: under St
 middleware, the authentication middleware, the exception middleware, the router, the route and the
 request wrapper, each a suspended frame, and each ``send`` goes through two wrappers. For thousands of
 open readers that is memory per reader and CPU per event; for one resume it is part of the time to the
-first event. The behaviour is the same as through the app: the same authentication (consumer.middleware),
-the same handler (consumer.views.native.stream_events), the same JSON errors (consumer.errors). With CORS
+first event. The behaviour is the same as through the app: the same authentication (consumer.edge.middleware),
+the same handler (consumer.views.native.stream_events), the same JSON errors (consumer.edge.errors). With CORS
 configured, requests take the app's path, where the CORS middleware adds its headers.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.errors import Unauthorized
-from consumer.auth import ApiKeys
-from consumer.errors import error_for
-from consumer.middleware import authenticate, unauthorized
-from consumer.views.native import stream_events
+from consumer.edge.auth import ApiKeys
+from consumer.edge.errors import error_for
+from consumer.edge.middleware import authenticate, unauthorized
 
 _EVENTS = re.compile(r"\A/v1/streams/([^/]+)/events\Z")
 
 
 class FrontDoor:
-    def __init__(self, app: ASGIApp, keys: ApiKeys, *, cors: bool) -> None:
+    """``app`` behind a door that serves the readers' route itself, with ``events`` (the native view's handler
+    of that route, which the app's router also serves)."""
+
+    def __init__(self, app: ASGIApp, events: Callable[[Request], Awaitable[Response]], keys: ApiKeys, *,
+                 cors: bool) -> None:
         self.app = app
+        self.events = events
         self.keys = keys
         self.cors = cors
 
@@ -47,7 +53,7 @@ class FrontDoor:
                 except Unauthorized as e:
                     await unauthorized(e)(scope, receive, send)
                     return
-            response = await stream_events(request)
+            response = await self.events(request)
         except Exception as exc:  # the app's one error boundary, as its exception handlers answer
             response = await error_for(request, exc)
         await response(scope, receive, send)

@@ -1,9 +1,9 @@
 """Durable Streams in Redis (the open protocol served by consumer/views/durable): the only module that talks
-to Redis about them. Every change is one script of broker.durable_scripts; reads of immutable history (a
+to Redis about them. Every change is one script of broker.durable.scripts; reads of immutable history (a
 fork's copy) are plain XRANGEs.
 
-A Durable Stream is named by its client (a URL path) within its API key's namespace (broker.keys
-``DurableKeys``); its offsets and stored forms are broker.durable_format's. Forks are copied at creation (the
+A Durable Stream is named by its client (a URL path) within its API key's namespace (broker.streams.keys
+``DurableKeys``); its offsets and stored forms are broker.durable.format's. Forks are copied at creation (the
 protocol allows any mechanism): a fork lives in its own name's slot, and a copy makes it an ordinary stream for
 reads, live modes, TTL and producers, so no read ever spans two slots. Its source keeps a reference (the fork's
 name in its ``forks`` set) so that deleting the source only soft-deletes it (410) until its last fork goes.
@@ -17,13 +17,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
-
-from broker import durable_scripts, scripts
-from broker.connection import RedisClient, reply_text
-from broker.durable_format import JSON_TYPE, ZERO_ID, encode_json, json_array, normalize_content_type
+from broker.durable import scripts
+from broker.durable.format import JSON_TYPE, ZERO_ID, encode_json, json_array, normalize_content_type
+from broker.durable.keys import DurableKeys
 from broker.errors import Conflict, Expired, InvalidRequest, NotFound, PayloadTooLarge, TooManyStreams
-from broker.keys import DurableKeys
+from broker.redis.connection import RedisClient, register_script, reply_text
 
 #: What each stored message costs against a stream's size cap besides its bytes (Redis's bookkeeping per entry).
 ENTRY_CHARGE = 64
@@ -52,7 +50,7 @@ class ForkSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class Created:
+class DurableCreated:
     created: bool  # False: the same PUT again (idempotent)
     tail: str
     content_type: str
@@ -140,17 +138,15 @@ class DurableStore:
     def __init__(self, redis: RedisClient, partitions: int = 1) -> None:
         self.redis = redis
         self.partitions = partitions
-        cluster = isinstance(redis, RedisCluster)
-
         def register(text: str) -> Any:
-            return redis.register_script(scripts.for_cluster(text) if cluster else text)
+            return register_script(redis, text)
 
-        self._create = register(durable_scripts.CREATE)
-        self._append = register(durable_scripts.APPEND)
-        self._read = register(durable_scripts.READ)
-        self._delete = register(durable_scripts.DELETE)
-        self._unref = register(durable_scripts.UNREF)
-        self._fork_ref = register(durable_scripts.FORK_REF)
+        self._create = register(scripts.CREATE)
+        self._append = register(scripts.APPEND)
+        self._read = register(scripts.READ)
+        self._delete = register(scripts.DELETE)
+        self._unref = register(scripts.UNREF)
+        self._fork_ref = register(scripts.FORK_REF)
 
     def keys(self, key_id: str, path: str) -> DurableKeys:
         return DurableKeys.of(key_id, path, self.partitions)
@@ -158,7 +154,7 @@ class DurableStore:
     # -- create ---------------------------------------------------------------------------------------
 
     async def create(self, keys: DurableKeys, spec: StreamSpec, body: bytes, *, fork: ForkSpec | None = None,
-                     max_streams: int = 0, max_bytes: int = 0) -> Created:
+                     max_streams: int = 0, max_bytes: int = 0) -> DurableCreated:
         """Create the stream (or recognise the same PUT again). Raises Conflict (another configuration, a
         soft-deleted path or source, a fork's type mismatch), NotFound (fork source), InvalidRequest (body, fork
         offsets), PayloadTooLarge, TooManyStreams."""
@@ -201,12 +197,12 @@ class DurableStore:
         return res
 
     @staticmethod
-    def _created(res: list[Any], spec: StreamSpec) -> Created:
+    def _created(res: list[Any], spec: StreamSpec) -> DurableCreated:
         tag = reply_text(res[0])
         if tag == "created":
-            return Created(True, reply_text(res[1]), spec.content_type, spec.closed)
+            return DurableCreated(True, reply_text(res[1]), spec.content_type, spec.closed)
         if tag == "exists":
-            return Created(False, reply_text(res[2]), reply_text(res[3]), reply_text(res[4]) == "1")
+            return DurableCreated(False, reply_text(res[2]), reply_text(res[3]), reply_text(res[4]) == "1")
         if tag == "soft":
             raise Conflict("this stream was deleted but forks still reference it: the path cannot be reused yet")
         if tag == "limit":
@@ -214,7 +210,7 @@ class DurableStore:
         raise Conflict("a stream exists at this path with a different configuration")
 
     async def _fork(self, keys: DurableKeys, spec: StreamSpec, body: bytes, fork: ForkSpec, max_streams: int,
-                    max_bytes: int) -> Created:
+                    max_bytes: int) -> DurableCreated:
         ctn_given = normalize_content_type(spec.content_type) if spec.content_type else ""
         inherit = spec.ttl_s is None and spec.expires_at is None
         fork_offset = fork.offset or ""

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.errors import Unauthorized
-from consumer.auth import ApiKeys
+from consumer.edge.auth import ApiKeys
 
 # The paths that need an API key when keys are configured (the page, its assets and the probes do not).
 _API_PREFIXES = ("/v1/", "/api/")

@@ -3,7 +3,7 @@
 Appends are PUBLISHed (by the append scripts; SPUBLISHed on Redis Cluster) on the stream's channel with
 the event itself, so a pod needs no Redis connection per reader and no XREAD per reader per event: it
 subscribes a channel while at least one local reader tails that stream and fans each message out to that
-stream's readers. broker.pubsub routes the channels to connections: one on a standalone server, one per
+stream's readers. broker.redis.pubsub routes the channels to connections: one on a standalone server, one per
 master that owns a tailed stream's slot on a cluster.
 
 The Redis Stream stays the source of truth. A reader replays from the stream only after its
@@ -19,16 +19,15 @@ import logging
 import uuid
 from collections.abc import Iterable
 
-from redis.exceptions import RedisError
-
-from broker.connection import RedisClient
 from broker.events import Event
-from broker.pubsub import Channels
-from consumer.clock import Clock
+from broker.redis.connection import UNAVAILABLE_ERRORS, RedisClient
+from broker.redis.pubsub import Channels
+from consumer.streaming.clock import Clock
 
 log = logging.getLogger("rsb.consumer.hub")
 
 SUBSCRIBE_TIMEOUT_S = 5.0
+_NOT_CONFIRMED: tuple[type[Exception], ...] = (TimeoutError, *UNAVAILABLE_ERRORS)
 
 
 class Subscription:
@@ -79,7 +78,7 @@ class Subscription:
         if timeout_s <= 0:
             return False
         waiter = self._waiter = asyncio.get_running_loop().create_future()
-        # The pod's shared clock, not a timer of our own per wait (consumer.clock); a cancellation while
+        # The pod's shared clock, not a timer of our own per wait (consumer.streaming.clock); a cancellation while
         # waiting propagates as is.
         wake = self._wake
         key = self._clock.call_at(self._clock.now() + timeout_s, wake)
@@ -156,7 +155,7 @@ class LiveHub:
         self._subs[ch] = {sub}
         try:
             fut = await self._channels.subscribe(ch)
-        except (RedisError, OSError):
+        except UNAVAILABLE_ERRORS:
             fut = None
         if fut is None:  # not connected: the (re)connect subscribes it, then resets (resyncs) its readers
             sub.request_resync()
@@ -174,7 +173,7 @@ class LiveHub:
         try:
             async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
                 await asyncio.shield(fut)  # shared by every reader of the channel: never cancel it
-        except (TimeoutError, RedisError, OSError):
+        except _NOT_CONFIRMED:
             sub.request_resync()  # not confirmed: replay after the (re)connect confirms it instead
         except asyncio.CancelledError:
             if not fut.cancelled():

@@ -1,0 +1,53 @@
+"""rsb's keyspace on Redis: the prefix of every key and the hash tags of its partitions.
+
+Every key of one partition shares the partition's hash tag, so each atomic script stays inside one hash slot and
+the schema runs unchanged on Redis Cluster, while the partitions spread the data over every master.
+``partitions`` is part of the stored data's address: choose it once per deployment.
+
+The hash tag of partition ``i`` of ``N`` is chosen so that the N tags' hash slots are spread evenly over
+the 16384 slots: tag ``p<i>`` when its slot already falls in the middle half of the i-th N-th of the slot
+space, else the first ``p<i>-<k>`` that does. Plain ``p0``..``pN-1`` would not do: CRC16 clusters them
+(p0, p1 and p2 all land on the first two masters of a 3-master cluster). Redis Cluster (``redis-cli
+--cluster create``, and managed offerings) gives each master a contiguous, equal share of the slots, so
+evenly spaced slots put ``N / masters`` partitions on every master. Keeping each slot within the middle
+half of its N-th leaves room for the boundaries to be off by a few slots. With ``N = 1`` the tag is
+``p0``, whatever its slot. The mapping is a pure function of (i, N): every process agrees on it.
+
+The key names themselves are broker.streams.keys's (rsb's streams, jobs and chats) and broker.durable.keys's
+(Durable Streams).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
+PREFIX = "rsb"
+
+
+@functools.cache
+def partition_tag(partition: int, partitions: int) -> str:
+    """The hash tag (without braces) of partition ``partition`` of ``partitions``; see the module doc."""
+    if not 0 <= partition < max(1, partitions):
+        raise ValueError(f"partition {partition} out of range for {partitions} partitions")
+    if partitions <= 1:
+        return "p0"
+    width = REDIS_CLUSTER_HASH_SLOTS / partitions
+    lo, hi = partition * width + width / 4, (partition + 1) * width - width / 4
+    candidate, k = f"p{partition}", 0
+    # Each try lands in the window with probability 1/(2N): a few dozen CRC16s at most, once per process.
+    while not lo <= key_slot(candidate.encode()) < hi:
+        k += 1
+        candidate = f"p{partition}-{k}"
+    return candidate
+
+
+def partition_slot(partition: int, partitions: int) -> int:
+    """The Redis Cluster hash slot of every key of this partition."""
+    return key_slot(partition_tag(partition, partitions).encode())
+
+
+def tagged(partition: int, partitions: int) -> str:
+    """``rsb:{<tag>}``: what every key of the partition starts with."""
+    return f"{PREFIX}:{{{partition_tag(partition, partitions)}}}"

@@ -1,0 +1,150 @@
+"""Every Redis key of rsb's streams, jobs and chats is named here, and only here (Durable Streams' keys:
+broker.durable.keys; the prefix and the partitions' hash tags: broker.redis.keyspace).
+
+All keys of one stream, and the job queue that stream is enqueued on, share the hash tag of the
+stream's *partition* (``{p<n>}``). That keeps each atomic script (create + enqueue, claim, append,
+finish, cancel) inside one hash slot, so the schema runs unchanged on Redis Cluster, while
+``partitions`` spreads streams and queues over many slots and so over every master.
+
+``partitions`` is part of the stored data's address: choose it once per deployment (1 is strict
+first-come-first-served on one server; a cluster wants a few per master).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+import zlib
+from dataclasses import dataclass
+
+from broker.redis.keyspace import PREFIX, tagged
+
+JOBS_GROUP = "generators"
+# One channel for workers that want cancel requests without waiting for their next append.
+_CONTROL = "ctl"
+
+
+def partition_of(stream_id: uuid.UUID, partitions: int) -> int:
+    """Map a stream to its partition; stable across processes and versions (CRC-32 of the UUID)."""
+    return zlib.crc32(stream_id.bytes) % partitions
+
+
+@dataclass(frozen=True, slots=True)
+class StreamKeys:
+    """The keys of one stream. Build it from a validated UUID only: nothing a client typed reaches a key."""
+
+    stream_id: uuid.UUID
+    partition: int
+    partitions: int = 1
+
+    @classmethod
+    def of(cls, stream_id: uuid.UUID, partitions: int) -> StreamKeys:
+        return cls(stream_id, partition_of(stream_id, partitions), partitions)
+
+    @property
+    def _tag(self) -> str:
+        return tagged(self.partition, self.partitions)
+
+    @property
+    def meta(self) -> str:
+        """Hash: request, status, fence token, usage. See broker.streams.scripts for its fields."""
+        return f"{self._tag}:s:{self.stream_id}:meta"
+
+    @property
+    def events(self) -> str:
+        """Redis Stream: the stream's events, in order; entry ids are the SSE event ids."""
+        return f"{self._tag}:s:{self.stream_id}:events"
+
+    @property
+    def tombstone(self) -> str:
+        """Tiny key left after retention so an expired stream answers 410, not 404."""
+        return f"{self._tag}:s:{self.stream_id}:gone"
+
+    @property
+    def channel(self) -> str:
+        """Pub/sub channel on which every appended event is also published, for live tailing."""
+        return f"{self._tag}:s:{self.stream_id}:live"
+
+    @property
+    def jobs(self) -> str:
+        return jobs_key(self.partition, self.partitions)
+
+    @property
+    def queue_stats(self) -> str:
+        return queue_stats_key(self.partition, self.partitions)
+
+    def tenant(self, principal: str) -> str:
+        """Hash of one caller's counters in this partition: ``active`` (unfinished generations) and ``tat``
+        (the create-rate limiter's theoretical arrival time, ms). ``principal`` comes from ``principal()``."""
+        return f"{self._tag}:tenant:{principal or '-'}"
+
+    @property
+    def aborted(self) -> str:
+        return aborted_log_key(self.partition, self.partitions)
+
+    @property
+    def aborted_totals(self) -> str:
+        return aborted_totals_key(self.partition, self.partitions)
+
+    @property
+    def control(self) -> str:
+        return control_channel(self.partition, self.partitions)
+
+
+def principal(key_id: str, address: str) -> str:
+    """Whom a create is charged to: the API key (ids are validated, ``[A-Za-z0-9_-]{1,64}``, when the keys
+    file is loaded), else the client's address group, as ``a:`` and a digest: an address may come from a
+    forwarded header, and nothing a client sent reaches a key name. Key ids hold no ``:``, so the two
+    never meet."""
+    if key_id:
+        return key_id
+    return "a:" + hashlib.blake2b(address.encode(), digest_size=12).hexdigest()
+
+
+def jobs_key(partition: int, partitions: int) -> str:
+    """Redis Stream of job entries (field ``sid``), read by the ``generators`` consumer group."""
+    return f"{tagged(partition, partitions)}:jobs"
+
+
+def queue_stats_key(partition: int, partitions: int) -> str:
+    """Hash of queue counters for a partition: ``waiting`` (enqueued, not yet claimed)."""
+    return f"{tagged(partition, partitions)}:qstats"
+
+
+def stream_key_prefix(partition: int, partitions: int) -> str:
+    """``<prefix><uuid>:meta`` / ``:events`` are a stream's keys: the claim script walks the waiting jobs
+    of its partition (same slot) with it to update their queue positions."""
+    return f"{tagged(partition, partitions)}:s:"
+
+
+def control_channel(partition: int, partitions: int) -> str:
+    """Pub/sub channel carrying cancel notices (payload: stream id) of one partition's streams to the
+    workers. Per partition, in the partition's slot, so that on Redis Cluster the cancel script can
+    SPUBLISH it from the stream's own shard instead of broadcasting over the whole cluster bus."""
+    return f"{tagged(partition, partitions)}:{_CONTROL}:cancel"
+
+
+def aborted_log_key(partition: int, partitions: int) -> str:
+    """Redis Stream of aborted-generation records (one per partition, so ``finish`` can write it atomically)."""
+    return f"{tagged(partition, partitions)}:aborted"
+
+
+def aborted_totals_key(partition: int, partitions: int) -> str:
+    """Hash of running totals of aborted generations, ``<reason>|<counter>`` fields, for /metrics."""
+    return f"{tagged(partition, partitions)}:aborted_totals"
+
+
+def chat_key(key_id: str, chat_id: str) -> str:
+    """Hash of one chat's latest turn (``sid``: the turn's stream id, ``turn``: its turn key; see broker.streams.chats),
+    per API key: the key id is part of the name, so one tenant's chat id never names another's chat. The
+    chat id is a client's string: only its digest reaches the key. It is a key of its own, in its own slot
+    on Redis Cluster (no hash tag), apart from its turns' streams: no script touches both (broker.streams.chats
+    says how a turn stays atomic without that)."""
+    digest = hashlib.sha256(chat_id.encode()).hexdigest()[:32]
+    return f"{PREFIX}:chat:{key_id or '-'}:{digest}"
+
+
+def served_models_key() -> str:
+    """Sorted set: the name of each model a generator serves, scored by when (Unix ms) one last said so.
+    One key for the deployment, outside every partition: only single-key commands touch it."""
+    return f"{PREFIX}:models"
