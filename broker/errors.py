@@ -51,6 +51,25 @@ class TooManyStreams(RsbError):
     status_code = 429
 
 
+class TooManyConversations(RsbError):
+    """A caller (an API key, or without keys an address) holds as many conversations as it may
+    (``--max-conversations``; counted in Redis, in the step that makes one)."""
+
+    code = "too_many_conversations"
+    status_code = 429
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this caller holds as many conversations as it may ({limit}); delete one, or let one "
+                         "expire (--conversation-ttl-s)")
+
+
+class ConversationFull(RsbError):
+    """A conversation's history has reached one of its bounds (turns, bytes, or the prompt it makes)."""
+
+    code = "conversation_full"
+    status_code = 413
+
+
 class RetryLater(RsbError):
     """Base for errors that carry a ``Retry-After``."""
 

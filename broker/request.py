@@ -39,6 +39,46 @@ class Message:
     role: str
     content: str
 
+    def to_json(self) -> dict[str, Any]:
+        """The stored form (in the canonical request, and in a conversation's turns)."""
+        return {"role": self.role, "content": self.content}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Message:
+        return cls(d["role"], d["content"])
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """Where a request's leading messages came from, when the server put them there (a conversation's turns,
+    or a previous response): set by the server, never read from a client's body. ``messages[:lead]`` are
+    this request's own instructions (not carried into later turns), ``messages[lead:start]`` the history the
+    server assembled, ``messages[start:]`` what the client sent new. For a conversation's turn, the rest names
+    it (broker.streams.conversations): whose it is (``tenant``, the API key id), its ``conversation`` name,
+    the conversation's ``version`` and how many turns it held when this one began (``turn``), and the
+    client's ids of the new messages (``message_ids``: the AI SDK's UIMessage ids). ``previous``: the stream id
+    of the response this one continues (OpenAI's ``previous_response_id``)."""
+
+    lead: int = 0
+    start: int = 0
+    conversation: str | None = None
+    tenant: str = ""
+    version: int = 0
+    turn: int = 0
+    message_ids: tuple[str, ...] = ()
+    previous: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"lead": self.lead, "start": self.start, "conversation": self.conversation, "tenant": self.tenant,
+                "version": self.version, "turn": self.turn, "message_ids": list(self.message_ids),
+                "previous": self.previous}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> History:
+        return cls(lead=d["lead"], start=d["start"], conversation=d["conversation"], tenant=d["tenant"],
+                   version=d["version"], turn=d["turn"], message_ids=tuple(d["message_ids"]),
+                   previous=d["previous"])
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
@@ -51,13 +91,16 @@ class GenerationRequest:
     seed: int | None
     stop: tuple[str, ...]
     cancel_on_disconnect: bool
+    history: History | None = None
 
     def canonical_json(self) -> bytes:
         """The stored form; two requests are 'identical' when these bytes are equal."""
+        # ``history`` only when set: the form (and so the hash) of every other request stays what it was.
+        extra = {} if self.history is None else {"history": self.history.as_json()}
         return orjson.dumps(
-            {
+            {**extra,
                 "messages": None if self.messages is None
-                else [{"role": m.role, "content": m.content} for m in self.messages],
+                else [m.to_json() for m in self.messages],
                 "prompt": self.prompt,
                 "model": self.model,
                 "max_tokens": self.max_tokens,
@@ -78,7 +121,7 @@ class GenerationRequest:
         d = orjson.loads(raw)
         msgs = d["messages"]
         return cls(
-            messages=None if msgs is None else tuple(Message(m["role"], m["content"]) for m in msgs),
+            messages=None if msgs is None else tuple(Message.from_json(m) for m in msgs),
             prompt=d["prompt"],
             model=d["model"],
             max_tokens=d["max_tokens"],
@@ -87,6 +130,7 @@ class GenerationRequest:
             seed=d["seed"],
             stop=tuple(d["stop"]),
             cancel_on_disconnect=d["cancel_on_disconnect"],
+            history=History.from_json(d["history"]) if d.get("history") is not None else None,
         )
 
 

@@ -24,6 +24,15 @@ _ROLES = frozenset({"system", "user", "assistant"})
 
 
 @dataclass(frozen=True, slots=True)
+class UIMessageRef:
+    """What the view reads of one UIMessage: its id, role and text (its text parts joined)."""
+
+    id: str
+    role: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class ChatRequest:
     chat_id: str
     trigger: str
@@ -34,6 +43,8 @@ class ChatRequest:
     #: or an edit may repeat an identical body on purpose: a repeat is the same turn only while it runs.
     plain_send: bool
     create_body: dict[str, Any]
+    #: The body's messages, in order (the create body's ``messages`` are these, as rsb messages).
+    messages: tuple[UIMessageRef, ...] = ()
 
     def turn_key(self, request: GenerationRequest) -> str:
         """Same chat + same turn key = the same turn. The request's hash is part of it, so a body that
@@ -82,13 +93,16 @@ def parse_chat_body(body: dict[str, Any]) -> ChatRequest:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("'messages' must be a non-empty list of UI messages")
-    messages, last_user = [], ""
+    messages, refs, last_user = [], [], ""
     for i, m in enumerate(raw):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise InvalidRequest(f"messages[{i}] must be a UI message with a role: system, user or assistant")
-        messages.append({"role": m["role"], "content": _message_text(i, m)})
+        text = _message_text(i, m)
+        messages.append({"role": m["role"], "content": text})
+        refs.append(UIMessageRef(str(m.get("id") or ""), m["role"], text))
         if m["role"] == "user":
             last_user = str(m.get("id") or "")
     create_body = {"messages": messages, **{k: body[k] for k in OPTIONS if k in body}}
     return ChatRequest(chat_id, trigger, message_id or last_user,
-                       plain_send=trigger == SUBMIT and message_id is None, create_body=create_body)
+                       plain_send=trigger == SUBMIT and message_id is None, create_body=create_body,
+                       messages=tuple(refs))

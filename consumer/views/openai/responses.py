@@ -23,6 +23,7 @@ from broker.events import Event, EventType, parse_event_id
 from broker.request import GenerationRequest
 from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
+from consumer.streaming.conversations import openai_id
 from consumer.streaming.service import Slot, StreamService
 from consumer.streaming.sse import SSEResponse
 from consumer.views.openai.common import (
@@ -33,7 +34,6 @@ from consumer.views.openai.common import (
     Only,
     boolean,
     check_only,
-    create_stream,
     event_frame,
     invalid,
     no_items,
@@ -43,6 +43,7 @@ from consumer.views.openai.common import (
     text_of,
     usage_tokens,
 )
+from consumer.views.openai.response_history import HISTORY_RULES, create_response_stream
 
 _ID = re.compile(r"\Aresp_([0-9a-fA-F]{32})\Z")
 #: Every event type a response's stream carries (the OpenAPI document lists them).
@@ -61,11 +62,17 @@ def response_id(stream_id: uuid.UUID) -> str:
     return f"resp_{stream_id.hex}"
 
 
+def parse_response_id(raw: str) -> uuid.UUID | None:
+    """The stream id of a response id (None: no response could have it)."""
+    m = _ID.match(raw)
+    return None if m is None else uuid.UUID(hex=m.group(1))
+
+
 def _path_stream_id(request: Request) -> uuid.UUID:
-    m = _ID.match(request.path_params["response_id"])
-    if m is None:
+    sid = parse_response_id(request.path_params["response_id"])
+    if sid is None:
         raise NotFound("no response with this id")  # could never have existed
-    return uuid.UUID(hex=m.group(1))
+    return sid
 
 
 def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -104,6 +111,11 @@ class ResponseView:
         self.temperature = req.temperature if req is not None else None
         self.top_p = req.top_p if req is not None else None
         self.max_output_tokens = st.max_tokens
+        history = req.history if req is not None else None
+        self.conversation = None if history is None or history.conversation is None else {
+            "id": openai_id(history.conversation)}
+        self.previous = None if history is None or history.previous is None else response_id(
+            uuid.UUID(history.previous))
         self.seq = 0
         self.status = "queued"
         self.queued = False
@@ -143,7 +155,8 @@ class ResponseView:
             "incomplete_details": self.incomplete, "instructions": None,
             "max_output_tokens": self.max_output_tokens, "metadata": {}, "model": self.model,
             "output": [self._item()] if self.started else [], "parallel_tool_calls": False,
-            "previous_response_id": None, "temperature": self.temperature, "top_p": self.top_p,
+            "previous_response_id": self.previous, "conversation": self.conversation, "store": True,
+            "temperature": self.temperature, "top_p": self.top_p,
             "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "truncation": "disabled",
             "usage": _usage(self.usage),
         }
@@ -218,14 +231,14 @@ RESTRICTIONS = (
     Only("instructions", {"anyOf": [{"type": "string"}, NULL]}, lambda v: v is None or isinstance(v, str),
          "'instructions' must be a string"),
     no_items("tools"),
-    null_only("previous_response_id"), null_only("conversation"), null_only("prompt"),
+    *HISTORY_RULES, null_only("prompt"),
     Only("text", {"anyOf": [{"type": "object", "properties": {"format": text_format("format", "").schema}}, NULL]},
          lambda v: v is None or (isinstance(v, dict) and text_format("format", "").accepts(v.get("format"))),
          "only the text format is supported"),
     Only("top_logprobs", {"anyOf": [{"const": 0}, NULL]},
          lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 0),
          "logprobs are not supported"),
-    boolean("stream"), boolean("background"),
+    boolean("stream"), boolean("background"), boolean("store"),
 )
 #: Passed to rsb's own validation as they are (seed and stop are not Responses parameters; accepted, as
 #: extra_body, because rsb has them).
@@ -308,10 +321,10 @@ async def create_response(request: Request) -> ASGIApp:
     uncounted = 1 if body.get("instructions") is not None else 0
     service = state_of(request).service
     if not stream and background:
-        stream_id, st = await create_stream(request, rsb_body, renames, uncounted_messages=uncounted)
+        stream_id, st = await create_response_stream(request, body, rsb_body, renames, uncounted, parse_response_id)
         return JSONResponse((await _snapshot(service, stream_id, st)).response())
     with service.connection(caller_of(request)) as slot:
-        stream_id, st = await create_stream(request, rsb_body, renames, uncounted_messages=uncounted)
+        stream_id, st = await create_response_stream(request, body, rsb_body, renames, uncounted, parse_response_id)
         if stream:
             return await _serve_events(request, slot, stream_id, st, -1)
 
