@@ -16,7 +16,7 @@ from conftest import RedisClusterServers
 from broker.errors import Expired, TooManyConversations
 from broker.events import EventType, encode_data
 from broker.redis.connection import RedisClient, connect, is_cluster
-from broker.redis.keyspace import key_slot
+from broker.redis.keyspace import partition_slot
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest, History, Message
 from broker.streams import conversations as conversations_module
@@ -137,19 +137,19 @@ async def test_a_deleted_conversation_is_never_brought_back_by_its_running_turn(
 
 async def test_a_reservation_whose_create_never_came_is_taken_back(convs: ConversationStore,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    conv = absent("alice", "c1")
     dead = uuid.uuid4()
-    assert (await convs.begin(conv, dead, OWNER, LIMITS, created_at=time.time(), create=True))[0] is Begin.RESERVED
+    assert (await convs.begin(absent("alice", "c1"), dead, OWNER, LIMITS, created_at=time.time(),
+                              create=True))[0] is Begin.RESERVED
     conv = await convs.read("alice", "c1")
     assert conv is not None
     # Moments after the reservation its create is presumed in flight.
     assert (await convs.settle(conv))[0] is Settled.STARTING
     monkeypatch.setattr(conversations_module, "PENDING_GRACE_S", 0.0)
-    conv = await convs.read("alice", "c1")
-    assert conv is not None
-    assert (await convs.settle(conv))[0] is Settled.DROPPED
-    conv = await convs.read("alice", "c1")
-    assert conv is not None and conv.pending is None
+    again = await convs.read("alice", "c1")
+    assert again is not None
+    assert (await convs.settle(again))[0] is Settled.DROPPED
+    after = await convs.read("alice", "c1")
+    assert after is not None and after.pending is None
     # The process that reserved it wakes up and creates its stream after all: refused, so no second turn runs.
     with pytest.raises(Expired):
         await convs.store.create(dead, _request("late"), default_model="m", max_queue=0, retention_s=60,
@@ -258,8 +258,11 @@ async def test_use_restarts_the_sliding_expiry(convs: ConversationStore, redis_a
 async def test_a_conversation_and_its_turns_live_in_different_slots_on_a_cluster(convs: ConversationStore) -> None:
     if not convs.store.cluster:
         pytest.skip("a standalone server has one slot space")
-    slots = {key_slot(convs.store.keys(await _turn(convs, "alice", f"c{i}", "hi", "ok")).meta.encode())
-             != key_slot(convs.keys("alice", f"c{i}").meta.encode()) for i in range(6)}
+    def slot(partition: int) -> int:
+        return partition_slot(partition, convs.partitions)
+
+    slots = {slot(convs.store.keys(await _turn(convs, "alice", f"c{i}", "hi", "ok")).partition)
+             != slot(convs.keys("alice", f"c{i}").partition) for i in range(6)}
     assert True in slots  # at least one turn's stream is in another slot than its conversation
     for i in range(6):
         conv = await convs.read("alice", f"c{i}")
