@@ -23,7 +23,6 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
 from broker.errors import Conflict, NotFound
-from broker.request import check_integer
 from broker.streams.conversations import Begin, Conversation
 from broker.streams.turns import Turn, as_messages, items_turn
 from consumer.state import caller_of, state_of
@@ -166,12 +165,10 @@ async def list_items(request: Request) -> ASGIApp:
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid("'order' must be asc or desc", "order")
-    raw_limit = q.get("limit")
-    limit = LIST_LIMIT_DEFAULT
-    if raw_limit is not None:
-        if not raw_limit.isdigit():
-            raise invalid(f"'limit' must be an integer from 1 to {LIST_LIMIT_MAX}", "limit")
-        limit = check_integer(int(raw_limit), "limit", 1, LIST_LIMIT_MAX) or LIST_LIMIT_DEFAULT
+    raw_limit = q.get("limit", str(LIST_LIMIT_DEFAULT))
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= LIST_LIMIT_MAX:
+        raise invalid(f"'limit' must be an integer from 1 to {LIST_LIMIT_MAX}", "limit")
+    limit = int(raw_limit)
     snap = await state_of(request).conversations.get(caller_of(request), path_name(request))
     items = all_items(snap.conversation)
     if order == "desc":
