@@ -1,6 +1,6 @@
 """broker.streams.conversations on a real redis-server and a real Redis Cluster: the races its scripts close (two
 devices reserving the next turn at once, a turn folded in twice, a reservation whose create never came, a
-rewrite under a running turn), its bounds and its expiry. Through the HTTP views: tests/consumer/test_conversations.py."""
+rewrite under a running turn), its bounds and its expiry. Through the HTTP views: tests/consumer/test_native_conversations.py."""
 
 from __future__ import annotations
 
