@@ -44,13 +44,6 @@ class Conflict(RsbError):
     status_code = 409
 
 
-class TooManyStreams(RsbError):
-    """An API key holds as many Durable Streams as it may (``--ds-max-streams``, or the key's ``max_ds_streams``)."""
-
-    code = "too_many_streams"
-    status_code = 429
-
-
 class TooManyConversations(RsbError):
     """A caller (an API key, or without keys an address) holds as many conversations as it may
     (``--max-conversations``; counted in Redis, in the step that makes one)."""
@@ -63,11 +56,18 @@ class TooManyConversations(RsbError):
                          "expire (--conversation-ttl-s)")
 
 
-class ConversationFull(RsbError):
-    """A conversation's history has reached one of its bounds (turns, bytes, or the prompt it makes)."""
+class ConversationFull(Conflict):
+    """A conversation's history has reached one of its bounds (turns, bytes, or the prompt it makes): the state
+    of the conversation refuses the turn, whatever the request (start a new conversation)."""
 
     code = "conversation_full"
-    status_code = 413
+
+
+class TooManyStreams(RsbError):
+    """An API key holds as many Durable Streams as it may (``--ds-max-streams``, or the key's ``max_ds_streams``)."""
+
+    code = "too_many_streams"
+    status_code = 429
 
 
 class RetryLater(RsbError):

@@ -84,10 +84,10 @@ class ConsumerSettings(Settings):
     conversation_ttl_s: int = setting(
         30 * 86_400, "a conversation is kept this long after its last use (every read and turn restarts it)")
     conversation_max_turns: int = setting(
-        500, "turns one conversation may hold; a create past it gets 413 conversation_full")
+        500, "turns one conversation may hold; a create past it gets 409 conversation_full")
     conversation_max_bytes: int = setting(
         1024 * 1024, "bytes one conversation's turns may hold (a turn's output may go past it; the next create "
-        "gets 413 conversation_full)")
+        "gets 409 conversation_full)")
     max_conversations: int = setting(
         1000, "conversations one caller (as for --max-active) may hold; more get 429 too_many_conversations (0 = "
         "no bound; a key's limits.max_conversations overrides)")

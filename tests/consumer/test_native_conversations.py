@@ -222,12 +222,12 @@ def test_a_conversation_past_its_bounds_is_refused_with_a_clear_error(
         for i in range(2):
             wait_status(c, turn(c, conv, f"q{i}").json()["id"], TERMINAL)
         full = turn(c, conv, "one more")
-        assert full.status_code == 413 and full.json()["error"]["code"] == "conversation_full"
+        assert full.status_code == 409 and full.json()["error"]["code"] == "conversation_full"
         assert "--conversation-max-turns" in full.json()["error"]["message"]
         long_conv = str(uuid.uuid4())
         wait_status(c, turn(c, long_conv, "x" * 300).json()["id"], TERMINAL)
         too_long = turn(c, long_conv, "y" * 300)
-        assert too_long.status_code == 413 and "--max-prompt-chars" in too_long.json()["error"]["message"]
+        assert too_long.status_code == 409 and "--max-prompt-chars" in too_long.json()["error"]["message"]
         # A third conversation for this caller (no API keys: its address) is one too many.
         third = turn(c, str(uuid.uuid4()), "hi")
         assert third.status_code == 429 and third.json()["error"]["code"] == "too_many_conversations"

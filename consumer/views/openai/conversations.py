@@ -27,7 +27,7 @@ from broker.streams.conversations import Begin, Conversation
 from broker.streams.turns import Turn, as_messages, items_turn
 from consumer.state import caller_of, state_of
 from consumer.streaming.conversations import ROUNDS, conversation_name, openai_id
-from consumer.views.openai.common import invalid, read_json
+from consumer.views.openai.common import OpenAIError, invalid, read_json, validated
 from consumer.views.openai.responses import _input_messages  # the one reader of input items
 
 MAX_ITEMS = 20  # per create (OpenAI's bound)
@@ -100,17 +100,17 @@ def all_items(conv: Conversation) -> list[dict[str, Any]]:
     return [item for turn in conv.turns for item in turn_items(turn)]
 
 
-def input_items(raw: object, param: str) -> list[dict[str, Any]]:
-    """Items to add, as rsb messages (the Responses view's rules for input items)."""
+def input_items(request: Request, raw: object, param: str) -> list[dict[str, Any]]:
+    """Items to add, as rsb messages: the Responses view's rules for input items, and the bounds of a create's
+    messages (their number and characters)."""
     if not isinstance(raw, list) or not raw or len(raw) > MAX_ITEMS:
         raise invalid(f"'{param}' must be a list of 1 to {MAX_ITEMS} items", param)
     try:
-        return _input_messages({"input": raw})
-    except Exception as e:
-        msg = getattr(e, "message", None)
-        if msg is None:
-            raise
-        raise invalid(str(msg).replace("input[", f"{param}["), param) from None
+        messages = _input_messages({"input": raw})
+    except OpenAIError as e:
+        raise invalid(e.message.replace("input[", f"{param}["), param) from None
+    validated(request, {"messages": messages}, {"messages": param})
+    return messages
 
 
 # -- routes --------------------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ async def create_conversation(request: Request) -> ASGIApp:
     state = state_of(request)
     caller = caller_of(request)
     convs = state.conversations
-    items = [] if body.get("items") is None else input_items(body["items"], "items")
+    items = [] if body.get("items") is None else input_items(request, body["items"], "items")
     now = time.time()
     turns = [items_turn(as_messages(items), now)] if items else []
     name = str(uuid.uuid4())
@@ -177,7 +177,7 @@ async def list_items(request: Request) -> ASGIApp:
     if after is not None:
         at = next((i for i, item in enumerate(items) if item["id"] == after), None)
         if at is None:
-            raise invalid("'after' is no item of this conversation", "after")
+            raise NotFound("no item of this conversation has the id 'after' names")
         items = items[at + 1:]
     page = items[:limit]
     return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
@@ -198,7 +198,7 @@ async def add_items(request: Request) -> ASGIApp:
     body = await read_json(request)
     if set(body) - {"items"}:
         raise invalid(f"unknown parameter(s): {', '.join(sorted(set(body) - {'items'}))}", code="unknown_parameter")
-    items = input_items(body.get("items"), "items")
+    items = input_items(request, body.get("items"), "items")
     convs = state_of(request).conversations
     caller = caller_of(request)
     name = path_name(request)
