@@ -105,8 +105,9 @@ def create_body(limits: RequestLimits) -> dict[str, Any]:
             "conversation": nullable(_CONVERSATION_ID),
         },
         # A conversation's turn takes messages.
-        "oneOf": [{"required": ["messages"]},
-                  {"required": ["prompt"], "properties": {"conversation": {"type": "null"}}}],
+        "oneOf": [{"required": ["messages"], "not": {"required": ["prompt"]}},
+                  {"required": ["prompt"], "not": {"required": ["messages"]},
+                   "properties": {"conversation": {"type": "null"}}}],
     }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from broker.request import RequestLimits
 from consumer.schema import json_response, nullable
 from consumer.views.openai import conversations as conv
 
@@ -30,11 +31,12 @@ _LINKS = {name: {"operationId": op, "parameters": {"conversation_id": "$response
                            ("delete", "openaiDeleteConversation"))}
 
 
-def conversation_paths(item: dict[str, Any], prompt_chars: int, err: Err, common: dict[str, Any],
+def conversation_paths(item: dict[str, Any], limits: RequestLimits, err: Err, common: dict[str, Any],
                        limited: dict[str, Any]) -> dict[str, Any]:
     """``item``: the schema of one Responses input item (what items to add are)."""
     cid = {"name": "conversation_id", "in": "path", "required": True, "schema": {"type": "string"}}
-    items = {"type": "array", "minItems": 1, "maxItems": conv.MAX_ITEMS, "items": item}
+    prompt_chars = limits.max_prompt_chars
+    items = {"type": "array", "minItems": 1, "maxItems": min(conv.MAX_ITEMS, limits.max_messages), "items": item}
     chars = f"the items' content is at most {prompt_chars} characters in all"
     missing = {"404": err("no conversation with this id (or another API key's)")}
     return {

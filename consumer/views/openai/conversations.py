@@ -216,3 +216,14 @@ async def add_items(request: Request) -> ASGIApp:
             return JSONResponse({"object": "list", "data": added, "first_id": added[0]["id"],
                                  "last_id": added[-1]["id"], "has_more": False})
     raise Conflict("this conversation kept changing under this request; retry")
+
+
+async def conversation_resource(request: Request) -> ASGIApp:
+    """``/v1/conversations/{id}``: one route for its methods, so a 405 lists them all (``Allow``)."""
+    handler = {"GET": retrieve_conversation, "POST": update_conversation, "DELETE": delete_conversation}
+    return await handler[request.method](request)
+
+
+async def items_resource(request: Request) -> ASGIApp:
+    """``/v1/conversations/{id}/items``: list (GET) and add (POST)."""
+    return await (list_items if request.method == "GET" else add_items)(request)

@@ -152,7 +152,7 @@ def openai_paths(limits: RequestLimits, generation: dict[str, Any], auth: bool) 
             "operationId": "openaiCancelResponse", "parameters": [rid],
             "responses": {"200": json_response("the response, as it stands once its generation stopped", _RESPONSE),
                           "404": err("no response with this id"), **limited, **common}}},
-        **conversation_paths(_input_item(limits), limits.max_prompt_chars, err, common, limited),
+        **conversation_paths(_input_item(limits), limits, err, common, limited),
         "/v1/models": {"get": {"operationId": "openaiModels", "responses": {
             "200": json_response("the models this deployment serves", {
                 "type": "object", "required": ["object", "data"],
