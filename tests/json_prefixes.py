@@ -185,14 +185,21 @@ def write(value: Any, rng: random.Random) -> Doc:
     return Doc(text, root)
 
 
-def same(a: Any, b: Any) -> bool:
-    """Equal, types included (``1``, ``1.0`` and ``True`` are three different JSON values)."""
+def same(a: Any, b: Any, *, numbers: bool = False, ordered: bool = True) -> bool:
+    """Equal, types included (``1``, ``1.0`` and ``True`` are three different JSON values; with ``numbers``,
+    ``1`` and ``1.0`` are the same, as in JavaScript), and object keys in the same order (unless not
+    ``ordered``)."""
+    if numbers and isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool) \
+            and not isinstance(b, bool):
+        return float(a) == float(b)  # (a double that JavaScript writes without a fraction reads back as an int)
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        keys_match = list(a) == list(b) if ordered else set(a) == set(b)
+        return keys_match and all(same(a[k], b[k], numbers=numbers, ordered=ordered) for k in a)
     if isinstance(a, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(same(x, y, numbers=numbers, ordered=ordered)
+                                        for x, y in zip(a, b, strict=True))
     return bool(a == b)
 
 
