@@ -3,13 +3,14 @@ generator does (claim → append → finish), for the tests of clients that read
 in this tree yet (``reasoning``, ``tool_call``, ``tool_args``, ``done.finish_reason: tool_calls``), and for
 what a failover at ``--durability local`` does to a stream (its last events lost: ``lose_tail``).
 
-Every broker import of those tests is here, in one place. Each call runs on its own event loop, so a sync
-test (a Playwright one) can use it between two page actions."""
+Every broker import of those tests is here, in one place. Each call runs on an event loop of its own, in a
+thread of its own, so a sync test (a Playwright one) can use it between two page actions."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -39,7 +40,9 @@ class StandInGenerator:
             finally:
                 await r.aclose()
 
-        return asyncio.run(go())
+        # In a thread of its own: Playwright's sync API runs an event loop in the test's thread.
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, go()).result()
 
     def start(self, model: str = "stand-in") -> str:
         """Claims the stream (it is running now) and appends ``started``; its id."""

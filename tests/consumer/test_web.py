@@ -7,10 +7,12 @@ Playwright never downloads a browser here: it launches the system chromium (``RS
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import random
 import re
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -20,7 +22,9 @@ import redis
 from conftest import CHROMIUM, Stack, StackFactory, needs_chromium
 from helpers import assert_english, create, read_sse, wait_status
 
-from broker.redis_server import RedisServer
+from typed_streams import StandInGenerator
+
+from broker.redis_server import RedisServer, free_port
 from generator.engines.models import DEFAULT_MODEL_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -418,3 +422,109 @@ def test_the_real_model_answers_in_english_rendered_as_markdown(
     assert re.search(r"<ol>(<li>[^<]+</li>){3}</ol>", listing), listing
     assert '<pre><code class="language-python">def ' in code and "[::-1]" in code, code
     assert "<code>" in code  # prose after the block quotes code inline
+
+
+# -- typed output and resets: the stand-in for the generator (tests/typed_streams.py) writes the stream -------
+
+
+def _answer(page: Page, sid: str) -> dict[str, Any]:
+    """What the page holds of a stream's answer (its Answer, the one it renders and stores)."""
+    return cast(dict[str, Any], page.evaluate(
+        """(sid) => {
+            const a = window.rsbPage.turns.find((t) => t.id === sid).answer;
+            return { text: a.text, reasoning: a.reasoning, deltas: a.deltas,
+                     toolCalls: a.toolCalls.map((c) => ({ index: c.index, id: c.id, name: c.name,
+                                                           arguments: c.arguments })) };
+        }""", sid))
+
+
+def _saved(page: Page, sid: str) -> dict[str, Any]:
+    """The stream's snapshot in localStorage, with the text and reasoning its stored events add up to."""
+    raw = page.evaluate("(sid) => localStorage.getItem(`rsb.stream.v1.${sid}`)", sid)
+    snap = json.loads(raw)
+    log = snap.get("answer", {}).get("log", [])
+    snap.setdefault("text", "".join(d["text"] for _, kind, d in log if kind == "delta"))
+    snap["reasoning"] = "".join(d["text"] for _, kind, d in log if kind == "reasoning")
+    return cast(dict[str, Any], snap)
+
+
+def _shown(page: Page, sid: str) -> str:
+    """The answer's text as the page shows it while it streams (rendered blocks, then the plain tail), without
+    whitespace (the blocks' markup puts line breaks of its own between them)."""
+    return "".join(str(_turn(page, sid).locator(".answer").text_content()).split())
+
+
+def _wait_answer(page: Page, sid: str, check: str, what: str) -> None:
+    """Wait until ``check`` (a JS expression over the stream's Answer ``a``) holds."""
+    try:
+        page.wait_for_function(
+            f"(sid) => {{ const t = window.rsbPage?.turns.find((t) => t.id === sid); const a = t?.answer;"
+            f" return Boolean(a && ({check})); }}", arg=sid, timeout=30_000)
+    except PlaywrightTimeout:
+        raise AssertionError(f"the page never had {what}: {_answer(page, sid)} | {_diagnose(page, sid)}") from None
+
+
+def _wait_saved(page: Page, sid: str, last_id: str) -> None:
+    page.wait_for_function(
+        "([sid, id]) => JSON.parse(localStorage.getItem(`rsb.stream.v1.${sid}`) || '{}').lastEventId === id",
+        arg=[sid, last_id], timeout=10_000)
+
+
+@needs_chromium
+def test_a_reset_takes_back_what_a_failover_lost_on_screen_and_in_storage(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+        new_page: PageFactory) -> None:
+    """Issue 20, bug 4. A failover at durability local: the consumer the page reads from goes down, and the
+    stream loses its last three events (XDEL, what the promoted replica lacks). The generation goes on from what
+    the stream has. The page reconnects from its last event id, the new consumer answers ``reset``, and the page
+    takes back the lost text: it shows, and stores, exactly the stream's text. The stream is written by the
+    stand-in for the generator (tests/typed_streams.py) so that the loss lands where the test says."""
+    s = stack_factory(redis_server.url)
+    port = free_port()
+    consumer, url = s.consumer(port=port)
+    page = new_page()
+    resumes: list[str | None] = []
+    page.on("request", lambda r: resumes.append(r.headers.get("last-event-id")) if "/events" in r.url else None)
+    page.goto(f"{url}/")
+    sid = _send(page, "Tell me about Redis", 64)
+    _wait_status(page, sid, "queued")
+    gen = StandInGenerator(redis_server.url, sid)
+    gen.start()
+    kept, lost = ["Redis is ", "an in-memory ", "data store.\n\n"], ["It was written ", "in C by ", "Salvatore."]
+    gen.append(*[("delta", {"text": t}) for t in kept + lost])
+    _wait_deltas(page, sid, 6)
+    last = gen.ids()[-1]
+    _wait_saved(page, sid, last)
+    assert _shown(page, sid) == "Redisisanin-memorydatastore.ItwaswritteninCbySalvatore."
+
+    consumer.signal(signal.SIGKILL)
+    consumer.wait(5)
+    gen.lose_tail(gen.ids()[-3:])
+    gen.append(("delta", {"text": "It is "}), ("delta", {"text": "fast."}))
+    s.consumer(port=port)
+    expect(_turn(page, sid).locator(".answer")).to_contain_text("fast.")
+    # (The browser's network errors while no consumer answered are what a failover looks like, not a bug.)
+    errors = cast(Any, page).errors
+    errors[:] = [e for e in errors if "net::ERR_" not in e or f"/v1/streams/{sid}/events" not in e]
+    assert _shown(page, sid) == "Redisisanin-memorydatastore.Itisfast."  # the lost text is gone
+    assert last in resumes  # it resumed from the lost event: the server said reset
+    with s.client() as c:
+        assert read_sse(c, f"/v1/streams/{sid}/events", headers={"Last-Event-ID": last},
+                        stop_after=1).events[0].event == "reset"
+
+    gen.append(("delta", {"text": " The end."}))
+    gen.finish(completion_tokens=6)
+    _wait_status(page, sid, "done")
+    with s.client() as c:
+        server = read_sse(c, f"/v1/streams/{sid}/events")
+    assert server.text == "Redis is an in-memory data store.\n\nIt is fast. The end."
+    assert _page_text(page, sid) == server.text
+    _check_rendering(page, sid)
+    saved = _saved(page, sid)
+    assert saved["text"] == server.text and saved["lastEventId"] == server.ids[-1] and saved["status"] == "done"
+    # A reload shows the corrected answer, from storage, and reads nothing more.
+    n = len(resumes)
+    page.reload()
+    _wait_status(page, sid, "done")
+    assert _page_text(page, sid) == server.text and len(resumes) == n
+    _check_rendering(page, sid)
