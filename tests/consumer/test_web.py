@@ -34,6 +34,9 @@ if CHROMIUM is not None:
     from playwright.sync_api import Browser, Locator, Page, expect
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+# markdown-it 15.0.3's dist/browser/markdown-it.esm.min.mjs (consumer/static/vendor/README.md).
+MARKDOWN_IT_SHA256 = "d5432491790141da046b1197353705db03264f40b5727f3b4b591f5aba193e30"
+
 # Long enough that a reload, a second tab or a Stop lands mid-answer on the slow model (~700 tokens/s on
 # an idle core; a few times slower on a busy 2-core machine), short enough to keep these tests quick.
 LONG_ANSWER = 1000
@@ -316,46 +319,83 @@ def test_client_reassembles_events_split_anywhere_and_resumes_after_drops(
     assert result["end"]["type"] == "done" and result["ended"] == {"type": "ended"}
 
 
+# Lines to build Markdown documents from: every kind of block, and the lines that end, continue or turn one
+# block into another (a setext underline, a lazy continuation, a table's delimiter row, an indented item).
+_MD_LINES = ["# Title", "Some **bold** and *it* and `a<b>`", "- item", "  continued", "1. one", "2) two", "> quote",
+             "lazy", "```js", "```", "~~~", "    code", "---", "***", "| a | b |", "|---|---|", "| 1 | 2 |", "a|b",
+             "-|-", "", "", "", "Foo", "===", "text [link](https://x.org) <b>x</b>", "[bad](javascript:alert(1))",
+             "<http://a.b>", "  - nested", "   ", "\t- tab", "+ plus", "* star", "10. ten", "-", "1.", "para\r",
+             "x\r\ny", "*", "<div>", "[ref]: http://r", "[ref]", "2 * 3 * 4"]
+
+
 @needs_chromium
-def test_markdown_renders_the_subset_and_escapes_html(stack_factory: StackFactory, redis_server: RedisServer, new_page: PageFactory) -> None:
+def test_markdown_renders_block_by_block_exactly_as_the_whole_answer(
+        stack_factory: StackFactory, redis_server: RedisServer, new_page: PageFactory) -> None:
+    """markdown-it (vendored) renders each finished block once while the answer streams; the unfinished last
+    block is plain text. What ends up on screen is exactly the whole answer rendered at once, for a fixed
+    document and for 400 random ones cut at random points (every kind of block, and the lines that change the
+    block before them)."""
     s = stack_factory(redis_server.url)
     s.consumer()
     page = new_page()
     page.goto(f"{s.base_url}/healthz")
     text = ("# Title\nSome **bold**, *italic* and `a<b>&c` here.\n2 * 3 * 4 stays.\n\n"
             "- one\n- two <img src=x onerror=alert(1)>\n\n1. first\n2. second\n\n"
-            "```py\nif a < b:\n\n    print('x')\n```\nafter <script>alert(1)</script>\n\nunfinished *tail")
+            "```py\nif a < b:\n\n    print('x')\n```\nafter <script>alert(1)</script>\n\n"
+            "| a | b |\n|---|---|\n| 1 | [x](https://example.org) |\n\n> quoted\n\nunfinished *tail")
+    rng = random.Random(1)
+    docs = ["".join(rng.choice(_MD_LINES) + ("\n" if rng.random() < 0.9 else "") for _ in range(rng.randint(1, 14)))
+            for _ in range(400)]
     out = page.evaluate(
-        """async ([text, cuts]) => {
+        """async ([text, cuts, docs, seed]) => {
             const md = await import('/static/markdown.js');
-            const blocks = document.createElement('div');
-            const tail = document.createElement('span');
-            const inc = new md.IncrementalMarkdown(blocks, tail);
-            const tails = [];
-            for (const cut of [...cuts, text.length]) {
-                inc.update(text.slice(0, cut));
-                tails.push(tail.textContent);
+            const stream = (doc, points) => {
+                const blocks = document.createElement('div');
+                const tail = document.createElement('span');
+                const inc = new md.IncrementalMarkdown(blocks, tail);
+                const tails = [];
+                for (const cut of points) {
+                    inc.update(doc.slice(0, cut));
+                    tails.push(tail.textContent);
+                }
+                const streamed = blocks.innerHTML;
+                inc.update(doc, true);
+                return { streamed, final: blocks.innerHTML, tails, tailAfter: tail.textContent };
+            };
+            const whole = (doc) => {
+                const t = document.createElement('template');
+                t.innerHTML = md.renderMarkdown(doc);
+                return t.innerHTML;
+            };
+            let r = seed;
+            const random = () => (r = (r * 1103515245 + 12345) % 2147483648) / 2147483648;
+            const differ = [];
+            for (const doc of docs) {
+                const points = [];
+                for (let p = 0; p < doc.length; p += 1 + Math.floor(random() * 6)) points.push(p);
+                const got = stream(doc, points);
+                if (got.final !== whole(doc)) differ.push([doc, got.final, whole(doc)]);
             }
-            const streamed = blocks.innerHTML;
-            inc.update(text, true);
-            const t = document.createElement('template');
-            t.innerHTML = md.renderMarkdown(text);
-            return { streamed, final: blocks.innerHTML, whole: t.innerHTML, tails,
-                     tailAfter: tail.textContent };
-        }""", [text, sorted(random.Random(1).sample(range(1, len(text)), 40))])
+            return { ...stream(text, [...cuts, text.length]), whole: whole(text), differ };
+        }""", [text, sorted(random.Random(1).sample(range(1, len(text)), 40)), docs, 5])
+    assert out["differ"] == []
     whole = out["whole"]
     assert out["final"] == whole
-    assert whole.startswith("<h1>Title</h1><p>Some <strong>bold</strong>, <em>italic</em> and "
-                            "<code>a&lt;b&gt;&amp;c</code> here.<br>2 * 3 * 4 stays.</p>")
-    assert "<ul><li>one</li><li>two &lt;img src=x onerror=alert(1)&gt;</li></ul>" in whole
-    assert "<ol><li>first</li><li>second</li></ol>" in whole
-    assert '<pre><code class="language-py">if a &lt; b:\n\n    print(\'x\')</code></pre>' in whole
+    assert whole.startswith("<h1>Title</h1>\n<p>Some <strong>bold</strong>, <em>italic</em> and "
+                            "<code>a&lt;b&gt;&amp;c</code> here.\n2 * 3 * 4 stays.</p>")
+    assert "<ul>\n<li>one</li>\n<li>two &lt;img src=x onerror=alert(1)&gt;</li>\n</ul>" in whole
+    assert "<ol>\n<li>first</li>\n<li>second</li>\n</ol>" in whole
+    assert '<pre><code class="language-py">if a &lt; b:\n\n    print(\'x\')\n</code></pre>' in whole
     assert "<p>after &lt;script&gt;alert(1)&lt;/script&gt;</p>" in whole
-    assert whole.endswith("<p>unfinished *tail</p>")
+    assert ('<td><a href="https://example.org" target="_blank" rel="noopener noreferrer nofollow">x</a></td>'
+            in whole)
+    assert "<blockquote>\n<p>quoted</p>\n</blockquote>" in whole
+    assert whole.endswith("<p>unfinished *tail</p>\n")
     assert "<img" not in whole and "<script" not in whole
-    # While streaming, the last unfinished paragraph is plain text, never half-parsed Markdown.
-    assert out["tails"][-1] == "unfinished *tail" and out["tailAfter"] == ""
-    assert out["streamed"] + "<p>unfinished *tail</p>" == whole
+    # While streaming, the last block (until a complete line begins the next one) is plain text, never
+    # half-parsed Markdown.
+    assert out["tails"][-1] == "> quoted\n\nunfinished *tail" and out["tailAfter"] == ""
+    assert out["streamed"] + "<blockquote>\n<p>quoted</p>\n</blockquote>\n<p>unfinished *tail</p>\n" == whole
 
 
 def test_the_page_and_client_module_are_served(stack_factory: StackFactory, redis_server: RedisServer) -> None:
@@ -367,9 +407,14 @@ def test_the_page_and_client_module_are_served(stack_factory: StackFactory, redi
         assert "script-src 'self'" in page.headers["content-security-policy"]
         assert '<script type="module" src="/static/app.js">' in page.text
         for asset, kind in [("rsb-client.js", "text/javascript"), ("app.js", "text/javascript"),
-                            ("markdown.js", "text/javascript"), ("style.css", "text/css")]:
+                            ("markdown.js", "text/javascript"), ("partial-json.js", "text/javascript"),
+                            ("vendor/markdown-it.min.js", "text/javascript"), ("style.css", "text/css")]:
             r = c.get(f"/static/{asset}")
             assert r.status_code == 200 and r.headers["content-type"].startswith(kind), asset
+        # The vendored markdown-it is the pinned release, byte for byte (consumer/static/vendor/README.md).
+        vendored = c.get("/static/vendor/markdown-it.min.js").content
+        assert hashlib.sha256(vendored).hexdigest() == MARKDOWN_IT_SHA256
+        assert MARKDOWN_IT_SHA256 in (ROOT / "consumer" / "static" / "vendor" / "README.md").read_text()
         missing = c.get("/static/nope.js")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
@@ -419,7 +464,7 @@ def test_the_real_model_answers_in_english_rendered_as_markdown(
             assert_english(server.text)
     answer, listing, code = html
     assert answer.startswith("<p>") and "stream" in answer.lower()
-    assert re.search(r"<ol>(<li>[^<]+</li>){3}</ol>", listing), listing
+    assert re.search(r"<ol>\s*(<li>[^<]+</li>\s*){3}</ol>", listing), listing
     assert '<pre><code class="language-python">def ' in code and "[::-1]" in code, code
     assert "<code>" in code  # prose after the block quotes code inline
 
@@ -528,3 +573,169 @@ def test_a_reset_takes_back_what_a_failover_lost_on_screen_and_in_storage(
     _wait_status(page, sid, "done")
     assert _page_text(page, sid) == server.text and len(resumes) == n
     _check_rendering(page, sid)
+
+
+@needs_chromium
+def test_reasoning_and_tool_calls_show_as_they_stream_and_after_a_reload(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+        new_page: PageFactory) -> None:
+    """The page shows the reasoning apart (collapsed) and each tool call (its name, then its arguments as they
+    stream), from storage at once after a reload, and goes on from there. Model text is shown as text. The
+    stream is written by the stand-in for the generator (tests/typed_streams.py): no engine in this tree emits
+    these events yet."""
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    page = new_page()
+    page.goto(f"{s.base_url}/")
+    sid = _send(page, "What is the weather in Zürich?", 64)
+    _wait_status(page, sid, "queued")
+    gen = StandInGenerator(redis_server.url, sid)
+    gen.start()
+    turn = _turn(page, sid)
+    reasoning, calls = turn.locator(".reasoning"), turn.locator(".tool-call")
+    expect(reasoning).to_be_hidden()
+    thought = "The user asks about the weather <b>now</b>; I should call get_weather."
+    gen.append(("reasoning", {"text": thought[:20]}), ("reasoning", {"text": thought[20:]}))
+    expect(reasoning.locator("summary")).to_be_visible()
+    assert reasoning.get_attribute("open") is None  # collapsed: the answer comes first
+    expect(reasoning.locator(".reasoning-text")).to_have_text(thought)  # tags and all, as text
+    assert reasoning.locator("b").count() == 0
+    reasoning.locator("summary").click()
+    expect(reasoning.locator(".reasoning-text")).to_be_visible()
+
+    args = json.dumps({"city": "Zürich", "days": 3, "units": "metric"}, ensure_ascii=False)
+    gen.append(("delta", {"text": "Let me look that up."}),
+               ("tool_call", {"index": 0, "id": "call_1", "name": "get_weather"}),
+               ("tool_args", {"index": 0, "text": args[:9]}))
+    first = calls.nth(0)
+    expect(first.locator(".tool-name")).to_have_text("get_weather")
+    expect(first.locator(".tool-args")).to_have_text(args[:9])
+    gen.append(("tool_args", {"index": 0, "text": args[9:25]}))
+    expect(first.locator(".tool-args")).to_have_text(args[:25])  # the arguments grow as they come
+    _wait_saved(page, sid, gen.ids()[-1])
+
+    # A reload in the middle of the call: everything is back from storage, then it goes on.
+    page.reload()
+    turn = _turn(page, sid)
+    reasoning, calls = turn.locator(".reasoning"), turn.locator(".tool-call")
+    expect(calls.nth(0).locator(".tool-args")).to_have_text(args[:25])
+    expect(reasoning.locator(".reasoning-text")).to_have_text(thought)
+    gen.append(("tool_args", {"index": 0, "text": args[25:]}),
+               ("tool_call", {"index": 1, "id": "call_2", "name": "get_time"}),
+               ("tool_args", {"index": 1, "text": '{"tz": "Europe/Zurich"}'}))
+    gen.finish("tool_calls", completion_tokens=30)
+    _wait_status(page, sid, "done")
+    expect(turn.locator(".status")).to_have_text("done (tool calls)")
+    expect(calls).to_have_count(2)
+    shown = [(c.locator(".tool-name").text_content(), c.locator(".tool-id").text_content(),
+              c.locator(".tool-args").text_content()) for c in calls.all()]
+    assert shown == [("get_weather", "call_1", args), ("get_time", "call_2", '{"tz": "Europe/Zurich"}')]
+    assert _page_text(page, sid) == "Let me look that up."
+    saved = _saved(page, sid)
+    assert saved["reasoning"] == thought and saved["text"] == "Let me look that up."
+    _screenshot(page, "tool-calls.png")
+
+
+# Model output written by a prompt injection, and the Markdown the page must still render.
+UNTRUSTED = """# Report
+<img src=x onerror="window.__ran = 'img'">
+<script>window.__ran = 'script'</script>
+<iframe src="javascript:window.__ran='iframe'"></iframe>
+
+Click [here](javascript:window.__ran='link'), [there](JAVASCRIPT:alert(1)), [b64](data:text/html;base64,PHNjcmlwdD5hbGVydCgxKTwvc2NyaXB0Pg==), [vb](vbscript:msgbox), <javascript:alert(1)>, [rel](/v1/streams), [ent](&#106;avascript:alert(1)), [pct](%6Aavascript:alert(1)), ![beacon](https://example.org/b.png?q=secret).
+
+| name | where |
+|---|---|
+| rsb | [docs](https://example.org/docs) |
+| mail | <ops@example.org> |
+
+> A quote with **bold** and `<code>`.
+
+<a href="javascript:alert(1)">raw anchor</a> <svg onload="window.__ran='svg'"></svg> <b onmouseover="window.__ran='b'">hover</b>
+
+[ok](http://example.org/a "title") and <https://example.org/b>.
+"""
+SAFE_HREFS = ["https://example.org/b.png?q=secret", "https://example.org/docs", "mailto:ops@example.org",
+              "http://example.org/a", "https://example.org/b"]
+
+# Every element, attribute and link the rendered answer holds, and whether any script ran.
+_INSPECT = """(root) => ({
+    tags: [...new Set([...root.querySelectorAll('*')].map((e) => e.tagName.toLowerCase()))].sort(),
+    handlers: [...root.querySelectorAll('*')].flatMap((e) => [...e.attributes].map((a) => a.name))
+        .filter((n) => n.startsWith('on') || n === 'src' || n === 'style'),
+    hrefs: [...root.querySelectorAll('a')].map((a) => a.getAttribute('href')),
+    targets: [...root.querySelectorAll('a')].map((a) => `${a.target} ${a.rel}`),
+    ran: window.__ran ?? null,
+})"""
+
+
+def _check_untrusted(seen: dict[str, Any]) -> None:
+    assert seen["ran"] is None
+    assert set(seen["tags"]) <= {"a", "blockquote", "code", "h1", "p", "strong", "table", "tbody", "td", "th",
+                                 "thead", "tr"}, seen["tags"]
+    assert {"a", "table", "blockquote", "strong", "h1"} <= set(seen["tags"])
+    assert seen["handlers"] == []
+    assert seen["hrefs"] == SAFE_HREFS
+    assert set(seen["targets"]) == {"_blank noopener noreferrer nofollow"}
+
+
+@needs_chromium
+def test_untrusted_markdown_runs_nothing_and_links_only_to_http_and_mailto(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+        new_page: PageFactory) -> None:
+    """Raw HTML, script, event handlers, `javascript:` / `data:` / `vbscript:` / relative links and images in a
+    model's answer: the page shows them as text, and renders the tables, quotes and http(s)/mailto links. First in
+    the real page (its Content-Security-Policy on: a violation would be a console error, which fails the test),
+    with the answer streamed in small pieces by the stand-in for the generator (tests/typed_streams.py); then the
+    renderer alone on a page without that policy, where a control shows that such HTML would run."""
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    page = new_page()
+    with s.client() as c:
+        sid = create(c, prompt="Summarize this web page", max_tokens=64).json()["id"]
+    gen = StandInGenerator(redis_server.url, sid)
+    gen.start()
+    page.goto(f"{s.base_url}/?stream={sid}")
+    rng = random.Random(7)
+    cuts = sorted(rng.sample(range(1, len(UNTRUSTED)), 60))
+    gen.append(*[("delta", {"text": UNTRUSTED[a:b]})
+                 for a, b in itertools.pairwise([0, *cuts, len(UNTRUSTED)])])
+    gen.finish(completion_tokens=61)
+    _wait_status(page, sid, "done")
+    page.wait_for_timeout(300)  # time for anything that would run (an image's onerror) to run
+    answer = _turn(page, sid).locator(".answer")
+    _check_untrusted(cast(dict[str, Any], answer.locator(".blocks").evaluate(_INSPECT)))
+    assert _page_text(page, sid) == UNTRUSTED
+    _check_rendering(page, sid)
+    expect(answer).to_contain_text("<script>window.__ran = 'script'</script>")  # shown, as text
+    expect(answer.locator("table tr")).to_have_count(3)
+    expect(answer.locator("blockquote code")).to_have_text("<code>")
+    _screenshot(page, "untrusted.png")
+
+    # The renderer on a page with no policy: what it makes would run here if it let anything through.
+    bare = new_page()
+    bare.goto(f"{s.base_url}/healthz")
+    seen = bare.evaluate(
+        """async ([text, cuts, inspect]) => {
+            const md = await import('/static/markdown.js');
+            const control = document.createElement('div');
+            control.innerHTML = '<img src="data:," onerror="window.__control = 1">';
+            document.body.append(control);
+            const whole = document.createElement('div');
+            whole.innerHTML = md.renderMarkdown(text);
+            const blocks = document.createElement('div');
+            const tail = document.createElement('span');
+            const streamed = document.createElement('div');
+            streamed.append(blocks, tail);
+            document.body.append(whole, streamed);
+            const inc = new md.IncrementalMarkdown(blocks, tail);
+            for (const cut of cuts) inc.update(text.slice(0, cut));
+            inc.update(text, true);
+            await new Promise((r) => setTimeout(r, 300));
+            return { whole: eval(inspect)(whole), streamed: eval(inspect)(blocks), control: window.__control ?? null,
+                     same: blocks.innerHTML === whole.innerHTML };
+        }""", [UNTRUSTED, cuts, _INSPECT])
+    assert seen["control"] == 1  # such HTML does run on this page
+    _check_untrusted(seen["whole"])
+    _check_untrusted(seen["streamed"])
+    assert seen["same"]
