@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from broker.connection import connect

@@ -21,7 +21,6 @@ import pytest
 import redis
 from conftest import CHROMIUM, Stack, StackFactory, needs_chromium
 from helpers import assert_english, create, read_sse, wait_status
-
 from typed_streams import StandInGenerator
 
 from broker.redis_server import RedisServer, free_port
