@@ -409,15 +409,18 @@ class Turn {
 // it (nothing more will be read), an unfinished one is read again from the start (a reset could not be applied
 // to text whose events are unknown).
 function restoreAnswer(saved, finished) {
+  let answer = new Answer();
   if (saved.answer?.log) {
     try {
-      return new Answer(saved.answer.log);
+      answer = new Answer(saved.answer.log);
     } catch {
-      return new Answer(); // a damaged snapshot: replay
+      // a damaged snapshot: replay
     }
+  } else if (finished && saved.text) {
+    answer = new Answer([[saved.lastEventId || "0-1", "delta", { text: saved.text }]]);
   }
-  if (finished && saved.text) return new Answer([[saved.lastEventId || "0-1", "delta", { text: saved.text }]]);
-  return new Answer();
+  answer.ended = finished;
+  return answer;
 }
 
 // Shows `text` in `el` (plain text), appending when it only grew since `shown`: cheaper than replacing it all.

@@ -738,3 +738,42 @@ def test_untrusted_markdown_runs_nothing_and_links_only_to_http_and_mailto(
     _check_untrusted(seen["whole"])
     _check_untrusted(seen["streamed"])
     assert seen["same"]
+
+
+@needs_chromium
+def test_snapshots_stored_before_the_answer_events_open_as_they_should(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+        new_page: PageFactory) -> None:
+    """A page stored only the text of its answers before (no events: a reset could not be applied to it). A
+    finished one still shows its stored text; an unfinished one is read again from the start, so that what it
+    shows is the stream's text, not the old text plus what follows the old id. The streams are written by the
+    stand-in for the generator (tests/typed_streams.py)."""
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    with s.client() as c:
+        done_id, live_id = (create(c, prompt=p, max_tokens=16).json()["id"] for p in ("one", "two"))
+    finished, running = StandInGenerator(redis_server.url, done_id), StandInGenerator(redis_server.url, live_id)
+    finished.start()
+    finished.append(("delta", {"text": "Stored text."}))
+    finished.finish()
+    running.start()
+    running.append(("delta", {"text": "Half "}), ("delta", {"text": "an answer"}))
+    page = new_page()
+    page.goto(f"{s.base_url}/healthz")
+    turns = [{"id": done_id, "prompt": "one", "body": None, "createdAt": None},
+             {"id": live_id, "prompt": "two", "body": None, "createdAt": None}]
+    page.evaluate(
+        """([turns, done, live]) => {
+            localStorage.setItem('rsb.chat.v1', JSON.stringify({ turns }));
+            localStorage.setItem(`rsb.stream.v1.${turns[0].id}`, JSON.stringify(done));
+            localStorage.setItem(`rsb.stream.v1.${turns[1].id}`, JSON.stringify(live));
+        }""", [turns, {"text": "Stored text.", "lastEventId": finished.ids()[-1], "status": "done", "deltas": 1},
+               {"text": "Half an old", "lastEventId": running.ids()[-1], "status": "running", "deltas": 2}])
+    page.goto(f"{s.base_url}/")
+    _wait_status(page, done_id, "done")
+    assert _page_text(page, done_id) == "Stored text."
+    running.append(("delta", {"text": " that ends."}))
+    running.finish()
+    _wait_status(page, live_id, "done")
+    assert _page_text(page, live_id) == "Half an answer that ends."
+    assert _saved(page, live_id)["text"] == "Half an answer that ends."
