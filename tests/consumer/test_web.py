@@ -549,7 +549,8 @@ def test_a_reset_takes_back_what_a_failover_lost_on_screen_and_in_storage(
     expect(_turn(page, sid).locator(".answer")).to_contain_text("fast.")
     # (The browser's network errors while no consumer answered are what a failover looks like, not a bug.)
     errors = cast(Any, page).errors
-    errors[:] = [e for e in errors if "net::ERR_" not in e or f"/v1/streams/{sid}/events" not in e]
+    errors[:] = [e for e in errors if "net::ERR_" not in e
+                 or not (e.endswith(f"/v1/streams/{sid}/events") or e.endswith("/v1/models"))]
     assert _shown(page, sid) == "Redisisanin-memorydatastore.Itisfast."  # the lost text is gone
     assert last in resumes  # it resumed from the lost event: the server said reset
     with s.client() as c:
@@ -579,9 +580,9 @@ def test_reasoning_and_tool_calls_show_as_they_stream_and_after_a_reload(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
         new_page: PageFactory) -> None:
     """The page shows the reasoning apart (collapsed) and each tool call (its name, then its arguments as they
-    stream), from storage at once after a reload, and goes on from there. Model text is shown as text. The
-    stream is written by the stand-in for the generator (tests/typed_streams.py): no engine in this tree emits
-    these events yet."""
+    stream), from storage at once after a reload, and goes on from there; a reset takes back reasoning and tool
+    calls too. Model text is shown as text. The stream is written by the stand-in for the generator
+    (tests/typed_streams.py): no engine in this tree emits these events yet."""
     s = stack_factory(redis_server.url)
     s.consumer()
     page = new_page()
@@ -620,9 +621,24 @@ def test_reasoning_and_tool_calls_show_as_they_stream_and_after_a_reload(
     expect(calls.nth(0).locator(".tool-args")).to_have_text(args[:25])
     expect(reasoning.locator(".reasoning-text")).to_have_text(thought)
     gen.append(("tool_args", {"index": 0, "text": args[25:]}),
-               ("tool_call", {"index": 1, "id": "call_2", "name": "get_time"}),
+               ("reasoning", {"text": " And the time."}),
+               ("tool_call", {"index": 1, "id": "call_lost", "name": "get_date"}),
+               ("tool_args", {"index": 1, "text": '{"tz": "Europe/Ber'}))
+    expect(calls.nth(1).locator(".tool-args")).to_have_text('{"tz": "Europe/Ber')
+    expect(reasoning.locator(".reasoning-text")).to_have_text(thought + " And the time.")
+    _wait_saved(page, sid, gen.ids()[-1])
+
+    # The page goes away; a failover loses the stream's last three events (the reasoning's end, the second call);
+    # the generation goes on from what the stream has. The page comes back and resumes from the lost event: the
+    # server says reset, and the page takes back the reasoning and the call it had, on screen and in storage.
+    page.goto("about:blank")
+    gen.lose_tail(gen.ids()[-3:])
+    gen.append(("tool_call", {"index": 1, "id": "call_2", "name": "get_time"}),
                ("tool_args", {"index": 1, "text": '{"tz": "Europe/Zurich"}'}))
     gen.finish("tool_calls", completion_tokens=30)
+    page.goto(f"{s.base_url}/")
+    turn = _turn(page, sid)
+    reasoning, calls = turn.locator(".reasoning"), turn.locator(".tool-call")
     _wait_status(page, sid, "done")
     expect(turn.locator(".status")).to_have_text("done (tool calls)")
     expect(calls).to_have_count(2)
@@ -630,8 +646,10 @@ def test_reasoning_and_tool_calls_show_as_they_stream_and_after_a_reload(
               c.locator(".tool-args").text_content()) for c in calls.all()]
     assert shown == [("get_weather", "call_1", args), ("get_time", "call_2", '{"tz": "Europe/Zurich"}')]
     assert _page_text(page, sid) == "Let me look that up."
+    expect(reasoning.locator(".reasoning-text")).to_have_text(thought)
     saved = _saved(page, sid)
     assert saved["reasoning"] == thought and saved["text"] == "Let me look that up."
+    assert [d["id"] for _, kind, d in saved["answer"]["log"] if kind == "tool_call"] == ["call_1", "call_2"]
     _screenshot(page, "tool-calls.png")
 
 
