@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.report import goal_row, print_goals, table
-from rsb._models import Answer, Event
+from rsb import Answer, Event
 from rsb._partial_json import PartialJSON
 
 WINDOW = 10  # deltas each side of the one measured
