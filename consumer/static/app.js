@@ -68,8 +68,9 @@ class Turn {
     const saved = load(streamKey(id)) || {};
     this.lastEventId = saved.lastEventId || null;
     this.status = saved.status || (body ? "creating" : "connecting");
-    this.answer = restoreAnswer(saved, TERMINAL_STATUSES.has(this.status));
-    if (!saved.answer && !TERMINAL_STATUSES.has(this.status)) this.lastEventId = null;
+    const restored = restoreAnswer(saved, TERMINAL_STATUSES.has(this.status));
+    this.answer = restored ?? new Answer();
+    if (!restored) this.lastEventId = null; // nothing usable stored: read the stream from its start
     this.model = saved.model || null;
     this.queued = saved.queued || null;
     this.usage = saved.usage || null;
@@ -405,26 +406,27 @@ class Turn {
   }
 }
 
-// A snapshot's answer. Snapshots of before the answer's events were stored hold only text: a finished one keeps
-// it (nothing more will be read), an unfinished one is read again from the start (a reset could not be applied
-// to text whose events are unknown).
+// A snapshot's answer, or null: read the stream again from its start. Snapshots of before the answer's events
+// were stored hold only text: a finished one keeps it (nothing more will be read), an unfinished one is read
+// again (a reset could not be applied to text whose events are unknown), and so is a damaged one.
 function restoreAnswer(saved, finished) {
-  let answer = new Answer();
+  let answer = null;
   if (saved.answer?.log) {
     try {
       answer = new Answer(saved.answer.log);
     } catch {
-      // a damaged snapshot: replay
+      return null;
     }
   } else if (finished && saved.text) {
     answer = new Answer([[saved.lastEventId || "0-1", "delta", { text: saved.text }]]);
   }
-  answer.ended = finished;
+  if (answer) answer.ended = finished;
   return answer;
 }
 
 // Shows `text` in `el` (plain text), appending when it only grew since `shown`: cheaper than replacing it all.
 function appendOrReplace(el, shown, text) {
+  if (text === shown) return;
   const node = el.firstChild;
   if (node && shown && text.startsWith(shown)) node.appendData(text.slice(shown.length));
   else el.textContent = text;
