@@ -453,18 +453,23 @@ function idAfter(a, b) {
 class GrowingJSON {
   constructor() {
     this.text = "";
-    this.parser = null;
-    this.fed = 0;
+    this.parser = null; // made on the first read of `parsed`: plain text is never parsed
+    this.unfed = []; // pieces appended since the parser last read (slicing `text` would copy all of it)
+  }
+
+  append(piece) {
+    this.text += piece;
+    if (this.parser) this.unfed.push(piece);
   }
 
   // The partial value (undefined before it begins); throws a SyntaxError when the text is not JSON.
   parsed(ended) {
-    if (!this.parser) this.parser = new PartialJSON();
-    if (this.fed < this.text.length) {
-      const piece = this.text.slice(this.fed);
-      this.fed = this.text.length;
-      this.parser.feed(piece);
+    if (!this.parser) {
+      this.parser = new PartialJSON();
+      this.unfed = [this.text];
     }
+    for (const piece of this.unfed) this.parser.feed(piece);
+    this.unfed = [];
     if (ended && !this.parser.final) this.parser.end();
     return this.parser.value;
   }
@@ -549,7 +554,7 @@ export class Answer {
     if (!ANSWER_EVENTS.has(type) || !data || typeof data !== "object") return false;
     this.log.push([id, type, data]);
     if (type === "delta") {
-      this.body.text += data.text ?? "";
+      this.body.append(data.text ?? "");
       this.deltas += 1;
     } else if (type === "reasoning") {
       this.reasoning += data.text ?? "";
@@ -561,7 +566,7 @@ export class Answer {
         call.id = data.id ?? call.id;
         call.name = data.name ?? call.name;
       } else {
-        call.args.text += data.text ?? "";
+        call.args.append(data.text ?? "");
       }
     }
     return true;
