@@ -24,7 +24,7 @@ def _shown(p: PartialJSON) -> Any:
     return copy.deepcopy(p.value) if p.started else ABSENT
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(json_values, st.randoms(use_true_random=False))
 def test_every_prefix_shows_what_the_document_holds_so_far(value: Any, rng: random.Random) -> None:
     doc = write(value, rng)
