@@ -17,23 +17,10 @@ from typing import Any
 import orjson
 
 from broker.events import Event, EventType
-from broker.request import GenerationRequest, Message
+from broker.request import GenerationRequest, Message, ToolCall
 
 #: The status of a turn that is items only (no generation).
 ITEMS = "items"
-# Event types of typed output (CONTRACT.md, "Typed output"), read here by name.
-_REASONING, _TOOL_CALL, _TOOL_ARGS = "reasoning", "tool_call", "tool_args"
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as the model wrote it
-
-    def to_json(self) -> dict[str, Any]:
-        """OpenAI's shape, the one an assistant message's ``tool_calls`` carry in a create body."""
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,17 +36,14 @@ class Output:
         return not self.text and not self.tool_calls
 
     def message(self) -> dict[str, Any]:
-        """The answer as the assistant message of a later turn's prompt (reasoning stays out of it)."""
-        msg: dict[str, Any] = {"role": "assistant", "content": self.text}
-        if self.tool_calls:
-            msg["tool_calls"] = [c.to_json() for c in self.tool_calls]
-        return msg
+        """The answer as the assistant message of a later turn's prompt, stored form (reasoning stays out)."""
+        return Message("assistant", self.text, self.tool_calls).stored()
 
 
 @dataclass(frozen=True, slots=True)
 class Turn:
     """One finished turn. ``id`` is its stream's id (a turn of items alone gets a fresh one); ``input`` the
-    messages it sent new, in their stored form (broker.request.Message.to_json); ``input_ids`` the client's
+    messages it sent new, in their stored form (broker.request.Message.stored); ``input_ids`` the client's
     ids for them ("" where it gave none)."""
 
     id: uuid.UUID
@@ -118,11 +102,11 @@ def history_messages(turns: Iterable[Turn]) -> list[dict[str, Any]]:
 
 
 def as_messages(stored: Sequence[dict[str, Any]]) -> tuple[Message, ...]:
-    return tuple(Message.from_json(m) for m in stored)
+    return tuple(Message.from_stored(m) for m in stored)
 
 
 def items_turn(messages: Sequence[Message], created_at: float, input_ids: Sequence[str] = ()) -> Turn:
-    return Turn(uuid.uuid4(), ITEMS, tuple(m.to_json() for m in messages), tuple(input_ids), created_at=created_at)
+    return Turn(uuid.uuid4(), ITEMS, tuple(m.stored() for m in messages), tuple(input_ids), created_at=created_at)
 
 
 def output_of(events: Iterable[Event]) -> tuple[Output, Event | None, str]:
@@ -136,12 +120,12 @@ def output_of(events: Iterable[Event]) -> tuple[Output, Event | None, str]:
     for ev in events:
         if ev.type == EventType.DELTA:
             text.append(ev.json()["text"])
-        elif ev.type == _REASONING:
+        elif ev.type == EventType.REASONING:
             reasoning.append(ev.json()["text"])
-        elif ev.type == _TOOL_CALL:
+        elif ev.type == EventType.TOOL_CALL:
             d = ev.json()
             calls[int(d["index"])] = [str(d.get("id") or ""), str(d.get("name") or ""), ""]
-        elif ev.type == _TOOL_ARGS:
+        elif ev.type == EventType.TOOL_ARGS:
             d = ev.json()
             call = calls.setdefault(int(d["index"]), ["", "", ""])
             call[2] += d["text"]
@@ -168,5 +152,5 @@ def finished_turn(stream_id: uuid.UUID, request: GenerationRequest, created_at: 
     error = None
     if terminal.type == EventType.ERROR:
         error = {"code": str(data.get("code") or "engine"), "message": str(data.get("message") or "")}
-    return Turn(stream_id, terminal.type, tuple(m.to_json() for m in (request.messages or ())[start:]), tuple(ids),
+    return Turn(stream_id, terminal.type, tuple(m.stored() for m in (request.messages or ())[start:]), tuple(ids),
                 output, created_at, model, data.get("finish_reason"), data.get("usage"), error)

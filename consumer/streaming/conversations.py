@@ -21,7 +21,8 @@ from broker.errors import (
     RetryLater,
     TooManyConversations,
 )
-from broker.request import GenerationRequest, History, Message
+from broker.history import History
+from broker.request import GenerationRequest, Message
 from broker.streams.conversations import Begin, Conversation, ConversationStore, Limits, Settled, absent
 from broker.streams.keys import principal
 from broker.streams.records import TERMINAL_STATUSES, Created, StreamStatus
@@ -122,7 +123,7 @@ class ConversationService:
         if request is None or request.history is None:
             return None
         h = request.history
-        return Turn(sid, snap.pending.status, tuple(m.to_json() for m in (request.messages or ())[h.start:]),
+        return Turn(sid, snap.pending.status, tuple(m.stored() for m in (request.messages or ())[h.start:]),
                     h.message_ids, created_at=snap.pending.created_at, model=snap.pending.model)
 
     # -- turns ---------------------------------------------------------------------------------
@@ -175,7 +176,7 @@ class ConversationService:
             else:
                 conv = snap.conversation
             if stream_id is not None and (done := conv.turn(stream_id)) is not None:
-                if list(done.input) != [m.to_json() for m in (request.messages or ())[lead:]]:
+                if list(done.input) != [m.stored() for m in (request.messages or ())[lead:]]:
                     raise Conflict("a stream with this id exists with a different request")
                 return TurnStarted(stream_id, Created(False, done.status))
             pending = snap.pending_id if snap is not None else None

@@ -17,7 +17,7 @@ from broker.events import TERMINAL_TYPES, Event, EventPage, parse_event_id
 from broker.request import parse_json_object, validate_create_body
 from broker.streams.records import StreamStatus
 from broker.streams.report import aborted_report, parse_time
-from broker.streams.turns import Turn
+from broker.streams.turns import Turn, as_messages
 from consumer.edge.http import read_body
 from consumer.metrics import Metrics
 from consumer.state import caller_of, state_of
@@ -132,12 +132,14 @@ def _time(ts: float) -> str:
 
 
 def turn_body(turn: Turn) -> dict[str, object]:
+    """A turn in rsb's shape: its messages as a create body has them (so a client can send them again)."""
     out = turn.output
     body: dict[str, object] = {
-        "id": str(turn.id), "status": turn.status, "created_at": _time(turn.created_at), "messages": list(turn.input),
+        "id": str(turn.id), "status": turn.status, "created_at": _time(turn.created_at),
+        "messages": [m.as_openai() for m in as_messages(turn.input)],
         "output": None if not turn.has_stream else {
             "text": out.text, "reasoning": out.reasoning,
-            "tool_calls": [c.to_json() for c in out.tool_calls]},
+            "tool_calls": [c.as_openai() for c in out.tool_calls]},
         "finish_reason": turn.finish_reason, "usage": turn.usage, "model": turn.model}
     if turn.error is not None:
         body["error"] = turn.error

@@ -15,10 +15,11 @@ from conftest import RedisClusterServers
 
 from broker.errors import Expired, TooManyConversations
 from broker.events import EventType, encode_data
+from broker.history import History
 from broker.redis.connection import RedisClient, connect, is_cluster
 from broker.redis.keyspace import partition_slot
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest, History, Message
+from broker.request import GenerationRequest, Message
 from broker.streams import conversations as conversations_module
 from broker.streams.conversations import Begin, ConversationStore, Limits, Settled, absent
 from broker.streams.keys import ConversationKeys
@@ -55,7 +56,7 @@ def convs(redis_async: RedisClient) -> ConversationStore:
 
 def _request(text: str, history: History | None = None, *prior: Message) -> GenerationRequest:
     messages = (*prior, Message("user", text))
-    return GenerationRequest(messages, None, None, 32, 0.8, 0.95, None, (), False, history)
+    return GenerationRequest(messages, None, None, 32, 0.8, 0.95, None, (), False, history=history)
 
 
 async def _turn(convs: ConversationStore, key_id: str, name: str, text: str, answer: str | None = None) -> uuid.UUID:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import uuid
 
 from broker.events import Event, EventType, encode_data
-from broker.request import GenerationRequest, History, Message
-from broker.streams.turns import ITEMS, Output, ToolCall, Turn, finished_turn, history_messages, items_turn, output_of
+from broker.history import History
+from broker.request import GenerationRequest, Message, ToolCall
+from broker.streams.turns import ITEMS, Output, Turn, finished_turn, history_messages, items_turn, output_of
 
 
 def _ev(i: int, etype: str, **data: object) -> Event:
@@ -41,7 +42,8 @@ def test_the_output_is_read_off_the_events() -> None:
 def test_a_finished_turn_holds_what_its_request_sent_new_and_round_trips() -> None:
     history = History(lead=1, start=3, conversation="c", tenant="k", turn=1, message_ids=("u9",))
     request = GenerationRequest((Message("system", "sys"), Message("user", "old"), Message("assistant", "was"),
-                                 Message("user", "weather?")), None, None, 32, 0.8, 0.95, None, (), False, history)
+                                 Message("user", "weather?")), None, None, 32, 0.8, 0.95, None, (), False,
+                                history=history)
     sid = uuid.uuid4()
     turn = finished_turn(sid, request, 12.5, EVENTS)
     assert turn is not None
@@ -51,7 +53,7 @@ def test_a_finished_turn_holds_what_its_request_sent_new_and_round_trips() -> No
     assert turn.message_id(0) == "u9" and turn.message_id(1) == f"{sid.hex}-1"
     assert turn.prompt() == [{"role": "user", "content": "weather?"},
                              {"role": "assistant", "content": "Looking it up.",
-                              "tool_calls": [c.to_json() for c in turn.output.tool_calls]}]
+                              "tool_calls": [["call_1", "get_weather", '{"city": "Paris"}'], ["call_2", "get_time", "{}"]]}]
     assert finished_turn(sid, request, 0, EVENTS[:-1]) is None
 
 

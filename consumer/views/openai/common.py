@@ -21,7 +21,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.errors import Conflict, Expired, InvalidRequest, RetryLater, RsbError
-from broker.request import GenerationRequest, History, validate_create_body
+from broker.history import History
+from broker.request import GenerationRequest, validate_create_body
 from broker.streams.records import StreamStatus
 from consumer.edge.errors import as_rsb_error
 from consumer.edge.http import read_body

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
 from broker.errors import Conflict, NotFound
+from broker.request import ToolCall
 from broker.streams.conversations import Begin, Conversation
 from broker.streams.turns import Turn, as_messages, items_turn
 from consumer.state import caller_of, state_of
@@ -71,29 +72,28 @@ def turn_items(turn: Turn) -> list[dict[str, Any]]:
     """One turn as conversation items: its input, then its answer."""
     hexid = turn.id.hex
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(turn.input):
-        role = str(m.get("role"))
-        if role == "tool":
-            out.append({"type": "function_call_output", "id": f"fco_{hexid}_{i}", "call_id": m.get("tool_call_id"),
-                        "output": m.get("content") or "", "status": "completed"})
+    for i, m in enumerate(as_messages(turn.input)):
+        if m.role == "tool":
+            out.append({"type": "function_call_output", "id": f"fco_{hexid}_{i}", "call_id": m.tool_call_id,
+                        "output": m.content, "status": "completed"})
             continue
-        if m.get("content") or not m.get("tool_calls"):
-            out.append({"type": "message", "id": f"msg_{hexid}_{i}", "role": role, "status": "completed",
-                        "content": _content(role, m.get("content") or "")})
-        for j, call in enumerate(m.get("tool_calls") or ()):
-            fn = call.get("function") or {}
-            out.append({"type": "function_call", "id": f"fc_{hexid}_{i}_{j}", "call_id": call.get("id"),
-                        "name": fn.get("name"), "arguments": fn.get("arguments") or "", "status": "completed"})
+        if m.content or not m.tool_calls:
+            out.append({"type": "message", "id": f"msg_{hexid}_{i}", "role": m.role, "status": "completed",
+                        "content": _content(m.role, m.content)})
+        out.extend(_call_item(f"fc_{hexid}_{i}_{j}", c) for j, c in enumerate(m.tool_calls))
     if not turn.has_stream or turn.output.empty:
         return out
     status = "completed" if turn.status == "done" and turn.finish_reason != "length" else "incomplete"
     if turn.output.text:
         out.append({"type": "message", "id": f"msg_{hexid}", "role": "assistant", "status": status,
                     "content": _content("assistant", turn.output.text)})
-    for j, c in enumerate(turn.output.tool_calls):
-        out.append({"type": "function_call", "id": f"fc_{hexid}_{j}", "call_id": c.id, "name": c.name,
-                    "arguments": c.arguments, "status": "completed"})
+    out.extend(_call_item(f"fc_{hexid}_{j}", c) for j, c in enumerate(turn.output.tool_calls))
     return out
+
+
+def _call_item(item_id: str, call: ToolCall) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": "completed"}
 
 
 def all_items(conv: Conversation) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from typing import Any
 from starlette.requests import Request
 
 from broker.errors import NotFound
-from broker.request import History
+from broker.history import History
 from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
 from consumer.streaming.conversations import conversation_name
