@@ -506,7 +506,8 @@ const app = {
   // server's (every turn, from any device), following a running turn.
   openChat(chatId) {
     let chat = load(CHAT_KEY);
-    if (chat && !chat.conversation) chat = { conversation: uuid4(), turns: chat.turns || [], legacy: true };
+    // A chat kept from before chats were conversations: a new conversation, empty on the server until it sends.
+    if (chat && !chat.conversation) chat = { conversation: uuid4(), turns: chat.turns || [], legacy: true, fresh: true };
     if (!chat || (chatId && chat.conversation !== chatId)) {
       if (chat) for (const t of chat.turns || []) remove(streamKey(t.id)); // another chat's copy: the server has it
       // A chat named here has nothing on the server until its first send (`fresh`: no need to ask).
@@ -535,13 +536,19 @@ const app = {
     const known = new Map(this.turns.map((t) => [t.id, t]));
     const ordered = [];
     for (const t of history.turns) {
-      const turn = known.get(t.id) ?? this.addTurn({ id: t.id, prompt: promptOf(t), server: t });
-      known.delete(t.id);
+      let turn = known.get(t.id);
+      if (turn) {
+        known.delete(t.id); // shown and read already
+      } else {
+        turn = this.addTurn({ id: t.id, prompt: promptOf(t), server: t });
+        turn.start();
+      }
       ordered.push(turn);
-      turn.start();
     }
-    // Turns the server does not list yet (being sent from here) stay last.
-    this.turns = [...ordered, ...this.turns.filter((t) => known.has(t.id))];
+    // Turns the server does not list: finished ones are older (kept from before chats were conversations),
+    // live ones are being sent from here (last).
+    const localOnly = this.turns.filter((t) => known.has(t.id));
+    this.turns = [...localOnly.filter((t) => !t.live), ...ordered, ...localOnly.filter((t) => t.live)];
     for (const t of this.turns) $("#conversation").appendChild(t.el);
     const chat = load(CHAT_KEY) || { conversation: chatId, turns: [] };
     const records = new Map((chat.turns || []).map((r) => [r.id, r]));

@@ -23,6 +23,7 @@ from helpers import read_sse, wait_status
 from broker.redis.server import RedisServer
 from broker.streams.keys import ConversationKeys, StreamKeys
 from consumer.edge.auth import new_key
+from rsb import Client, ConflictError
 
 pytestmark = pytest.mark.slow
 
@@ -123,6 +124,8 @@ def test_a_create_while_a_turn_runs_is_a_409_and_a_retry_of_the_running_turn_is_
         assert other.status_code == 409 and sid in other.json()["error"]["message"]
         retry = turn(c, conv, "long one", id=sid, max_tokens=2000)  # the same create again (a lost reply)
         assert retry.status_code == 200 and retry.json()["created"] is False
+        with Client(s.base_url) as client, pytest.raises(ConflictError):  # the Python client says so too
+            client.create(messages=[{"role": "user", "content": "meanwhile"}], conversation=conv)
         running = c.get(f"/v1/conversations/{conv}/turns").json()["turns"]
         assert [(t["id"], t["status"] in ("queued", "running"), t["output"]) for t in running] == [(sid, True, None)]
         assert running[0]["messages"] == [{"role": "user", "content": "long one"}]
