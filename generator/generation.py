@@ -181,7 +181,7 @@ class JobRunner:
                     break
         finally:
             handoff.abandon()
-            if getattr(self.engine, "on_loop", False):
+            if self.engine.on_loop:
                 producer.cancel()  # a loop producer may be asleep until its next token
             run.generation_over = True  # the renewer's own stop flag: cancellation alone can be swallowed
             renewer.cancel()
