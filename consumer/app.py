@@ -48,8 +48,9 @@ async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
 REPLICA_PATIENCE_S = 5.0
 
 
-def create_app(settings: ConsumerSettings, *, draining: Drain | None = None) -> ASGIApp:
-    """``draining`` is set by the server on SIGTERM: open SSE responses then end at an event boundary."""
+def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, expect_model: bool = False) -> ASGIApp:
+    """``draining`` is set by the server on SIGTERM: open SSE responses then end at an event boundary.
+    ``expect_model``: the pod's stack starts its own generators (``rsb up``): ready once one serves a model."""
     # Loaded here, not in the lifespan: a broken keys file must stop the start, with its message.
     api_keys = (ApiKeys.load(settings.api_keys_file, settings.read_token_secret) if settings.api_keys_file
                 else ApiKeys.disabled())
@@ -74,7 +75,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None) -> 
         # replicated: a create or cancel that no replica acknowledges in time answers 503 (it is idempotent).
         store = Store(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms,
                       replica_patience_s=REPLICA_PATIENCE_S)
-        service = StreamService(settings, store, hub, metrics, api_keys, limiter)
+        service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, chats=ChatStore(redis),
                       durable=DurableStore(redis, b.partitions), draining=drain)
