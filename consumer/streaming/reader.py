@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Sequence
 
 from broker.events import RESET_FROM_START, Event, parse_event_id, reset_event
 from broker.redis.connection import UNAVAILABLE_ERRORS
-from broker.streams import replication
 from broker.streams.store import Store
 from consumer.streaming.hub import LiveHub, Subscription
 
@@ -83,9 +82,9 @@ async def read_batches(
                 while True:
                     try:
                         if check and last is not None:
-                            page, found = await replication.read_after(store.redis, store.gate, keys, last, count)
+                            page, found = await store.read_after(stream_id, last, count)
                             if not found:  # the reset rule (see the module doc)
-                                common = await replication.last_common_id(store.redis, keys, last)
+                                common = await store.last_common_id(stream_id, last)
                                 reset = reset_event(common)
                                 yield [reset]
                                 next_beat = time.monotonic() + idle_s
