@@ -100,7 +100,7 @@ class JobRunner:
             await self._finish_cancelled(run, claim.cancel_reason, nothing, 0.0)
         else:
             self.running[job.stream_id] = run
-            self.metrics.running += 1
+            self.metrics.running.inc()
             try:
                 await self._generate(run)
             except Exception as e:  # a bug of the store (a failing script, WRONGTYPE): not retried, surfaced
@@ -109,7 +109,7 @@ class JobRunner:
                 await self._finish_error(run, INTERNAL, _describe(e), Usage(0, claim.seq))
             finally:
                 del self.running[job.stream_id]
-                self.metrics.running -= 1
+                self.metrics.running.dec()
         if not run.fenced_out:
             await self._ack(job)
 
