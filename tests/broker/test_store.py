@@ -170,6 +170,7 @@ async def test_finish_sets_status_usage_expiry_and_records_aborts(store: Store) 
     assert len(await store.read(sid, None)) == 2
 
 
+@pytest.mark.slow
 async def test_a_script_flush_is_not_an_error_every_script_is_loaded_again(store: Store, redis_client: redis.Redis) -> None:
     """NOSCRIPT after SCRIPT FLUSH (or a restarted Redis) is answered by loading the script again, on single calls
     and on the batched appends' pipeline alike: the stream goes on, whole and once."""

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import redis
 from conftest import Stack, StackFactory
 from helpers import SSE, SSERead, create, read_sse, wait_status
@@ -161,6 +162,7 @@ def test_deadline_ends_the_generation_with_error_deadline(stack_factory: StackFa
         assert read_sse(c, f"/v1/streams/{sid2}/events").events[-1].event == "done"
 
 
+@pytest.mark.slow
 def test_a_lease_renewal_that_fails_for_a_bug_ends_the_stream_with_an_error(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
     """RENEW fails on a stream whose meta holds a value it cannot read (a failing script, not Redis away): the
