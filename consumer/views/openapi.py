@@ -111,10 +111,11 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
                 "409": error_response("this id exists with a different request"),
                 "410": error_response("this id belonged to a stream that expired"),
                 "413": error_response("body too large"),
-                "429": error_response("the queue is full (queue_full), or the caller's share is used "
-                                      "(too_many_generations, rate_limited)", RETRY_AFTER),
-                "503": error_response("Redis unreachable, or too many connections (too_many_connections, "
-                                      "overloaded)", RETRY_AFTER), **common}}},
+                "429": error_response("the queue is full (queue_full), the caller's share is used "
+                                      "(too_many_generations, rate_limited), or its address holds too many "
+                                      "connections (too_many_connections)", RETRY_AFTER),
+                "503": error_response("Redis unreachable (unavailable), or the pod holds as many connections "
+                                      "as it may (overloaded)", RETRY_AFTER), **common}}},
         "/v1/streams/{stream_id}/events": {"get": {
             "operationId": "streamEvents",
             "summary": "Replay after the resume point, then tail live (SSE)",
@@ -169,8 +170,12 @@ def _operations_paths() -> dict[str, Any]:
         "/healthz": {"get": {"operationId": "healthz",
                              "responses": {"200": json_response("the process is up", {"type": "object"})}}},
         "/readyz": {"get": {"operationId": "readyz",
-                            "responses": {"200": json_response("Redis is reachable", {"type": "object"}),
-                                          "503": error_response("Redis unreachable", RETRY_AFTER)}}},
+                            "responses": {"200": json_response(
+                                "Redis is reachable (under rsb up: and a generator serves its model)",
+                                {"type": "object"}),
+                                          "503": error_response("Redis unreachable (code unavailable), or under "
+                                                                "rsb up no model served yet (code starting)",
+                                                                RETRY_AFTER)}}},
         "/metrics": {"get": {"operationId": "metrics", "responses": {
             "200": {"description": "Prometheus text", "content": {"text/plain": {"schema": text}}},
             "503": error_response("Redis unreachable", RETRY_AFTER)}}},

@@ -15,15 +15,13 @@ from broker.streams.records import StreamStatus
 from consumer.edge.http import read_body
 from consumer.state import State, caller_of, state_of
 from consumer.streaming.service import Caller, Slot
-from consumer.streaming.sse import SSEResponse
+from consumer.streaming.sse import STREAM_ID_HEADER, SSEResponse
 from consumer.views.aisdk.request import ChatRequest, chat_id_of, parse_chat_body
 from consumer.views.aisdk.stream import HEADERS, SHUTDOWN_FRAME, turn_frames
 
-STREAM_ID_HEADER = "x-rsb-stream-id"
-
 
 def _respond(state: State, slot: Slot, stream_id: uuid.UUID, st: StreamStatus) -> Response:
-    state.metrics.inc("rsb_reads_total")
+    state.metrics.reads.inc()
     batches = state.service.batches(stream_id, None, watched=st.watched, resets=False)
     frames = turn_frames(batches, stream_id, state.metrics)
     return SSEResponse(frames, shutdown=state.draining, send_timeout_s=state.settings.send_timeout_s,
@@ -87,7 +85,7 @@ async def resume_turn(request: Request) -> Response:
         if turn is None or turn[1].status in TERMINAL_TYPES:
             slot.release()
             return Response(status_code=204)
-        state.metrics.inc("rsb_resumes_total")
+        state.metrics.resumes.inc()
         return _respond(state, slot, *turn)
 
 

@@ -23,18 +23,18 @@ from typing import Any
 import orjson
 
 from broker.events import Event, EventType
+from broker.sse import DONE_FRAME, frame
 from consumer.metrics import Metrics
 
 log = logging.getLogger("rsb.consumer")
 
 HEADERS = {"x-vercel-ai-ui-message-stream": "v1"}
-DONE_FRAME = b"data: [DONE]\n\n"
 TEXT_PART_ID = "text-0"
 _FINISH_REASONS = frozenset({"stop", "length"})
 
 
 def chunk_frame(chunk: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+    return frame(orjson.dumps(chunk))
 
 
 def _error_frame(text: str) -> bytes:
@@ -124,7 +124,7 @@ async def turn_frames(batches: AsyncIterator[Sequence[Event] | None], stream_id:
                 yield None
                 continue
             yield b"".join(turn.frames(ev) for ev in batch)
-            metrics.inc("rsb_events_sent_total", len(batch))
+            metrics.events_sent.inc(len(batch))
     except Exception:
         # The SDK would take the body's end for the whole answer: say it is not, so the page can resume.
         log.warning("aisdk read of %s failed", stream_id, exc_info=True)

@@ -22,15 +22,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.errors import Conflict, Expired, InvalidRequest, RetryLater, RsbError
 from broker.request import validate_create_body
+from broker.sse import DONE_FRAME as DONE_FRAME  # the views' one [DONE], re-exported for chat and responses
+from broker.sse import frame
 from broker.streams.records import StreamStatus
-from consumer.edge.errors import as_rsb_error
+from consumer.edge.errors import as_rsb_error, status_of
 from consumer.edge.http import read_body
 from consumer.state import caller_of, state_of
 from consumer.streaming.service import Caller
+from consumer.streaming.sse import STREAM_ID_HEADER as STREAM_ID_HEADER  # re-exported, as DONE_FRAME
 from consumer.streaming.sse import Draining, Gone, race
 
 # Lets a client find the rsb stream behind an OpenAI object (to resume it over /v1/streams/{id}/events).
-STREAM_ID_HEADER = "x-rsb-stream-id"
 IDEMPOTENCY_HEADER = "idempotency-key"
 MAX_IDEMPOTENCY_KEY = 256
 # Stream ids made from Idempotency-Key headers live in their own namespace (uuid5 of caller and key).
@@ -44,7 +46,10 @@ Handler = Callable[[Request], Awaitable[ASGIApp]]
 
 
 class OpenAIError(RsbError):
-    """An error with OpenAI's fields, for what rsb's own exceptions cannot say (the parameter, the type)."""
+    """An error with OpenAI's fields, for what rsb's own exceptions cannot say (the parameter, the type), and
+    its own HTTP status: it is made at this view's HTTP edge, in OpenAI's terms."""
+
+    status_code: int
 
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None, headers: Mapping[str, str] | None = None) -> None:
@@ -78,14 +83,15 @@ def error_response(exc: RsbError) -> JSONResponse:
     if isinstance(exc, Conflict):
         return error_json(409, exc.message, type_="invalid_request_error", code=exc.code,
                           headers={"x-should-retry": "false"})
+    status = status_of(exc)
     if isinstance(exc, RetryLater):
-        type_ = "requests" if exc.status_code == 429 else "server_error"
-        return error_json(exc.status_code, exc.message, type_=type_, code=exc.code,
+        type_ = "requests" if status == 429 else "server_error"
+        return error_json(status, exc.message, type_=type_, code=exc.code,
                           headers={"Retry-After": str(exc.retry_after_s)})
-    if exc.status_code == 401:
+    if status == 401:
         return error_json(401, exc.message, type_="invalid_request_error", code="invalid_api_key")
-    type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
-    return error_json(exc.status_code, exc.message, type_=type_, code=exc.code)
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    return error_json(status, exc.message, type_=type_, code=exc.code)
 
 
 def openai_route(handler: Handler) -> Handler:
@@ -214,14 +220,12 @@ async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Map
 
 
 def data_frame(obj: object) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return frame(orjson.dumps(obj))
 
 
 def event_frame(obj: dict[str, Any]) -> bytes:
-    return b"event: " + str(obj["type"]).encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
-
-
-DONE_FRAME = b"data: [DONE]\n\n"
+    """A Responses API event: its ``type`` is also the SSE event's name."""
+    return frame(orjson.dumps(obj), event=str(obj["type"]).encode())
 
 
 class DeferredResponse(Response):
