@@ -181,7 +181,7 @@ class ResponseView:
                                    arguments=item.text))
         else:
             done = "response.output_text.done" if item.kind == MESSAGE else "response.reasoning_text.done"
-            extra = {"logprobs": []} if item.kind == MESSAGE else {}
+            extra: dict[str, Any] = {"logprobs": []} if item.kind == MESSAGE else {}
             out.append(self._event(done, **where, content_index=0, text=item.text, **extra))
             out.append(self._event("response.content_part.done", **where, content_index=0, part=item.part()))
         out.append(self._event("response.output_item.done", output_index=item.index, item=item.json()))
