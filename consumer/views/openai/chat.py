@@ -113,8 +113,19 @@ def _message(i: int, m: object) -> dict[str, Any]:
     text = None if content is None else text_of(content, where, TEXT_PARTS)
     out: dict[str, Any] = {"role": "assistant", "content": text}
     if m.get("tool_calls"):  # null and [] are what clients send back for "no calls"
-        out["tool_calls"] = m["tool_calls"]
+        out["tool_calls"] = [_echoed_call(c) for c in m["tool_calls"]] if isinstance(m["tool_calls"], list) \
+            else m["tool_calls"]
     return out
+
+
+def _echoed_call(call: object) -> object:
+    """A call as the client sends it back: the SDK's parsed objects carry what they parsed (``parsed_arguments``)
+    and the request needs only the call itself."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call  # rsb's validator says what is wrong with it
+    fn = call["function"]
+    return {**{k: call[k] for k in ("id", "type") if k in call},
+            "function": {k: fn[k] for k in ("name", "arguments") if k in fn}}
 
 
 def _chat_body(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any], dict[str, str]]:
