@@ -88,8 +88,11 @@ RESTRICTIONS = (
 )
 #: The token budget goes by either name (max_tokens is the older one): both are checked, the newer wins.
 TOKEN_LIMITS = ("max_completion_tokens", "max_tokens")
-#: Passed to rsb's own validation as they are (their schema is the native create body's).
-PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "tools", "tool_choice", "response_format")
+#: Passed to rsb's own validation as they are: the generation settings (their schema is the native create
+#: body's) and typed output's fields (OpenAI's shapes are rsb's).
+GENERATION = ("model", "temperature", "top_p", "seed", "stop")
+TYPED = ("tools", "tool_choice", "response_format")
+PASSED_THROUGH = GENERATION + TYPED
 #: A chat request's roles, as rsb's: OpenAI's (``developer`` is its newer name for ``system``) and tool results.
 CHAT_ROLES = {**ROLES, "tool": "tool"}
 
