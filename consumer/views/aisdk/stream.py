@@ -3,9 +3,12 @@
 
 The chunks are a pure function of the stream's events, always read from the stream's first event: every
 read of a turn (the POST that started it, a resume, a second tab) sends the same chunks, beginning with
-``start`` and the turn's one message id (its stream id). The SDK replaces a message by id, so a replay
-lands as one copy of the answer, never a second message; and it refuses a ``text-delta`` whose
-``text-start`` it never saw, which is why a read never starts mid-turn.
+``start`` and the turn's one message id (its stream id, or the id of the message a turn after tool results
+continues). The SDK replaces a message by id, so a replay lands as one copy of the answer, never a second
+message; and it refuses a ``text-delta`` (``reasoning-delta``, ``tool-input-delta``) whose start it never saw,
+which is why a read never starts mid-turn. The one difference between reads: a resume of a turn that
+continues a message first sends that message's earlier steps (``earlier_steps``), which the SDK drops when it
+starts a resumed message afresh.
 
 The SDK validates every chunk against a closed union (an unknown ``type`` fails the turn), so rsb-only
 events travel as transient ``data-rsb-*`` chunks (they reach ``onData`` only) and everything else as the
