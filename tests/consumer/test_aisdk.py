@@ -422,6 +422,17 @@ REFUSED = [
     (orjson.dumps(_turn_body("c") | {"messages": [{"role": "user", "parts": [
         {"type": "file", "mediaType": "image/png", "url": "data:,"}]}]}), "'file' parts are not supported"),
     (orjson.dumps(_turn_body("c") | {"messages": [{"role": "tool", "parts": []}]}), "messages[0] must be"),
+    # A call nobody answered cannot go to the model; a user message carries no tool parts.
+    (orjson.dumps(_turn_body("c") | {"messages": [
+        {"id": "u", "role": "user", "parts": [{"type": "text", "text": "hi"}]},
+        {"id": "a", "role": "assistant", "parts": [{"type": "step-start"}, {
+            "type": "tool-get_weather", "toolCallId": "call_1", "state": "input-available", "input": {}}]}]}),
+     "tool call 'call_1' has no result (state 'input-available')"),
+    (orjson.dumps(_turn_body("c") | {"messages": [{"id": "u", "role": "user", "parts": [
+        {"type": "tool-get_weather", "toolCallId": "call_1", "state": "output-available", "output": 1}]}]}),
+     "'tool-get_weather' parts are not supported in a user message"),
+    (orjson.dumps({**_turn_body("c"), "tools": [{"type": "function", "function": {"name": "has space"}}]}),
+     "tools[0].function.name must match"),
 ]
 
 
