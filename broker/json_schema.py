@@ -20,7 +20,8 @@ branch next to it would be ignored and is refused):
 - ``anyOf`` (not ``oneOf``: exclusivity cannot be enforced);
 - arrays: ``items`` with ``minItems`` / ``maxItems``, or ``prefixItems`` (a fixed tuple);
 - strings: ``minLength`` / ``maxLength``, or ``pattern`` (anchored ``^...$``, literals, ``.``, classes
-  ``[...]``, groups, ``|``, quantifiers ``* + ? {m,n}``; no ``\\d``-style shorthands: write ``[0-9]``), or
+  ``[...]`` without quotes, backslashes or control characters, groups, ``|``, quantifiers ``* + ? {m,n}``; no
+  ``\\d``-style shorthands: write ``[0-9]``), or
   ``format`` date, time, date-time, uuid;
 - ``$ref`` to ``#/$defs/NAME`` or ``#/definitions/NAME`` (recursion included);
 - annotations (title, description, examples, default, ...) and keywords JSON Schema does not define are not
@@ -74,6 +75,13 @@ _STRUCTURAL = frozenset({
 _DEFS = ("$defs", "definitions")
 _REF = re.compile(r"\A#/(\$defs|definitions)/([A-Za-z0-9_.-]{1,64})\Z")
 _DIGITS = re.compile(r"\A[0-9]{1,6}\Z")  # ASCII only: str.isdigit and \d accept other scripts' digits
+_JSON_UNSAFE = ('"', "\\", "\x7f")
+
+
+def _json_safe(c: str) -> bool:
+    return c >= " " and c not in _JSON_UNSAFE
+
+
 _PY_TYPES: dict[str, tuple[type, ...]] = {
     "object": (dict,), "array": (list,), "string": (str,), "number": (int, float), "integer": (int,),
     "boolean": (bool,), "null": (type(None),),
@@ -332,33 +340,63 @@ class _Checker:
         if not (p.startswith("^") and p.endswith("$")) or len(p) < 2:
             raise self.fail(at, "a pattern not anchored at both ends (write ^...$)")
         body = p[1:-1]
-        i, in_class = 0, False
+        i = 0
         while i < len(body):
             c = body[i]
             if c == "\\":
                 nxt = body[i + 1: i + 2]
-                if in_class:
-                    ok = nxt in ("\\", "]", "[", "-", "^", "n", "t", "r")
-                else:
-                    ok = nxt != "" and nxt in "[]()|{}*+?"
-                if not ok:
+                if nxt == "" or nxt not in "[]()|{}*+?":
                     raise self.fail(at, f"the escape '\\{nxt}' in a pattern (write a class such as [0-9] or [.])")
                 i += 2
                 continue
-            if in_class:
-                in_class = c != "]"
-            elif c == "[":
-                in_class = True
-            elif c == "(" and body[i + 1: i + 2] == "?":
+            if c == "[":
+                i = self.pattern_class(body, i + 1, at)
+                continue
+            if c == "(" and body[i + 1: i + 2] == "?":
                 raise self.fail(at, "'(?' groups (lookarounds, named or non-capturing groups) in a pattern")
-            elif c in "^$":
+            if c in "^$":
                 raise self.fail(at, f"'{c}' inside a pattern")
-            elif c in "*+?}" and body[i + 1: i + 2] in ("?", "+"):
+            if c in "*+?}" and body[i + 1: i + 2] in ("?", "+"):
                 raise self.fail(at, "lazy or possessive quantifiers in a pattern")
-            elif c == "{":
+            if c == "{":
                 close = body.find("}", i)
                 bounds = body[i + 1: close].split(",") if close > i else []
                 nums = [b.strip() for b in bounds if b.strip()]
                 if not bounds or not all(_DIGITS.match(b) and int(b) <= MAX_REPEAT for b in nums):
                     raise InvalidRequest(f"{at}: quantifiers {{m,n}} take integers of at most {MAX_REPEAT}")
+            elif c == '"' or not _json_safe(c):
+                # The grammar writes pattern characters into the JSON string as they are: a quote or a
+                # control character there would end or break it.
+                raise self.fail(at, f"the character {c!r} in a pattern")
             i += 1
+
+    def pattern_class(self, body: str, i: int, at: str) -> int:
+        """Check the class starting after its '[' at ``i``; return the index after its ']'. A class must
+        admit only characters a JSON string holds as they are (no quote, backslash or control character)."""
+        if body[i: i + 1] == "^":
+            raise self.fail(at, "a negated class [^...] in a pattern (it admits quotes and control characters)")
+        chars: list[str] = []
+        start = i
+        while i < len(body) and (body[i] != "]" or i == start):
+            if body[i] == "\\":
+                nxt = body[i + 1: i + 2]
+                if nxt not in ("]", "["):
+                    raise self.fail(at, f"the escape '\\{nxt}' in a pattern's class")
+                chars.append(nxt)
+                i += 2
+            else:
+                chars.append(body[i])
+                i += 1
+        i += 1  # the ']' (re.compile checked that it is there)
+        k = 0
+        while k < len(chars):
+            lo = hi = chars[k]
+            if k + 2 < len(chars) and chars[k + 1] == "-":
+                hi = chars[k + 2]
+                k += 3
+            else:
+                k += 1
+            if any(lo <= bad <= hi for bad in _JSON_UNSAFE) or not (_json_safe(lo) and _json_safe(hi)):
+                raise self.fail(at, f"the class range {lo!r}-{hi!r} in a pattern (it admits a quote, a backslash "
+                                "or a control character)")
+        return i

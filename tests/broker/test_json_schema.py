@@ -51,6 +51,10 @@ def test_a_schema_of_supported_keywords_is_admitted() -> None:
     ({"type": "string", "pattern": "^\\d+$"}, ["escape", "[0-9]"]),
     ({"type": "string", "pattern": "a+"}, ["anchored"]),
     ({"type": "string", "pattern": "^(?=a)a$"}, ["(?"]),
+    ({"type": "string", "pattern": '^a"b$'}, ["character '\"'"]),
+    ({"type": "string", "pattern": "^[^a]+$"}, ["negated class"]),
+    ({"type": "string", "pattern": "^[ -~]+$"}, ["class range ' '-'~'"]),  # it holds '"' and '\\'
+    ({"type": "string", "pattern": "^a\tb$"}, ["character '\\t'"]),
     ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, ["uniqueItems"]),
     ({"type": "object", "properties": {}, "required": ["x"]}, ["required", "'x'"]),
     ({"type": "object", "patternProperties": {"^a": {}}}, ["patternProperties"]),
