@@ -8,8 +8,10 @@ every request the model got is checked (the tools, the history with its calls an
 from __future__ import annotations
 
 import json
+import signal
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -290,3 +292,66 @@ def test_bad_typed_requests_get_openai_errors(typed_stack: Stack) -> None:
     with httpx.Client(base_url=typed_stack.base_url) as c:
         r = c.post("/v1/responses", json={"input": [{"type": "function_call", "call_id": "c", "name": "f"}]})
         assert r.status_code == 400 and "input[0].arguments" in r.json()["error"]["message"]
+
+
+def test_a_generator_killed_in_the_middle_of_a_call_leaves_the_responses_client_the_exact_call(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+        upstream: ScriptedUpstream) -> None:
+    """SIGKILL the worker while the call's arguments stream: another worker takes the job over and replays the
+    request (a deterministic upstream answers the same), and the client that kept reading, like the one that
+    resumes with starting_after, gets the call once, exactly, its pieces never twice."""
+    upstream.respond = lambda body: weather_call("call_k1", piece_chars=2, delay_s=0.15)
+    s = stack_factory(redis_server.url)
+    s.consumer("--heartbeat-s", "1")
+    victim = s.generator("--upstream", upstream.url, "--lease-s", "1", ignore_eos=False)
+    client = _client(s)
+    tools: Any = [RESPONSES_TOOL]
+    stayed: list[ResponseStreamEvent] = []
+    with client.responses.create(model="m", input="What is the weather in Paris?", tools=tools, background=True,
+                                 stream=True, temperature=0) as stream:
+        for event in stream:
+            stayed.append(event)
+            if [e.type for e in stayed].count("response.function_call_arguments.delta") == 4:
+                victim.signal(signal.SIGKILL)
+                victim.wait(5)
+                s.generator("--upstream", upstream.url, "--lease-s", "1", ignore_eos=False)
+                head = list(stayed)
+    rid = stayed[0].response.id  # type: ignore[union-attr]
+    resumed = head + list(client.responses.retrieve(rid, stream=True, starting_after=head[-1].sequence_number))
+    for events in (stayed, resumed):
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == ARGS
+        assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [ARGS]
+        assert events[-1].type == "response.completed"
+    assert [e.model_dump() for e in stayed] == [e.model_dump() for e in resumed]
+    native = _native(s, _stream_id(rid))
+    assert "".join(a["text"] for a in _typed(native, "tool_args")) == ARGS
+    assert _typed(native, "tool_call") == [{"index": 0, "id": "call_k1", "name": "get_weather"}]
+    # The survivor sent the request again as it was first sent (the replay the continuation checks against).
+    first, again = upstream.bodies()
+    assert again == first
+    assert redis_client.hget(f"rsb:{{p0}}:s:{_stream_id(rid)}:meta", "attempts") == b"2"
+
+
+def test_the_real_default_model_answers_parse_and_a_forced_tool_with_valid_json(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, default_gguf: Path) -> None:
+    """In-process llama.cpp on the real default model (SmolLM2-135M), whose free answer is prose: constrained
+    decoding makes the SDK's `.parse` get the Pydantic model, and a forced tool a call whose arguments parse,
+    streamed through the views like any other answer."""
+    s = stack_factory(redis_server.url)
+    s.generator(model=default_gguf, ignore_eos=False)
+    s.consumer("--heartbeat-s", "1")
+    client = _client(s)
+    parsed = client.chat.completions.parse(model="m", messages=ASK, response_format=Weather, max_tokens=60,
+                                           temperature=0)
+    assert parsed.choices[0].finish_reason == "stop" and isinstance(parsed.choices[0].message.parsed, Weather)
+    with client.chat.completions.stream(model="m", messages=ASK, tools=[WEATHER_TOOL], max_tokens=60, temperature=0,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}}
+                                        ) as stream:
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and isinstance(call.function.parsed_arguments, Weather)
+    native = _native(s, str(uuid.UUID(hex=final.id.removeprefix("chatcmpl-"))))
+    assert "".join(a["text"] for a in _typed(native, "tool_args")) == call.function.arguments
