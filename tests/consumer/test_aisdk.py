@@ -676,3 +676,50 @@ def test_a_client_side_tool_loop_runs_and_resumes_in_the_middle_of_a_call(
     assert again["parts"][1] == tool and again["parts"][-1] == reopened["first"]["parts"][-1]
     assert [(q[0], q[2]) for q in _requests(again["chat"])] == [("GET", 200)]
     _model_saw_the_result(upstream, tool)
+
+
+@pytest.mark.slow
+def test_a_failed_call_goes_to_the_model_as_its_error_and_a_resume_rebuilds_the_continued_message(
+        tool_stack: tuple[AisdkStack, ScriptedUpstream]) -> None:
+    """The wire, without the SDK: an ``output-error`` tool part is the call's result (its error text); the turn
+    continues the assistant message (``start`` names it); a resume of that turn sends the message's earlier
+    step first (the call as tool-input-start + tool-input-delta, never tool-input-available, and its result)."""
+    rsb, upstream = tool_stack
+    words = ["Sorry, ", "the ", "weather ", "service ", "failed ", "just ", "now."]
+    upstream.respond = lambda body: Reply([text(w) for w in words], delay_s=0.3)
+    tool_part = {"type": "tool-get_weather", "toolCallId": "call_e1", "state": "output-error",
+                 "input": {"city": "Paris"}, "errorText": "the service is down"}
+    body = {"id": "failed-call", "trigger": "submit-message", "messageId": "a1", "tools": [{
+        "type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}], "messages": [
+        {"id": "u1", "role": "user", "parts": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"id": "a1", "role": "assistant", "parts": [{"type": "step-start"}, {"type": "text", "text": "Checking."},
+                                                     tool_part]}]}
+    posted: list[Any] = []
+    resumed: list[Any] = []
+    with rsb.native() as c, c.stream("POST", "/api/chat", json=body) as r:
+        assert r.status_code == 200
+        for chunk in ui_chunks(r):
+            posted.append(chunk)
+            if isinstance(chunk, dict) and chunk["type"] == "text-delta" and not resumed:
+                # Another page opens the chat while the answer streams: it resumes the running turn.
+                with rsb.native() as again, again.stream("GET", "/api/chat/failed-call/stream") as resume:
+                    assert resume.status_code == 200
+                    resumed += ui_chunks(resume)
+    history = upstream.bodies()[-1]["messages"]
+    assert history[1:] == [
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "call_e1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_e1", "content": "the service is down"}]
+    kinds = [c if isinstance(c, str) else c["type"] for c in posted]
+    assert posted[0] == {"type": "start", "messageId": "a1"} and kinds[1] == "start-step"
+    assert "tool-input-start" not in kinds and kinds[-3:] == ["finish-step", "finish", "[DONE]"]
+    # The resume: the same message, its earlier step rebuilt, then the turn's chunks as the POST sent them.
+    earlier = [
+        {"type": "start-step"},
+        {"type": "text-start", "id": "text-step0"}, {"type": "text-delta", "id": "text-step0", "delta": "Checking."},
+        {"type": "text-end", "id": "text-step0"},
+        {"type": "tool-input-start", "toolCallId": "call_e1", "toolName": "get_weather"},
+        {"type": "tool-input-delta", "toolCallId": "call_e1", "inputTextDelta": '{"city":"Paris"}'},
+        {"type": "tool-output-available", "toolCallId": "call_e1", "output": "the service is down"},
+        {"type": "finish-step"}]
+    assert resumed == [posted[0], *earlier, *posted[1:]]
