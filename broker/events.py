@@ -25,6 +25,10 @@ class EventType(StrEnum):
     STARTED = "started"
     PROGRESS = "progress"  # prefill of a long prompt: {"processed": int, "prompt_tokens": int}
     DELTA = "delta"
+    # Typed output, apart from the answer's text (clients that do not know them ignore them):
+    REASONING = "reasoning"  # {"text": str}: a piece of the model's reasoning
+    TOOL_CALL = "tool_call"  # {"index": int, "id": str, "name": str}: a call begins
+    TOOL_ARGS = "tool_args"  # {"index": int, "text": str}: a piece of call `index`'s arguments (JSON text)
     DONE = "done"
     CANCELLED = "cancelled"
     ERROR = "error"
@@ -33,6 +37,14 @@ class EventType(StrEnum):
     # and the stream still share (null: none); its id is that event's id (or ``RESET_FROM_START``), and the events
     # that follow are the stream's from there.
     RESET = "reset"
+
+
+class FinishReason(StrEnum):
+    """``done.finish_reason``."""
+
+    STOP = "stop"  # the model ended its answer (or a stop sequence did)
+    LENGTH = "length"  # max_tokens (or the context) ran out
+    TOOL_CALLS = "tool_calls"  # the answer is one or more tool calls, to be run by the client
 
 
 #: A stored event's fields, in the order every script writes them.
@@ -178,3 +190,15 @@ class EventPage(Sequence[Event]):
 
 def delta(text: str) -> tuple[str, bytes]:
     return EventType.DELTA, encode_data({"text": text})
+
+
+def reasoning(text: str) -> tuple[str, bytes]:
+    return EventType.REASONING, encode_data({"text": text})
+
+
+def tool_call(index: int, call_id: str, name: str) -> tuple[str, bytes]:
+    return EventType.TOOL_CALL, encode_data({"index": index, "id": call_id, "name": name})
+
+
+def tool_args(index: int, text: str) -> tuple[str, bytes]:
+    return EventType.TOOL_ARGS, encode_data({"index": index, "text": text})

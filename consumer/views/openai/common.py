@@ -37,8 +37,9 @@ IDEMPOTENCY_HEADER = "idempotency-key"
 MAX_IDEMPOTENCY_KEY = 256
 # Stream ids made from Idempotency-Key headers live in their own namespace (uuid5 of caller and key).
 _IDEMPOTENCY_NS = uuid.UUID("6f1c2a0e-5d3b-4c1e-9b7a-2e4f8d9c0a11")
-# The parameter an rsb validation message is about: "'max_tokens' must be ..." or "messages[3].role ...".
-_PARAM = re.compile(r"\A'?([a-z_]+)(?:'|\[)")
+# The parameter an rsb validation message is about: "'max_tokens' must be ...", "messages[3].role ..." or
+# "response_format.json_schema.name ...".
+_PARAM = re.compile(r"\A'?([a-z_]+)(?:'|\[|\.|:)")
 #: OpenAI's message roles, as rsb's (``developer`` is OpenAI's newer name for ``system``).
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -163,8 +164,9 @@ def check_only(body: Mapping[str, Any], rules: tuple[Only, ...]) -> None:
             raise invalid(rule.message, rule.name)
 
 
-def text_of(content: object, where: str, part_types: frozenset[str]) -> str:
-    """A message's text: a string, or a list of text parts (joined); anything else is refused."""
+def text_of(content: object, where: str, part_types: frozenset[str], field: str = "content") -> str:
+    """A message's text (or a tool result's: ``field``): a string, or a list of text parts (joined); anything
+    else is refused."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -172,11 +174,22 @@ def text_of(content: object, where: str, part_types: frozenset[str]) -> str:
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if not (isinstance(kind, str) and kind in part_types and isinstance(part.get("text"), str)):
-                raise invalid(f"{where}.content[{j}]: only text parts ({', '.join(sorted(part_types))}) are "
+                raise invalid(f"{where}.{field}[{j}]: only text parts ({', '.join(sorted(part_types))}) are "
                               "supported", where.split("[", 1)[0])
             texts.append(part["text"])
         return "".join(texts)
-    raise invalid(f"{where}.content must be a string or a list of text parts", where.split("[", 1)[0])
+    raise invalid(f"{where}.{field} must be a string or a list of text parts", where.split("[", 1)[0])
+
+
+def check_results_answer_calls(messages: list[dict[str, Any]], param: str) -> None:
+    """OpenAI's rule: a tool message answers a call that an earlier assistant message made."""
+    calls: set[object] = set()
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            calls.update(c.get("id") for c in m.get("tool_calls") or () if isinstance(c, dict))
+        elif m["role"] == "tool" and m.get("tool_call_id") not in calls:
+            raise invalid(f"{param}[{i}]: a tool message must answer a call an earlier assistant message made "
+                          f"(tool_call_id {str(m.get('tool_call_id'))[:64]!r} names none)", param)
 
 
 def _stream_id(request: Request, caller: Caller) -> uuid.UUID:
@@ -204,7 +217,10 @@ async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Map
     except InvalidRequest as e:
         message = e.message
         for ours, theirs in renames.items():
-            message = message.replace(f"'{ours}'", f"'{theirs}'").replace(f"{ours}[", f"{theirs}[")
+            if ours.isidentifier():
+                message = message.replace(f"'{ours}'", f"'{theirs}'").replace(f"{ours}[", f"{theirs}[")
+            else:
+                message = message.replace(ours, theirs)
         m = _PARAM.match(message)
         param = m.group(1) if m else renames.get("messages", "messages") if "messages" in message else None
         raise invalid(message, param) from None
