@@ -56,6 +56,12 @@ class Turn:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    #: The client's id of the message its answer shows in, when not the stream id (broker.history.History).
+    answer_id: str | None = None
+
+    @property
+    def answer_message_id(self) -> str:
+        return self.answer_id or str(self.id)
 
     @property
     def has_stream(self) -> bool:
@@ -83,7 +89,7 @@ class Turn:
             "output": {"text": out.text, "reasoning": out.reasoning,
                        "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in out.tool_calls]},
             "created_at": self.created_at, "model": self.model, "finish_reason": self.finish_reason,
-            "usage": self.usage, "error": self.error,
+            "usage": self.usage, "error": self.error, "answer_id": self.answer_id,
         })
 
     @classmethod
@@ -93,7 +99,7 @@ class Turn:
         return cls(uuid.UUID(d["id"]), d["status"], tuple(d["input"]), tuple(d["input_ids"]),
                    Output(o["text"], tuple(ToolCall(c["id"], c["name"], c["arguments"]) for c in o["tool_calls"]),
                           o["reasoning"]),
-                   d["created_at"], d["model"], d["finish_reason"], d["usage"], d["error"])
+                   d["created_at"], d["model"], d["finish_reason"], d["usage"], d["error"], d.get("answer_id"))
 
 
 def history_messages(turns: Iterable[Turn]) -> list[dict[str, Any]]:
@@ -153,4 +159,5 @@ def finished_turn(stream_id: uuid.UUID, request: GenerationRequest, created_at: 
     if terminal.type == EventType.ERROR:
         error = {"code": str(data.get("code") or "engine"), "message": str(data.get("message") or "")}
     return Turn(stream_id, terminal.type, tuple(m.stored() for m in (request.messages or ())[start:]), tuple(ids),
-                output, created_at, model, data.get("finish_reason"), data.get("usage"), error)
+                output, created_at, model, data.get("finish_reason"), data.get("usage"), error,
+                history.answer_id if history is not None else None)

@@ -124,7 +124,8 @@ class ConversationService:
             return None
         h = request.history
         return Turn(sid, snap.pending.status, tuple(m.stored() for m in (request.messages or ())[h.start:]),
-                    h.message_ids, created_at=snap.pending.created_at, model=snap.pending.model)
+                    h.message_ids, created_at=snap.pending.created_at, model=snap.pending.model,
+                    answer_id=h.answer_id)
 
     # -- turns ---------------------------------------------------------------------------------
 
@@ -140,7 +141,7 @@ class ConversationService:
                                    "(--conversation-max-bytes); start a new conversation")
 
     def assemble(self, caller: Caller, conv: Conversation, request: GenerationRequest, lead: int,
-                 message_ids: Sequence[str]) -> GenerationRequest:
+                 message_ids: Sequence[str], answer_id: str | None = None) -> GenerationRequest:
         """The request the engine gets: this request's instructions (``messages[:lead]``), the conversation's
         history, then its new messages. Past the request limits it is ``conversation_full``: the history is
         what made it too long."""
@@ -158,7 +159,7 @@ class ConversationService:
                 "characters: --max-messages, --max-prompt-chars); start a new conversation")
         return dataclasses.replace(request, messages=messages, history=History(
             lead=lead, start=lead + len(history), conversation=conv.name, tenant=conv.key_id, version=conv.version,
-            turn=conv.count, message_ids=tuple(message_ids)))
+            turn=conv.count, message_ids=tuple(message_ids), answer_id=answer_id))
 
     async def start(self, caller: Caller, name: str, request: GenerationRequest, *, lead: int = 0,
                     stream_id: uuid.UUID | None = None, implicit: bool = True,

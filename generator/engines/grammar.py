@@ -6,9 +6,9 @@ Schemas are converted by llama-cpp-python's port of llama.cpp's JSON-schema-to-g
 schemas broker.json_schema admits (checked again here: the request was checked at create, but by the code of
 whatever pod took it). What rsb fixes in the converter's output: its strings admit raw control characters and
 its ``.`` admits quotes, either of which makes the JSON invalid, so both rules are replaced by ones that admit
-only what a JSON string may hold unescaped; and ``$defs`` are renamed (``d0``, ``d1``, ...) so that recursive
-references to names with other characters than letters, digits and ``-`` resolve, and two tools' definitions
-never collide.
+only what a JSON string may hold unescaped (and only whole Unicode scalar values); and ``$defs`` are renamed
+(``d0``, ``d1``, ...) so that recursive references to names with other characters than letters, digits and
+``-`` resolve, and two tools' definitions never collide.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from broker.request import GenerationRequest, Tool
 from generator.engines.base import EngineError
 from generator.engines.tool_syntax import CLOSE, OPEN
 
-# A JSON string's characters: anything but a quote, a backslash and control characters, or an escape.
-_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
-_DOT = r'[^"\\\x7F\x00-\x1F]'
+# What a JSON string holds unescaped: no quote, backslash or control character, and only Unicode scalar values
+# (no surrogate, nothing past U+10FFFF: llama.cpp's decoder would take those bytes, a UTF-8 decoder would not).
+_UNESCAPED = r"[\x20-\x21\x23-\x5B\x5D-\x7E\u0080-\uD7FF\uE000-\U0010FFFF]"
+_CHAR = _UNESCAPED + r' | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+_DOT = _UNESCAPED
 
 
 class SchemaRefused(EngineError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import llama_cpp
@@ -22,12 +22,12 @@ import numpy.typing as npt
 
 from broker.events import FinishReason
 from broker.request import GenerationRequest
-from generator.engines.base import EngineError, Generation, PromptTooLong
+from generator.engines.base import Engine, EngineError, Generation, PromptTooLong
 from generator.engines.chat import ChatTemplate
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 from generator.engines.grammar import answer_grammar
 from generator.engines.pieces import PartialAnswer, Piece
-from generator.engines.sampler import GrammarError, Sampler
+from generator.engines.sampler import GrammarError, Sampler, utf8_masks
 from generator.engines.tool_syntax import ToolCallSyntax, replay_text
 
 # llama.cpp reads this seed as "pick a random one", so a request's seed must never be passed as it.
@@ -50,7 +50,7 @@ def physical_cores() -> int:
     return n or os.cpu_count() or 1
 
 
-class LlamaEngine:
+class LlamaEngine(Engine):
     """``Engine`` over llama-cpp-python. Generations run one at a time: the context is held by a lock from
     a generation's first ``next()`` until it ends or is closed; a generation the same thread left suspended
     is ended when the next one starts.
@@ -100,6 +100,8 @@ class LlamaEngine:
         self._lock = threading.Lock()
         self._active: Iterator[Piece] | None = None
         self._byte_tokens: dict[int, int] | None = None
+        self._invalid_utf8: list[int] | None = None
+        self._utf8: Sequence[npt.NDArray[np.bool_]] | None = None  # built on the first constrained answer
         self._active_thread = 0
         self._closed = False
 
@@ -221,8 +223,11 @@ class LlamaEngine:
             if limit <= 0:
                 generation.finish_reason = "length"
                 return
+            # A grammar ends with end-of-generation, so ignore_eos does not apply to a constrained answer.
+            masked = self._never_utf8() if grammar is not None else self._eog if self.ignore_eos else ()
             sampler = Sampler(llm, temperature=request.temperature, top_p=request.top_p, top_k=self.top_k,
-                              seed=seed, eog_ids=self._eog if self.ignore_eos else (), grammar=grammar)
+                              seed=seed, masked_ids=masked, grammar=grammar, pieces=self._pieces,
+                              utf8=self._utf8_masks() if grammar is not None else None)
             if written and sampler.constrained:
                 sampler.accept_text(self._text_tokens(written))
             syntax: ToolCallSyntax | None = None
@@ -273,6 +278,18 @@ class LlamaEngine:
                 sampler.close()
             self._active = None
             self._lock.release()
+
+    def _utf8_masks(self) -> Sequence[npt.NDArray[np.bool_]]:
+        if self._utf8 is None:
+            self._utf8 = utf8_masks(self._pieces, self._llm.n_vocab())
+        return self._utf8
+
+    def _never_utf8(self) -> list[int]:
+        """Tokens with a byte that valid UTF-8 never holds (C0, C1, F5-FF): masked in constrained answers."""
+        if self._invalid_utf8 is None:
+            bad = frozenset((0xC0, 0xC1, *range(0xF5, 0x100)))
+            self._invalid_utf8 = [t for t in range(self._llm.n_vocab()) if not bad.isdisjoint(self._pieces(t))]
+        return self._invalid_utf8
 
     def _text_tokens(self, text: str) -> list[int]:
         """``text`` as tokens of one byte each (every byte has one: llama's 256 byte tokens, or a byte-level

@@ -17,20 +17,20 @@ from consumer.edge.http import read_body
 from consumer.state import State, caller_of, state_of
 from consumer.streaming.conversations import ROUNDS
 from consumer.streaming.service import Caller, Slot
-from consumer.streaming.sse import SSEResponse
+from consumer.streaming.sse import STREAM_ID_HEADER, SSEResponse
 from consumer.views.aisdk.history import plan_turn, ui_messages
 from consumer.views.aisdk.request import REGENERATE, ChatRequest, chat_id_of, parse_chat_body
-from consumer.views.aisdk.stream import HEADERS, SHUTDOWN_FRAME, turn_frames
+from consumer.views.aisdk.stream import HEADERS, SHUTDOWN_FRAME, earlier_steps, turn_frames
 
-STREAM_ID_HEADER = "x-rsb-stream-id"
 # Turn stream ids live in their own uuid5 namespace (see turn_stream_id).
 _TURN_NAMESPACE = uuid.UUID("0d5b6f3e-8c1a-4f6e-a2b9-3c7d9e4f1a20")
 
 
-def _respond(state: State, slot: Slot, stream_id: uuid.UUID, st: StreamStatus) -> Response:
-    state.metrics.inc("rsb_reads_total")
+def _respond(state: State, slot: Slot, stream_id: uuid.UUID, st: StreamStatus, message_id: str | None = None,
+             earlier: bytes = b"") -> Response:
+    state.metrics.reads.inc()
     batches = state.service.batches(stream_id, None, watched=st.watched, resets=False)
-    frames = turn_frames(batches, stream_id, state.metrics)
+    frames = turn_frames(batches, stream_id, state.metrics, message_id, earlier)
     return SSEResponse(frames, shutdown=state.draining, send_timeout_s=state.settings.send_timeout_s,
                        headers={**HEADERS, STREAM_ID_HEADER: str(stream_id)}, shutdown_frame=SHUTDOWN_FRAME,
                        on_close=slot.release)
@@ -51,19 +51,24 @@ def turn_stream_id(key_id: str, chat_id: str, version: int, turn: int, turn_key:
     return uuid.uuid5(_TURN_NAMESPACE, f"{key_id}\n{chat_id}\n{version}\n{turn}\n{turn_key}")
 
 
-async def _start_turn(state: State, caller: Caller, chat: ChatRequest) -> tuple[uuid.UUID, StreamStatus]:
+async def _start_turn(state: State, caller: Caller, chat: ChatRequest
+                      ) -> tuple[uuid.UUID, StreamStatus, str | None]:
     """The turn this request names: a turn it repeats (a retry, a second tab), else a new one on the
-    conversation's history. 409 while another turn of the chat runs."""
+    conversation's history; with the id of the message its answer shows in when that is not its stream id (a
+    continuation). 409 while another turn of the chat runs."""
     convs = state.conversations
     _, request = validate_create_body(chat.create_body, state.service.limits_for(caller))
+    messages = request.messages or ()
     turn_key = chat.turn_key(request)
     for _ in range(ROUNDS):
         snap = await convs.snapshot(caller, chat.chat_id)
         conv = snap.conversation if snap is not None else absent(caller.key_id, chat.chat_id)
-        plan = plan_turn(conv.turns, chat.messages, plain_send=chat.plain_send,
+        plan = plan_turn(conv.turns, chat.message_ids, messages, plain_send=chat.plain_send,
                          regenerate=chat.trigger == REGENERATE)
-        if plan.repeat is not None and (st := await _status_or_none(state, caller, plan.repeat.id)) is not None:
-            return plan.repeat.id, st  # a retry of the chat's last turn: the same answer, no second generation
+        repeat = plan.repeat
+        if repeat is not None and (st := await _status_or_none(state, caller, repeat.id)) is not None:
+            # A retry of the chat's last turn: the same answer, no second generation.
+            return repeat.id, st, repeat.answer_id
         stream_id = turn_stream_id(caller.key_id, chat.chat_id, conv.version, plan.keep, turn_key)
         pending = snap.pending_id if snap is not None else None
         if pending is not None:
@@ -77,11 +82,10 @@ async def _start_turn(state: State, caller: Caller, chat: ChatRequest) -> tuple[
             conv = dataclasses.replace(conv, version=version, count=plan.keep, turns=conv.turns[:plan.keep],
                                        bytes=sum(len(t.to_json()) for t in conv.turns[:plan.keep]))
             stream_id = turn_stream_id(caller.key_id, chat.chat_id, conv.version, plan.keep, turn_key)
-        new = dataclasses.replace(request, messages=(request.messages or ())[plan.start:])
-        ids = [m.id for m in chat.messages[plan.start:]]
-        started = await convs.begin(caller, conv, convs.assemble(caller, conv, new, 0, ids), stream_id)
-        if started is not None:
-            return stream_id, await state.service.status(caller, stream_id)
+        new = dataclasses.replace(request, messages=messages[plan.start:])
+        assembled = convs.assemble(caller, conv, new, 0, chat.message_ids[plan.start:], chat.continues)
+        if await convs.begin(caller, conv, assembled, stream_id) is not None:
+            return stream_id, await state.service.status(caller, stream_id), chat.continues
     raise Conflict("this chat kept changing under this request; retry")
 
 
@@ -91,8 +95,9 @@ async def send_turn(request: Request) -> Response:
     caller = caller_of(request)
     chat = parse_chat_body(parse_json_object(await read_body(request, state.settings.max_body_bytes)))
     with state.service.connection(caller) as slot:
-        stream_id, st = await _start_turn(state, caller, chat)
-        return _respond(state, slot, stream_id, st)
+        stream_id, st, message_id = await _start_turn(state, caller, chat)
+        # A continued message's earlier steps are on the page that sent them: only a resume sends them.
+        return _respond(state, slot, stream_id, st, message_id)
 
 
 async def _latest_turn(state: State, caller: Caller, chat_id: str) -> tuple[uuid.UUID, StreamStatus] | None:
@@ -114,12 +119,17 @@ async def resume_turn(request: Request) -> Response:
     caller = caller_of(request)
     chat_id = chat_id_of(request.path_params["chat_id"])
     with state.service.connection(caller) as slot:
-        turn = await _latest_turn(state, caller, chat_id)
-        if turn is None or turn[1].status in TERMINAL_TYPES:
+        active = await _latest_turn(state, caller, chat_id)
+        if active is None or active[1].status in TERMINAL_TYPES:
             slot.release()
             return Response(status_code=204)
-        state.metrics.inc("rsb_resumes_total")
-        return _respond(state, slot, *turn)
+        state.metrics.resumes.inc()
+        stream_id, st = active
+        turn_request = await state.service.request_of(stream_id)
+        history = turn_request.history if turn_request is not None else None
+        message_id = history.answer_id if history is not None else None
+        earlier = b"" if message_id is None else earlier_steps(turn_request)
+        return _respond(state, slot, stream_id, st, message_id, earlier)
 
 
 async def stop_turn(request: Request) -> Response:
@@ -128,10 +138,10 @@ async def stop_turn(request: Request) -> Response:
     state = state_of(request)
     caller = caller_of(request)
     chat_id = chat_id_of(request.path_params["chat_id"])
-    turn = await _latest_turn(state, caller, chat_id)
-    if turn is None:
+    active = await _latest_turn(state, caller, chat_id)
+    if active is None:
         raise NotFound("this chat has no turn")
-    stream_id = turn[0]
+    stream_id = active[0]
     status = await state.service.cancel(caller, stream_id)
     return JSONResponse({"id": chat_id, "messageId": str(stream_id), "status": status}, status_code=202)
 

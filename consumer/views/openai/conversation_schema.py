@@ -17,7 +17,7 @@ _CONVERSATION = {"type": "object", "required": ["id", "object", "created_at", "m
     "id": {"type": "string", "pattern": "^conv_[0-9a-f]{32}$"}, "object": {"const": "conversation"},
     "created_at": {"type": "integer"}, "metadata": {"type": "object"}}}
 _ITEM = {"type": "object", "required": ["type", "id"], "properties": {
-    "type": {"enum": ["message", "function_call", "function_call_output"]}, "id": {"type": "string"}}}
+    "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"]}, "id": {"type": "string"}}}
 _LIST = {"type": "object", "required": ["object", "data", "first_id", "last_id", "has_more"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": _ITEM},
     "first_id": {"type": ["string", "null"]}, "last_id": {"type": ["string", "null"]}, "has_more": {"type": "boolean"}}}

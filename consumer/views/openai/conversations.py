@@ -29,6 +29,7 @@ from broker.streams.turns import Turn, as_messages, items_turn
 from consumer.state import caller_of, state_of
 from consumer.streaming.conversations import ROUNDS, conversation_name, openai_id
 from consumer.views.openai.common import OpenAIError, invalid, read_json, validated
+from consumer.views.openai.response_view import output_item_id
 from consumer.views.openai.responses import _input_messages  # the one reader of input items
 
 MAX_ITEMS = 20  # per create (OpenAI's bound)
@@ -81,14 +82,22 @@ def turn_items(turn: Turn) -> list[dict[str, Any]]:
             out.append({"type": "message", "id": f"msg_{hexid}_{i}", "role": m.role, "status": "completed",
                         "content": _content(m.role, m.content)})
         out.extend(_call_item(f"fc_{hexid}_{i}_{j}", c) for j, c in enumerate(m.tool_calls))
-    if not turn.has_stream or turn.output.empty:
+    if not turn.has_stream or (turn.output.empty and not turn.output.reasoning):
         return out
+    # The response's output items, with the ids its Response object gives them (reasoning, then the message,
+    # then the calls: the order a model answers in).
     status = "completed" if turn.status == "done" and turn.finish_reason != "length" else "incomplete"
+    answer: list[dict[str, Any]] = []
+    if turn.output.reasoning:
+        answer.append({"type": "reasoning", "summary": [], "status": "completed",
+                       "content": [{"type": "reasoning_text", "text": turn.output.reasoning}]})
     if turn.output.text:
-        out.append({"type": "message", "id": f"msg_{hexid}", "role": "assistant", "status": status,
-                    "content": _content("assistant", turn.output.text)})
-    out.extend(_call_item(f"fc_{hexid}_{j}", c) for j, c in enumerate(turn.output.tool_calls))
-    return out
+        answer.append({"type": "message", "role": "assistant", "status": status,
+                       "content": _content("assistant", turn.output.text)})
+    answer.extend(_call_item("", c) for c in turn.output.tool_calls)
+    for index, item in enumerate(answer):
+        item["id"] = output_item_id(item["type"], hexid, index)
+    return out + answer
 
 
 def _call_item(item_id: str, call: ToolCall) -> dict[str, Any]:
