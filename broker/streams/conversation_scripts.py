@@ -68,12 +68,13 @@ return out
 """
 
 # Closes: two creates of one conversation id at once (OpenAI's POST /v1/conversations makes ids, but rsb's
-# native creates name their own). Initial turns (items) are stored with it.
+# native creates name their own). Initial turns (items) are stored with it. Reply: {'reserved'} (made),
+# {'exists'}, {'full'} (the owner holds as many as it may).
 CREATE = _TOUCH + _OPEN + """
 -- KEYS: meta, turns, owner ; ARGV: digest, ttl_s, max_conversations, created_at, metadata, turn records...
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists'} end
 if not open(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]) then
-  return -1
+  return {'full'}
 end
 local size = 0
 for i = 6, #ARGV do
@@ -82,7 +83,7 @@ for i = 6, #ARGV do
 end
 redis.call('HSET', KEYS[1], 'turns', #ARGV - 5, 'bytes', size)
 touch(KEYS[1], KEYS[2], ARGV[1])
-return 1
+return {'reserved'}
 """
 
 # Closes: two devices starting the next turn at once (one turn, and a conflict for the other), and a turn
@@ -92,26 +93,27 @@ return 1
 # never came (the creating process died in between) is taken back by TAKE, then RELEASE.
 # ARGV version/turns: what the request read (0, 0 and a missing conversation: create it, as the native
 # create does for a conversation id it has not seen).
-# Reply: {1} reserved, {2} already reserved for this stream (a retry), {-1, pending} another turn is
-# pending, {-2} the history changed, {-3} no such conversation, {-4} the owner holds too many.
+# Reply (broker.streams.conversations.Begin): {'reserved'}, {'already'} (reserved for this stream: a retry),
+# {'busy', pending} (another turn is pending), {'changed'} (the history changed), {'gone'} (no such
+# conversation), {'full'} (the owner holds as many as it may).
 BEGIN = _TOUCH + _OPEN + """
 -- KEYS: meta, turns, owner ; ARGV: digest, version, turns, sid, ttl_s, max_conversations, created_at, create
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  if ARGV[8] ~= '1' or ARGV[2] ~= '0' or ARGV[3] ~= '0' then return {-3} end
+  if ARGV[8] ~= '1' or ARGV[2] ~= '0' or ARGV[3] ~= '0' then return {'gone'} end
   if not open(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], '{}') then
-    return {-4}
+    return {'full'}
   end
 end
 local m = redis.call('HMGET', KEYS[1], 'pending', 'version', 'turns')
 if m[1] == ARGV[4] then
   touch(KEYS[1], KEYS[2], ARGV[1])
-  return {2}
+  return {'already'}
 end
-if m[1] and m[1] ~= '' then return {-1, m[1]} end
-if m[2] ~= ARGV[2] or m[3] ~= ARGV[3] then return {-2} end
+if m[1] and m[1] ~= '' then return {'busy', m[1]} end
+if m[2] ~= ARGV[2] or m[3] ~= ARGV[3] then return {'changed'} end
 redis.call('HSET', KEYS[1], 'pending', ARGV[4], 'pending_at', now_ms())
 touch(KEYS[1], KEYS[2], ARGV[1])
-return {1}
+return {'reserved'}
 """
 
 # Closes: a turn's output landing twice (the worker that finished it, a pod that read the conversation and
@@ -142,13 +144,13 @@ return 1
 # Closes: a turn started (reserved) while the history is rewritten under it, and two rewrites at once. Keeps
 # the first ``keep`` turns (the AI SDK's regenerate and edit continue from an earlier turn) and bumps the
 # version, so that requests built on the old history fail BEGIN's check.
-# Reply: {1, new version}, {-1, pending}, {-2} changed, {-3} no such conversation.
+# Reply: {'reserved', new version}, {'busy', pending}, {'changed'}, {'gone'}.
 BRANCH = _TOUCH + """
 -- KEYS: meta, turns ; ARGV: digest, version, turns, keep
-if redis.call('EXISTS', KEYS[1]) == 0 then return {-3} end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'gone'} end
 local m = redis.call('HMGET', KEYS[1], 'pending', 'version', 'turns')
-if m[1] and m[1] ~= '' then return {-1, m[1]} end
-if m[2] ~= ARGV[2] or m[3] ~= ARGV[3] then return {-2} end
+if m[1] and m[1] ~= '' then return {'busy', m[1]} end
+if m[2] ~= ARGV[2] or m[3] ~= ARGV[3] then return {'changed'} end
 local keep = tonumber(ARGV[4])
 if keep == 0 then redis.call('DEL', KEYS[2]) else redis.call('LTRIM', KEYS[2], 0, keep - 1) end
 local size = 0
@@ -156,18 +158,18 @@ for _, t in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do size = size + #t end
 local version = redis.call('HINCRBY', KEYS[1], 'version', 1)
 redis.call('HSET', KEYS[1], 'turns', keep, 'bytes', size)
 touch(KEYS[1], KEYS[2], ARGV[1])
-return {1, version}
+return {'reserved', version}
 """
 
 # Closes: items appended while a turn runs (they would land between that turn's input and its output) or on
 # a history that changed since the request read it.
-# Reply: {1}, {-1, pending}, {-2} changed, {-3} no such conversation.
+# Reply: {'reserved'}, {'busy', pending}, {'changed'}, {'gone'}.
 APPEND = _TOUCH + """
 -- KEYS: meta, turns ; ARGV: digest, version, turns, turn records...
-if redis.call('EXISTS', KEYS[1]) == 0 then return {-3} end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'gone'} end
 local m = redis.call('HMGET', KEYS[1], 'pending', 'version', 'turns')
-if m[1] and m[1] ~= '' then return {-1, m[1]} end
-if m[2] ~= ARGV[2] or m[3] ~= ARGV[3] then return {-2} end
+if m[1] and m[1] ~= '' then return {'busy', m[1]} end
+if m[2] ~= ARGV[2] or m[3] ~= ARGV[3] then return {'changed'} end
 local size = 0
 for i = 4, #ARGV do
   redis.call('RPUSH', KEYS[2], ARGV[i])
@@ -176,7 +178,7 @@ end
 redis.call('HINCRBY', KEYS[1], 'turns', #ARGV - 3)
 redis.call('HINCRBY', KEYS[1], 'bytes', size)
 touch(KEYS[1], KEYS[2], ARGV[1])
-return {1}
+return {'reserved'}
 """
 
 # Sets OpenAI's metadata of a conversation (never creates one).

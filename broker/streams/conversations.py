@@ -110,14 +110,15 @@ class Settled(enum.Enum):
 
 
 class Begin(enum.Enum):
-    """What BEGIN answered."""
+    """What BEGIN (and CREATE, BRANCH, APPEND) answered: its reply's tag."""
 
-    RESERVED = 1  # this request reserved the turn
-    ALREADY = 2  # the turn was already reserved for this stream id (a retry)
-    BUSY = -1  # another turn is pending
-    CHANGED = -2  # the history changed since the request read it
-    GONE = -3  # no such conversation (deleted meanwhile)
-    FULL = -4  # the owner holds as many conversations as it may
+    RESERVED = "reserved"  # this request reserved the turn (or made the change)
+    ALREADY = "already"  # the turn was already reserved for this stream id (a retry)
+    BUSY = "busy"  # another turn is pending
+    CHANGED = "changed"  # the history changed since the request read it
+    GONE = "gone"  # no such conversation (deleted meanwhile)
+    FULL = "full"  # the owner holds as many conversations as it may
+    EXISTS = "exists"  # CREATE: a conversation of this name exists
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,12 +171,13 @@ class ConversationStore:
         """Make a conversation with these first turns (items). False: one of this name exists. Raises
         TooManyConversations."""
         k = self.keys(key_id, name)
-        res = int(await self._create(keys=[k.meta, k.turns, k.owner(owner)], args=[
+        res = await self._create(keys=[k.meta, k.turns, k.owner(owner)], args=[
             k.digest, limits.ttl_s, self._share(limits), f"{created_at:.6f}", orjson.dumps(metadata),
-            *(t.to_json() for t in turns)]))
-        if res == -1:
+            *(t.to_json() for t in turns)])
+        outcome = Begin(reply_text(res[0]))
+        if outcome is Begin.FULL:
             raise TooManyConversations(limits.max_conversations)
-        return res == 1
+        return outcome is Begin.RESERVED
 
     async def begin(self, conv: Conversation, stream_id: uuid.UUID, owner: str, limits: Limits, *,
                     created_at: float, create: bool) -> tuple[Begin, uuid.UUID | None]:
@@ -185,7 +187,7 @@ class ConversationStore:
         res = await self._begin(keys=[k.meta, k.turns, k.owner(owner)], args=[
             k.digest, conv.version, conv.count, str(stream_id), limits.ttl_s, self._share(limits),
             f"{created_at:.6f}", int(create)])
-        outcome = Begin(int(res[0]))
+        outcome = Begin(reply_text(res[0]))
         return outcome, uuid.UUID(reply_text(res[1])) if outcome is Begin.BUSY else None
 
     async def release(self, key_id: str, name: str, stream_id: uuid.UUID) -> bool:
@@ -203,16 +205,15 @@ class ConversationStore:
         (RESERVED, the new version), or BUSY / CHANGED / GONE."""
         k = self.keys(conv.key_id, conv.name)
         res = await self._branch(keys=[k.meta, k.turns], args=[k.digest, conv.version, conv.count, keep])
-        code = int(res[0])
-        return (Begin.RESERVED, int(res[1])) if code == 1 else (Begin(code), conv.version)
+        outcome = Begin(reply_text(res[0]))
+        return outcome, int(res[1]) if outcome is Begin.RESERVED else conv.version
 
     async def append(self, conv: Conversation, turns: Sequence[Turn]) -> Begin:
         """Append turns of items to the history ``conv`` holds: RESERVED, or BUSY / CHANGED / GONE."""
         k = self.keys(conv.key_id, conv.name)
         res = await self._append(keys=[k.meta, k.turns], args=[k.digest, conv.version, conv.count,
                                                                *(t.to_json() for t in turns)])
-        code = int(res[0])
-        return Begin.RESERVED if code == 1 else Begin(code)
+        return Begin(reply_text(res[0]))
 
     async def update(self, key_id: str, name: str, metadata: dict[str, Any]) -> bool:
         k = self.keys(key_id, name)
