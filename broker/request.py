@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from broker.errors import InvalidRequest
+from broker.history import History
 from broker.json_schema import check_enforceable
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -84,7 +85,8 @@ class Message:
             out["tool_call_id"] = self.tool_call_id
         return out
 
-    def _stored(self) -> dict[str, Any]:
+    def stored(self) -> dict[str, Any]:
+        """The stored form (in the canonical request, and in a conversation's turns)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             out["tool_calls"] = [[c.id, c.name, c.arguments] for c in self.tool_calls]
@@ -93,7 +95,7 @@ class Message:
         return out
 
     @classmethod
-    def _from_stored(cls, m: dict[str, Any]) -> Message:
+    def from_stored(cls, m: dict[str, Any]) -> Message:
         return cls(m["role"], m["content"], tuple(ToolCall(*c) for c in m.get("tool_calls", ())),
                    m.get("tool_call_id"))
 
@@ -172,6 +174,7 @@ class GenerationRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice | None = None  # None: OpenAI's default (auto with tools)
     response_format: ResponseFormat | None = None  # None: text
+    history: History | None = None
 
     @property
     def forced_tools(self) -> tuple[Tool, ...]:
@@ -193,7 +196,7 @@ class GenerationRequest:
         inside JSON Schemas, whose property order is the order the answer is generated in (so two schemas
         that differ only in order are different requests)."""
         doc: dict[str, Any] = {
-            "messages": None if self.messages is None else [m._stored() for m in self.messages],
+            "messages": None if self.messages is None else [m.stored() for m in self.messages],
             "prompt": self.prompt,
             "model": self.model,
             "max_tokens": self.max_tokens,
@@ -213,6 +216,8 @@ class GenerationRequest:
             doc["response_format"] = {
                 "type": rf.type, "name": rf.name, "strict": rf.strict, "description": rf.description,
                 "schema": _schema_fragment(rf.schema)}
+        if self.history is not None:
+            doc["history"] = self.history.as_json()
         return orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
 
     def request_hash(self) -> str:
@@ -225,7 +230,7 @@ class GenerationRequest:
         choice = d.get("tool_choice")
         rf = d.get("response_format")
         return cls(
-            messages=None if msgs is None else tuple(Message._from_stored(m) for m in msgs),
+            messages=None if msgs is None else tuple(Message.from_stored(m) for m in msgs),
             prompt=d["prompt"],
             model=d["model"],
             max_tokens=d["max_tokens"],
@@ -239,6 +244,7 @@ class GenerationRequest:
                 ToolChoice(choice) if isinstance(choice, str) else ToolChoice("function", choice["function"]["name"])),
             response_format=None if rf is None else ResponseFormat(
                 rf["type"], rf["name"], rf["schema"], rf["strict"], rf["description"]),
+            history=History.from_json(d["history"]) if d.get("history") is not None else None,
         )
 
 

@@ -63,6 +63,16 @@ _REPORT = {"type": "object", "required": ["rows", "total"], "properties": {
     "group_by": {"type": "string"}, "since": {"type": ["number", "null"]}, "until": {"type": ["number", "null"]},
     "rows": {"type": "array", "items": {"type": "object", "properties": _COUNTERS}},
     "total": {"type": "object", "properties": _COUNTERS}}}
+# A conversation id: its UUID, or OpenAI's spelling of it (conv_ and its hex).
+_CONVERSATION_ID = {"anyOf": [{"type": "string", "format": "uuid"},
+                              {"type": "string", "pattern": "^conv_[0-9a-fA-F]{32}$"}]}
+_TURNS = {"type": "object", "required": ["id", "created_at", "turns"], "properties": {
+    "id": {"type": "string", "format": "uuid"}, "created_at": {"type": "string"},
+    "turns": {"type": "array", "items": {"type": "object", "required": ["id", "status", "messages", "output"],
+                                         "properties": {"id": {"type": "string", "format": "uuid"},
+                                                        "status": {"type": "string"},
+                                                        "messages": {"type": "array"},
+                                                        "output": {"type": ["object", "null"]}}}}}}
 # The native operations a created stream leads to (schemathesis' stateful phase follows them).
 _STREAM_LINKS = {name: {"operationId": op, "parameters": {"stream_id": "$response.body#/id"}}
                  for name, op in (("status", "streamStatus"), ("events", "streamEvents"), ("cancel", "cancelStream"))}
@@ -125,8 +135,12 @@ def create_body(limits: RequestLimits) -> dict[str, Any]:
             "prompt": {"type": "string", "maxLength": limits.max_prompt_chars},
             **generation_properties(limits),
             "cancel_on_disconnect": {"type": "boolean"},
+            "conversation": nullable(_CONVERSATION_ID),
         },
-        "oneOf": [{"required": ["messages"]}, {"required": ["prompt"]}],
+        # A conversation's turn takes messages.
+        "oneOf": [{"required": ["messages"], "not": {"required": ["prompt"]}},
+                  {"required": ["prompt"], "not": {"required": ["messages"]},
+                   "properties": {"conversation": {"type": "null"}}}],
     }
 
 
@@ -141,12 +155,13 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
                 "200": {**json_response("this id exists with an identical request", _CREATED),
                         "links": _STREAM_LINKS},
                 "400": error_response("invalid request"),
-                "409": error_response("this id exists with a different request"),
+                "409": error_response("this id exists with a different request; a turn of the conversation runs, "
+                                      "or the conversation is full (conversation_full)"),
                 "410": error_response("this id belonged to a stream that expired"),
                 "413": error_response("body too large"),
                 "429": error_response("the queue is full (queue_full), the caller's share is used "
-                                      "(too_many_generations, rate_limited), or its address holds too many "
-                                      "connections (too_many_connections)", RETRY_AFTER),
+                                      "(too_many_generations, rate_limited, too_many_conversations), or its "
+                                      "address holds too many connections (too_many_connections)", RETRY_AFTER),
                 "503": error_response("Redis unreachable (unavailable), or the pod holds as many connections "
                                       "as it may (overloaded)", RETRY_AFTER), **common}}},
         "/v1/streams/{stream_id}/events": {"get": {
@@ -181,6 +196,15 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
                                      {"type": "object", "required": ["id", "status"],
                                       "properties": {"id": {"type": "string"}, "status": _STATUS}}),
                 "404": error_response("unknown stream"), "410": error_response("expired"),
+                "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
+        "/v1/conversations/{conversation_id}/turns": {"get": {
+            "operationId": "conversationTurns",
+            "summary": "A conversation's history: every finished turn, then the running one",
+            "parameters": [{"name": "conversation_id", "in": "path", "required": True,
+                            "schema": _CONVERSATION_ID}],
+            "responses": {
+                "200": json_response("the conversation's turns", _TURNS),
+                "404": error_response("no conversation with this id (or another API key's)"),
                 "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
         "/v1/reports/aborted": {"get": {
             "operationId": "abortedReport",
