@@ -351,7 +351,7 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
 
     tools = _tools(body.get("tools"))
     tool_choice = _tool_choice(body.get("tool_choice"), tools)
-    if prompt is not None and (tools or tool_choice is not None):
+    if prompt is not None and (body.get("tools") is not None or body.get("tool_choice") is not None):
         raise InvalidRequest("'tools' and 'tool_choice' need 'messages' (a chat), not a 'prompt'")
     response_format = _response_format(body.get("response_format"))
     if response_format is not None and tool_choice is not None and tool_choice.mode in ("required", "function"):
@@ -457,8 +457,6 @@ def _tools(raw: Any) -> tuple[Tool, ...]:
         if not isinstance(name, str) or not TOOL_NAME.match(name):
             raise InvalidRequest(f"{at}.function.name must match {TOOL_NAME.pattern[2:-2]} (letters, digits, _ and -, "
                                  "at most 64)")
-        if any(other.name == name for other in tools):
-            raise InvalidRequest(f"{at}.function.name: two tools are called {name!r}")
         desc = fn.get("description")
         if desc is not None and (not isinstance(desc, str) or len(desc) > MAX_TOOL_DESCRIPTION_CHARS):
             raise InvalidRequest(f"{at}.function.description must be a string of at most "

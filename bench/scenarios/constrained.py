@@ -9,8 +9,10 @@ to one user message), seed, sampler settings (temperature 0.8, top-p 0.95, top-k
   rejects one;
 - stock: llama-cpp-python's ``Llama.generate(grammar=LlamaGrammar.from_json_schema(...))``, the grammar applied
   to the whole vocabulary every token (the reference: what rsb would cost doing what llama-cpp-python does).
-Cost per token: decode time from the first token to the last over tokens - 1 (prefill excluded). Rounds rotate
-the order; medians are reported. Goal: constrained <= 1.15 x free.
+Cost per token: from the first token to the last over tokens - 1 (prefill excluded), in wall time and in the
+CPU time of the process (it runs nothing but the generation: decode plus sampling; what other processes on a
+shared machine do barely moves it, though their cache and memory traffic still does). Rounds rotate the order;
+medians are reported. Goal: constrained <= 1.15 x free, in CPU time (wall time is shown beside it).
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def _per_token(times: list[float]) -> float:
     return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
 
 
+def _stamp(wall: list[float], cpu: list[float]) -> None:
+    wall.append(time.perf_counter())
+    cpu.append(time.process_time())
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import jsonschema
     import llama_cpp
@@ -72,29 +79,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     grammar = LlamaGrammar.from_json_schema(json.dumps(SCHEMA), verbose=False)
     eog = constrained._eog
 
-    def rsb_run(engine: LlamaEngine, seed: int, max_tokens: int, with_format: bool) -> tuple[list[float], str]:
+    def rsb_run(engine: LlamaEngine, seed: int, max_tokens: int,
+                with_format: bool) -> tuple[list[float], list[float], str]:
         body = {**base, "seed": seed, "max_tokens": max_tokens, **({"response_format": fmt} if with_format else {})}
         req = validate_create_body(body, RequestLimits())[1]
         gen = engine.start(req, prefix_text="", max_tokens=max_tokens, stop=threading.Event())
-        times: list[float] = []
+        wall: list[float] = []
+        cpu: list[float] = []
         text: list[str] = []
         for piece in gen.pieces:
-            times.append(time.perf_counter())
+            _stamp(wall, cpu)
             text.append(str(piece))
-        return times, "".join(text)
+        return wall, cpu, "".join(text)
 
-    def stock_run(seed: int) -> tuple[list[float], int]:
+    def stock_run(seed: int) -> tuple[list[float], list[float]]:
         req = validate_create_body({**base, "seed": seed}, RequestLimits())[1]
         tokens = constrained.tokenize_prompt(req)
         stock.set_seed(seed)
         stock.reset()
-        times: list[float] = []
+        wall: list[float] = []
+        cpu: list[float] = []
         for token in stock.generate(tokens, temp=TEMPERATURE, top_p=TOP_P, top_k=TOP_K, min_p=0.0, typical_p=1.0,
                                     repeat_penalty=1.0, grammar=grammar):
-            if token in eog or len(times) >= args.max_tokens:
+            if token in eog or len(wall) >= args.max_tokens:
                 break
-            times.append(time.perf_counter())
-        return times, len(times)
+            _stamp(wall, cpu)
+        return wall, cpu
 
     rows: list[dict[str, Any]] = []
     try:
@@ -105,19 +115,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             order = order[r % 3:] + order[: r % 3]
             for kind in order:
                 if kind == "constrained":
-                    times, text = rsb_run(constrained, seed, args.max_tokens, True)
+                    wall, cpu, text = rsb_run(constrained, seed, args.max_tokens, True)
                     jsonschema.validate(json.loads(text), SCHEMA)  # every round's answer is valid
-                    out["tokens"] = len(times)
-                    out["constrained_ms"] = _per_token(times) * 1000
+                    out["tokens"] = len(wall)
                     out["resampled"] = constrained.last_resampled
                 elif kind == "free":
-                    n = out.get("tokens", args.max_tokens // 2)
-                    times, _ = rsb_run(free, seed, n, False)
-                    out["free_ms"] = _per_token(times) * 1000
+                    wall, cpu, _ = rsb_run(free, seed, out.get("tokens", args.max_tokens // 2), False)
                 else:
-                    times, n = stock_run(seed)
-                    out["stock_ms"] = _per_token(times) * 1000
-                    out["stock_tokens"] = n
+                    wall, cpu = stock_run(seed)
+                    out["stock_tokens"] = len(wall)
+                out[f"{kind}_ms"] = _per_token(wall) * 1000
+                out[f"{kind}_cpu_ms"] = _per_token(cpu) * 1000
             rows.append(out)
             print(f"round {r}: {out}", flush=True)
     finally:
@@ -125,16 +133,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         free.close()
         stock.close()
 
-    med = {k: statistics.median(row[k] for row in rows) for k in ("free_ms", "constrained_ms", "stock_ms")}
-    ratio = med["constrained_ms"] / med["free_ms"]
-    stock_ratio = med["stock_ms"] / med["free_ms"]
+    keys = [f"{k}{unit}" for k in ("free", "constrained", "stock") for unit in ("_ms", "_cpu_ms")]
+    med = {k: statistics.median(row[k] for row in rows) for k in keys}
+
+    def x(kind: str, unit: str) -> float:
+        return float(med[f"{kind}{unit}"] / med[f"free{unit}"])
+
     resampled = sum(r["resampled"] for r in rows) / max(1, sum(r["tokens"] for r in rows))
-    print(table("\n== constrained: ms per token (median of rounds)", ["generation", "ms/token", "x free"], [
-        ["free (rsb engine, no grammar)", med["free_ms"], 1.0],
-        ["constrained (rsb engine, json_schema)", med["constrained_ms"], ratio],
-        ["stock (Llama.generate, grammar=...)", med["stock_ms"], stock_ratio],
-    ]))
+    print(table("\n== constrained: per token (median of rounds)",
+                ["generation", "CPU ms/token", "x free", "wall ms/token", "x free"], [
+        [label, med[f"{kind}_cpu_ms"], x(kind, "_cpu_ms"), med[f"{kind}_ms"], x(kind, "_ms")]
+        for kind, label in (("free", "free (rsb engine, no grammar)"),
+                            ("constrained", "constrained (rsb engine, json_schema)"),
+                            ("stock", "stock (Llama.generate, grammar=...)"))]))
     print(f"tokens rejected by the grammar and sampled again: {resampled:.1%}")
-    print_goals("constrained", [goal_row("constrained / free ms per token", ratio, "<= 1.15", ratio <= 1.15, "x")])
-    return {"rounds": rows, "median_ms": med, "constrained_over_free": ratio, "stock_over_free": stock_ratio,
+    ratio = x("constrained", "_cpu_ms")
+    print_goals("constrained", [
+        goal_row("constrained / free CPU ms per token", ratio, "<= 1.15", ratio <= 1.15, "x"),
+        goal_row("constrained / free wall ms per token (shared machine: noisy)", x("constrained", "_ms"), "<= 1.15",
+                 x("constrained", "_ms") <= 1.15, "x")])
+    return {"rounds": rows, "median_ms": med, "constrained_over_free_cpu": ratio,
+            "constrained_over_free_wall": x("constrained", "_ms"), "stock_over_free_cpu": x("stock", "_cpu_ms"),
             "resampled_fraction": resampled}

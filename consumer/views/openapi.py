@@ -11,7 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from broker.events import EventType
-from broker.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MODEL_MAX_CHARS, ROLES, RequestLimits
+from broker.request import (
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_TOOL_CALL_ID_CHARS,
+    MAX_TOOL_CALLS,
+    MAX_TOOL_DESCRIPTION_CHARS,
+    MAX_TOOLS,
+    MODEL_MAX_CHARS,
+    TOOL_CHOICES,
+    TOOL_NAME,
+    RequestLimits,
+)
 from broker.streams.records import STATUSES
 from broker.streams.report import GROUP_BYS
 from consumer.schema import RETRY_AFTER, error_response, json_response, nullable, sse_response
@@ -76,24 +87,93 @@ def generation_properties(limits: RequestLimits) -> dict[str, Any]:
     }
 
 
+_NAME = {"type": "string", "pattern": TOOL_NAME.pattern.replace("\\A", "^").replace("\\Z", "$")}
+_CALL = {"type": "object", "additionalProperties": False, "required": ["id", "function"], "properties": {
+    "id": {"type": "string", "minLength": 1, "maxLength": MAX_TOOL_CALL_ID_CHARS}, "type": {"const": "function"},
+    "function": {"type": "object", "additionalProperties": False, "required": ["name"],
+                 "properties": {"name": _NAME, "arguments": {"type": "string"}}}}}
+
+
+def _messages(limits: RequestLimits) -> dict[str, Any]:
+    """One message: its fields depend on its role (docs/protocol.md, "Typed output")."""
+    text = {"type": "string", "maxLength": limits.max_prompt_chars}
+
+    def role(name: Any, props: dict[str, Any], required: list[str]) -> dict[str, Any]:
+        return {"type": "object", "additionalProperties": False, "required": ["role", *required],
+                "properties": {"role": name, **props}}
+
+    return {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": {"oneOf": [
+        role({"enum": ["system", "user"]}, {"content": text}, ["content"]),
+        role({"const": "assistant"}, {"content": text, "tool_calls": {"type": "null"}}, ["content"]),
+        role({"const": "assistant"}, {"content": nullable(text), "tool_calls": {
+            "type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS, "items": _CALL}}, ["content", "tool_calls"]),
+        role({"const": "tool"}, {"content": text, "tool_call_id": {
+            "type": "string", "minLength": 1, "maxLength": MAX_TOOL_CALL_ID_CHARS}}, ["content", "tool_call_id"]),
+    ]}}
+
+
+def typed_output_properties() -> dict[str, Any]:
+    """``tools``, ``tool_choice`` and ``response_format`` in OpenAI's shapes. A JSON Schema rsb must enforce (a
+    json_schema format's, the parameters of tools a forced choice allows) must use the keywords constrained
+    decoding supports, and a named choice must name one of the tools: rules beyond JSON Schema, which the
+    descriptions state."""
+    description = nullable({"type": "string", "maxLength": MAX_TOOL_DESCRIPTION_CHARS})
+    parameters = {"type": "object", "required": ["type"], "properties": {"type": {"const": "object"}},
+                  "description": "a JSON Schema of an object; with a tool_choice that forces a call, only the "
+                                 "keywords rsb can enforce (docs/protocol.md)"}
+    tool = {"type": "object", "additionalProperties": False, "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+            "name": _NAME, "description": description,
+            "parameters": nullable(parameters), "strict": nullable({"type": "boolean"})}}}}
+    schema = {"type": "object", "description": "a JSON Schema using only the keywords rsb can enforce "
+                                                "(docs/protocol.md); anything else is a 400 naming the keyword"}
+    return {
+        "tools": nullable({"type": "array", "maxItems": MAX_TOOLS, "items": tool}),
+        # The named form, {"type": "function", "function": {"name"}}, is accepted when it names one of the tools:
+        # a rule JSON Schema cannot state, so the schema leaves the form out (fuzzed, it names no tool).
+        "tool_choice": nullable({"enum": list(TOOL_CHOICES),
+                                 "description": 'or {"type": "function", "function": {"name"}} naming one of the '
+                                                "tools (docs/protocol.md)"}),
+        "response_format": nullable({"anyOf": [
+            {"type": "object", "additionalProperties": False, "required": ["type"],
+             "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "additionalProperties": False, "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "additionalProperties": False, "required": ["name", "schema"],
+                                "properties": {"name": _NAME, "schema": schema, "strict": nullable({"type": "boolean"}),
+                                               "description": description}}}}]}),
+    }
+
+
 def create_body(limits: RequestLimits) -> dict[str, Any]:
     """``POST /v1/streams``; the prompt limit applies to each text and to all of them together (the sum is
     beyond JSON Schema: the description says it)."""
     return {
         "type": "object",
         "additionalProperties": False,
-        "description": f"the prompt, or the messages' content in all, is at most {limits.max_prompt_chars} characters",
+        "description": f"the prompt, or the messages' content in all, is at most {limits.max_prompt_chars} "
+                       "characters; tools and tool_choice need messages; a tool_choice that forces a call "
+                       "(required, or a function) needs tools and excludes a JSON response_format",
         "properties": {
             "id": nullable({"type": "string", "format": "uuid"}),
-            "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": {
-                "type": "object", "additionalProperties": False, "required": ["role", "content"],
-                "properties": {"role": {"type": "string", "enum": sorted(ROLES)},
-                               "content": {"type": "string", "maxLength": limits.max_prompt_chars}}}},
+            "messages": _messages(limits),
             "prompt": {"type": "string", "maxLength": limits.max_prompt_chars},
             **generation_properties(limits),
             "cancel_on_disconnect": {"type": "boolean"},
+            **typed_output_properties(),
         },
         "oneOf": [{"required": ["messages"]}, {"required": ["prompt"]}],
+        # The rules between fields that JSON Schema can say.
+        "allOf": [
+            {"if": {"required": ["prompt"]}, "then": {"properties": {"tools": {"type": "null"},
+                                                                     "tool_choice": {"type": "null"}}}},
+            {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"const": "required"}}},
+             "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1},
+                                                            "response_format": {"anyOf": [
+                                                                {"type": "null"},
+                                                                {"properties": {"type": {"const": "text"}}}]}}}},
+        ],
     }
 
 
