@@ -106,7 +106,7 @@ def _messages(limits: RequestLimits) -> dict[str, Any]:
         role({"enum": ["system", "user"]}, {"content": text}, ["content"]),
         role({"const": "assistant"}, {"content": text, "tool_calls": {"type": "null"}}, ["content"]),
         role({"const": "assistant"}, {"content": nullable(text), "tool_calls": {
-            "type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS, "items": _CALL}}, ["content", "tool_calls"]),
+            "type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS, "items": _CALL}}, ["tool_calls"]),
         role({"const": "tool"}, {"content": text, "tool_call_id": {
             "type": "string", "minLength": 1, "maxLength": MAX_TOOL_CALL_ID_CHARS}}, ["content", "tool_call_id"]),
     ]}}
