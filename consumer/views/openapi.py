@@ -87,29 +87,30 @@ def generation_properties(limits: RequestLimits) -> dict[str, Any]:
     }
 
 
-_NAME = {"type": "string", "pattern": TOOL_NAME.pattern.replace("\\A", "^").replace("\\Z", "$")}
-_CALL = {"type": "object", "additionalProperties": False, "required": ["id", "function"], "properties": {
-    "id": {"type": "string", "minLength": 1, "maxLength": MAX_TOOL_CALL_ID_CHARS}, "type": {"const": "function"},
-    "function": {"type": "object", "additionalProperties": False, "required": ["name"],
-                 "properties": {"name": _NAME, "arguments": {"type": "string"}}}}}
+_NAME = {"type": "string", "pattern": f"^{TOOL_NAME.pattern[2:-2]}$"}
 
 
-def _messages(limits: RequestLimits) -> dict[str, Any]:
-    """One message: its fields depend on its role (docs/protocol.md, "Typed output")."""
-    text = {"type": "string", "maxLength": limits.max_prompt_chars}
+def _message(limits: RequestLimits) -> dict[str, Any]:
+    """One message of the native body: text from the system, the user or the assistant; an assistant's tool
+    calls (content null or text); a tool's result, naming the call it answers."""
+    content = {"type": "string", "maxLength": limits.max_prompt_chars}
+    call_id = {"type": "string", "minLength": 1, "maxLength": MAX_TOOL_CALL_ID_CHARS}
+    call = {"type": "object", "additionalProperties": False, "required": ["id", "function"], "properties": {
+        "id": call_id, "type": {"const": "function"},
+        "function": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+            "name": _NAME, "arguments": content}}}}
 
-    def role(name: Any, props: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    def shape(roles: list[str], required: list[str], **props: Any) -> dict[str, Any]:
         return {"type": "object", "additionalProperties": False, "required": ["role", *required],
-                "properties": {"role": name, **props}}
+                "properties": {"role": {"type": "string", "enum": roles}, "content": content, **props}}
 
-    return {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": {"oneOf": [
-        role({"enum": ["system", "user"]}, {"content": text}, ["content"]),
-        role({"const": "assistant"}, {"content": text, "tool_calls": {"type": "null"}}, ["content"]),
-        role({"const": "assistant"}, {"content": nullable(text), "tool_calls": {
-            "type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS, "items": _CALL}}, ["tool_calls"]),
-        role({"const": "tool"}, {"content": text, "tool_call_id": {
-            "type": "string", "minLength": 1, "maxLength": MAX_TOOL_CALL_ID_CHARS}}, ["content", "tool_call_id"]),
-    ]}}
+    return {"anyOf": [
+        shape(["system", "user"], ["content"]),
+        shape(["assistant"], ["content"], tool_calls={"type": "null"}),
+        shape(["assistant"], ["tool_calls"], content=nullable(content),  # content: absent or null = none
+              tool_calls={"type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS, "items": call}),
+        shape(["tool"], ["content", "tool_call_id"], tool_call_id=call_id),
+    ]}
 
 
 def typed_output_properties() -> dict[str, Any]:
@@ -148,16 +149,20 @@ def typed_output_properties() -> dict[str, Any]:
 
 def create_body(limits: RequestLimits) -> dict[str, Any]:
     """``POST /v1/streams``; the prompt limit applies to each text and to all of them together (the sum is
-    beyond JSON Schema: the description says it)."""
+    beyond JSON Schema: the description says it). Typed output's fields are described as far as JSON Schema
+    can say them (the rules between fields in ``allOf``); what it cannot say is left out of the schema where
+    the fuzzer would otherwise send requests the document allows and rsb refuses (a named tool choice that
+    names none of the tools), and said in the descriptions (a schema must use what rsb can enforce)."""
     return {
         "type": "object",
         "additionalProperties": False,
         "description": f"the prompt, or the messages' content in all, is at most {limits.max_prompt_chars} "
                        "characters; tools and tool_choice need messages; a tool_choice that forces a call "
-                       "(required, or a function) needs tools and excludes a JSON response_format",
+                       "(required, or a function) needs tools and excludes a JSON response_format (docs/protocol.md, "
+                       "\"Typed output\")",
         "properties": {
             "id": nullable({"type": "string", "format": "uuid"}),
-            "messages": _messages(limits),
+            "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": _message(limits)},
             "prompt": {"type": "string", "maxLength": limits.max_prompt_chars},
             **generation_properties(limits),
             "cancel_on_disconnect": {"type": "boolean"},
@@ -191,10 +196,11 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
                 "409": error_response("this id exists with a different request"),
                 "410": error_response("this id belonged to a stream that expired"),
                 "413": error_response("body too large"),
-                "429": error_response("the queue is full (queue_full), or the caller's share is used "
-                                      "(too_many_generations, rate_limited)", RETRY_AFTER),
-                "503": error_response("Redis unreachable, or too many connections (too_many_connections, "
-                                      "overloaded)", RETRY_AFTER), **common}}},
+                "429": error_response("the queue is full (queue_full), the caller's share is used "
+                                      "(too_many_generations, rate_limited), or its address holds too many "
+                                      "connections (too_many_connections)", RETRY_AFTER),
+                "503": error_response("Redis unreachable (unavailable), or the pod holds as many connections "
+                                      "as it may (overloaded)", RETRY_AFTER), **common}}},
         "/v1/streams/{stream_id}/events": {"get": {
             "operationId": "streamEvents",
             "summary": "Replay after the resume point, then tail live (SSE)",
@@ -249,8 +255,12 @@ def _operations_paths() -> dict[str, Any]:
         "/healthz": {"get": {"operationId": "healthz",
                              "responses": {"200": json_response("the process is up", {"type": "object"})}}},
         "/readyz": {"get": {"operationId": "readyz",
-                            "responses": {"200": json_response("Redis is reachable", {"type": "object"}),
-                                          "503": error_response("Redis unreachable", RETRY_AFTER)}}},
+                            "responses": {"200": json_response(
+                                "Redis is reachable (under rsb up: and a generator serves its model)",
+                                {"type": "object"}),
+                                          "503": error_response("Redis unreachable (code unavailable), or under "
+                                                                "rsb up no model served yet (code starting)",
+                                                                RETRY_AFTER)}}},
         "/metrics": {"get": {"operationId": "metrics", "responses": {
             "200": {"description": "Prometheus text", "content": {"text/plain": {"schema": text}}},
             "503": error_response("Redis unreachable", RETRY_AFTER)}}},

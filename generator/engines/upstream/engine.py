@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from broker.request import GenerationRequest
-from generator.engines.base import Generation, UpstreamError
+from generator.engines.base import Engine, Generation, UpstreamError
 from generator.engines.pieces import PartialAnswer, Piece
 from generator.engines.upstream.ollama import OLLAMA
 from generator.engines.upstream.openai import OPENAI
@@ -54,7 +54,7 @@ def detect_api(url: str, api: str | None = None) -> UpstreamProtocol:
     return OLLAMA if urlsplit(url).path.rstrip("/").endswith(OLLAMA.root_suffix) else OPENAI
 
 
-class UpstreamEngine:
+class UpstreamEngine(Engine):
     """``Engine`` over a remote server. Generations are independent HTTP requests, so any number run at
     once (the worker's ``--concurrency``), each a task on the worker's event loop."""
 
