@@ -3,9 +3,10 @@
 The engine runs in a thread (ctypes releases the GIL) and hands one text piece per token to the event
 loop through a bounded queue (generator.handoff). The loop appends whatever has accumulated as one
 ``delta`` while the previous append was in flight, so the append rate adapts to Redis latency and the cost
-per token stays flat. A job continued after a crash starts from the text already appended (the prompt
-plus the partial answer), with the tokens already counted taken off its budget, so readers see one
-seamless answer.
+per token stays flat; typed pieces (reasoning, a tool call and its arguments) become their own events the
+same way (generator.answer). A job continued after a crash starts from the answer already appended (its
+text, reasoning and tool calls, rebuilt from the stream), with the tokens already counted taken off its
+budget, so readers see one seamless answer.
 
 A job is acknowledged only after its terminal event is in Redis, so a worker never holds the only copy of
 anything: if it dies, its pending entry goes idle and another worker's XAUTOCLAIM takes it over.
