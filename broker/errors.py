@@ -94,6 +94,13 @@ class Overloaded(RetryLater):
     status_code = 503
 
 
+class Starting(RetryLater):
+    """Not ready yet: the stack this pod belongs to has no generator serving a model yet (``rsb up``)."""
+
+    code = "starting"
+    status_code = 503
+
+
 class Unavailable(RetryLater):
     """Redis is unreachable (or loading): every Redis error reaching the HTTP boundary becomes this."""
 

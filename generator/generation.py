@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from broker.errors import RsbError
 from broker.events import EventType, delta, encode_data
 from broker.streams.records import AppendResult, Claim, Job, Unclaimable
 from broker.streams.store import Store, started_event
@@ -36,6 +37,14 @@ log = logging.getLogger("rsb.generator")
 
 # How long a finished generation waits for its lease renewer to stop (it is mid-command at worst).
 RENEWER_STOP_S = 1.0
+# The ``error`` code of a generation ended by a bug of rsb's own (not the engine's): broker.errors' base code.
+INTERNAL = RsbError.code
+
+
+def _describe(error: BaseException) -> str:
+    """An ``error`` event's message for a bug: the exception's type and message (a Redis error names a command
+    or a script, never a prompt)."""
+    return f"{type(error).__name__}: {error}"
 
 
 class Appender(Protocol):
@@ -94,6 +103,10 @@ class JobRunner:
             self.metrics.running += 1
             try:
                 await self._generate(run)
+            except Exception as e:  # a bug of the store (a failing script, WRONGTYPE): not retried, surfaced
+                log.error("generation failed: %s", type(e).__name__, exc_info=e,
+                          extra={"stream_id": str(job.stream_id)})
+                await self._finish_error(run, INTERNAL, _describe(e), Usage(0, claim.seq))
             finally:
                 del self.running[job.stream_id]
                 self.metrics.running -= 1
@@ -181,7 +194,7 @@ class JobRunner:
                     break
         finally:
             handoff.abandon()
-            if getattr(self.engine, "on_loop", False):
+            if self.engine.on_loop:
                 producer.cancel()  # a loop producer may be asleep until its next token
             run.generation_over = True  # the renewer's own stop flag: cancellation alone can be swallowed
             renewer.cancel()
@@ -196,7 +209,9 @@ class JobRunner:
         compute_s = time.monotonic() - t_start
         gen = gen_holder[0] if gen_holder else None
         usage = Usage(gen.prompt_tokens if gen else 0, tokens, t_start, first_token_at, last_token_at)
-        if run.cancel_reason and not stops.stopped:
+        if run.failure is not None:
+            await self._finish_error(run, INTERNAL, _describe(run.failure), usage, compute_s)
+        elif run.cancel_reason and not stops.stopped:
             await self._finish_cancelled(run, run.cancel_reason, usage, compute_s)
         elif run.deadline_hit:
             await self._finish_error(run, "deadline", f"generation exceeded {deadline:g} s", usage, compute_s)

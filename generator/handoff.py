@@ -1,5 +1,5 @@
 """The bounded hand-off from the inference thread to the event loop, and ``produce``, which runs an engine's
-generation into it: in a thread, or on the loop for engines that say ``on_loop``.
+generation into it: in a thread of its own, or on the loop for engines that say ``on_loop``.
 
 The thread puts one piece of text per token; the loop takes everything available at once, so tokens
 that arrive while an append is in flight are coalesced into the next one. Putting costs a lock and,
@@ -10,6 +10,7 @@ When the loop falls behind (Redis slow or down) the thread blocks, so memory sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -144,15 +145,19 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
             max_tokens: int, stop: threading.Event,
             on_start: Callable[[Generation], None] | None = None) -> asyncio.Future[None]:
     """Run a generation of ``engine`` into ``handoff`` (closed at the end, with the error if one was raised);
-    ``on_start`` gets the Generation. In an inference thread, or, for an engine that says ``on_loop``, as a
-    task on the running loop. The future ends when the producer has."""
+    ``on_start`` gets the Generation. In an inference thread of its own, or, for an engine that says
+    ``on_loop``, as a task on the running loop. The future ends when the producer has.
+
+    A thread per generation, not a pool's: asyncio's default executor (``asyncio.to_thread``) holds
+    ``min(32, cores + 4)`` threads, so past that a worker's ``--concurrency`` generations would be claimed,
+    send ``started`` and then wait, silent, for another one to end."""
 
     def started(gen: Generation) -> None:
         gen.on_progress = handoff.progress
         if on_start is not None:
             on_start(gen)
 
-    if getattr(engine, "on_loop", False):
+    if engine.on_loop:
         async def on_loop() -> None:
             try:
                 gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop)
@@ -170,6 +175,9 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
 
         return asyncio.ensure_future(on_loop())
 
+    loop = asyncio.get_running_loop()
+    finished: asyncio.Future[None] = loop.create_future()
+
     def in_thread() -> None:
         try:
             gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop)
@@ -180,5 +188,16 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
             handoff.close()
         except BaseException as e:  # handed to the loop, which ends the stream with `error`
             handoff.close(e)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for this any more
+                loop.call_soon_threadsafe(_resolve, finished)
 
-    return asyncio.ensure_future(asyncio.to_thread(in_thread))
+    # Not a daemon, like the executor's threads were: the interpreter lets a generation leave its C call
+    # (the worker sets ``stop`` at shutdown) before it exits.
+    threading.Thread(target=in_thread, name="rsb-generation").start()
+    return finished
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

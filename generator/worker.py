@@ -83,6 +83,8 @@ class Worker:
                 await models.announce(self.engine.name)
             except TRANSIENT as e:
                 log.warning("could not announce the model, retrying: %s", e)
+            except Exception as e:  # a bug (the key holds another type): said, and tried again, never in silence
+                log.error("could not announce the model: %s", type(e).__name__, exc_info=e)
             await asyncio.sleep(ANNOUNCE_INTERVAL_S)
 
     def _on_cancel_notice(self, stream_id: uuid.UUID) -> None:
@@ -119,6 +121,8 @@ class Worker:
                 def done(t: asyncio.Task[None]) -> None:
                     jobs.discard(t)
                     slots.release()
+                    if not t.cancelled() and t.exception() is not None:  # a bug the run could not even report
+                        log.error("a job failed: %s", type(t.exception()).__name__, exc_info=t.exception())
 
                 task.add_done_callback(done)
         finally:

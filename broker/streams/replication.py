@@ -36,7 +36,7 @@ from typing import Any
 
 from broker.backoff import Backoff
 from broker.events import Event, EventPage
-from broker.redis.connection import RedisClient, register_script, xrange_raw
+from broker.redis.connection import RedisClient, register_script
 from broker.redis.replicas import ReplicaWaiter, no_replica
 from broker.streams.keys import StreamKeys
 
@@ -168,24 +168,3 @@ class ReplicaGate:
     async def watermark(self, keys: StreamKeys) -> str | None:
         raw = await self.redis.hget(keys.meta, "wm")
         return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
-
-
-async def read_after(redis: RedisClient, gate: ReplicaGate | None, keys: StreamKeys, after_id: str,
-                     count: int) -> tuple[Sequence[Event], bool]:
-    """Up to ``count`` readable events after ``after_id``, and whether ``after_id`` is in the stream. One
-    round trip: the range starts AT ``after_id`` (inclusive) and drops it when it is there."""
-    if gate is not None:
-        return await gate.read(keys, after_id, count, check=True)
-    events = EventPage(await xrange_raw(redis, keys.events, after_id, count + 1))
-    if events and events[0].id == after_id:
-        return events[1:], True
-    return events[:count], False
-
-
-async def last_common_id(redis: RedisClient, keys: StreamKeys, after_id: str) -> str | None:
-    """The newest event id of the stream that is not newer than ``after_id`` (None: no such event)."""
-    entries: Any = await redis.xrevrange(keys.events, max=after_id, min="-", count=1)
-    if not entries:
-        return None
-    eid = entries[0][0]
-    return eid.decode() if isinstance(eid, bytes) else str(eid)

@@ -143,19 +143,20 @@ class Store:
 
     async def status(self, stream_id: uuid.UUID) -> StreamStatus | None:
         k = self.keys(stream_id)
+        # ``cod``, not the stored request: a status (every resume makes one) must not parse a prompt of up to
+        # --max-prompt-chars to read one flag that CREATE stores apart.
         raw = await self.redis.hmget(
-            k.meta, ["status", "model", "created_at", "usage", "last_id", "req", "max_tokens", "key_id", "abandon_s"]
+            k.meta, ["status", "model", "created_at", "usage", "last_id", "cod", "max_tokens", "key_id", "abandon_s"]
         )
         if raw[0] is None:
             return None
-        req = orjson.loads(raw[5]) if raw[5] else {}
         return StreamStatus(
             status=reply_text(raw[0]),
             model=reply_text(raw[1]),
             created_at=float(raw[2] or 0),
             usage=orjson.loads(raw[3]) if raw[3] else None,
             last_id=reply_text(raw[4]) or None,
-            cancel_on_disconnect=bool(req.get("cancel_on_disconnect", False)),
+            cancel_on_disconnect=reply_text(raw[5]) == "1",
             max_tokens=int(raw[6] or 0),
             key_id=reply_text(raw[7]),
             abandon_s=float(raw[8] or 0),
@@ -184,6 +185,28 @@ class Store:
         if self.gate is not None and visible_only:
             return (await self.gate.read(k, after_id, count, check=False))[0]
         return EventPage(await xrange_raw(self.redis, k.events, "-" if after_id is None else f"({after_id}", count))
+
+    async def read_after(self, stream_id: uuid.UUID, after_id: str, count: int) -> tuple[Sequence[Event], bool]:
+        """Up to ``count`` readable events after ``after_id``, and whether ``after_id`` is in the stream (the
+        reset rule: consumer.streaming.reader). One round trip: the range starts AT ``after_id`` (inclusive)
+        and drops it when it is there; at ``replicated``, the gate's script reads up to the watermark."""
+        k = self.keys(stream_id)
+        if self.gate is not None:
+            return await self.gate.read(k, after_id, count, check=True)
+        events = EventPage(await xrange_raw(self.redis, k.events, after_id, count + 1))
+        if events and events[0].id == after_id:
+            return events[1:], True
+        return events[:count], False
+
+    async def last_common_id(self, stream_id: uuid.UUID, after_id: str) -> str | None:
+        """The newest event id of the stream that is not newer than ``after_id`` (None: no such event)."""
+        entries: Any = await self.redis.xrevrange(self.keys(stream_id).events, max=after_id, min="-", count=1)
+        return reply_text(entries[0][0]) if entries else None
+
+    async def aclose(self) -> None:
+        """Close what the store opened itself (the replica gate's per-master clients); the client is the caller's."""
+        if self.gate is not None:
+            await self.gate.aclose()
 
     async def last_event_id(self, stream_id: uuid.UUID) -> str | None:
         """The id of the stream's latest event readers may see (None: no events)."""

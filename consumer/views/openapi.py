@@ -169,8 +169,12 @@ def _operations_paths() -> dict[str, Any]:
         "/healthz": {"get": {"operationId": "healthz",
                              "responses": {"200": json_response("the process is up", {"type": "object"})}}},
         "/readyz": {"get": {"operationId": "readyz",
-                            "responses": {"200": json_response("Redis is reachable", {"type": "object"}),
-                                          "503": error_response("Redis unreachable", RETRY_AFTER)}}},
+                            "responses": {"200": json_response(
+                                "Redis is reachable (under rsb up: and a generator serves its model)",
+                                {"type": "object"}),
+                                          "503": error_response("Redis unreachable (code unavailable), or under "
+                                                                "rsb up no model served yet (code starting)",
+                                                                RETRY_AFTER)}}},
         "/metrics": {"get": {"operationId": "metrics", "responses": {
             "200": {"description": "Prometheus text", "content": {"text/plain": {"schema": text}}},
             "503": error_response("Redis unreachable", RETRY_AFTER)}}},

@@ -21,7 +21,7 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    await state_of(request).store.redis.ping()
+    await state_of(request).service.ready()
     return JSONResponse({"status": "ready"})
 
 

@@ -1,8 +1,9 @@
 """What every engine is: the interface the worker drives, the running generation it gets back, and the one
-error family engines raise. Engines run in a worker thread, never on the event loop, unless they say
-``on_loop = True``: engines whose generations only wait (on a network, on a clock) and produce on the loop.
-A thread per generation costs a thread wake-up, a GIL hand-over and a loop wake-up per token: fine for
-llama.cpp's one generation per process, most of a worker's CPU when it runs hundreds at once."""
+error family engines raise. Each generation of an engine runs in an inference thread of its own, never on the
+event loop, unless the engine says ``on_loop = True``: engines whose generations only wait (on a network, on
+a clock) and produce on the loop. A thread per generation costs a thread wake-up, a GIL hand-over and a loop
+wake-up per token: fine for llama.cpp's one generation per process, most of a worker's CPU when it runs
+hundreds at once."""
 
 from __future__ import annotations
 
@@ -65,8 +66,13 @@ class Generation:
 
 
 class Engine(Protocol):
+    """An engine class either subclasses this (and inherits ``on_loop = False``) or declares ``on_loop``."""
+
     #: The model's name, as reported in ``started`` events and the status route.
     name: str
+    #: False: each generation runs in an inference thread of its own (generator.handoff.produce); True: on the
+    #: event loop (``start`` is called there and fills ``Generation.apieces``).
+    on_loop: bool = False
 
     def start(
         self,
@@ -79,8 +85,8 @@ class Engine(Protocol):
         """Tokenize the prompt (chat template applied for ``messages``) followed by ``prefix_text``
         (answer text already appended by an earlier attempt, which the generation continues), and return
         a Generation that produces at most ``max_tokens`` more tokens. Called in the inference thread:
-        prefill may happen here or on the first ``next()``. An engine with a true ``on_loop`` attribute is
-        called on the event loop instead, and fills ``apieces`` (an async iterator) rather than ``pieces``."""
+        prefill may happen here or on the first ``next()``. An engine whose ``on_loop`` is true is called on
+        the event loop instead, and fills ``apieces`` (an async iterator) rather than ``pieces``."""
         ...
 
     def close(self) -> None: ...

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from broker.request import GenerationRequest
-from generator.engines.base import EngineError, Generation, PromptTooLong
+from generator.engines.base import Engine, EngineError, Generation, PromptTooLong
 from generator.engines.chat import ChatTemplate
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 
@@ -39,7 +39,7 @@ def physical_cores() -> int:
     return n or os.cpu_count() or 1
 
 
-class LlamaEngine:
+class LlamaEngine(Engine):
     """``Engine`` over llama-cpp-python. Generations run one at a time: the context is held by a lock from
     a generation's first ``next()`` until it ends or is closed; a generation the same thread left suspended
     is ended when the next one starts.

@@ -159,3 +159,30 @@ def test_deadline_ends_the_generation_with_error_deadline(stack_factory: StackFa
         # The worker is free again straight away.
         sid2 = create(c, max_tokens=5).json()["id"]
         assert read_sse(c, f"/v1/streams/{sid2}/events").events[-1].event == "done"
+
+
+def test_a_lease_renewal_that_fails_for_a_bug_ends_the_stream_with_an_error(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
+    """RENEW fails on a stream whose meta holds a value it cannot read (a failing script, not Redis away): the
+    renewer does not go on renewing nothing in silence; the generation stops, and its stream ends with ``error``
+    (code ``internal``) that readers see, and the generator logs why."""
+    import uuid
+
+    from broker.streams.keys import StreamKeys
+
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    gen = s.generator("--lease-s", "1", model=slow_model)
+    with s.client() as c:
+        sid = create(c, max_tokens=MAX_TOKENS).json()["id"]
+        head = read_sse(c, f"/v1/streams/{sid}/events", stop_after=3)
+        assert head.events[-1].event == "delta"
+        # Python reads "1_0" as 10 (the status route works); Lua's tonumber does not: RENEW fails, and only RENEW.
+        redis_client.hset(StreamKeys.of(uuid.UUID(sid), 1).meta, "abandon_s", "1_0")
+        read = read_sse(c, f"/v1/streams/{sid}/events", timeout_s=30)
+        st = wait_status(c, sid, {"done", "cancelled", "error"})
+    end = read.events[-1]
+    assert end.event == "error" and end.data["code"] == "internal", end
+    assert st["status"] == "error"
+    assert end.data["usage"]["completion_tokens"] < MAX_TOKENS
+    assert "keeping the lease failed" in gen.output()

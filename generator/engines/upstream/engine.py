@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from broker.request import GenerationRequest
-from generator.engines.base import Generation, UpstreamError
+from generator.engines.base import Engine, Generation, UpstreamError
 from generator.engines.upstream.ollama import OLLAMA
 from generator.engines.upstream.openai import OPENAI
 from generator.engines.upstream.protocol import UpstreamGeneration, UpstreamProtocol, error_message, stream_pieces
@@ -101,7 +101,7 @@ class _Aborter:
         self._finished.set()
 
 
-class UpstreamEngine:
+class UpstreamEngine(Engine):
     """``Engine`` over a remote server. Generations are independent HTTP requests, so any number run at
     once (the worker's ``--concurrency``); each is driven by sync httpx in its own inference thread."""
 
