@@ -158,12 +158,15 @@ class SSEStream(asyncio.Protocol):
         self._body_left = -1  # a body with Content-Length (an error answer): bytes still to come
         self._decoder = ByteDecoder()
         self.body = b""  # the body of a non-SSE answer (an error's JSON)
+        self.retry_ms: int | None = None  # the server's last reconnect hint (``retry:``)
 
     @classmethod
     async def open(cls, host: str, port: int, path: str, on_frames: OnFrames,
-                   headers: Sequence[tuple[str, str]] = ()) -> SSEStream:
+                   headers: Sequence[tuple[str, str]] = (), local_address: str | None = None) -> SSEStream:
+        """Connect (from ``local_address``, a loopback address, when given) and send the GET."""
         loop = asyncio.get_running_loop()
-        _, proto = await loop.create_connection(lambda: cls(on_frames), host, port)
+        _, proto = await loop.create_connection(lambda: cls(on_frames), host, port,
+                                                local_addr=(local_address, 0) if local_address else None)
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
         assert proto.transport is not None
         proto.transport.write(f"GET {path} HTTP/1.1\r\nhost: {host}:{port}\r\naccept: text/event-stream\r\n"
@@ -255,6 +258,9 @@ class SSEStream(asyncio.Protocol):
                 fields = split_event(block)
                 if fields is not None:
                     frames.append(fields)
+                elif block[:6] == b"retry:":
+                    hint = parse_block(block).retry
+                    self.retry_ms = hint if hint is not None else self.retry_ms
         if frames:
             self.on_frames(self, frames, time.time())
 

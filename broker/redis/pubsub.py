@@ -236,7 +236,7 @@ class _Shard:
                     raise RedisConnectionError("the pub/sub connection was closed by the server")
                 feed(data)
                 continue
-            if type(reply) is list and len(reply) == 3 and reply[0] == msg_kind:
+            if isinstance(reply, list) and len(reply) == 3 and reply[0] == msg_kind:  # hiredis: a PushNotification
                 on_message(reply[1], reply[2])
                 continue
             if isinstance(reply, Exception):

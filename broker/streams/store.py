@@ -46,6 +46,8 @@ from broker.streams.records import (
 POSITION_UPDATES = 32
 # Streams touched per script call: bounds one call's time inside Redis (a script blocks the server).
 TOUCH_BATCH = 500
+# Streams per APPEND_MANY call: bounds one call's time inside Redis (a few ms at most).
+APPEND_MANY_STREAMS = 256
 
 
 
@@ -71,6 +73,7 @@ class Store:
         self._create = register(scripts.CREATE)
         self._claim = register(scripts.CLAIM)
         self._append = register(scripts.APPEND)
+        self._append_many = register(scripts.APPEND_MANY)
         self._finish = register(scripts.FINISH)
         self._cancel = register(scripts.CANCEL)
         self._renew = register(scripts.RENEW)
@@ -310,13 +313,41 @@ class Store:
 
     async def append_many(self, calls: Sequence[tuple[Claim, int, int, Sequence[tuple[str, bytes]]]]
                           ) -> list[AppendResult | BaseException]:
-        """Several streams' appends in one pipeline (one round trip). Each script still runs atomically on
-        its own; their results (or errors) come back in order."""
-        packed = [self._append_call(claim, seq_before, seq_after, events)
-                  for claim, seq_before, seq_after, events in calls]
+        """Several streams' appends in one round trip: one APPEND_MANY call per partition (its keys share a
+        slot), at most APPEND_MANY_STREAMS streams each, all in one pipeline. Each stream's append is checked
+        and made as ``append`` makes it; their results (or the error of their call) come back in order."""
+        groups: dict[int, list[int]] = {}
+        for i, (claim, _, _, _) in enumerate(calls):
+            groups.setdefault(claim.keys.partition, []).append(i)
+        packed: list[tuple[list[str], list[Any]]] = []
+        members: list[list[int]] = []
+        for indexes in groups.values():
+            for start in range(0, len(indexes), APPEND_MANY_STREAMS):
+                part = indexes[start:start + APPEND_MANY_STREAMS]
+                keys: list[str] = []
+                args: list[Any] = []
+                for i in part:
+                    claim, seq_before, seq_after, events = calls[i]
+                    k = claim.keys
+                    keys.append(k.meta)
+                    keys.append(k.events)
+                    args += (claim.fence, k.channel, seq_before, seq_after, len(events))
+                    for etype, data in events:
+                        args.append(etype)
+                        args.append(data)
+                packed.append((keys, args))
+                members.append(part)
         # An append that already landed before a reload of the script answers its seq check, not twice.
-        raw = await evalsha_many(self.redis, self._append, packed)
-        return [r if isinstance(r, BaseException) else self._append_result(r) for r in raw]
+        raw = await evalsha_many(self.redis, self._append_many, packed)
+        out: list[AppendResult | BaseException] = [ConnectionError("no reply")] * len(calls)
+        for part, reply in zip(members, raw, strict=True):
+            if isinstance(reply, BaseException):
+                for i in part:
+                    out[i] = reply
+                continue
+            for i, r in zip(part, reply, strict=True):
+                out[i] = self._append_result(r)
+        return out
 
     @staticmethod
     def _append_call(claim: Claim, seq_before: int, seq_after: int,
