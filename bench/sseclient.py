@@ -159,6 +159,7 @@ class SSEStream(asyncio.Protocol):
         self._decoder = ByteDecoder()
         self.body = b""  # the body of a non-SSE answer (an error's JSON)
         self.retry_ms: int | None = None  # the server's last reconnect hint (``retry:``)
+        self.received = 0.0  # unix time of the first event (0: none yet)
 
     @classmethod
     async def open(cls, host: str, port: int, path: str, on_frames: OnFrames,
@@ -262,7 +263,9 @@ class SSEStream(asyncio.Protocol):
                     hint = parse_block(block).retry
                     self.retry_ms = hint if hint is not None else self.retry_ms
         if frames:
-            self.on_frames(self, frames, time.time())
+            t = time.time()
+            self.received = self.received or t
+            self.on_frames(self, frames, t)
 
     def _finish(self, complete: bool) -> None:
         if not self.ended.done():

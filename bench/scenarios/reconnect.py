@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import threading
 import time
 import uuid
 from typing import Any
@@ -106,8 +107,10 @@ async def follow(r: Reader, host: str, port: int, attach: asyncio.Semaphore, att
             await asyncio.sleep(retry_s)
             continue
         r.stream = stream
-        if after_drain and r.new_stream is None:
-            r.new_stream = stream
+        if after_drain and r.new_stream is None and status == 200:
+            r.new_stream = stream  # (events may have come in already: the head and the first page in one read)
+            if r.first_after_drain is None and stream.received:
+                r.first_after_drain = stream.received - r.drain_at[0]
         r.statuses.append(status)
         if r.connections == 1:
             attached[0] += 1
@@ -228,13 +231,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 cpu_b = CpuWindow([pod_b.pid]).start()
                 cpu_load = CpuWindow([load.pid]).start()
                 t_drain = time.monotonic()
+                exited: list[float] = []
+
+                def wait_exit() -> None:
+                    pod_a.wait(120)
+                    exited.append(time.monotonic() - t_drain)
+
+                waiter = threading.Thread(target=wait_exit, daemon=True)
                 load.go()
                 pod_a.signal(signal.SIGTERM)
+                waiter.start()
                 load.wait_mark("reconnected", 200)
                 cpu_b.stop()
                 cpu_load.stop()
-                pod_a.wait(60)
-                out["pod_a_exit_s"] = time.monotonic() - t_drain
+                waiter.join(120)
+                out["pod_a_exit_s"] = exited[0] if exited else float("nan")
                 out["rsb"] = load.finish(300)
             finally:
                 load.kill()

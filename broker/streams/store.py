@@ -18,7 +18,9 @@ import orjson
 
 from broker.errors import Conflict, Expired, QueueFull, RateLimited, TooManyGenerations
 from broker.events import Event, EventPage, EventType, encode_data
+from broker.redis.batching import CommandBatcher
 from broker.redis.connection import (
+    RAW_ENTRIES,
     RedisClient,
     ensure_group,
     evalsha_many,
@@ -62,6 +64,9 @@ class Store:
         self.redis = redis
         self.partitions = partitions
         self.cluster = is_cluster(redis)
+        # The reads every attaching reader makes (status, replay) go out in shared pipelines (a reconnect storm
+        # makes thousands at once: broker.redis.batching).
+        self._batch = CommandBatcher(redis)
         replicated = durability_level == replication.REPLICATED
         # replicated: events become visible (published, readable) only once a replica has them.
         self.gate = replication.ReplicaGate(redis, wait_ms=replica_wait_ms,
@@ -148,9 +153,9 @@ class Store:
         k = self.keys(stream_id)
         # ``cod``, not the stored request: a status (every resume makes one) must not parse a prompt of up to
         # --max-prompt-chars to read one flag that CREATE stores apart.
-        raw = await self.redis.hmget(
-            k.meta, ["status", "model", "created_at", "usage", "last_id", "cod", "max_tokens", "key_id", "abandon_s"]
-        )
+        raw = await self._batch.execute(
+            "HMGET", k.meta, "status", "model", "created_at", "usage", "last_id", "cod", "max_tokens", "key_id",
+            "abandon_s")
         if raw[0] is None:
             return None
         return StreamStatus(
@@ -187,7 +192,7 @@ class Store:
         k = self.keys(stream_id)
         if self.gate is not None and visible_only:
             return (await self.gate.read(k, after_id, count, check=False))[0]
-        return EventPage(await xrange_raw(self.redis, k.events, "-" if after_id is None else f"({after_id}", count))
+        return EventPage(await self._xrange(k.events, "-" if after_id is None else f"({after_id}", count))
 
     async def read_after(self, stream_id: uuid.UUID, after_id: str, count: int) -> tuple[Sequence[Event], bool]:
         """Up to ``count`` readable events after ``after_id``, and whether ``after_id`` is in the stream (the
@@ -196,10 +201,16 @@ class Store:
         k = self.keys(stream_id)
         if self.gate is not None:
             return await self.gate.read(k, after_id, count, check=True)
-        events = EventPage(await xrange_raw(self.redis, k.events, after_id, count + 1))
+        events = EventPage(await self._xrange(k.events, after_id, count + 1))
         if events and events[0].id == after_id:
             return events[1:], True
         return events[:count], False
+
+    async def _xrange(self, key: str, start: str, count: int) -> Any:
+        """``xrange_raw`` through the read batcher: a burst of attaching readers' replays go out together."""
+        if self._batch.direct:
+            return await xrange_raw(self.redis, key, start, count)
+        return await self._batch.execute("XRANGE", key, start, "+", "COUNT", count, keys=[key], **{RAW_ENTRIES: True})
 
     async def last_common_id(self, stream_id: uuid.UUID, after_id: str) -> str | None:
         """The newest event id of the stream that is not newer than ``after_id`` (None: no such event)."""

@@ -150,7 +150,7 @@ async def test_many_streams_appends_in_one_call_per_partition_keep_each_streams_
     assert (await store.append(landed, 0, 2, [_delta("ab")])).ok  # its retry below finds it landed
     pubsub = redis_client.pubsub()
     pubsub.subscribe(claims[2].keys.channel)
-    assert pubsub.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+    assert pubsub.get_message(timeout=5)["type"] == "subscribe"
     calls = [(zombie, 0, 1, [_delta("z")]), (landed, 0, 2, [_delta("ab")])]
     calls += [(c, 0, 2, [_delta(f"{i}a"), _delta(f"{i}b")]) for i, c in enumerate(claims[2:], 2)]
     calls.append((owner, 0, 1, [_delta("o")]))
