@@ -246,14 +246,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     delivered = out["rsb"]["tokens_per_s"] / offered
     worker_us = out["rsb"]["generators_cores"] / max(out["rsb"]["tokens_per_s"], 1e-9) * 1e6
     out["worker_us_per_token"] = worker_us
-    connected = out["readers_connected"] == args.streams and out["rsb"]["n_errors"] == 0
-    out["goals"] = {"all_readers_connected": connected, "delivered_ge_99pct": delivered >= 0.99,
-                    "p99_le_50ms": rsb["p99"] <= 50.0, "worker_le_60us_per_token": worker_us <= 60}
+    # Issue 24's goals: every reader attached within 10 s, >= 99% delivered, p99 <= 100 ms, worker <= 40 us/token.
+    connected = (out["readers_connected"] == args.streams and out["rsb"]["n_errors"] == 0
+                 and out["connect_s"] <= 10.0)
+    out["goals"] = {"all_readers_connected_in_10s": connected, "delivered_ge_99pct": delivered >= 0.99,
+                    "p99_le_100ms": rsb["p99"] <= 100.0, "worker_le_40us_per_token": worker_us <= 40}
     print_goals("latency", [
-        goal_row("readers connected, no errors", out["readers_connected"], f"{args.streams}", connected),
+        goal_row("readers connected (no errors) within 10 s", out["readers_connected"], f"{args.streams}", connected),
         goal_row("delivered / offered tokens", delivered * 100, ">= 99%", delivered >= 0.99, "%"),
-        goal_row("p99 (ms)", rsb["p99"], "<= 50 ms", rsb["p99"] <= 50.0),
-        goal_row("worker CPU per token (us)", worker_us, "<= 60 us", worker_us <= 60),
+        goal_row("p99 (ms)", rsb["p99"], "<= 100 ms", rsb["p99"] <= 100.0),
+        goal_row("worker CPU per token (us)", worker_us, "<= 40 us", worker_us <= 40),
         ["p99 / reference p99 (info)", f"{r99:.1f}x", "-", "-"],
     ])
     return out

@@ -18,8 +18,9 @@ import asyncio
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
-from broker.redis.connection import RedisClient, is_cluster
+from broker.redis.connection import RedisClient, Script, is_cluster
 
 # Commands per pipeline: bounds one batch's reply (and the time Redis spends on it before answering others).
 MAX_BATCH = 256
@@ -42,6 +43,16 @@ class CommandBatcher:
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush())
         return await fut
+
+    async def script(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        """A registered script (broker.redis.connection.register_script), batched as EVALSHA; a script Redis
+        does not have (restarted, flushed) is loaded by the script object's own call."""
+        if self.direct:
+            return await script(keys=keys, args=args)
+        try:
+            return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await script(keys=keys, args=args)
 
     async def _flush(self) -> None:
         # Started on the turn that queued the first command: the others queued in the same turn (and while a

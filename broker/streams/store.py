@@ -411,9 +411,11 @@ class Store:
     async def renew(self, claim: Claim, worker_id: str, disconnect_grace_s: float) -> AppendResult:
         """Extend the lease; the reply carries any cancel reason (incl. abandoned / disconnect)."""
         k = claim.keys
-        code, cancel = await self._renew(keys=[k.meta, k.jobs],
-                                         args=[claim.fence, JOBS_GROUP, worker_id, claim.job_id,
-                                               f"{time.time():.3f}", disconnect_grace_s])
+        # Batched: a worker's renewals come in bursts (generations started together renew together), which
+        # sent one by one grew the pool to its bound and paid a new connection's handshake each.
+        code, cancel = await self._batch.script(self._renew, [k.meta, k.jobs],
+                                                [claim.fence, JOBS_GROUP, worker_id, claim.job_id,
+                                                 f"{time.time():.3f}", disconnect_grace_s])
         return AppendResult(int(code) == 0, reply_text(cancel))
 
     async def release(self, claim: Claim, worker_id: str) -> bool:
