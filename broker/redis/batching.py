@@ -55,9 +55,8 @@ class CommandBatcher:
             return await script(keys=keys, args=args)
 
     async def _flush(self) -> None:
-        # Started on the turn that queued the first command: the others queued in the same turn (and while a
-        # batch is in flight) go with it.
-        await asyncio.sleep(0)
+        # A task starts on the loop's next turn: every command queued in the turn that queued the first (and
+        # while a batch is in flight) goes with it.
         while self._pending:
             batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
             live = [(args, options, fut) for args, options, fut in batch if not fut.done()]  # callers that left
