@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from broker.redis.pubsub import Channels
 from broker.streams.keys import control_channel
 from broker.streams.records import Claim
 from broker.streams.store import Store
+from generator.handoff import StopSignal
 
 log = logging.getLogger("rsb.generator")
 
@@ -33,7 +33,7 @@ class Run:
     """What the worker knows about one job in flight. ``stop`` tells the inference thread to stop."""
 
     claim: Claim
-    stop: threading.Event = field(default_factory=threading.Event)
+    stop: StopSignal = field(default_factory=StopSignal)
     cancel_reason: str = ""
     fenced_out: bool = False
     deadline_hit: bool = False

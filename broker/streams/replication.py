@@ -39,6 +39,7 @@ from broker.events import Event, EventPage
 from broker.redis.connection import RedisClient, register_script
 from broker.redis.replicas import ReplicaWaiter, no_replica
 from broker.streams.keys import StreamKeys
+from broker.streams.scripts import PRELUDE
 
 log = logging.getLogger("rsb.replication")
 
@@ -56,7 +57,7 @@ WAIT_RETRY_BACKOFF = Backoff(base_s=0.05, cap_s=2.0)
 # Makes the events up to ``upto`` visible: sets the watermark and publishes what it passes, from the stream
 # itself (so a payload is never built twice). Monotonic: an older ``upto`` changes nothing. Never creates a
 # meta hash (an expired stream stays gone).
-ADVANCE = """
+ADVANCE = PRELUDE + """
 -- KEYS: meta, events ; ARGV: channel, upto ('' = the stream's last event)
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local upto = ARGV[2]
@@ -69,7 +70,7 @@ local wm = redis.call('HGET', KEYS[1], 'wm') or '0-0'
 local entries = redis.call('XRANGE', KEYS[2], '(' .. wm, upto)
 if #entries == 0 then return wm end
 for _, e in ipairs(entries) do
-  redis.call('PUBLISH', ARGV[1], e[1] .. '\\n' .. e[2][2] .. '\\n' .. e[2][4])
+  redis.call('PUBLISH', ARGV[1], entry_payload(e))
 end
 local top = entries[#entries][1]
 redis.call('HSET', KEYS[1], 'wm', top)

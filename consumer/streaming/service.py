@@ -154,14 +154,14 @@ class StreamService:
                                           retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
                                           key_id=caller.key_id, quota=self.quota(caller))
         except RetryLater:
-            self.metrics.inc("rsb_creates_rejected_total")
+            self.metrics.creates_rejected.inc()
             raise
         extra: dict[str, object] = {"stream_id": str(stream_id), "key_id": caller.key_id, "new_stream": res.created}
         if s.log_content:
             extra["prompt"] = request.prompt if request.prompt is not None else [
                 {"role": m.role, "content": m.content} for m in request.messages or ()]
         log.info("create", extra=extra)
-        self.metrics.inc("rsb_streams_created_total" if res.created else "rsb_creates_replayed_total")
+        (self.metrics.streams_created if res.created else self.metrics.creates_replayed).inc()
         return res
 
     async def status(self, caller: Caller, stream_id: uuid.UUID) -> StreamStatus:
@@ -180,7 +180,7 @@ class StreamService:
         status = await self.store.cancel(stream_id, reason)
         if status is None:
             raise NotFound("no stream with this id")
-        self.metrics.inc("rsb_cancels_total")
+        self.metrics.cancels.inc()
         return status
 
     async def request_of(self, stream_id: uuid.UUID) -> GenerationRequest | None:

@@ -34,6 +34,9 @@ RECONNECT_HINT = retry_hint(1000)
 CLOSING_SEND_TIMEOUT_S = 1.0
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+#: The response header of the protocol views (OpenAI, AI SDK) that names the rsb stream behind a response, for
+#: reading it again through the native API.
+STREAM_ID_HEADER = "x-rsb-stream-id"
 
 T = TypeVar("T")
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from broker.request import GenerationRequest
+from generator.engines.pieces import PartialAnswer, Piece
 
 
 class EngineError(Exception):
@@ -52,17 +53,19 @@ def error_code(error: BaseException) -> str:
 class Generation:
     """One running generation. ``pieces`` yields the text of each generated token, in order, already
     UTF-8 safe (a token that ends inside a character yields "" and its bytes come out with the next
-    one; invalid bytes become U+FFFD). It stops between tokens as soon as ``stop`` is set, after
-    ``max_tokens`` tokens, or at end-of-generation; then ``finish_reason`` is "stop" or "length"."""
+    one; invalid bytes become U+FFFD), and markers that switch the kind of the text after them (reasoning,
+    a tool call's arguments: generator.engines.pieces). It stops between tokens as soon as ``stop`` is set,
+    after ``max_tokens`` tokens, or at end-of-generation; then ``finish_reason`` is "stop", "length" or
+    "tool_calls" (the answer is calls)."""
 
     prompt_tokens: int
-    pieces: Iterator[str]
+    pieces: Iterator[Piece]
     finish_reason: str = "length"
     #: Set by the worker before iterating: engines that process a long prompt in steps call it with
     #: (prompt tokens processed, prompt tokens) between steps, from the inference thread.
     on_progress: Callable[[int, int], None] | None = None
     #: A loop engine's pieces (see ``on_loop``), instead of ``pieces``.
-    apieces: AsyncIterator[str] | None = None
+    apieces: AsyncIterator[Piece] | None = None
 
 
 class Engine(Protocol):
@@ -81,9 +84,11 @@ class Engine(Protocol):
         prefix_text: str,
         max_tokens: int,
         stop: threading.Event,
+        partial: PartialAnswer | None = None,
     ) -> Generation:
         """Tokenize the prompt (chat template applied for ``messages``) followed by ``prefix_text``
-        (answer text already appended by an earlier attempt, which the generation continues), and return
+        (answer text already appended by an earlier attempt, which the generation continues; ``partial``:
+        its reasoning and tool calls, when it had any), and return
         a Generation that produces at most ``max_tokens`` more tokens. Called in the inference thread:
         prefill may happen here or on the first ``next()``. An engine whose ``on_loop`` is true is called on
         the event loop instead, and fills ``apieces`` (an async iterator) rather than ``pieces``."""

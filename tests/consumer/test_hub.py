@@ -6,11 +6,12 @@ nobody and goes on touching the stream as if it had a reader, so ``cancel_on_dis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis
@@ -57,6 +58,17 @@ async def _connected(hub: LiveHub) -> None:
         await asyncio.sleep(0.05)
 
 
+@contextlib.contextmanager
+def _stopped(server: RedisServer) -> Iterator[None]:
+    """Redis SIGSTOPped for the block: a command goes out (the kernel takes it), no reply comes back."""
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
 async def _until(check: object, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():  # type: ignore[operator]
@@ -69,17 +81,13 @@ async def test_a_reader_that_leaves_before_redis_confirms_its_subscription_leave
     _, hub, admin = parts
     await _connected(hub)
     channel = f"test:{uuid.uuid4()}:live"
-    assert own_redis.proc is not None
-    os.kill(own_redis.proc.pid, signal.SIGSTOP)  # the SUBSCRIBE goes out; its confirmation does not come back
-    try:
+    with _stopped(own_redis):  # the SUBSCRIBE goes out; its confirmation does not come back
         reader = asyncio.ensure_future(hub.subscribe(channel))
         await asyncio.sleep(0.3)
         assert not reader.done() and hub.channels == 1
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
         assert (hub.channels, hub.readers) == (0, 0)
-    finally:
-        os.kill(own_redis.proc.pid, signal.SIGCONT)
     # Redis did get the SUBSCRIBE: the hub takes it back once it is confirmed, so nothing stays subscribed there.
     await _until(lambda: admin.pubsub_numsub(channel)[0][1] == 0 and hub.channels == 0)
     await asyncio.sleep(0.3)
@@ -91,9 +99,7 @@ async def test_readers_that_join_a_subscription_being_confirmed_stay_when_its_fi
     _, hub, admin = parts
     await _connected(hub)
     channel = f"test:{uuid.uuid4()}:live"
-    assert own_redis.proc is not None
-    os.kill(own_redis.proc.pid, signal.SIGSTOP)
-    try:
+    with _stopped(own_redis):
         first = asyncio.ensure_future(hub.subscribe(channel))
         await asyncio.sleep(0.1)
         second = asyncio.ensure_future(hub.subscribe(channel))
@@ -101,8 +107,6 @@ async def test_readers_that_join_a_subscription_being_confirmed_stay_when_its_fi
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
         assert not second.done() and (hub.channels, hub.readers) == (1, 1)
-    finally:
-        os.kill(own_redis.proc.pid, signal.SIGCONT)
     sub = await second  # confirmed by the subscription the first reader started
     assert not sub.resync
     admin.publish(channel, b"1-1\ndelta\n{}")

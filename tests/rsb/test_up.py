@@ -233,6 +233,7 @@ def test_every_subcommand_documents_every_flag() -> None:
         assert flag in out
 
 
+@pytest.mark.slow
 def test_rsb_up_lists_its_model_from_the_first_ready_answer(tmp_path: Path, demo_model: Path) -> None:
     """The first line of many openai SDK scripts, ``client.models.list().data[0]``, right after /readyz says 200:
     under ``rsb up`` readiness waits for a generator to serve its model (503 ``starting`` until then)."""
