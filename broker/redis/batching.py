@@ -18,7 +18,7 @@ import asyncio
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from broker.redis.connection import RedisClient, Script, is_cluster
 
@@ -63,10 +63,17 @@ class CommandBatcher:
             if not live:
                 continue
             try:
-                async with self.client.pipeline(transaction=False) as pipe:
-                    for args, options, _ in live:
-                        pipe.execute_command(*args, **options)
-                    replies: list[Any] = await pipe.execute(raise_on_error=False)
+                if len(live) == 1:  # alone (an ordinary resume): as a plain command, without a pipeline's costs
+                    args, options, _ = live[0]
+                    try:
+                        replies: list[Any] = [await self.client.execute_command(*args, **options)]
+                    except ResponseError as e:  # that caller's error, as a pipeline would hand it back
+                        replies = [e]
+                else:
+                    async with self.client.pipeline(transaction=False) as pipe:
+                        for args, options, _ in live:
+                            pipe.execute_command(*args, **options)
+                        replies = await pipe.execute(raise_on_error=False)
             except BaseException as e:  # the connection failed: every caller gets the error (and may retry)
                 for _, _, fut in live:
                     if not fut.done():

@@ -56,4 +56,6 @@ async def test_a_batched_script_is_loaded_again_when_redis_lost_it(redis_server:
     assert await batcher.script(script, [], [1]) == 2
     redis_client.script_flush()  # a restarted or flushed Redis
     assert await asyncio.gather(*(batcher.script(script, [], [i]) for i in range(10))) == list(range(1, 11))
+    redis_client.script_flush()
+    assert await batcher.script(script, [], [41]) == 42  # alone in its batch
     await r.aclose()
