@@ -33,11 +33,20 @@ class CommandBatcher:
         self.direct = is_cluster(client) or not isinstance(client, Redis)
         self._pending: list[tuple[tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._in_flight = 0  # plain commands out now, and the batch task while it runs
 
     async def execute(self, *args: Any, **options: Any) -> Any:
         """``client.execute_command(*args, **options)``, batched with the commands of other callers."""
         if self.direct:
             return await self.client.execute_command(*args, **options)
+        if not self._in_flight and not self._pending:
+            # Nothing else in flight: this command goes at once, as a plain command (a lone resume pays no
+            # hand-off to the batch task); the commands that come while it is out are batched.
+            self._in_flight += 1
+            try:
+                return await self.client.execute_command(*args, **options)
+            finally:
+                self._in_flight -= 1
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append((args, options, fut))
         if self._flusher is None or self._flusher.done():
@@ -57,6 +66,13 @@ class CommandBatcher:
     async def _flush(self) -> None:
         # A task starts on the loop's next turn: every command queued in the turn that queued the first (and
         # while a batch is in flight) goes with it.
+        self._in_flight += 1
+        try:
+            await self._send_batches()
+        finally:
+            self._in_flight -= 1
+
+    async def _send_batches(self) -> None:
         while self._pending:
             batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
             live = [(args, options, fut) for args, options, fut in batch if not fut.done()]  # callers that left
