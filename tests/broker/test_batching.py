@@ -12,6 +12,8 @@ from broker.redis.batching import CommandBatcher
 from broker.redis.connection import connect, register_script
 from broker.redis.server import RedisServer
 
+pytestmark = pytest.mark.slow  # a real redis-server
+
 
 async def test_a_burst_of_commands_goes_out_in_few_pipelines_each_with_its_own_answer(
         redis_server: RedisServer, redis_client: redis.Redis) -> None:

@@ -135,6 +135,7 @@ async def test_a_retried_append_whose_reply_was_lost_is_not_duplicated(store: St
     assert [e.type for e in await store.read(sid, None)] == ["queued", "delta"]
 
 
+@pytest.mark.slow
 async def test_many_streams_appends_in_one_call_per_partition_keep_each_streams_checks(
         redis_server: RedisServer, redis_client: redis.Redis) -> None:
     r = connect(redis_server.url)
