@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import resource
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,10 +127,11 @@ UNLIMITED_CREATES = ("--max-active", "0", "--create-burst", "0", "--max-queue", 
 UNLIMITED_LOAD = (*UNLIMITED_CREATES, "--max-streams-per-ip", "0")
 
 
-def start_consumer(redis_url: str, *extra: str, lifted: tuple[str, ...] = UNLIMITED_LOAD) -> tuple[Proc, str]:
-    """``rsb consumer`` on a free port, with the ``lifted`` limits off (flags in ``extra`` win); returns it
-    and its base URL once /healthz answers."""
-    port = free_port()
+def start_consumer(redis_url: str, *extra: str, lifted: tuple[str, ...] = UNLIMITED_LOAD,
+                   port: int | None = None) -> tuple[Proc, str]:
+    """``rsb consumer`` on ``port`` (default: a free one), with the ``lifted`` limits off (flags in ``extra``
+    win); returns it and its base URL once /healthz answers."""
+    port = port or free_port()
     p = Proc(python_module("rsb", "consumer", "--redis-url", redis_url, "--port", str(port),
                            "--log-level", "warning", *lifted, *extra), "consumer")
     url = f"http://127.0.0.1:{port}"
@@ -160,6 +163,62 @@ def start_direct(tokens_per_s: float, *extra: str) -> tuple[Proc, str]:
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/healthz", p)
     return p, url
+
+
+# -- nginx in front of consumers ----------------------------------------------------------------------
+
+NGINX_CONF = ROOT / "deploy" / "nginx.conf"
+
+
+def render_nginx_conf(listen_port: int, upstream_ports: list[int], tmp: Path) -> str:
+    """deploy/nginx.conf (the one compose mounts), with the upstream `server` lines and the `listen` port
+    for this machine, and logs/temp files under ``tmp``. Every SSE setting is the file's own."""
+    text = NGINX_CONF.read_text()
+    servers = "\n".join(f"        server 127.0.0.1:{p} max_fails=0;" for p in upstream_ports)
+    text, n = re.subn(r"^\s*server consumer:8000[^;]*;", servers, text, flags=re.M)
+    assert n == 1, "deploy/nginx.conf: expected one `server consumer:8000 ...;` line in the upstream"
+    text, n = re.subn(r"listen 8080;", f"listen 127.0.0.1:{listen_port};", text)
+    assert n == 1, "deploy/nginx.conf: expected one `listen 8080;`"
+    local = (f"    access_log {tmp}/access.log;\n    client_body_temp_path {tmp}/body;\n"
+             f"    proxy_temp_path {tmp}/proxy;\n")
+    text, n = re.subn(r"^http \{\n", "http {\n" + local, text, flags=re.M)
+    assert n == 1
+    return text
+
+
+class Nginx:
+    """A real nginx running deploy/nginx.conf in front of the given consumer ports (the tests' fixture and the
+    benchmarks' balancer)."""
+
+    def __init__(self, upstream_ports: list[int], tmp: Path) -> None:
+        binary = shutil.which("nginx") or "/usr/sbin/nginx"
+        assert Path(binary).exists(), "nginx is needed (Debian package nginx; scripts/test.sh installs it)"
+        self.port = free_port()
+        self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        conf = tmp / "nginx.conf"
+        conf.write_text(render_nginx_conf(self.port, upstream_ports, tmp))
+        argv = [binary, "-p", str(tmp), "-c", str(conf), "-e", str(tmp / "error.log"),
+                "-g", f"daemon off; pid {tmp}/nginx.pid; user root;"]
+        check = subprocess.run([*argv[:-2], "-t"], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+        self.proc = Proc(argv, "nginx", log_path=tmp / "nginx-stdout.log")
+        self.url = f"http://127.0.0.1:{self.port}"
+        wait_serving(f"{self.url}/healthz", self.proc.alive, (tmp / "error.log").read_text, 10)
+
+    def stop(self) -> None:
+        self.proc.stop(5)
+
+
+@contextlib.contextmanager
+def nginx(upstream_ports: list[int]) -> Iterator[Nginx]:
+    """nginx (deploy/nginx.conf) in front of these consumer ports, in a temporary directory, stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix="rsb-bench-nginx-") as tmp:
+        n = Nginx(upstream_ports, Path(tmp))
+        try:
+            yield n
+        finally:
+            n.stop()
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -232,8 +232,13 @@ class JobRunner:
     async def _append(self, run: Run, seq_before: int, seq_after: int,
                       events: Sequence[tuple[str, bytes]]) -> bool:
         """Append, surviving Redis outages. False when this worker no longer owns the stream."""
-        res = await until_done(lambda: self.appender.append(run.claim, seq_before, seq_after, events),
-                               "append failed")
+        def op() -> Awaitable[AppendResult]:
+            return self.appender.append(run.claim, seq_before, seq_after, events)
+
+        try:  # once directly (the path of every token), then by the retry policy, which logs and classifies
+            res = await op()
+        except Exception:  # an append is safe to make twice (its seq check answers a landed one)
+            res = await until_done(op, "append failed")
         if res.ok:
             run.cancel_reason = run.cancel_reason or res.cancel_reason
             return True

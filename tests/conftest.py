@@ -19,7 +19,7 @@ import llama_cpp
 import pytest
 import redis
 
-from bench.procs import Proc, wait_serving
+from bench.procs import Nginx, Proc, wait_serving
 from broker.redis.server import RedisServer, free_port
 from generator.engines.demo_model import build_demo_model
 from generator.engines.llama import LlamaEngine
@@ -331,52 +331,6 @@ def cluster_client(redis_cluster: RedisClusterServers) -> Iterator[redis.RedisCl
 
 
 # -- nginx in front of consumers ----------------------------------------------------------------------
-
-NGINX_CONF = ROOT / "deploy" / "nginx.conf"
-
-
-def render_nginx_conf(listen_port: int, upstream_ports: list[int], tmp: Path) -> str:
-    """deploy/nginx.conf (the one compose mounts), with the upstream `server` lines and the `listen` port
-    for this machine, and logs/temp files under ``tmp``. Every SSE setting is the file's own."""
-    import re
-
-    text = NGINX_CONF.read_text()
-    servers = "\n".join(f"        server 127.0.0.1:{p} max_fails=0;" for p in upstream_ports)
-    text, n = re.subn(r"^\s*server consumer:8000[^;]*;", servers, text, flags=re.M)
-    assert n == 1, "deploy/nginx.conf: expected one `server consumer:8000 ...;` line in the upstream"
-    text, n = re.subn(r"listen 8080;", f"listen 127.0.0.1:{listen_port};", text)
-    assert n == 1, "deploy/nginx.conf: expected one `listen 8080;`"
-    local = (f"    access_log {tmp}/access.log;\n    client_body_temp_path {tmp}/body;\n"
-             f"    proxy_temp_path {tmp}/proxy;\n")
-    text, n = re.subn(r"^http \{\n", "http {\n" + local, text, flags=re.M)
-    assert n == 1
-    return text
-
-
-class Nginx:
-    """A real nginx running deploy/nginx.conf in front of the given consumer ports."""
-
-    def __init__(self, upstream_ports: list[int], tmp: Path) -> None:
-        import shutil
-
-        binary = shutil.which("nginx") or "/usr/sbin/nginx"
-        assert Path(binary).exists(), "nginx is needed (Debian package nginx; scripts/test.sh installs it)"
-        self.port = free_port()
-        self.tmp = tmp
-        tmp.mkdir(parents=True, exist_ok=True)
-        conf = tmp / "nginx.conf"
-        conf.write_text(render_nginx_conf(self.port, upstream_ports, tmp))
-        argv = [binary, "-p", str(tmp), "-c", str(conf), "-e", str(tmp / "error.log"),
-                "-g", f"daemon off; pid {tmp}/nginx.pid; user root;"]
-        check = subprocess.run([*argv[:-2], "-t"], capture_output=True, text=True)
-        assert check.returncode == 0, check.stderr
-        self.proc = Proc(argv, "nginx", log_path=tmp / "nginx-stdout.log")
-        self.url = f"http://127.0.0.1:{self.port}"
-        wait_serving(f"{self.url}/healthz", self.proc.alive, (tmp / "error.log").read_text, 10)
-
-    def stop(self) -> None:
-        self.proc.stop(5)
-
 
 # A fixture that starts nginx: call it with the consumer ports to balance over.
 NginxFactory = Callable[[list[int]], Nginx]

@@ -2,4 +2,5 @@
 scenario's name is its module's, with ``-`` for ``_`` (``partial-json`` is partial_json.py)."""
 
 SCENARIOS = ["latency", "capacity", "throughput", "resume", "generator", "cpu", "peer", "create", "soak", "aisdk",
-             "durable", "durability", "partial-json", "conversation", "constrained"]
+             "durable", "durability", "partial-json", "conversation", "constrained",
+             "reconnect"]

@@ -15,7 +15,6 @@ import asyncio
 import time
 from typing import Any
 
-import httpx
 import redis.asyncio as aioredis
 
 from bench import procs
@@ -23,7 +22,7 @@ from bench.loadproc import Control
 from bench.paced_engine import parse_tokens
 from bench.report import goal_row, print_goals, table
 from bench.sampling import CpuWindow
-from bench.sseclient import client, create_stream, frames
+from bench.sseclient import Creator, SSEStream
 from bench.stats import ratio, summarize
 
 
@@ -38,73 +37,84 @@ def add_args(p: argparse.ArgumentParser) -> None:
 async def load_rsb(ctl: Control, base: str, streams: int, rate: float, warmup_s: float,
                    duration_s: float, connect_timeout_s: float = 120.0) -> dict[str, Any]:
     max_tokens = int(rate * (warmup_s + duration_s + 120))
+    host, port = base.removeprefix("http://").split(":")
     lat: list[float] = []
     lat_id: list[float] = []
     window = [float("inf"), float("inf")]
+    counted = [0]  # tokens received in the window (the load process's CPU per token is per these)
     connected = 0
     all_connected = asyncio.Event()
     errors: list[str] = []
     sids: list[str] = []
     sem = asyncio.Semaphore(64)
-    async with client() as http:
+    creator = Creator(host, int(port))
+    opened: list[SSEStream] = []
 
-        async def reader() -> None:
-            nonlocal connected
-            try:
-                async with sem:
-                    sid = await create_stream(http, base, max_tokens=max_tokens)
-                    sids.append(sid)
-                    ctx = http.stream("GET", f"{base}/v1/streams/{sid}/events")
-                    r = await ctx.__aenter__()
-                connected += 1
-                if connected == streams:
-                    all_connected.set()
-                try:
-                    async for f in frames(r):
-                        if f.event != b"delta":
-                            continue
-                        if f.t > window[1]:
-                            break
-                        text = f.data[9:-2].decode()  # {"text":"..."}
-                        for _, stamp in parse_tokens(text):
-                            if stamp >= window[0]:
-                                lat.append((f.t - stamp) * 1000)
-                        if f.t >= window[0] and f.id is not None:
-                            lat_id.append(f.t * 1000 - int(f.id.split(b"-")[0]))
-                finally:
-                    await ctx.__aexit__(None, None, None)
-            except (httpx.HTTPError, RuntimeError) as e:
-                errors.append(repr(e))
-                if len(errors) + connected >= streams:
-                    all_connected.set()
+    def on_frames(stream: SSEStream, batch: list[tuple[bytes | None, bytes | None, bytes]], t: float) -> None:
+        if t > window[1] or t < window[0] - warmup_s:
+            return
+        for eid, event, data in batch:
+            if event != b"delta":
+                continue
+            text = data[9:-2].decode()  # {"text":"..."}
+            for _, stamp in parse_tokens(text):
+                if stamp >= window[0]:
+                    lat.append((t - stamp) * 1000)
+                    counted[0] += 1
+            if t >= window[0] and eid is not None:
+                lat_id.append(t * 1000 - int(eid.split(b"-")[0]))
 
-        tasks = [asyncio.create_task(reader()) for _ in range(streams)]
-        t0 = time.monotonic()
-        try:  # on an overloaded machine, measure with the readers that made it
-            await asyncio.wait_for(all_connected.wait(), connect_timeout_s)
-        except TimeoutError:
-            pass
-        window[0] = time.time() + warmup_s
-        window[1] = window[0] + duration_s
-        ctl.mark("connected", window=window, readers=connected, seconds=time.monotonic() - t0)
-        await asyncio.sleep(warmup_s)
-        c0 = time.process_time()
-        await asyncio.sleep(duration_s)
-        load_cores = (time.process_time() - c0) / duration_s
-        await asyncio.sleep(1.0)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        cancel_sem = asyncio.Semaphore(64)
+    async def reader() -> None:
+        nonlocal connected
+        try:
+            async with sem:
+                sid = await creator.create(max_tokens=max_tokens)
+                sids.append(sid)
+                stream = await SSEStream.open(host, int(port), f"/v1/streams/{sid}/events", on_frames)
+                opened.append(stream)
+                status = await stream.status
+                if status != 200:
+                    raise RuntimeError(f"GET events: {status}")
+            connected += 1
+            if connected == streams:
+                all_connected.set()
+            if not await stream.ended and time.time() < window[1]:
+                raise ConnectionError("the server closed the stream early")
+        except (OSError, RuntimeError) as e:
+            errors.append(repr(e))
+            if len(errors) + connected >= streams:
+                all_connected.set()
 
-        async def cancel(sid: str) -> None:
-            async with cancel_sem:
-                await http.post(f"{base}/v1/streams/{sid}/cancel")
+    tasks = [asyncio.create_task(reader()) for _ in range(streams)]
+    t0 = time.monotonic()
+    try:  # on an overloaded machine, measure with the readers that made it
+        await asyncio.wait_for(all_connected.wait(), connect_timeout_s)
+    except TimeoutError:
+        pass
+    window[0] = time.time() + warmup_s
+    window[1] = window[0] + duration_s
+    ctl.mark("connected", window=window, readers=connected, seconds=time.monotonic() - t0)
+    await asyncio.sleep(warmup_s)
+    c0 = time.process_time()
+    await asyncio.sleep(duration_s)
+    load_cpu_s = time.process_time() - c0
+    await asyncio.sleep(1.0)
+    for stream in opened:
+        stream.close()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    cancel_sem = asyncio.Semaphore(8)
 
-        await asyncio.gather(*(cancel(s) for s in sids), return_exceptions=True)
+    async def cancel(sid: str) -> None:
+        async with cancel_sem:
+            await creator.post(f"/v1/streams/{sid}/cancel")
+
+    await asyncio.gather(*(cancel(s) for s in sids), return_exceptions=True)
+    await creator.aclose()
     return {"latency_ms": summarize(lat), "latency_from_xadd_ms": summarize(lat_id), "errors": errors[:5],
-            "n_errors": len(errors), "readers_connected": connected, "load_cores": load_cores,
-            "tokens_per_s": len(lat) / duration_s}
+            "n_errors": len(errors), "readers_connected": connected, "load_cores": load_cpu_s / duration_s,
+            "load_us_per_token": load_cpu_s / max(1, counted[0]) * 1e6, "tokens_per_s": len(lat) / duration_s}
 
 
 async def ref_writer(ctl: Control, redis_url: str, streams: int, rate: float, seconds: float) -> dict[str, Any]:
@@ -144,7 +154,7 @@ async def ref_reader(ctl: Control, redis_url: str, streams: int, warmup_s: float
         last: dict[str, str] = dict.fromkeys(keys, "0-0")
         try:
             while time.time() < window[1]:
-                res = await r.xread(last, block=1000)  # type: ignore[arg-type]
+                res: Any = await r.xread(last, block=1000)  # type: ignore[arg-type]
                 t = time.time()
                 for key, entries in res or []:
                     for _eid, fields in entries:
@@ -224,7 +234,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ["reference XADD->XREAD", ref["n"], ref["p50"], ref["p99"], ref["max"]]]
     print(table(f"\n== latency: {args.streams} streams x {args.rate:g} tokens/s, one consumer (ms)",
                 ["path", "samples", "p50", "p99", "max"], rows))
-    print(f"consumer {out['rsb']['consumer_cores']:.2f} cores, load process {out['rsb']['load_cores']:.2f} cores,"
+    print(f"consumer {out['rsb']['consumer_cores']:.2f} cores, load process {out['rsb']['load_cores']:.2f} cores"
+          f" ({out['rsb']['load_us_per_token']:.1f} us per token),"
           f" paced generators {out['rsb']['generators_cores']:.2f}"
           f" cores, delivered {out['rsb']['tokens_per_s']:.0f} tokens/s (offered {args.streams * args.rate:.0f}),"
           f" readers connected {out['readers_connected']}/{args.streams} in {out['connect_s']:.0f} s,"
@@ -235,14 +246,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     delivered = out["rsb"]["tokens_per_s"] / offered
     worker_us = out["rsb"]["generators_cores"] / max(out["rsb"]["tokens_per_s"], 1e-9) * 1e6
     out["worker_us_per_token"] = worker_us
-    connected = out["readers_connected"] == args.streams and out["rsb"]["n_errors"] == 0
-    out["goals"] = {"all_readers_connected": connected, "delivered_ge_99pct": delivered >= 0.99,
-                    "p99_le_50ms": rsb["p99"] <= 50.0, "worker_le_60us_per_token": worker_us <= 60}
+    # Issue 24's goals: every reader attached within 10 s, >= 99% delivered, p99 <= 100 ms, worker <= 40 us/token.
+    connected = (out["readers_connected"] == args.streams and out["rsb"]["n_errors"] == 0
+                 and out["connect_s"] <= 10.0)
+    out["goals"] = {"all_readers_connected_in_10s": connected, "delivered_ge_99pct": delivered >= 0.99,
+                    "p99_le_100ms": rsb["p99"] <= 100.0, "worker_le_40us_per_token": worker_us <= 40}
     print_goals("latency", [
-        goal_row("readers connected, no errors", out["readers_connected"], f"{args.streams}", connected),
+        goal_row("readers connected (no errors) within 10 s", out["readers_connected"], f"{args.streams}", connected),
         goal_row("delivered / offered tokens", delivered * 100, ">= 99%", delivered >= 0.99, "%"),
-        goal_row("p99 (ms)", rsb["p99"], "<= 50 ms", rsb["p99"] <= 50.0),
-        goal_row("worker CPU per token (us)", worker_us, "<= 60 us", worker_us <= 60),
+        goal_row("p99 (ms)", rsb["p99"], "<= 100 ms", rsb["p99"] <= 100.0),
+        goal_row("worker CPU per token (us)", worker_us, "<= 40 us", worker_us <= 40),
         ["p99 / reference p99 (info)", f"{r99:.1f}x", "-", "-"],
     ])
     return out

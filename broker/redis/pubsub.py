@@ -22,10 +22,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import hiredis
+from redis._parsers.hiredis import NOT_ENOUGH_DATA
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import SlotNotCoveredError
 
 from broker.backoff import Backoff
@@ -39,6 +42,8 @@ OnReset = Callable[[Iterable[bytes]], None]
 RECONNECT_BACKOFF = Backoff(base_s=0.05, cap_s=5.0)
 # A dispatch loop wakes at least this often even when no message comes (cheap; lets cancellation in).
 _IDLE_WAKE_S = 30.0
+# One socket read of the raw dispatch loop: at most this many bytes of messages are handed on per loop turn.
+_READ_BYTES = 1 << 18
 
 
 class _Shard:
@@ -196,46 +201,79 @@ class _Shard:
                 await asyncio.sleep(delay)
 
     async def _dispatch(self, ps: PubSub) -> None:
+        parser = getattr(ps.connection, "_parser", None)
+        reader, stream = getattr(parser, "_reader", None), getattr(parser, "_stream", None)
+        if isinstance(reader, hiredis.Reader) and isinstance(stream, asyncio.StreamReader):
+            await self._dispatch_raw(ps, reader, stream)
+            return
         msg_kind = self._msg_type.encode()
         while True:
             # get_message is parse_response + handle_message; a data message (every token of every tailed
             # stream) is handed on from the raw reply, without the dict and the handler lookups redis-py
-            # builds for it. Everything else goes through handle_message, which keeps PubSub's own
-            # bookkeeping (its channels, pending unsubscribes) right.
+            # builds for it.
             response: Any = await ps.parse_response(block=False, timeout=_IDLE_WAKE_S)
             if not response:
                 continue
             if response[0] == msg_kind and len(response) == 3:
                 self.owner.on_message(response[1], response[2])
                 continue
-            msg: dict[str, Any] | None = await ps.handle_message(response, ignore_subscribe_messages=False)
-            if msg is None:
+            await self._handle(ps, response)
+
+    async def _dispatch_raw(self, ps: PubSub, reader: hiredis.Reader, stream: asyncio.StreamReader) -> None:
+        """The dispatch loop on the connection's own hiredis reader: one socket read, then every reply it
+        completed, handed on in one go. Through ``parse_response`` each message cost a timeout context, the
+        retry wrapper and the push-handler chain (half of a consumer pod's CPU with a thousand live streams,
+        docs/benchmarks.md); here a message costs one ``gets()`` and the hub's callback. The readers woken by
+        one read's messages run after all of them are handed on, so each writes them in one send."""
+        msg_kind = self._msg_type.encode()
+        on_message = self.owner.on_message
+        gets, feed = reader.gets, reader.feed
+        while True:
+            reply: Any = gets()
+            if reply is NOT_ENOUGH_DATA:
+                data = await stream.read(_READ_BYTES)
+                if not data:
+                    raise RedisConnectionError("the pub/sub connection was closed by the server")
+                feed(data)
                 continue
-            kind, ch = msg["type"], msg["channel"]
-            if kind == self._msg_type:
-                self.owner.on_message(ch, msg["data"])
-            elif kind == self._ack_type:
-                futs = self._confirmations.get(ch)
-                if futs:
-                    fut = futs.popleft()
-                    if not futs:
-                        del self._confirmations[ch]
-                    if not fut.done():
-                        fut.set_result(None)
-                if ch in self._resubscribed:
-                    self._resubscribed.discard(ch)
-                    if ch in self.channels:
-                        self.owner.on_reset([ch])
-            elif kind == self._unack_type:
-                pending = self._unsubscribing.get(ch, 0)
-                if pending > 1:
-                    self._unsubscribing[ch] = pending - 1
-                elif pending == 1:
-                    del self._unsubscribing[ch]
-                elif ch in self.channels:
-                    # Not ours: the server dropped the channel because its slot moved to another master.
+            if isinstance(reply, list) and len(reply) == 3 and reply[0] == msg_kind:  # hiredis: a PushNotification
+                on_message(reply[1], reply[2])
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            await self._handle(ps, reply)
+
+    async def _handle(self, ps: PubSub, response: Any) -> None:
+        """Anything but a data message goes through handle_message, which keeps PubSub's own bookkeeping (its
+        channels, pending unsubscribes) right."""
+        msg: dict[str, Any] | None = await ps.handle_message(response, ignore_subscribe_messages=False)
+        if msg is None:
+            return
+        kind, ch = msg["type"], msg["channel"]
+        if kind == self._msg_type:
+            self.owner.on_message(ch, msg["data"])
+        elif kind == self._ack_type:
+            futs = self._confirmations.get(ch)
+            if futs:
+                fut = futs.popleft()
+                if not futs:
+                    del self._confirmations[ch]
+                if not fut.done():
+                    fut.set_result(None)
+            if ch in self._resubscribed:
+                self._resubscribed.discard(ch)
+                if ch in self.channels:
                     self.owner.on_reset([ch])
-                    asyncio.get_running_loop().create_task(self.owner.reroute(self))
+        elif kind == self._unack_type:
+            pending = self._unsubscribing.get(ch, 0)
+            if pending > 1:
+                self._unsubscribing[ch] = pending - 1
+            elif pending == 1:
+                del self._unsubscribing[ch]
+            elif ch in self.channels:
+                # Not ours: the server dropped the channel because its slot moved to another master.
+                self.owner.on_reset([ch])
+                asyncio.get_running_loop().create_task(self.owner.reroute(self))
 
 
 class Channels:

@@ -18,7 +18,9 @@ import orjson
 
 from broker.errors import Conflict, Expired, QueueFull, RateLimited, TooManyGenerations
 from broker.events import Event, EventPage, EventType, encode_data
+from broker.redis.batching import CommandBatcher
 from broker.redis.connection import (
+    RAW_ENTRIES,
     RedisClient,
     ensure_group,
     evalsha_many,
@@ -56,6 +58,10 @@ from broker.streams.records import (
 POSITION_UPDATES = 32
 # Streams touched per script call: bounds one call's time inside Redis (a script blocks the server).
 TOUCH_BATCH = 500
+# Streams per APPEND_MANY call: bounds one call's time inside Redis (a few ms at most).
+APPEND_MANY_STREAMS = 256
+# Claims whose APPEND_MANY arguments are kept encoded (a worker's generations in flight, with room to spare).
+APPEND_HEADS = 4096
 
 
 
@@ -70,6 +76,9 @@ class Store:
         self.redis = redis
         self.partitions = partitions
         self.cluster = is_cluster(redis)
+        # The reads every attaching reader makes (status, replay) go out in shared pipelines (a reconnect storm
+        # makes thousands at once: broker.redis.batching).
+        self._batch = CommandBatcher(redis)
         replicated = durability_level == replication.REPLICATED
         # replicated: events become visible (published, readable) only once a replica has them.
         self.gate = replication.ReplicaGate(redis, wait_ms=replica_wait_ms,
@@ -81,6 +90,8 @@ class Store:
         self._create = register(scripts.CREATE)
         self._claim = register(scripts.CLAIM)
         self._append = register(scripts.APPEND)
+        self._append_many = register(scripts.APPEND_MANY)
+        self._append_heads: dict[int, tuple[Claim, tuple[bytes, bytes, bytes, bytes]]] = {}
         self._finish = register(scripts.FINISH)
         self._cancel = register(scripts.CANCEL)
         self._renew = register(scripts.RENEW)
@@ -156,9 +167,9 @@ class Store:
         k = self.keys(stream_id)
         # ``cod``, not the stored request: a status (every resume makes one) must not parse a prompt of up to
         # --max-prompt-chars to read one flag that CREATE stores apart.
-        raw = await self.redis.hmget(
-            k.meta, ["status", "model", "created_at", "usage", "last_id", "cod", "max_tokens", "key_id", "abandon_s"]
-        )
+        raw = await self._batch.execute(
+            "HMGET", k.meta, "status", "model", "created_at", "usage", "last_id", "cod", "max_tokens", "key_id",
+            "abandon_s")
         if raw[0] is None:
             return None
         return StreamStatus(
@@ -195,7 +206,7 @@ class Store:
         k = self.keys(stream_id)
         if self.gate is not None and visible_only:
             return (await self.gate.read(k, after_id, count, check=False))[0]
-        return EventPage(await xrange_raw(self.redis, k.events, "-" if after_id is None else f"({after_id}", count))
+        return EventPage(await self._xrange(k.events, "-" if after_id is None else f"({after_id}", count))
 
     async def read_after(self, stream_id: uuid.UUID, after_id: str, count: int) -> tuple[Sequence[Event], bool]:
         """Up to ``count`` readable events after ``after_id``, and whether ``after_id`` is in the stream (the
@@ -204,10 +215,16 @@ class Store:
         k = self.keys(stream_id)
         if self.gate is not None:
             return await self.gate.read(k, after_id, count, check=True)
-        events = EventPage(await xrange_raw(self.redis, k.events, after_id, count + 1))
+        events = EventPage(await self._xrange(k.events, after_id, count + 1))
         if events and events[0].id == after_id:
             return events[1:], True
         return events[:count], False
+
+    async def _xrange(self, key: str, start: str, count: int) -> Any:
+        """``xrange_raw`` through the read batcher: a burst of attaching readers' replays go out together."""
+        if self._batch.direct:
+            return await xrange_raw(self.redis, key, start, count)
+        return await self._batch.execute("XRANGE", key, start, "+", "COUNT", count, keys=[key], **{RAW_ENTRIES: True})
 
     async def last_common_id(self, stream_id: uuid.UUID, after_id: str) -> str | None:
         """The newest event id of the stream that is not newer than ``after_id`` (None: no such event)."""
@@ -324,13 +341,49 @@ class Store:
 
     async def append_many(self, calls: Sequence[tuple[Claim, int, int, Sequence[tuple[str, bytes]]]]
                           ) -> list[AppendResult | BaseException]:
-        """Several streams' appends in one pipeline (one round trip). Each script still runs atomically on
-        its own; their results (or errors) come back in order."""
-        packed = [self._append_call(claim, seq_before, seq_after, events)
-                  for claim, seq_before, seq_after, events in calls]
+        """Several streams' appends in one round trip: one APPEND_MANY call per partition (its keys share a
+        slot), at most APPEND_MANY_STREAMS streams each, all in one pipeline. Each stream's append is checked
+        and made as ``append`` makes it; their results (or the error of their call) come back in order."""
+        groups: dict[int, list[int]] = {}
+        for i, (claim, _, _, _) in enumerate(calls):
+            groups.setdefault(claim.keys.partition, []).append(i)
+        packed: list[tuple[list[Any], list[Any]]] = []
+        members: list[list[int]] = []
+        for indexes in groups.values():
+            for start in range(0, len(indexes), APPEND_MANY_STREAMS):
+                part = indexes[start:start + APPEND_MANY_STREAMS]
+                keys: list[Any] = []  # names as bytes (see _append_head)
+                args: list[Any] = []
+                for i in part:
+                    claim, seq_before, seq_after, events = calls[i]
+                    meta, stream, fence, channel = self._append_head(claim)
+                    keys += (meta, stream)
+                    args += (fence, channel, seq_before, seq_after, len(events))
+                    for etype, data in events:
+                        args += (etype, data)
+                packed.append((keys, args))
+                members.append(part)
         # An append that already landed before a reload of the script answers its seq check, not twice.
-        raw = await evalsha_many(self.redis, self._append, packed)
-        return [r if isinstance(r, BaseException) else self._append_result(r) for r in raw]
+        raw = await evalsha_many(self.redis, self._append_many, packed)
+        out: list[AppendResult | BaseException] = [ConnectionError("no reply")] * len(calls)
+        for part, reply in zip(members, raw, strict=True):
+            for n, i in enumerate(part):
+                out[i] = reply if isinstance(reply, BaseException) else self._append_result(reply[n])
+        return out
+
+    def _append_head(self, claim: Claim) -> tuple[bytes, bytes, bytes, bytes]:
+        """A claim's keys, fence and channel as the bytes APPEND_MANY takes: built once per claim, not per token
+        (three key names and the fence encoded again at every append were a tenth of a busy worker's CPU)."""
+        # By identity (a claim's hash would hash its whole request): a worker appends with the Claim it got.
+        kept = self._append_heads.get(id(claim))
+        if kept is not None and kept[0] is claim:
+            return kept[1]
+        if len(self._append_heads) >= APPEND_HEADS:
+            self._append_heads.clear()  # claims of streams long finished; the live ones are rebuilt once
+        k = claim.keys
+        head = (k.meta.encode(), k.events.encode(), str(claim.fence).encode(), k.channel.encode())
+        self._append_heads[id(claim)] = (claim, head)
+        return head
 
     @staticmethod
     def _append_call(claim: Claim, seq_before: int, seq_after: int,
@@ -366,8 +419,11 @@ class Store:
     async def renew(self, claim: Claim, worker_id: str, disconnect_grace_s: float) -> AppendResult:
         """Extend the lease; the reply carries any cancel reason (incl. abandoned / disconnect)."""
         k = claim.keys
-        res = await self._renew(keys=[k.meta, k.jobs], args=[claim.fence, JOBS_GROUP, worker_id, claim.job_id,
-                                                             f"{time.time():.3f}", disconnect_grace_s])
+        # Batched: a worker's renewals come in bursts (generations started together renew together), which
+        # sent one by one grew the pool to its bound and paid a new connection's handshake each.
+        res = await self._batch.script(self._renew, [k.meta, k.jobs],
+                                       [claim.fence, JOBS_GROUP, worker_id, claim.job_id, f"{time.time():.3f}",
+                                        disconnect_grace_s])
         renewed = reply_text(res[0]) == "renewed"
         return AppendResult(renewed, reply_text(res[1]) if renewed else "")
 

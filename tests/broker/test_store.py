@@ -135,6 +135,44 @@ async def test_a_retried_append_whose_reply_was_lost_is_not_duplicated(store: St
     assert [e.type for e in await store.read(sid, None)] == ["queued", "delta"]
 
 
+@pytest.mark.slow
+async def test_many_streams_appends_in_one_call_per_partition_keep_each_streams_checks(
+        redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    r = connect(redis_server.url)
+    store = Store(r, 4)
+    claims = []
+    for _ in range(12):
+        sid = uuid.uuid4()
+        await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+        claims.append(await _claimed(store, sid))
+    assert len({c.keys.partition for c in claims}) > 1
+    zombie, landed = claims[0], claims[1]
+    owner = await _claimed(store, zombie.stream_id, "w2")  # zombie is fenced out
+    assert (await store.append(landed, 0, 2, [_delta("ab")])).ok  # its retry below finds it landed
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe(claims[2].keys.channel)
+    assert pubsub.get_message(timeout=5)["type"] == "subscribe"
+    calls = [(zombie, 0, 1, [_delta("z")]), (landed, 0, 2, [_delta("ab")])]
+    calls += [(c, 0, 2, [_delta(f"{i}a"), _delta(f"{i}b")]) for i, c in enumerate(claims[2:], 2)]
+    calls.append((owner, 0, 1, [_delta("o")]))
+    results = await store.append_many(calls)
+    assert not isinstance(results[0], BaseException) and not results[0].ok and results[0].seq is None
+    assert not isinstance(results[1], BaseException) and not results[1].ok and results[1].seq == 2
+    for res in results[2:]:
+        assert not isinstance(res, BaseException) and res.ok
+    for i, c in enumerate(claims[2:], 2):
+        texts = [e.json()["text"] for e in await store.read(c.stream_id, None) if e.type == "delta"]
+        assert texts == [f"{i}a", f"{i}b"]
+        assert int(redis_client.hget(c.keys.meta, "seq")) == 2  # type: ignore[arg-type]
+    assert [e.json()["text"] for e in await store.read(owner.stream_id, None) if e.type == "delta"] == ["o"]
+    assert [e.json()["text"] for e in await store.read(landed.stream_id, None) if e.type == "delta"] == ["ab"]
+    published = [pubsub.get_message(timeout=5) for _ in range(2)]
+    assert [m["data"].split(b"\n", 2)[2] for m in published if m] == [
+        encode_data({"text": "2a"}), encode_data({"text": "2b"})]
+    pubsub.close()
+    await r.aclose()
+
+
 async def test_cancel_racing_claim_has_exactly_one_winner(store: Store) -> None:
     for _ in range(20):
         sid = uuid.uuid4()

@@ -15,10 +15,10 @@ from typing import cast
 import httpx
 import pytest
 import redis
-from conftest import Nginx, NginxFactory, ResumingRead, Stack, StackFactory, read_resuming
+from conftest import NginxFactory, ResumingRead, Stack, StackFactory, read_resuming
 from helpers import create, read_sse
 
-from bench.procs import Proc
+from bench.procs import Nginx, Proc
 from broker.redis.server import RedisServer
 
 
