@@ -8,7 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from conftest import RedisClusterServers
+from servers import RedisClusterServers
 
 from broker.redis.connection import RedisClient, connect
 from broker.redis.server import RedisServer
@@ -16,7 +16,7 @@ from broker.streams.chats import ChatStore, Turn, turn_stream_id
 from broker.streams.keys import chat_key
 
 
-@pytest.fixture(params=["standalone", "cluster"])
+@pytest.fixture(params=["standalone", pytest.param("cluster", marks=pytest.mark.slow)])
 async def redis_async(request: pytest.FixtureRequest) -> AsyncIterator[RedisClient]:
     if request.param == "standalone":
         server: RedisServer = request.getfixturevalue("redis_server")

@@ -11,9 +11,10 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 import redis
-from conftest import RedisClusterServers, Stack, StackFactory
 from helpers import create, create_outcome, read_sse, wait_status
+from servers import RedisClusterServers, Stack, StackFactory
 
 from broker.redis.connection import connect
 from broker.redis.keyspace import partition_slot
@@ -21,6 +22,8 @@ from broker.request import GenerationRequest
 from broker.streams.keys import jobs_key, partition_of
 from broker.streams.records import Claim
 from broker.streams.store import Store
+
+pytestmark = pytest.mark.slow
 
 PARTITIONS = 6
 

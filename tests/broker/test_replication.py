@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import PrimaryReplica, StackFactory
 from helpers import SSE, create, sse_blocks
+from servers import PrimaryReplica, StackFactory
 
 from broker.events import EventType, encode_data
 from broker.redis.connection import connect
@@ -24,6 +24,8 @@ from broker.request import GenerationRequest
 from broker.streams.keys import StreamKeys
 from broker.streams.records import Claim
 from broker.streams.store import Store
+
+pytestmark = pytest.mark.slow
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 

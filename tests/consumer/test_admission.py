@@ -10,11 +10,14 @@ from pathlib import Path
 
 import httpx
 import orjson
+import pytest
 import redis
-from conftest import StackFactory
 from helpers import create, read_sse, wait_status
+from servers import StackFactory
 
 from broker.redis.server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 
 def test_queued_positions_count_down_then_started(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:

@@ -25,12 +25,14 @@ import httpx
 import orjson
 import pytest
 import redis
-from conftest import CHROMIUM, Stack, StackFactory, needs_chromium
 from helpers import read_sse
+from servers import CHROMIUM, Stack, StackFactory, needs_chromium
 
 from broker.redis.server import RedisServer
 from broker.sse import ByteDecoder, parse_block
 from consumer.edge.auth import new_key
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "aisdk" / "harness"

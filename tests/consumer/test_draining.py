@@ -10,11 +10,14 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
-from conftest import NginxFactory, ResumingRead, StackFactory, read_resuming
-from helpers import create, read_sse
+from helpers import ResumingRead, create, read_resuming, read_sse
+from servers import NginxFactory, StackFactory
 
 from broker.redis.server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 
 def _readers(url: str) -> float:

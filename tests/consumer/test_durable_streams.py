@@ -17,12 +17,14 @@ import httpx
 import orjson
 import pytest
 import redis
-from conftest import Stack, StackFactory
 from durable_streams import stream as ds_stream
 from helpers import create, read_sse, wait_readers
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,13 @@ import orjson
 import psutil
 import pytest
 import redis
-from conftest import StackFactory
 from helpers import create, read_sse
+from servers import StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.server import who_can_reach
+
+pytestmark = pytest.mark.slow
 
 HOSTILE, OTHER, THIRD = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 

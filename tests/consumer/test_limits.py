@@ -11,8 +11,8 @@ import httpx
 import orjson
 import pytest
 import redis
-from conftest import Stack, StackFactory
 from helpers import create, read_sse
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key

@@ -15,11 +15,13 @@ from typing import cast
 import httpx
 import pytest
 import redis
-from conftest import Nginx, NginxFactory, ResumingRead, Stack, StackFactory, read_resuming
-from helpers import create, read_sse
+from helpers import ResumingRead, create, read_resuming, read_sse
+from servers import Nginx, NginxFactory, Stack, StackFactory
 
 from bench.procs import Proc
 from broker.redis.server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 
 def _metric(url: str, name: str) -> float:

@@ -16,7 +16,6 @@ import openai
 import orjson
 import pytest
 import redis
-from conftest import Stack, StackFactory
 from helpers import SSERead, create, read_sse, wait_status
 from openai.types.chat import ChatCompletionContentPartTextParam, ChatCompletionMessageParam
 from openai.types.responses import (
@@ -29,9 +28,12 @@ from openai.types.responses import (
     ResponseStreamEvent,
     ResponseTextDoneEvent,
 )
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key
+
+pytestmark = pytest.mark.slow
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story"}]
 

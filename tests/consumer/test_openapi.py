@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import StackFactory
+from servers import StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key
+
+pytestmark = pytest.mark.slow
 
 # The limits the consumer runs with: small, so the generated bodies reach them.
 LIMITS = ("--max-tokens-limit", "512", "--max-prompt-chars", "2000", "--max-messages", "16")

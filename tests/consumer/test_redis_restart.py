@@ -6,10 +6,13 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import StackFactory
+import pytest
 from helpers import SSERead, create, read_sse, wait_status
+from servers import StackFactory
 
 from broker.redis.server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 
 def test_redis_restart_mid_stream_loses_and_repeats_nothing(stack_factory: StackFactory, own_redis: RedisServer, slow_model: Path) -> None:

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 import redis
-from conftest import StackFactory
+from servers import StackFactory
 
 from broker.events import EventType, encode_data
 from broker.redis.connection import connect
@@ -26,6 +26,8 @@ from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
 from broker.streams.records import Claim
 from broker.streams.store import Store
+
+pytestmark = pytest.mark.slow
 
 REQ = GenerationRequest(None, "x", None, 100000, 0.8, 0.95, None, (), False)
 

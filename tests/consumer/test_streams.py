@@ -12,11 +12,14 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 import redis
-from conftest import Stack, StackFactory
 from helpers import SSERead, create, read_sse, wait_readers, wait_status
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 
 def _finished(stack: Stack, max_tokens: int = 48, **body: Any) -> tuple[str, SSERead]:

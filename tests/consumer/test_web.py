@@ -17,11 +17,13 @@ from typing import Any, cast
 
 import pytest
 import redis
-from conftest import CHROMIUM, Stack, StackFactory, needs_chromium
 from helpers import assert_english, create, read_sse, wait_status
+from servers import CHROMIUM, Stack, StackFactory, needs_chromium
 
 from broker.redis.server import RedisServer
 from generator.engines.default_model import DEFAULT_MODEL_NAME
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts" / "web"

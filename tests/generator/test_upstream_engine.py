@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import StackFactory
 from helpers import create, read_sse, wait_status
+from servers import StackFactory
 
 from bench.procs import wait_serving
 from broker.redis.server import RedisServer, free_port
@@ -290,6 +290,7 @@ def test_a_character_split_into_two_escaped_surrogates_comes_out_whole() -> None
 # -- the engine against a real server -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_engine_streams_what_the_upstream_generates(upstream: LlamaServer) -> None:
     engine = UpstreamEngine(upstream.url + "/v1")
     try:
@@ -312,6 +313,7 @@ def test_the_engine_streams_what_the_upstream_generates(upstream: LlamaServer) -
         engine.close()
 
 
+@pytest.mark.slow
 def test_stop_aborts_a_request_still_waiting_in_the_upstream(slow_upstream: LlamaServer) -> None:
     """Our request waits in the server's queue with nothing to read: setting stop must still end it at once,
     and the server must drop it, not run it once it is free."""
@@ -341,6 +343,7 @@ def test_stop_aborts_a_request_still_waiting_in_the_upstream(slow_upstream: Llam
         engine.close()
 
 
+@pytest.mark.slow
 def test_an_http_error_from_the_upstream_is_an_upstream_error(upstream: LlamaServer) -> None:
     engine = UpstreamEngine(upstream.url)
     try:
@@ -356,6 +359,7 @@ def test_an_http_error_from_the_upstream_is_an_upstream_error(upstream: LlamaSer
 # -- rsb generator --upstream, end to end ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cancel_aborts_the_upstream_request(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_upstream: LlamaServer) -> None:
     s = stack_factory(redis_server.url)
@@ -380,6 +384,7 @@ def test_cancel_aborts_the_upstream_request(
     slow_upstream.assert_free()
 
 
+@pytest.mark.slow
 def test_concurrency_two_runs_two_generations_at_once(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_upstream: LlamaServer) -> None:
     s = stack_factory(redis_server.url)
@@ -401,6 +406,7 @@ def test_concurrency_two_runs_two_generations_at_once(
         assert read.text == answer
 
 
+@pytest.mark.slow
 def test_an_unreachable_upstream_ends_the_stream_with_error(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)

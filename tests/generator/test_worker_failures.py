@@ -12,11 +12,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import redis
-from conftest import Stack, StackFactory
 from helpers import SSE, SSERead, create, read_sse, wait_status
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 1500
 

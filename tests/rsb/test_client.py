@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import Stack, StackFactory
 from helpers import read_sse, wait_status
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer, free_port
 from rsb import (
