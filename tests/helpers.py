@@ -24,7 +24,7 @@ T = TypeVar("T")
 LLAMA_EXTRA = "llama.cpp is not installed (the [llama] extra: pip install -e '.[test]', or ./scripts/test.sh)"
 
 
-def eventually(check: Callable[[], T], timeout_s: float = 10.0, what: str = "", *, interval_s: float = 0.05) -> T:
+def eventually(check: Callable[[], T | None], timeout_s: float = 10.0, what: str = "", *, interval_s: float = 0.05) -> T:
     """Call ``check`` until it returns something truthy (returned) and raises no AssertionError, for at most
     ``timeout_s``: a poll with a deadline, never a sleep that hopes the server was quick enough. Past the
     deadline it fails with ``check``'s own last AssertionError, or with ``what``."""
@@ -44,7 +44,7 @@ def eventually(check: Callable[[], T], timeout_s: float = 10.0, what: str = "", 
         time.sleep(interval_s)
 
 
-async def eventually_async(check: Callable[[], Awaitable[T]], timeout_s: float = 10.0, what: str = "", *,
+async def eventually_async(check: Callable[[], Awaitable[T | None]], timeout_s: float = 10.0, what: str = "", *,
                            interval_s: float = 0.05) -> T:
     """``eventually`` for a test on the event loop: ``check`` is a coroutine function, and the wait yields to
     the loop."""
@@ -259,7 +259,7 @@ def connected_readers(base_url: str) -> float:
     return metric(httpx.get(f"{base_url}/metrics", timeout=10).text, "rsb_connected_readers")
 
 
-def wait_readers_sync(base_url: str, n: int, timeout_s: float = 10.0) -> None:
+def wait_readers_sync(base_url: str, n: float, timeout_s: float = 10.0) -> None:
     """Until the consumer at ``base_url`` counts at least ``n`` connected readers (SSE and long-polls)."""
     eventually(lambda: connected_readers(base_url) >= n, timeout_s, f"{n} connected readers")
 

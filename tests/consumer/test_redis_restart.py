@@ -34,7 +34,7 @@ def test_redis_restart_mid_stream_loses_and_repeats_nothing(stack_factory: Stack
         assert down.status_code == 503 and down.json()["error"]["code"] == "unavailable"
         assert int(down.headers["retry-after"]) >= 1
         assert c.get(f"/v1/streams/{sid}").status_code == 503
-        time.sleep(2.0)  # connected readers get heartbeats meanwhile, not errors
+        time.sleep(2.0)  # deliberate downtime: connected readers get heartbeats meanwhile, not errors
         own_redis.start()
         downtime = time.monotonic() - t_down
 

@@ -330,7 +330,7 @@ def test_stop_aborts_a_request_still_waiting_in_the_upstream(slow_upstream: Llam
             while slow_upstream.chat_posts() == posts:  # our request is at the server, waiting
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            time.sleep(0.3)
+            time.sleep(0.3)  # deliberate: a moment in which the waiting request must not end by itself
             assert reader.is_alive()
             t0 = time.monotonic()
             stop.set()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from helpers import read_sse, wait_status
+from helpers import eventually, read_sse, wait_status
 from servers import SharedStack, StackFactory
 
 from broker.redis.server import RedisServer, free_port
@@ -181,15 +181,16 @@ def test_expired_streams_raise_expired(stack_factory: StackFactory, redis_server
     with Client(url) as rsb:
         info = rsb.create(prompt="Hello", max_tokens=4)
         assert list(rsb.stream(info.id))[-1].type == "done"
-        deadline = time.monotonic() + 10
-        while True:
+
+        def expired() -> ExpiredError | None:
             try:
                 rsb.status(info.id)
             except ExpiredError as e:
-                assert e.status_code == 410 and e.code == "expired"
-                break
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+                return e
+            return None
+
+        gone = eventually(expired, 10, "the stream expiring (retention 1 s)", interval_s=0.2)
+        assert gone.status_code == 410 and gone.code == "expired"
         with pytest.raises(ExpiredError):
             list(rsb.stream(info.id))
 

@@ -7,14 +7,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 import redis
-from helpers import assert_english, create, read_sse
+from helpers import assert_english, create, eventually, read_sse
 
 from bench.procs import Proc
 from broker.redis.server import free_port
@@ -148,10 +147,8 @@ def test_a_generator_that_dies_is_started_again(tmp_path: Path, demo_model: Path
         [first] = _generators(up)
         first.kill()
         up.wait_for_line("generator exited; restarting it", 30)
-        deadline = time.monotonic() + 60
-        while up.output().count("generator ready") < 2:
-            assert time.monotonic() < deadline, up.output()
-            time.sleep(0.1)
+        eventually(lambda: up.output().count("generator ready") >= 2, 60, "the restarted generator ready",
+                   interval_s=0.1)
         [second] = _generators(up)
         assert second.pid != first.pid
         with httpx.Client(base_url=up.url, timeout=30) as c:
