@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import Any
 
 from bench.procs import raise_nofile
 from bench.report import write_json
@@ -16,11 +17,15 @@ from bench.scenarios import SCENARIOS
 from broker import runtime
 
 
+def module(name: str) -> Any:
+    return importlib.import_module(f"bench.scenarios.{name.replace('-', '_')}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m bench", description=__doc__)
     sub = p.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
     for name in SCENARIOS:
-        mod = importlib.import_module(f"bench.scenarios.{name}")
+        mod = module(name)
         sp = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0],
                             description=mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_args(sp)
@@ -31,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_one(name: str, args: argparse.Namespace) -> bool:
-    mod = importlib.import_module(f"bench.scenarios.{name}")
+    mod = module(name)
     t0 = time.monotonic()
     load_before = os.getloadavg()[0]
     print(f"\n##### {name} (stack {runtime.stack()}, load average {load_before:.1f})", flush=True)

@@ -22,12 +22,13 @@ from rsb._exceptions import (
     StreamInterrupted,
     UnavailableError,
 )
-from rsb._types import Event, StreamInfo, StreamStatus
+from rsb._types import Answer, Event, StreamInfo, StreamStatus, ToolCall
 
 __version__ = "0.2.0"
 
 __all__ = [
     "DEFAULT_URL",
+    "Answer",
     "AsyncClient",
     "AuthenticationError",
     "Client",
@@ -43,6 +44,7 @@ __all__ = [
     "StreamInfo",
     "StreamInterrupted",
     "StreamStatus",
+    "ToolCall",
     "UnavailableError",
     "__version__",
 ]

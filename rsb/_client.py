@@ -53,10 +53,12 @@ class RetryPolicy:
         return Backoff(self.base_delay_s, self.max_delay_s, floor=0.0).delay(attempt, retry_after)
 
 
-def build_create_body(*, messages: Sequence[Mapping[str, str]] | None, prompt: str | None, id: str | None,
+def build_create_body(*, messages: Sequence[Mapping[str, Any]] | None, prompt: str | None, id: str | None,
                       model: str | None, max_tokens: int | None, temperature: float | None,
                       top_p: float | None, seed: int | None, stop: Sequence[str] | None,
-                      cancel_on_disconnect: bool | None) -> dict[str, Any]:
+                      cancel_on_disconnect: bool | None, tools: Sequence[Mapping[str, Any]] | None = None,
+                      tool_choice: str | Mapping[str, Any] | None = None,
+                      response_format: Mapping[str, Any] | None = None) -> dict[str, Any]:
     if (messages is None) == (prompt is None):
         raise ValueError("give exactly one of messages or prompt")
     body: dict[str, Any] = {"id": id or str(uuid.uuid4())}
@@ -66,7 +68,10 @@ def build_create_body(*, messages: Sequence[Mapping[str, str]] | None, prompt: s
         body["prompt"] = prompt
     optional = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                 "seed": seed, "stop": list(stop) if stop is not None else None,
-                "cancel_on_disconnect": cancel_on_disconnect}
+                "cancel_on_disconnect": cancel_on_disconnect,
+                "tools": [dict(t) for t in tools] if tools is not None else None,
+                "tool_choice": tool_choice if isinstance(tool_choice, str | None) else dict(tool_choice),
+                "response_format": dict(response_format) if response_format is not None else None}
     body.update({k: v for k, v in optional.items() if v is not None})
     return body
 
@@ -204,16 +209,19 @@ class Client(_BaseClient):
                 return outcome
             time.sleep(outcome)
 
-    def create(self, *, messages: Sequence[Mapping[str, str]] | None = None, prompt: str | None = None,
+    def create(self, *, messages: Sequence[Mapping[str, Any]] | None = None, prompt: str | None = None,
                id: str | None = None, model: str | None = None, max_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-               stop: Sequence[str] | None = None, cancel_on_disconnect: bool | None = None) -> StreamInfo:
+               stop: Sequence[str] | None = None, cancel_on_disconnect: bool | None = None,
+               tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping[str, Any] | None = None,
+               response_format: Mapping[str, Any] | None = None) -> StreamInfo:
         """Start a generation (exactly one of ``messages`` / ``prompt``). Idempotent by ``id``, which is a
         new UUID when not given; a full queue raises RateLimitedError (not retried: that is the caller's
-        call)."""
+        call). ``tools``, ``tool_choice`` and ``response_format`` take OpenAI's shapes."""
         body = build_create_body(messages=messages, prompt=prompt, id=id, model=model, max_tokens=max_tokens,
                                  temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                                 cancel_on_disconnect=cancel_on_disconnect)
+                                 cancel_on_disconnect=cancel_on_disconnect, tools=tools, tool_choice=tool_choice,
+                                 response_format=response_format)
         return StreamInfo.from_json(self._request("POST", "/v1/streams", json_body=body).json())
 
     def status(self, stream_id: str) -> StreamStatus:
@@ -246,15 +254,18 @@ class Client(_BaseClient):
                 cause = e
             time.sleep(read.failed(cause))
 
-    def text(self, stream_id: str, last_event_id: str | None = None) -> tuple[str, Event | None]:
-        """The answer after ``last_event_id`` once the stream ends, and its terminal event."""
+    def answer(self, stream_id: str, last_event_id: str | None = None) -> Answer:
+        """The answer after ``last_event_id`` once the stream ends: text, reasoning, tool calls, the terminal
+        event (``end``), resets applied."""
         answer = Answer()
-        end: Event | None = None
         for event in self.stream(stream_id, last_event_id):
             answer.feed(event)
-            if event.terminal:
-                end = event
-        return answer.text, end
+        return answer
+
+    def text(self, stream_id: str, last_event_id: str | None = None) -> tuple[str, Event | None]:
+        """The answer's text after ``last_event_id`` once the stream ends, and its terminal event."""
+        answer = self.answer(stream_id, last_event_id)
+        return answer.text, answer.end
 
 
 class AsyncClient(_BaseClient):
@@ -287,13 +298,17 @@ class AsyncClient(_BaseClient):
                 return outcome
             await asyncio.sleep(outcome)
 
-    async def create(self, *, messages: Sequence[Mapping[str, str]] | None = None, prompt: str | None = None,
+    async def create(self, *, messages: Sequence[Mapping[str, Any]] | None = None, prompt: str | None = None,
                      id: str | None = None, model: str | None = None, max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-                     stop: Sequence[str] | None = None, cancel_on_disconnect: bool | None = None) -> StreamInfo:
+                     stop: Sequence[str] | None = None, cancel_on_disconnect: bool | None = None,
+                     tools: Sequence[Mapping[str, Any]] | None = None,
+                     tool_choice: str | Mapping[str, Any] | None = None,
+                     response_format: Mapping[str, Any] | None = None) -> StreamInfo:
         body = build_create_body(messages=messages, prompt=prompt, id=id, model=model, max_tokens=max_tokens,
                                  temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                                 cancel_on_disconnect=cancel_on_disconnect)
+                                 cancel_on_disconnect=cancel_on_disconnect, tools=tools, tool_choice=tool_choice,
+                                 response_format=response_format)
         return StreamInfo.from_json((await self._request("POST", "/v1/streams", json_body=body)).json())
 
     async def status(self, stream_id: str) -> StreamStatus:
@@ -323,11 +338,12 @@ class AsyncClient(_BaseClient):
                 cause = e
             await asyncio.sleep(read.failed(cause))
 
-    async def text(self, stream_id: str, last_event_id: str | None = None) -> tuple[str, Event | None]:
+    async def answer(self, stream_id: str, last_event_id: str | None = None) -> Answer:
         answer = Answer()
-        end: Event | None = None
         async for event in self.stream(stream_id, last_event_id):
             answer.feed(event)
-            if event.terminal:
-                end = event
-        return answer.text, end
+        return answer
+
+    async def text(self, stream_id: str, last_event_id: str | None = None) -> tuple[str, Event | None]:
+        answer = await self.answer(stream_id, last_event_id)
+        return answer.text, answer.end

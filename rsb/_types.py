@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.events import TERMINAL_TYPES
+from rsb._partial_json import PartialJSON
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,27 +29,157 @@ class Event:
         return self.type in TERMINAL_TYPES
 
 
-class Answer:
-    """The text of a stream as its events come, ``reset`` events included: a reset (a Redis failover lost
-    events this reader had) drops the text received after the event it names, and the deltas that follow
-    continue from there."""
+# The event types an answer is made of; the others (queued, started, progress, the terminal ones) say how it goes.
+_ANSWER_TYPES = frozenset({"delta", "reasoning", "tool_call", "tool_args"})
 
-    __slots__ = ("_parts",)
+
+class _GrowingJSON:
+    """A JSON text that grows (a tool call's arguments, a structured answer) and its partial value, parsed
+    only as far as it was read: each character once, however often ``parsed`` is asked for."""
+
+    __slots__ = ("_fed", "_joined", "_parser", "_text", "pieces")
 
     def __init__(self) -> None:
-        self._parts: list[tuple[str, str]] = []  # (event id, text)
-
-    def feed(self, event: Event) -> None:
-        if event.type == "reset":
-            back = _id_key(event.id)
-            while self._parts and _id_key(self._parts[-1][0]) > back:
-                self._parts.pop()
-        elif event.type == "delta":
-            self._parts.append((event.id, event.text))
+        self.pieces: list[str] = []
+        self._text = ""
+        self._joined = 0  # pieces in _text
+        self._parser: PartialJSON | None = None
+        self._fed = 0  # pieces fed to the parser
 
     @property
     def text(self) -> str:
-        return "".join(t for _, t in self._parts)
+        if self._joined < len(self.pieces):
+            self._text += "".join(self.pieces[self._joined:])
+            self._joined = len(self.pieces)
+        return self._text
+
+    def parsed(self, ended: bool) -> Any:
+        if self._parser is None:
+            self._parser = PartialJSON()
+        parser = self._parser
+        while self._fed < len(self.pieces):
+            parser.feed(self.pieces[self._fed])
+            self._fed += 1
+        if ended and not parser.done:
+            parser.end()
+        return parser.value
+
+
+class ToolCall:
+    """One tool call of an answer: ``index`` (its place among the calls), ``id``, ``name``, ``arguments``
+    (the JSON text the model wrote so far) and ``parsed_arguments`` (that text's partial value: strings grow,
+    objects and arrays appear as they open; None before it begins)."""
+
+    __slots__ = ("_answer", "_args", "id", "index", "name")
+
+    def __init__(self, answer: Answer, index: int) -> None:
+        self._answer = answer
+        self.index = index
+        self.id = ""
+        self.name = ""
+        self._args = _GrowingJSON()
+
+    @property
+    def arguments(self) -> str:
+        return self._args.text
+
+    @property
+    def parsed_arguments(self) -> Any:
+        """Raises ValueError when the arguments are not JSON."""
+        return self._args.parsed(self._answer.end is not None)
+
+    def __repr__(self) -> str:
+        return f"ToolCall(index={self.index}, id={self.id!r}, name={self.name!r}, arguments={self.arguments!r})"
+
+
+class Answer:
+    """What a stream's events add up to, as they come: ``text`` (the deltas), ``reasoning``, ``tool_calls``,
+    ``parsed`` (the text as JSON, for structured output) and ``end`` (the terminal event). ``reset`` events are
+    applied to all of it: a reset (a Redis failover lost events this reader had) drops what was received after
+    the event it names, and what follows continues from there.
+
+        answer = Answer()
+        for event in client.stream(stream_id):
+            answer.feed(event)
+            show(answer.text, answer.tool_calls)
+    """
+
+    __slots__ = ("_body", "_calls", "_log", "_reasoning", "end")
+
+    def __init__(self) -> None:
+        self._log: list[Event] = []  # the events the answer is made of, in order
+        self.end: Event | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self._body = _GrowingJSON()
+        self._reasoning: list[str] = []
+        self._calls: dict[int, ToolCall] = {}
+
+    def feed(self, event: Event) -> bool:
+        """Applies one event; True when the answer changed."""
+        if event.type == "reset":
+            back = _id_key(event.id)
+            keep = len(self._log)
+            while keep and _id_key(self._log[keep - 1].id) > back:
+                keep -= 1
+            if keep == len(self._log):
+                return False
+            kept = self._log[:keep]
+            self._log = []
+            self._clear()
+            for ev in kept:
+                self.feed(ev)
+            return True
+        if event.terminal:
+            self.end = event
+            return False
+        data = event.data
+        if event.type not in _ANSWER_TYPES or not isinstance(data, dict):
+            return False
+        self._log.append(event)
+        text = data.get("text")
+        if event.type == "delta":
+            self._body.pieces.append(str(text or ""))
+        elif event.type == "reasoning":
+            self._reasoning.append(str(text or ""))
+        else:
+            index = int(data.get("index") or 0)
+            call = self._calls.get(index)
+            if call is None:
+                call = self._calls[index] = ToolCall(self, index)
+            if event.type == "tool_call":
+                call.id = str(data.get("id") or call.id)
+                call.name = str(data.get("name") or call.name)
+            else:
+                call._args.pieces.append(str(text or ""))
+        return True
+
+    @property
+    def text(self) -> str:
+        return self._body.text
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """By index."""
+        return [self._calls[i] for i in sorted(self._calls)]
+
+    @property
+    def parsed(self) -> Any:
+        """The text parsed as JSON so far (a structured answer): the partial value, in O(new characters) per
+        call (rsb._partial_json); None before it begins. Raises ValueError when the text is not JSON."""
+        return self._body.parsed(self.end is not None)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``stop``, ``length`` or ``tool_calls`` once the stream is ``done``."""
+        if self.end is not None and self.end.type == "done" and isinstance(self.end.data, dict):
+            return self.end.data.get("finish_reason")
+        return None
 
 
 def _id_key(event_id: str) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""One module per scenario; each has ``add_args(parser)`` and ``run(args) -> dict`` (the JSON result)."""
+"""One module per scenario; each has ``add_args(parser)`` and ``run(args) -> dict`` (the JSON result). A
+scenario's name is its module's, with ``-`` for ``_`` (``partial-json`` is partial_json.py)."""
 
 SCENARIOS = ["latency", "capacity", "throughput", "resume", "generator", "cpu", "peer", "create", "soak", "aisdk",
-             "durable", "durability"]
+             "durable", "durability", "partial-json"]

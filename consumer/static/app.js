@@ -1,9 +1,13 @@
 // The chat page. Every answer is an rsb stream named by a UUID chosen here; the conversation (stream ids
-// and prompts) and each stream's progress (text so far + the id of the last event it includes) live in
-// localStorage, so a reload shows the text at once and resumes from the last event id: nothing is lost,
-// nothing is shown twice. /?stream=<uuid> opens any existing stream (another tab, another device).
+// and prompts) and each stream's progress (its answer's events so far + the id of the last event it
+// includes) live in localStorage, so a reload shows the answer at once and resumes from the last event id:
+// nothing is lost, nothing is shown twice. A `reset` (a Redis failover lost events the page had) takes back
+// what came after the event it names, on screen and in storage (rsb-client.js's Answer). /?stream=<uuid>
+// opens any existing stream (another tab, another device).
 
-import { cancelStream, createStream, listModels, RsbStream, streamStatus, TERMINAL_EVENTS, uuid4 } from "./rsb-client.js";
+import {
+  Answer, cancelStream, createStream, listModels, RsbStream, streamStatus, TERMINAL_EVENTS, uuid4,
+} from "./rsb-client.js";
 import { IncrementalMarkdown } from "./markdown.js";
 
 const CHAT_KEY = "rsb.chat.v1"; // {turns: [{id, prompt, body, createdAt}]}
@@ -62,20 +66,18 @@ class Turn {
     this.createdAt = createdAt; // Date.now() at send, for the client-side time to first token
     this.sentHere = false; // sent from this page (not restored by a reload or another tab)
     const saved = load(streamKey(id)) || {};
-    this.text = saved.text || "";
     this.lastEventId = saved.lastEventId || null;
     this.status = saved.status || (body ? "creating" : "connecting");
+    const restored = restoreAnswer(saved, TERMINAL_STATUSES.has(this.status));
+    this.answer = restored ?? new Answer();
+    if (!restored) this.lastEventId = null; // nothing usable stored: read the stream from its start
     this.model = saved.model || null;
     this.queued = saved.queued || null;
     this.usage = saved.usage || null;
     this.detail = saved.detail || null; // finish_reason, cancel reason or error message
     this.ttftMs = saved.ttftMs ?? null;
-    this.deltas = saved.deltas || 0;
-    // The snapshot must not claim text past its last event id: if the two disagree, replay everything.
-    if (!this.lastEventId && this.text) {
-      this.text = "";
-      this.deltas = 0;
-    }
+    // The snapshot must not claim events past its last event id: if the two disagree, replay everything.
+    if (!this.lastEventId && this.answer.log.length) this.answer = new Answer();
     this.reader = null;
     this.rate = null;
     this.rateSamples = [];
@@ -93,6 +95,8 @@ class Turn {
     }
     $(".share", this.el).href = `/?stream=${encodeURIComponent(id)}`;
     this.md = new IncrementalMarkdown($(".blocks", this.el), $(".tail", this.el));
+    this.reasoningShown = ""; // what the reasoning panel shows
+    this.callEls = new Map(); // tool call index -> {el, name, args, shownArgs}
     container.appendChild(this.el);
     this.render();
   }
@@ -101,10 +105,18 @@ class Turn {
     return !TERMINAL_STATUSES.has(this.status);
   }
 
+  get text() {
+    return this.answer.text;
+  }
+
+  get deltas() {
+    return this.answer.deltas;
+  }
+
   snapshot() {
     return {
-      text: this.text, lastEventId: this.lastEventId, status: this.status, model: this.model,
-      queued: this.queued, usage: this.usage, detail: this.detail, ttftMs: this.ttftMs, deltas: this.deltas,
+      answer: this.answer.toJSON(), lastEventId: this.lastEventId, status: this.status, model: this.model,
+      queued: this.queued, usage: this.usage, detail: this.detail, ttftMs: this.ttftMs,
     };
   }
 
@@ -114,7 +126,7 @@ class Turn {
       this.persistTimer = null;
       if (!save(streamKey(this.id), this.snapshot())) {
         // Over quota: keep what a resume needs, a replay from the start brings the text back.
-        save(streamKey(this.id), { ...this.snapshot(), text: "", lastEventId: null, deltas: 0 });
+        save(streamKey(this.id), { ...this.snapshot(), answer: { log: [] }, lastEventId: null });
       }
       return;
     }
@@ -173,21 +185,32 @@ class Turn {
         this.queued = null;
         if (this.model) app.showModel([this.model], false);
         break;
-      case "delta": {
+      case "delta":
+      case "reasoning":
+      case "tool_call":
+      case "tool_args":
         // Only the tab that sent the prompt saw the wait live; a reload's replay says nothing about it.
-        if (this.deltas === 0 && this.sentHere && this.ttftMs === null) this.ttftMs = Date.now() - this.createdAt;
+        if (!this.answer.log.length && this.sentHere && this.ttftMs === null) this.ttftMs = Date.now() - this.createdAt;
         this.status = "running";
-        this.text += d.text || "";
-        this.deltas += 1;
+        this.answer.feed(e);
         break;
-      }
+      case "reset":
+        // A failover lost what came after e.id: take it back, and store the corrected answer at once.
+        if (this.answer.feed(e)) {
+          this.rateSamples = [];
+          this.persist(true);
+        }
+        break;
       case "done":
+        this.answer.feed(e);
         this.finish("done", d.usage, d.finish_reason);
         break;
       case "cancelled":
+        this.answer.feed(e);
         this.finish("cancelled", d.usage, d.reason);
         break;
       case "error":
+        this.answer.feed(e);
         this.finish("error", d.usage, d.message || d.code);
         break;
       default:
@@ -285,6 +308,8 @@ class Turn {
     const stickToBottom = app.nearBottom();
     const finished = !this.live;
     this.md.update(this.text, finished);
+    this.renderReasoning();
+    this.renderToolCalls();
     this.el.dataset.status = this.status;
     this.el.dataset.deltas = String(this.deltas);
     this.el.classList.toggle("finished", finished);
@@ -315,6 +340,45 @@ class Turn {
     if (stickToBottom) app.scrollToBottom();
   }
 
+  // The reasoning, apart from the answer and collapsed (a <details> the user opens), as plain text.
+  renderReasoning() {
+    const text = this.answer.reasoning;
+    if (text === this.reasoningShown) return;
+    const panel = $(".reasoning", this.el);
+    panel.hidden = text === "";
+    const body = $(".reasoning-text", panel);
+    appendOrReplace(body, this.reasoningShown, text);
+    this.reasoningShown = text;
+  }
+
+  // Each tool call: its name, then its arguments as the model writes them (plain text: model output).
+  renderToolCalls() {
+    const calls = this.answer.toolCalls;
+    const box = $(".tool-calls", this.el);
+    box.hidden = calls.length === 0;
+    const live = new Set(calls.map((c) => c.index));
+    for (const [index, view] of this.callEls) {
+      if (!live.has(index)) {
+        view.el.remove(); // taken back by a reset
+        this.callEls.delete(index);
+      }
+    }
+    for (const call of calls) {
+      let view = this.callEls.get(call.index);
+      if (!view) {
+        const el = $("#tool-call-template").content.firstElementChild.cloneNode(true);
+        el.dataset.index = String(call.index);
+        view = { el, name: $(".tool-name", el), id: $(".tool-id", el), args: $(".tool-args", el), shownArgs: "" };
+        box.appendChild(el);
+        this.callEls.set(call.index, view);
+      }
+      if (view.name.textContent !== call.name) view.name.textContent = call.name;
+      if (view.id.textContent !== call.id) view.id.textContent = call.id;
+      appendOrReplace(view.args, view.shownArgs, call.arguments);
+      view.shownArgs = call.arguments;
+    }
+  }
+
   statusText() {
     if (this.el.dataset.stopping) return "stopping…";
     switch (this.status) {
@@ -330,7 +394,8 @@ class Turn {
       case "running":
         return "generating…";
       case "done":
-        return this.detail === "length" ? "done (max tokens reached)" : "done";
+        if (this.detail === "length") return "done (max tokens reached)";
+        return this.detail === "tool_calls" ? "done (tool calls)" : "done";
       case "cancelled":
         return `cancelled${this.detail ? ` (${this.detail})` : ""}`;
       case "error":
@@ -339,6 +404,32 @@ class Turn {
         return this.status;
     }
   }
+}
+
+// A snapshot's answer, or null: read the stream again from its start. Snapshots of before the answer's events
+// were stored hold only text: a finished one keeps it (nothing more will be read), an unfinished one is read
+// again (a reset could not be applied to text whose events are unknown), and so is a damaged one.
+function restoreAnswer(saved, finished) {
+  let answer = null;
+  if (saved.answer?.log) {
+    try {
+      answer = new Answer(saved.answer.log);
+    } catch {
+      return null;
+    }
+  } else if (finished && saved.text) {
+    answer = new Answer([[saved.lastEventId || "0-1", "delta", { text: saved.text }]]);
+  }
+  if (answer) answer.ended = finished;
+  return answer;
+}
+
+// Shows `text` in `el` (plain text), appending when it only grew since `shown`: cheaper than replacing it all.
+function appendOrReplace(el, shown, text) {
+  if (text === shown) return;
+  const node = el.firstChild;
+  if (node && shown && text.startsWith(shown)) node.appendData(text.slice(shown.length));
+  else el.textContent = text;
 }
 
 function formatMs(ms) {

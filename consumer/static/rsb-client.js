@@ -6,9 +6,17 @@
 //   await stream.done;        // resolves after the terminal event (done, cancelled or error)
 //   await stream.cancel();    // or stop it: aborts the read, POSTs /cancel, reads on to `cancelled`
 //
+//   const answer = new Answer(); // what the events add up to, `reset`s applied:
+//   new RsbStream(id, { onEvent: (e) => answer.feed(e) });
+//   answer.text; answer.reasoning; answer.toolCalls; answer.parsed  // (see Answer below)
+//
 // Reading uses fetch + ReadableStream + TextDecoder({stream: true}) and its own SSE parser rather than
 // EventSource: it can send Authorization, it stops on a terminal event instead of reconnecting forever,
 // and it owns the reconnect policy (exponential backoff with jitter, resuming from the last event id).
+
+import { PartialJSON } from "./partial-json.js";
+
+export { PartialJSON };
 
 export const TERMINAL_EVENTS = new Set(["done", "cancelled", "error"]);
 
@@ -423,5 +431,148 @@ export class RsbStream {
       this.onState("ended", { reason: event.type });
       this.resolveDone(event);
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// What a stream's events add up to
+
+// The event types an answer is made of: the others (queued, started, progress, terminal) say how it goes.
+const ANSWER_EVENTS = new Set(["delta", "reasoning", "tool_call", "tool_args"]);
+
+// Event ids are "<ms>-<seq>"; a reset names one this server issued, so ordering ids is safe here (they stay
+// opaque otherwise).
+function idAfter(a, b) {
+  const [am, as = 0] = String(a).split("-").map(Number);
+  const [bm, bs = 0] = String(b).split("-").map(Number);
+  return am > bm || (am === bm && as > bs);
+}
+
+// A JSON text that grows (a tool call's arguments, a structured answer) and its partial value, parsed only
+// as far as it was read: each character once however often `parsed` is read.
+class GrowingJSON {
+  constructor() {
+    this.text = "";
+    this.parser = null; // made on the first read of `parsed`: plain text is never parsed
+    this.unfed = []; // pieces appended since the parser last read (slicing `text` would copy all of it)
+  }
+
+  append(piece) {
+    this.text += piece;
+    if (this.parser) this.unfed.push(piece);
+  }
+
+  // The partial value (undefined before it begins); throws a SyntaxError when the text is not JSON.
+  parsed(ended) {
+    if (!this.parser) {
+      this.parser = new PartialJSON();
+      this.unfed = [this.text];
+    }
+    for (const piece of this.unfed) this.parser.feed(piece);
+    this.unfed = [];
+    if (ended && !this.parser.final) this.parser.end();
+    return this.parser.value;
+  }
+}
+
+export class ToolCall {
+  constructor(answer, index, id = "", name = "") {
+    this.answer = answer;
+    this.index = index;
+    this.id = id;
+    this.name = name;
+    this.args = new GrowingJSON();
+  }
+
+  // The arguments as the model wrote them so far: JSON text, complete once the stream ends.
+  get arguments() {
+    return this.args.text;
+  }
+
+  // The arguments parsed so far (strings grow, objects appear as they open; see partial-json.js).
+  get parsedArguments() {
+    return this.args.parsed(this.answer.ended);
+  }
+
+  toJSON() {
+    return { index: this.index, id: this.id, name: this.name, arguments: this.arguments };
+  }
+}
+
+// A stream's answer as its events come: the text (`delta`), the reasoning, the tool calls, and `reset`
+// applied to all of them: a reset (a Redis failover lost events this reader had, docs/protocol.md) drops what
+// came after the event it names, and what follows continues from there. `toJSON()` is what a page stores to
+// resume later (new Answer(saved.log) rebuilds it): the answer's events, so that a reset after a reload
+// still knows what to take back.
+export class Answer {
+  constructor(log = []) {
+    this.log = [];
+    this.ended = false;
+    this.clear();
+    for (const [id, type, data] of log) this.feed({ id, type, data });
+  }
+
+  clear() {
+    this.body = new GrowingJSON(); // the text, and its partial value when it is JSON
+    this.reasoning = "";
+    this.calls = new Map(); // index -> ToolCall
+    this.deltas = 0;
+  }
+
+  get text() {
+    return this.body.text;
+  }
+
+  // The tool calls by index: {index, id, name, arguments, parsedArguments}.
+  get toolCalls() {
+    return [...this.calls.values()].sort((a, b) => a.index - b.index);
+  }
+
+  // The text parsed as JSON so far (a structured answer, response_format json_schema): undefined before it
+  // begins; throws a SyntaxError when the text is not JSON.
+  get parsed() {
+    return this.body.parsed(this.ended);
+  }
+
+  // Applies one event; true when the answer changed.
+  feed(event) {
+    const { id, type, data } = event;
+    if (type === "reset") {
+      let keep = this.log.length;
+      while (keep > 0 && idAfter(this.log[keep - 1][0], id)) keep--;
+      if (keep === this.log.length) return false;
+      const kept = this.log.slice(0, keep);
+      this.log = [];
+      this.clear();
+      for (const [eid, etype, edata] of kept) this.feed({ id: eid, type: etype, data: edata });
+      return true;
+    }
+    if (TERMINAL_EVENTS.has(type)) {
+      this.ended = true;
+      return false;
+    }
+    if (!ANSWER_EVENTS.has(type) || !data || typeof data !== "object") return false;
+    this.log.push([id, type, data]);
+    if (type === "delta") {
+      this.body.append(data.text ?? "");
+      this.deltas += 1;
+    } else if (type === "reasoning") {
+      this.reasoning += data.text ?? "";
+    } else {
+      const index = Number(data.index ?? 0);
+      let call = this.calls.get(index);
+      if (!call) this.calls.set(index, (call = new ToolCall(this, index)));
+      if (type === "tool_call") {
+        call.id = data.id ?? call.id;
+        call.name = data.name ?? call.name;
+      } else {
+        call.args.append(data.text ?? "");
+      }
+    }
+    return true;
+  }
+
+  toJSON() {
+    return { log: this.log };
   }
 }

@@ -7,10 +7,12 @@ Playwright never downloads a browser here: it launches the system chromium (``RS
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import random
 import re
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -19,8 +21,9 @@ import pytest
 import redis
 from helpers import assert_english, create, read_sse, wait_status
 from servers import CHROMIUM, Stack, StackFactory, needs_chromium
+from typed_streams import StandInGenerator
 
-from broker.redis.server import RedisServer
+from broker.redis.server import RedisServer, free_port
 from generator.engines.default_model import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.slow
@@ -31,6 +34,9 @@ ARTIFACTS = ROOT / "artifacts" / "web"
 if CHROMIUM is not None:
     from playwright.sync_api import Browser, Locator, Page, expect
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+# markdown-it 15.0.3's dist/browser/markdown-it.esm.min.mjs (consumer/static/vendor/README.md).
+MARKDOWN_IT_SHA256 = "d5432491790141da046b1197353705db03264f40b5727f3b4b591f5aba193e30"
 
 # Long enough that a reload, a second tab or a Stop lands mid-answer on the slow model (~700 tokens/s on
 # an idle core; a few times slower on a busy 2-core machine), short enough to keep these tests quick.
@@ -314,46 +320,83 @@ def test_client_reassembles_events_split_anywhere_and_resumes_after_drops(
     assert result["end"]["type"] == "done" and result["ended"] == {"type": "ended"}
 
 
+# Lines to build Markdown documents from: every kind of block, and the lines that end, continue or turn one
+# block into another (a setext underline, a lazy continuation, a table's delimiter row, an indented item).
+_MD_LINES = ["# Title", "Some **bold** and *it* and `a<b>`", "- item", "  continued", "1. one", "2) two", "> quote",
+             "lazy", "```js", "```", "~~~", "    code", "---", "***", "| a | b |", "|---|---|", "| 1 | 2 |", "a|b",
+             "-|-", "", "", "", "Foo", "===", "text [link](https://x.org) <b>x</b>", "[bad](javascript:alert(1))",
+             "<http://a.b>", "  - nested", "   ", "\t- tab", "+ plus", "* star", "10. ten", "-", "1.", "para\r",
+             "x\r\ny", "*", "<div>", "[ref]: http://r", "[ref]", "2 * 3 * 4"]
+
+
 @needs_chromium
-def test_markdown_renders_the_subset_and_escapes_html(stack_factory: StackFactory, redis_server: RedisServer, new_page: PageFactory) -> None:
+def test_markdown_renders_block_by_block_exactly_as_the_whole_answer(
+        stack_factory: StackFactory, redis_server: RedisServer, new_page: PageFactory) -> None:
+    """markdown-it (vendored) renders each finished block once while the answer streams; the unfinished last
+    block is plain text. What ends up on screen is exactly the whole answer rendered at once, for a fixed
+    document and for 400 random ones cut at random points (every kind of block, and the lines that change the
+    block before them)."""
     s = stack_factory(redis_server.url)
     s.consumer()
     page = new_page()
     page.goto(f"{s.base_url}/healthz")
     text = ("# Title\nSome **bold**, *italic* and `a<b>&c` here.\n2 * 3 * 4 stays.\n\n"
             "- one\n- two <img src=x onerror=alert(1)>\n\n1. first\n2. second\n\n"
-            "```py\nif a < b:\n\n    print('x')\n```\nafter <script>alert(1)</script>\n\nunfinished *tail")
+            "```py\nif a < b:\n\n    print('x')\n```\nafter <script>alert(1)</script>\n\n"
+            "| a | b |\n|---|---|\n| 1 | [x](https://example.org) |\n\n> quoted\n\nunfinished *tail")
+    rng = random.Random(1)
+    docs = ["".join(rng.choice(_MD_LINES) + ("\n" if rng.random() < 0.9 else "") for _ in range(rng.randint(1, 14)))
+            for _ in range(400)]
     out = page.evaluate(
-        """async ([text, cuts]) => {
+        """async ([text, cuts, docs, seed]) => {
             const md = await import('/static/markdown.js');
-            const blocks = document.createElement('div');
-            const tail = document.createElement('span');
-            const inc = new md.IncrementalMarkdown(blocks, tail);
-            const tails = [];
-            for (const cut of [...cuts, text.length]) {
-                inc.update(text.slice(0, cut));
-                tails.push(tail.textContent);
+            const stream = (doc, points) => {
+                const blocks = document.createElement('div');
+                const tail = document.createElement('span');
+                const inc = new md.IncrementalMarkdown(blocks, tail);
+                const tails = [];
+                for (const cut of points) {
+                    inc.update(doc.slice(0, cut));
+                    tails.push(tail.textContent);
+                }
+                const streamed = blocks.innerHTML;
+                inc.update(doc, true);
+                return { streamed, final: blocks.innerHTML, tails, tailAfter: tail.textContent };
+            };
+            const whole = (doc) => {
+                const t = document.createElement('template');
+                t.innerHTML = md.renderMarkdown(doc);
+                return t.innerHTML;
+            };
+            let r = seed;
+            const random = () => (r = (r * 1103515245 + 12345) % 2147483648) / 2147483648;
+            const differ = [];
+            for (const doc of docs) {
+                const points = [];
+                for (let p = 0; p < doc.length; p += 1 + Math.floor(random() * 6)) points.push(p);
+                const got = stream(doc, points);
+                if (got.final !== whole(doc)) differ.push([doc, got.final, whole(doc)]);
             }
-            const streamed = blocks.innerHTML;
-            inc.update(text, true);
-            const t = document.createElement('template');
-            t.innerHTML = md.renderMarkdown(text);
-            return { streamed, final: blocks.innerHTML, whole: t.innerHTML, tails,
-                     tailAfter: tail.textContent };
-        }""", [text, sorted(random.Random(1).sample(range(1, len(text)), 40))])
+            return { ...stream(text, [...cuts, text.length]), whole: whole(text), differ };
+        }""", [text, sorted(random.Random(1).sample(range(1, len(text)), 40)), docs, 5])
+    assert out["differ"] == []
     whole = out["whole"]
     assert out["final"] == whole
-    assert whole.startswith("<h1>Title</h1><p>Some <strong>bold</strong>, <em>italic</em> and "
-                            "<code>a&lt;b&gt;&amp;c</code> here.<br>2 * 3 * 4 stays.</p>")
-    assert "<ul><li>one</li><li>two &lt;img src=x onerror=alert(1)&gt;</li></ul>" in whole
-    assert "<ol><li>first</li><li>second</li></ol>" in whole
-    assert '<pre><code class="language-py">if a &lt; b:\n\n    print(\'x\')</code></pre>' in whole
+    assert whole.startswith("<h1>Title</h1>\n<p>Some <strong>bold</strong>, <em>italic</em> and "
+                            "<code>a&lt;b&gt;&amp;c</code> here.\n2 * 3 * 4 stays.</p>")
+    assert "<ul>\n<li>one</li>\n<li>two &lt;img src=x onerror=alert(1)&gt;</li>\n</ul>" in whole
+    assert "<ol>\n<li>first</li>\n<li>second</li>\n</ol>" in whole
+    assert '<pre><code class="language-py">if a &lt; b:\n\n    print(\'x\')\n</code></pre>' in whole
     assert "<p>after &lt;script&gt;alert(1)&lt;/script&gt;</p>" in whole
-    assert whole.endswith("<p>unfinished *tail</p>")
+    assert ('<td><a href="https://example.org" target="_blank" rel="noopener noreferrer nofollow">x</a></td>'
+            in whole)
+    assert "<blockquote>\n<p>quoted</p>\n</blockquote>" in whole
+    assert whole.endswith("<p>unfinished *tail</p>\n")
     assert "<img" not in whole and "<script" not in whole
-    # While streaming, the last unfinished paragraph is plain text, never half-parsed Markdown.
-    assert out["tails"][-1] == "unfinished *tail" and out["tailAfter"] == ""
-    assert out["streamed"] + "<p>unfinished *tail</p>" == whole
+    # While streaming, the last block (until a complete line begins the next one) is plain text, never
+    # half-parsed Markdown.
+    assert out["tails"][-1] == "> quoted\n\nunfinished *tail" and out["tailAfter"] == ""
+    assert out["streamed"] + "<blockquote>\n<p>quoted</p>\n</blockquote>\n<p>unfinished *tail</p>\n" == whole
 
 
 def test_the_page_and_client_module_are_served(stack_factory: StackFactory, redis_server: RedisServer) -> None:
@@ -365,9 +408,14 @@ def test_the_page_and_client_module_are_served(stack_factory: StackFactory, redi
         assert "script-src 'self'" in page.headers["content-security-policy"]
         assert '<script type="module" src="/static/app.js">' in page.text
         for asset, kind in [("rsb-client.js", "text/javascript"), ("app.js", "text/javascript"),
-                            ("markdown.js", "text/javascript"), ("style.css", "text/css")]:
+                            ("markdown.js", "text/javascript"), ("partial-json.js", "text/javascript"),
+                            ("vendor/markdown-it.min.js", "text/javascript"), ("style.css", "text/css")]:
             r = c.get(f"/static/{asset}")
             assert r.status_code == 200 and r.headers["content-type"].startswith(kind), asset
+        # The vendored markdown-it is the pinned release, byte for byte (consumer/static/vendor/README.md).
+        vendored = c.get("/static/vendor/markdown-it.min.js").content
+        assert hashlib.sha256(vendored).hexdigest() == MARKDOWN_IT_SHA256
+        assert MARKDOWN_IT_SHA256 in (ROOT / "consumer" / "static" / "vendor" / "README.md").read_text()
         missing = c.get("/static/nope.js")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
@@ -417,6 +465,335 @@ def test_the_real_model_answers_in_english_rendered_as_markdown(
             assert_english(server.text)
     answer, listing, code = html
     assert answer.startswith("<p>") and "stream" in answer.lower()
-    assert re.search(r"<ol>(<li>[^<]+</li>){3}</ol>", listing), listing
+    assert re.search(r"<ol>\s*(<li>[^<]+</li>\s*){3}</ol>", listing), listing
     assert '<pre><code class="language-python">def ' in code and "[::-1]" in code, code
     assert "<code>" in code  # prose after the block quotes code inline
+
+
+# -- typed output and resets: the stand-in for the generator (tests/typed_streams.py) writes the stream -------
+
+
+def _answer(page: Page, sid: str) -> dict[str, Any]:
+    """What the page holds of a stream's answer (its Answer, the one it renders and stores)."""
+    return cast(dict[str, Any], page.evaluate(
+        """(sid) => {
+            const a = window.rsbPage.turns.find((t) => t.id === sid).answer;
+            return { text: a.text, reasoning: a.reasoning, deltas: a.deltas,
+                     toolCalls: a.toolCalls.map((c) => ({ index: c.index, id: c.id, name: c.name,
+                                                           arguments: c.arguments })) };
+        }""", sid))
+
+
+def _saved(page: Page, sid: str) -> dict[str, Any]:
+    """The stream's snapshot in localStorage, with the text and reasoning its stored events add up to."""
+    raw = page.evaluate("(sid) => localStorage.getItem(`rsb.stream.v1.${sid}`)", sid)
+    snap = json.loads(raw)
+    log = snap.get("answer", {}).get("log", [])
+    snap.setdefault("text", "".join(d["text"] for _, kind, d in log if kind == "delta"))
+    snap["reasoning"] = "".join(d["text"] for _, kind, d in log if kind == "reasoning")
+    return cast(dict[str, Any], snap)
+
+
+def _shown(page: Page, sid: str) -> str:
+    """The answer's text as the page shows it while it streams (rendered blocks, then the plain tail), without
+    whitespace (the blocks' markup puts line breaks of its own between them)."""
+    return "".join(str(_turn(page, sid).locator(".answer").text_content()).split())
+
+
+def _wait_answer(page: Page, sid: str, check: str, what: str) -> None:
+    """Wait until ``check`` (a JS expression over the stream's Answer ``a``) holds."""
+    try:
+        page.wait_for_function(
+            f"(sid) => {{ const t = window.rsbPage?.turns.find((t) => t.id === sid); const a = t?.answer;"
+            f" return Boolean(a && ({check})); }}", arg=sid, timeout=30_000)
+    except PlaywrightTimeout:
+        raise AssertionError(f"the page never had {what}: {_answer(page, sid)} | {_diagnose(page, sid)}") from None
+
+
+def _wait_saved(page: Page, sid: str, last_id: str) -> None:
+    page.wait_for_function(
+        "([sid, id]) => JSON.parse(localStorage.getItem(`rsb.stream.v1.${sid}`) || '{}').lastEventId === id",
+        arg=[sid, last_id], timeout=10_000)
+
+
+@needs_chromium
+def test_a_reset_takes_back_what_a_failover_lost_on_screen_and_in_storage(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+        new_page: PageFactory) -> None:
+    """Issue 20, bug 4. A failover at durability local: the consumer the page reads from goes down, and the
+    stream loses its last three events (XDEL, what the promoted replica lacks). The generation goes on from what
+    the stream has. The page reconnects from its last event id, the new consumer answers ``reset``, and the page
+    takes back the lost text: it shows, and stores, exactly the stream's text. The stream is written by the
+    stand-in for the generator (tests/typed_streams.py) so that the loss lands where the test says."""
+    s = stack_factory(redis_server.url)
+    port = free_port()
+    consumer, url = s.consumer(port=port)
+    page = new_page()
+    resumes: list[str | None] = []
+    page.on("request", lambda r: resumes.append(r.headers.get("last-event-id")) if "/events" in r.url else None)
+    page.goto(f"{url}/")
+    sid = _send(page, "Tell me about Redis", 64)
+    _wait_status(page, sid, "queued")
+    gen = StandInGenerator(redis_server.url, sid)
+    gen.start()
+    kept, lost = ["Redis is ", "an in-memory ", "data store.\n\n"], ["It was written ", "in C by ", "Salvatore."]
+    gen.append(*[("delta", {"text": t}) for t in kept + lost])
+    _wait_deltas(page, sid, 6)
+    last = gen.ids()[-1]
+    _wait_saved(page, sid, last)
+    assert _shown(page, sid) == "Redisisanin-memorydatastore.ItwaswritteninCbySalvatore."
+
+    consumer.signal(signal.SIGKILL)
+    consumer.wait(5)
+    gen.lose_tail(gen.ids()[-3:])
+    gen.append(("delta", {"text": "It is "}), ("delta", {"text": "fast."}))
+    s.consumer(port=port)
+    expect(_turn(page, sid).locator(".answer")).to_contain_text("fast.")
+    # (The browser's network errors while no consumer answered are what a failover looks like, not a bug.)
+    errors = cast(Any, page).errors
+    errors[:] = [e for e in errors if "net::ERR_" not in e
+                 or not (e.endswith(f"/v1/streams/{sid}/events") or e.endswith("/v1/models"))]
+    assert _shown(page, sid) == "Redisisanin-memorydatastore.Itisfast."  # the lost text is gone
+    assert last in resumes  # it resumed from the lost event: the server said reset
+    with s.client() as c:
+        assert read_sse(c, f"/v1/streams/{sid}/events", headers={"Last-Event-ID": last},
+                        stop_after=1).events[0].event == "reset"
+
+    gen.append(("delta", {"text": " The end."}))
+    gen.finish(completion_tokens=6)
+    _wait_status(page, sid, "done")
+    with s.client() as c:
+        server = read_sse(c, f"/v1/streams/{sid}/events")
+    assert server.text == "Redis is an in-memory data store.\n\nIt is fast. The end."
+    assert _page_text(page, sid) == server.text
+    _check_rendering(page, sid)
+    saved = _saved(page, sid)
+    assert saved["text"] == server.text and saved["lastEventId"] == server.ids[-1] and saved["status"] == "done"
+    # A reload shows the corrected answer, from storage, and reads nothing more.
+    n = len(resumes)
+    page.reload()
+    _wait_status(page, sid, "done")
+    assert _page_text(page, sid) == server.text and len(resumes) == n
+    _check_rendering(page, sid)
+
+
+@needs_chromium
+def test_reasoning_and_tool_calls_show_as_they_stream_and_after_a_reload(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+        new_page: PageFactory) -> None:
+    """The page shows the reasoning apart (collapsed) and each tool call (its name, then its arguments as they
+    stream), from storage at once after a reload, and goes on from there; a reset takes back reasoning and tool
+    calls too. Model text is shown as text. The stream is written by the stand-in for the generator
+    (tests/typed_streams.py): no engine in this tree emits these events yet."""
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    page = new_page()
+    page.goto(f"{s.base_url}/")
+    sid = _send(page, "What is the weather in Zürich?", 64)
+    _wait_status(page, sid, "queued")
+    gen = StandInGenerator(redis_server.url, sid)
+    gen.start()
+    turn = _turn(page, sid)
+    reasoning, calls = turn.locator(".reasoning"), turn.locator(".tool-call")
+    expect(reasoning).to_be_hidden()
+    thought = "The user asks about the weather <b>now</b>; I should call get_weather."
+    gen.append(("reasoning", {"text": thought[:20]}), ("reasoning", {"text": thought[20:]}))
+    expect(reasoning.locator("summary")).to_be_visible()
+    assert reasoning.get_attribute("open") is None  # collapsed: the answer comes first
+    expect(reasoning.locator(".reasoning-text")).to_have_text(thought)  # tags and all, as text
+    assert reasoning.locator("b").count() == 0
+    reasoning.locator("summary").click()
+    expect(reasoning.locator(".reasoning-text")).to_be_visible()
+
+    args = json.dumps({"city": "Zürich", "days": 3, "units": "metric"}, ensure_ascii=False)
+    gen.append(("delta", {"text": "Let me look that up."}),
+               ("tool_call", {"index": 0, "id": "call_1", "name": "get_weather"}),
+               ("tool_args", {"index": 0, "text": args[:9]}))
+    first = calls.nth(0)
+    expect(first.locator(".tool-name")).to_have_text("get_weather")
+    expect(first.locator(".tool-args")).to_have_text(args[:9])
+    gen.append(("tool_args", {"index": 0, "text": args[9:25]}))
+    expect(first.locator(".tool-args")).to_have_text(args[:25])  # the arguments grow as they come
+    _wait_saved(page, sid, gen.ids()[-1])
+
+    # A reload in the middle of the call: everything is back from storage, then it goes on.
+    page.reload()
+    turn = _turn(page, sid)
+    reasoning, calls = turn.locator(".reasoning"), turn.locator(".tool-call")
+    expect(calls.nth(0).locator(".tool-args")).to_have_text(args[:25])
+    expect(reasoning.locator(".reasoning-text")).to_have_text(thought)
+    gen.append(("tool_args", {"index": 0, "text": args[25:]}),
+               ("reasoning", {"text": " And the time."}),
+               ("tool_call", {"index": 1, "id": "call_lost", "name": "get_date"}),
+               ("tool_args", {"index": 1, "text": '{"tz": "Europe/Ber'}))
+    expect(calls.nth(1).locator(".tool-args")).to_have_text('{"tz": "Europe/Ber')
+    expect(reasoning.locator(".reasoning-text")).to_have_text(thought + " And the time.")
+    _wait_saved(page, sid, gen.ids()[-1])
+
+    # The page goes away; a failover loses the stream's last three events (the reasoning's end, the second call);
+    # the generation goes on from what the stream has. The page comes back and resumes from the lost event: the
+    # server says reset, and the page takes back the reasoning and the call it had, on screen and in storage.
+    page.goto("about:blank")
+    gen.lose_tail(gen.ids()[-3:])
+    gen.append(("tool_call", {"index": 1, "id": "call_2", "name": "get_time"}),
+               ("tool_args", {"index": 1, "text": '{"tz": "Europe/Zurich"}'}))
+    gen.finish("tool_calls", completion_tokens=30)
+    page.goto(f"{s.base_url}/")
+    turn = _turn(page, sid)
+    reasoning, calls = turn.locator(".reasoning"), turn.locator(".tool-call")
+    _wait_status(page, sid, "done")
+    expect(turn.locator(".status")).to_have_text("done (tool calls)")
+    expect(calls).to_have_count(2)
+    shown = [(c.locator(".tool-name").text_content(), c.locator(".tool-id").text_content(),
+              c.locator(".tool-args").text_content()) for c in calls.all()]
+    assert shown == [("get_weather", "call_1", args), ("get_time", "call_2", '{"tz": "Europe/Zurich"}')]
+    assert _page_text(page, sid) == "Let me look that up."
+    expect(reasoning.locator(".reasoning-text")).to_have_text(thought)
+    saved = _saved(page, sid)
+    assert saved["reasoning"] == thought and saved["text"] == "Let me look that up."
+    assert [d["id"] for _, kind, d in saved["answer"]["log"] if kind == "tool_call"] == ["call_1", "call_2"]
+    _screenshot(page, "tool-calls.png")
+
+
+# Model output written by a prompt injection, and the Markdown the page must still render.
+UNTRUSTED = """# Report
+<img src=x onerror="window.__ran = 'img'">
+<script>window.__ran = 'script'</script>
+<iframe src="javascript:window.__ran='iframe'"></iframe>
+
+Click [here](javascript:window.__ran='link'), [there](JAVASCRIPT:alert(1)), [b64](data:text/html;base64,PHNjcmlwdD5hbGVydCgxKTwvc2NyaXB0Pg==), [vb](vbscript:msgbox), <javascript:alert(1)>, [rel](/v1/streams), [ent](&#106;avascript:alert(1)), [pct](%6Aavascript:alert(1)), ![beacon](https://example.org/b.png?q=secret).
+
+| name | where |
+|---|---|
+| rsb | [docs](https://example.org/docs) |
+| mail | <ops@example.org> |
+
+> A quote with **bold** and `<code>`.
+
+<a href="javascript:alert(1)">raw anchor</a> <svg onload="window.__ran='svg'"></svg> <b onmouseover="window.__ran='b'">hover</b>
+
+[ok](http://example.org/a "title") and <https://example.org/b>.
+"""
+SAFE_HREFS = ["https://example.org/b.png?q=secret", "https://example.org/docs", "mailto:ops@example.org",
+              "http://example.org/a", "https://example.org/b"]
+
+# Every element, attribute and link the rendered answer holds, and whether any script ran.
+_INSPECT = """(root) => ({
+    tags: [...new Set([...root.querySelectorAll('*')].map((e) => e.tagName.toLowerCase()))].sort(),
+    handlers: [...root.querySelectorAll('*')].flatMap((e) => [...e.attributes].map((a) => a.name))
+        .filter((n) => n.startsWith('on') || n === 'src' || n === 'style'),
+    hrefs: [...root.querySelectorAll('a')].map((a) => a.getAttribute('href')),
+    targets: [...root.querySelectorAll('a')].map((a) => `${a.target} ${a.rel}`),
+    ran: window.__ran ?? null,
+})"""
+
+
+def _check_untrusted(seen: dict[str, Any]) -> None:
+    assert seen["ran"] is None
+    assert set(seen["tags"]) <= {"a", "blockquote", "code", "h1", "p", "strong", "table", "tbody", "td", "th",
+                                 "thead", "tr"}, seen["tags"]
+    assert {"a", "table", "blockquote", "strong", "h1"} <= set(seen["tags"])
+    assert seen["handlers"] == []
+    assert seen["hrefs"] == SAFE_HREFS
+    assert set(seen["targets"]) == {"_blank noopener noreferrer nofollow"}
+
+
+@needs_chromium
+def test_untrusted_markdown_runs_nothing_and_links_only_to_http_and_mailto(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+        new_page: PageFactory) -> None:
+    """Raw HTML, script, event handlers, `javascript:` / `data:` / `vbscript:` / relative links and images in a
+    model's answer: the page shows them as text, and renders the tables, quotes and http(s)/mailto links. First in
+    the real page (its Content-Security-Policy on: a violation would be a console error, which fails the test),
+    with the answer streamed in small pieces by the stand-in for the generator (tests/typed_streams.py); then the
+    renderer alone on a page without that policy, where a control shows that such HTML would run."""
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    page = new_page()
+    with s.client() as c:
+        sid = create(c, prompt="Summarize this web page", max_tokens=64).json()["id"]
+    gen = StandInGenerator(redis_server.url, sid)
+    gen.start()
+    page.goto(f"{s.base_url}/?stream={sid}")
+    rng = random.Random(7)
+    cuts = sorted(rng.sample(range(1, len(UNTRUSTED)), 60))
+    gen.append(*[("delta", {"text": UNTRUSTED[a:b]})
+                 for a, b in itertools.pairwise([0, *cuts, len(UNTRUSTED)])])
+    gen.finish(completion_tokens=61)
+    _wait_status(page, sid, "done")
+    page.wait_for_timeout(300)  # time for anything that would run (an image's onerror) to run
+    answer = _turn(page, sid).locator(".answer")
+    _check_untrusted(cast(dict[str, Any], answer.locator(".blocks").evaluate(_INSPECT)))
+    assert _page_text(page, sid) == UNTRUSTED
+    _check_rendering(page, sid)
+    expect(answer).to_contain_text("<script>window.__ran = 'script'</script>")  # shown, as text
+    expect(answer.locator("table tr")).to_have_count(3)
+    expect(answer.locator("blockquote code")).to_have_text("<code>")
+    _screenshot(page, "untrusted.png")
+
+    # The renderer on a page with no policy: what it makes would run here if it let anything through.
+    bare = new_page()
+    bare.goto(f"{s.base_url}/healthz")
+    seen = bare.evaluate(
+        """async ([text, cuts, inspect]) => {
+            const md = await import('/static/markdown.js');
+            const control = document.createElement('div');
+            control.innerHTML = '<img src="data:," onerror="window.__control = 1">';
+            document.body.append(control);
+            const whole = document.createElement('div');
+            whole.innerHTML = md.renderMarkdown(text);
+            const blocks = document.createElement('div');
+            const tail = document.createElement('span');
+            const streamed = document.createElement('div');
+            streamed.append(blocks, tail);
+            document.body.append(whole, streamed);
+            const inc = new md.IncrementalMarkdown(blocks, tail);
+            for (const cut of cuts) inc.update(text.slice(0, cut));
+            inc.update(text, true);
+            await new Promise((r) => setTimeout(r, 300));
+            return { whole: eval(inspect)(whole), streamed: eval(inspect)(blocks), control: window.__control ?? null,
+                     same: blocks.innerHTML === whole.innerHTML };
+        }""", [UNTRUSTED, cuts, _INSPECT])
+    assert seen["control"] == 1  # such HTML does run on this page
+    _check_untrusted(seen["whole"])
+    _check_untrusted(seen["streamed"])
+    assert seen["same"]
+
+
+@needs_chromium
+def test_snapshots_stored_before_the_answer_events_open_as_they_should(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+        new_page: PageFactory) -> None:
+    """A page stored only the text of its answers before (no events: a reset could not be applied to it). A
+    finished one still shows its stored text; an unfinished one is read again from the start, so that what it
+    shows is the stream's text, not the old text plus what follows the old id. The streams are written by the
+    stand-in for the generator (tests/typed_streams.py)."""
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    with s.client() as c:
+        done_id, live_id = (create(c, prompt=p, max_tokens=16).json()["id"] for p in ("one", "two"))
+    finished, running = StandInGenerator(redis_server.url, done_id), StandInGenerator(redis_server.url, live_id)
+    finished.start()
+    finished.append(("delta", {"text": "Stored text."}))
+    finished.finish()
+    running.start()
+    running.append(("delta", {"text": "Half "}), ("delta", {"text": "an answer"}))
+    page = new_page()
+    page.goto(f"{s.base_url}/healthz")
+    turns = [{"id": done_id, "prompt": "one", "body": None, "createdAt": None},
+             {"id": live_id, "prompt": "two", "body": None, "createdAt": None}]
+    page.evaluate(
+        """([turns, done, live]) => {
+            localStorage.setItem('rsb.chat.v1', JSON.stringify({ turns }));
+            localStorage.setItem(`rsb.stream.v1.${turns[0].id}`, JSON.stringify(done));
+            localStorage.setItem(`rsb.stream.v1.${turns[1].id}`, JSON.stringify(live));
+        }""", [turns, {"text": "Stored text.", "lastEventId": finished.ids()[-1], "status": "done", "deltas": 1},
+               {"text": "Half an old", "lastEventId": running.ids()[-1], "status": "running", "deltas": 2}])
+    page.goto(f"{s.base_url}/")
+    _wait_status(page, done_id, "done")
+    assert _page_text(page, done_id) == "Stored text."
+    running.append(("delta", {"text": " that ends."}))
+    running.finish()
+    _wait_status(page, live_id, "done")
+    assert _page_text(page, live_id) == "Half an answer that ends."
+    assert _saved(page, live_id)["text"] == "Half an answer that ends."
