@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from broker.request import GenerationRequest
 from generator.engines.base import Generation
+from generator.engines.pieces import PartialAnswer
 
 NAME = "paced-engine"
 
@@ -43,7 +44,7 @@ class PacedEngine:
         self.on_loop = on_loop
 
     def start(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int,
-              stop: threading.Event) -> Generation:
+              stop: threading.Event, partial: PartialAnswer | None = None) -> Generation:
         first = len(prefix_text.split())
         gen = Generation(prompt_tokens=1, pieces=iter(()))
         if self.on_loop:

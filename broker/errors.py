@@ -1,4 +1,6 @@
-"""The exception hierarchy, in one place. The consumer maps these to HTTP at one boundary."""
+"""The exception hierarchy, in one place. Each error carries the JSON ``code`` clients see (and a
+``RetryLater``, when to retry); what HTTP status a code is answered with is the HTTP edge's to say, once
+(consumer.edge.errors.STATUS)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ class RsbError(Exception):
     """Base of every error rsb raises on purpose. ``code`` is the JSON error code clients see."""
 
     code: str = "internal"
-    status_code: int = 500
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -16,39 +17,32 @@ class RsbError(Exception):
 
 class InvalidRequest(RsbError):
     code = "invalid_request"
-    status_code = 400
 
 
 class PayloadTooLarge(RsbError):
     code = "payload_too_large"
-    status_code = 413
 
 
 class NotFound(RsbError):
     code = "not_found"
-    status_code = 404
 
 
 class Expired(RsbError):
     code = "expired"
-    status_code = 410
 
 
 class Unauthorized(RsbError):
     code = "unauthorized"
-    status_code = 401
 
 
 class Conflict(RsbError):
     code = "conflict"
-    status_code = 409
 
 
 class TooManyStreams(RsbError):
     """An API key holds as many Durable Streams as it may (``--ds-max-streams``, or the key's ``max_ds_streams``)."""
 
     code = "too_many_streams"
-    status_code = 429
 
 
 class RetryLater(RsbError):
@@ -61,15 +55,13 @@ class RetryLater(RsbError):
 
 class QueueFull(RetryLater):
     code = "queue_full"
-    status_code = 429
 
 
 class TooManyConnections(RetryLater):
     """Open streams per client address or per API key at their limit (counted per pod); at the HTTP
-    server's level (consumer.edge.guards), connections of one address past their cap, answered 503."""
+    server's level (consumer.edge.guards), connections of one address past their cap."""
 
     code = "too_many_connections"
-    status_code = 429
 
 
 class TooManyGenerations(RetryLater):
@@ -77,25 +69,27 @@ class TooManyGenerations(RetryLater):
     (checked atomically in Redis)."""
 
     code = "too_many_generations"
-    status_code = 429
 
 
 class RateLimited(RetryLater):
     """A caller's creates came faster than its rate allows, past its burst (checked atomically in Redis)."""
 
     code = "rate_limited"
-    status_code = 429
 
 
 class Overloaded(RetryLater):
     """The pod holds as many connections as it may (consumer.edge.guards): another pod, or later, may serve."""
 
     code = "overloaded"
-    status_code = 503
+
+
+class Starting(RetryLater):
+    """Not ready yet: the stack this pod belongs to has no generator serving a model yet (``rsb up``)."""
+
+    code = "starting"
 
 
 class Unavailable(RetryLater):
     """Redis is unreachable (or loading): every Redis error reaching the HTTP boundary becomes this."""
 
     code = "unavailable"
-    status_code = 503

@@ -1,8 +1,10 @@
 """The event model and its encodings: Redis stream fields, pub/sub payloads and SSE frames.
 
-An event is stored as a Redis Stream entry with two fields, ``t`` (type) and ``d`` (data, one line
-of JSON). The entry id is the event id clients see and echo back; it is strictly increasing because
-Redis assigns it, and opaque to clients.
+An event is stored as a Redis Stream entry with two fields, ``TYPE_FIELD`` (``t``, its type) and
+``DATA_FIELD`` (``d``, its data: one line of JSON), in that order. The entry id is the event id clients see
+and echo back; it is strictly increasing because Redis assigns it, and opaque to clients. Live, an event is
+published as ``<id>\n<type>\n<data>`` (``PAYLOAD_SEPARATOR``). These are defined here only: the Lua scripts
+that write them get them from here (broker.streams.scripts.PRELUDE).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ class EventType(StrEnum):
     STARTED = "started"
     PROGRESS = "progress"  # prefill of a long prompt: {"processed": int, "prompt_tokens": int}
     DELTA = "delta"
+    # Typed output, apart from the answer's text (clients that do not know them ignore them):
+    REASONING = "reasoning"  # {"text": str}: a piece of the model's reasoning
+    TOOL_CALL = "tool_call"  # {"index": int, "id": str, "name": str}: a call begins
+    TOOL_ARGS = "tool_args"  # {"index": int, "text": str}: a piece of call `index`'s arguments (JSON text)
     DONE = "done"
     CANCELLED = "cancelled"
     ERROR = "error"
@@ -32,6 +38,20 @@ class EventType(StrEnum):
     # that follow are the stream's from there.
     RESET = "reset"
 
+
+class FinishReason(StrEnum):
+    """``done.finish_reason``."""
+
+    STOP = "stop"  # the model ended its answer (or a stop sequence did)
+    LENGTH = "length"  # max_tokens (or the context) ran out
+    TOOL_CALLS = "tool_calls"  # the answer is one or more tool calls, to be run by the client
+
+
+#: A stored event's fields, in the order every script writes them.
+TYPE_FIELD = b"t"
+DATA_FIELD = b"d"
+#: Between the id, the type and the data of a live (pub/sub) payload; the data is one line, so it splits in three.
+PAYLOAD_SEPARATOR = b"\n"
 
 #: The types that end a stream; also the statuses of a stream that ended (a stream's final status is the type
 #: of its terminal event).
@@ -91,14 +111,14 @@ class Event:
     @classmethod
     def from_entry(cls, entry_id: bytes | str, fields: dict[bytes, bytes]) -> Event:
         eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        return cls(eid, fields[b"t"].decode(), fields[b"d"])
+        return cls(eid, fields[TYPE_FIELD].decode(), fields[DATA_FIELD])
 
     @classmethod
     def from_raw(cls, entry: list[Any]) -> Event:
-        """One entry of a raw XRANGE reply, ``[id, [b"t", type, b"d", data]]`` (every append script writes the
-        fields in that order; any other shape is read by name)."""
+        """One entry of a raw XRANGE reply, ``[id, [TYPE_FIELD, type, DATA_FIELD, data]]`` (every append script
+        writes the fields in that order; any other shape is read by name)."""
         eid, fields = entry
-        if isinstance(fields, list) and len(fields) == 4 and fields[0] == b"t" and fields[2] == b"d":
+        if isinstance(fields, list) and len(fields) == 4 and fields[0] == TYPE_FIELD and fields[2] == DATA_FIELD:
             return cls(eid.decode(), fields[1].decode(), fields[3])
         if isinstance(fields, list):
             fields = dict(zip(fields[::2], fields[1::2], strict=True))
@@ -106,8 +126,8 @@ class Event:
 
     @classmethod
     def from_payload(cls, payload: bytes) -> Event:
-        """Decode a live pub/sub payload: ``<id>\\n<type>\\n<data>`` (built by the append script)."""
-        eid, etype, data = payload.split(b"\n", 2)
+        """Decode a live pub/sub payload: ``<id>\\n<type>\\n<data>`` (built by the scripts' ``payload``)."""
+        eid, etype, data = payload.split(PAYLOAD_SEPARATOR, 2)
         return cls(eid.decode(), etype.decode(), data)
 
     def to_sse(self) -> bytes:
@@ -162,10 +182,23 @@ class EventPage(Sequence[Event]):
         entries = self._entries
         # Every append script writes the fields t, d in that order; a reply parsed by another client (a dict
         # per entry) or any other shape goes through the Events.
-        if all(type(f) is list and len(f) == 4 and f[0] == b"t" and f[2] == b"d" for _, f in entries):
+        t, d = TYPE_FIELD, DATA_FIELD
+        if all(type(f) is list and len(f) == 4 and f[0] == t and f[2] == d for _, f in entries):
             return b"".join([event_frame(eid, f[1], f[3]) for eid, f in entries])
         return b"".join([ev.to_sse() for ev in self])
 
 
 def delta(text: str) -> tuple[str, bytes]:
     return EventType.DELTA, encode_data({"text": text})
+
+
+def reasoning(text: str) -> tuple[str, bytes]:
+    return EventType.REASONING, encode_data({"text": text})
+
+
+def tool_call(index: int, call_id: str, name: str) -> tuple[str, bytes]:
+    return EventType.TOOL_CALL, encode_data({"index": index, "id": call_id, "name": name})
+
+
+def tool_args(index: int, text: str) -> tuple[str, bytes]:
+    return EventType.TOOL_ARGS, encode_data({"index": index, "text": text})

@@ -29,6 +29,10 @@ def frame(data: bytes, *, event: bytes | None = None, event_id: bytes | None = N
     return out + b"data: " + data + b"\n\n"
 
 
+#: The last event of an OpenAI stream and of an AI SDK UI message stream: ``data: [DONE]``.
+DONE_FRAME = frame(b"[DONE]")
+
+
 def event_frame(event_id: bytes, event: bytes, data: bytes) -> bytes:
     """``frame`` with all three fields, as every stored event is sent: one formatting operation (a replay
     frames hundreds of thousands of events a second)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
@@ -12,7 +13,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
 from broker.durable.store import DurableStore
-from broker.redis.connection import UNAVAILABLE_ERRORS, connect, connect_blocking
+from broker.redis.connection import connect, connect_blocking, is_unavailable
 from broker.streams.chats import ChatStore
 from broker.streams.store import Store
 from consumer.edge.auth import ApiKeys
@@ -30,6 +31,8 @@ from consumer.views import ROUTES
 from consumer.views.durable import protocol as durable_protocol
 from consumer.views.native import stream_events
 
+log = logging.getLogger("rsb.consumer")
+
 # How often a pod records, per stream it serves, that a reader is connected. Must stay well under the
 # generators' --disconnect-grace-s and any --abandon-after-s.
 TOUCH_INTERVAL_S = 2.0
@@ -39,17 +42,21 @@ async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         ids = hub.stream_ids()
-        with contextlib.suppress(*UNAVAILABLE_ERRORS):
+        try:
             for i in range(0, len(ids), 1000):
                 await store.touch(ids[i:i + 1000])
+        except Exception as e:  # Redis away: the next round touches them; anything else is a bug, said
+            if not is_unavailable(e):
+                log.error("touching the streams being read failed: %s", type(e).__name__, exc_info=e)
 
 
 # How long a create or cancel waits for a replica (durability replicated) before answering 503.
 REPLICA_PATIENCE_S = 5.0
 
 
-def create_app(settings: ConsumerSettings, *, draining: Drain | None = None) -> ASGIApp:
-    """``draining`` is set by the server on SIGTERM: open SSE responses then end at an event boundary."""
+def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, expect_model: bool = False) -> ASGIApp:
+    """``draining`` is set by the server on SIGTERM: open SSE responses then end at an event boundary.
+    ``expect_model``: the pod's stack starts its own generators (``rsb up``): ready once one serves a model."""
     # Loaded here, not in the lifespan: a broken keys file must stop the start, with its message.
     api_keys = (ApiKeys.load(settings.api_keys_file, settings.read_token_secret) if settings.api_keys_file
                 else ApiKeys.disabled())
@@ -74,7 +81,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None) -> 
         # replicated: a create or cancel that no replica acknowledges in time answers 503 (it is idempotent).
         store = Store(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms,
                       replica_patience_s=REPLICA_PATIENCE_S)
-        service = StreamService(settings, store, hub, metrics, api_keys, limiter)
+        service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, chats=ChatStore(redis),
                       durable=DurableStore(redis, b.partitions), draining=drain)
@@ -89,8 +96,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None) -> 
             toucher.cancel()
             await asyncio.gather(toucher, return_exceptions=True)
             await hub.stop()
-            if store.gate is not None:
-                await store.gate.aclose()
+            await store.aclose()
             await redis.aclose()
             await blocking.aclose()
 

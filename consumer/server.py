@@ -95,9 +95,10 @@ def who_can_reach(host: str, port: int) -> str:
     return f"anyone who can reach {host}:{port}"
 
 
-def build_server(settings: ConsumerSettings, **uvicorn_options: Any) -> ConsumerServer:
+def build_server(settings: ConsumerSettings, *, expect_model: bool = False, **uvicorn_options: Any) -> ConsumerServer:
+    """``expect_model``: see consumer.app.create_app."""
     draining = Drain()
-    app = create_app(settings, draining=draining)
+    app = create_app(settings, draining=draining, expect_model=expect_model)
     guards = Guards.derive(head_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
                            per_address=settings.max_connections_per_ip, max_connections=settings.max_connections,
                            trusted=settings.forwarded_allow_ips, fd_limit=open_file_limit())

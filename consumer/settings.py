@@ -60,7 +60,7 @@ class ConsumerSettings(Settings):
         1000, "open SSE streams one client address (an IPv6 /64) may hold on this pod; more get 429 "
         "too_many_connections (0 = no limit)")
     max_connections_per_ip: int = setting(
-        1200, "TCP connections one peer address (an IPv6 /64) may hold on this pod; more get 503 "
+        1200, "TCP connections one peer address (an IPv6 /64) may hold on this pod; more get 429 "
         "too_many_connections, and past twice this a closed socket. Peers in --forwarded-allow-ips are "
         "exempt: a proxy carries many clients, counted by their forwarded address (0 = no limit)")
     max_connections: int = setting(

@@ -21,21 +21,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from broker.events import EventType, delta, encode_data
+from broker.errors import RsbError
+from broker.events import EventType, FinishReason, encode_data
 from broker.streams.records import AppendResult, Claim, Job, Unclaimable
 from broker.streams.store import Store, started_event
+from generator.answer import AnswerEvents, AnswerSoFar
 from generator.engines import Engine, Generation, error_code
+from generator.engines.pieces import PartialAnswer
 from generator.handoff import TokenHandoff, produce
 from generator.lease import Run, keep_lease
 from generator.metrics import GeneratorMetrics
 from generator.retry import until_done
 from generator.settings import GeneratorSettings
-from generator.stops import StopFilter
 
 log = logging.getLogger("rsb.generator")
 
 # How long a finished generation waits for its lease renewer to stop (it is mid-command at worst).
 RENEWER_STOP_S = 1.0
+# The ``error`` code of a generation ended by a bug of rsb's own (not the engine's): broker.errors' base code.
+INTERNAL = RsbError.code
+
+
+def _describe(error: BaseException) -> str:
+    """An ``error`` event's message for a bug: the exception's type and message (a Redis error names a command
+    or a script, never a prompt)."""
+    return f"{type(error).__name__}: {error}"
 
 
 class Appender(Protocol):
@@ -91,38 +101,39 @@ class JobRunner:
             await self._finish_cancelled(run, claim.cancel_reason, nothing, 0.0)
         else:
             self.running[job.stream_id] = run
-            self.metrics.running += 1
+            self.metrics.running.inc()
             try:
                 await self._generate(run)
+            except Exception as e:  # a bug of the store (a failing script, WRONGTYPE): not retried, surfaced
+                log.error("generation failed: %s", type(e).__name__, exc_info=e,
+                          extra={"stream_id": str(job.stream_id)})
+                await self._finish_error(run, INTERNAL, _describe(e), Usage(0, claim.seq))
             finally:
                 del self.running[job.stream_id]
-                self.metrics.running -= 1
+                self.metrics.running.dec()
         if not run.fenced_out:
             await self._ack(job)
 
     async def _ack(self, job: Job) -> None:
         await until_done(lambda: self.store.ack(job.partition, job.entry_id))
 
-    async def _prefix_text(self, claim: Claim) -> tuple[str, bool]:
-        """The answer so far (from an earlier attempt) and whether ``started`` was already sent."""
-        text: list[str] = []
-        started = False
+    async def _answer_so_far(self, claim: Claim) -> AnswerSoFar:
+        """The answer an earlier attempt appended (text, reasoning, tool calls), and whether it sent
+        ``started``."""
+        so_far = AnswerSoFar()
         after: str | None = None
         while True:
             events = await self.store.read(claim.stream_id, after, count=1024, visible_only=False)
             if not events:
-                return "".join(text), started
-            for ev in events:
-                if ev.type == EventType.DELTA:
-                    text.append(ev.json()["text"])
-                elif ev.type == EventType.STARTED:
-                    started = True
+                return so_far
+            so_far.add_all((ev.type, ev.data) for ev in events)
             after = events[-1].id
 
     async def _generate(self, run: Run) -> None:
         claim = run.claim
         req = claim.request
-        prefix, started = await until_done(lambda: self._prefix_text(claim))
+        so_far = await until_done(lambda: self._answer_so_far(claim))
+        prefix, started, partial = so_far.text, so_far.started, so_far.partial
         if not started:
             if not await self._append(run, claim.seq, claim.seq, [started_event(self.engine.name)]):
                 if run.handing_over:
@@ -134,10 +145,10 @@ class JobRunner:
         t_start = time.monotonic()
         gen_holder: list[Generation] = []
         producer = produce(self.engine, req, handoff, prefix_text=prefix, max_tokens=remaining, stop=run.stop,
-                              on_start=gen_holder.append)
+                           on_start=gen_holder.append, partial=partial if partial.typed else None)
         s = self.settings
         renewer = asyncio.create_task(keep_lease(run, self.store, self.worker_id, s.lease_s, s.disconnect_grace_s))
-        stops = StopFilter(req.stop)
+        answer = AnswerEvents(req.stop, partial if partial.typed else PartialAnswer())
         seq = claim.seq  # tokens counted in Redis (all attempts)
         tokens = claim.seq  # tokens generated (all attempts)
         first_token_at: float | None = None
@@ -160,16 +171,16 @@ class JobRunner:
                     if first_token_at is None:
                         first_token_at = now
                     last_token_at = now
-                    tokens += len(batch.pieces)
-                text = stops.feed("".join(batch.pieces))
-                if stops.stopped:
+                    tokens += batch.tokens
+                events = answer.feed(batch.pieces, batch.markers)
+                if answer.stopped:
                     run.stop.set()
                 if batch.closed:
                     error = batch.error
                     if error is None and not run.stop.is_set():
-                        text += stops.flush()
-                if text and not run.fenced_out:
-                    if not await self._append(run, seq, tokens, [delta(text)]):
+                        events += answer.flush()
+                if events and not run.fenced_out:
+                    if not await self._append(run, seq, tokens, events):
                         break
                     seq = tokens
                 if run.cancel_reason or run.fenced_out:
@@ -181,7 +192,7 @@ class JobRunner:
                     break
         finally:
             handoff.abandon()
-            if getattr(self.engine, "on_loop", False):
+            if self.engine.on_loop:
                 producer.cancel()  # a loop producer may be asleep until its next token
             run.generation_over = True  # the renewer's own stop flag: cancellation alone can be swallowed
             renewer.cancel()
@@ -196,7 +207,9 @@ class JobRunner:
         compute_s = time.monotonic() - t_start
         gen = gen_holder[0] if gen_holder else None
         usage = Usage(gen.prompt_tokens if gen else 0, tokens, t_start, first_token_at, last_token_at)
-        if run.cancel_reason and not stops.stopped:
+        if run.failure is not None:
+            await self._finish_error(run, INTERNAL, _describe(run.failure), usage, compute_s)
+        elif run.cancel_reason and not answer.stopped:
             await self._finish_cancelled(run, run.cancel_reason, usage, compute_s)
         elif run.deadline_hit:
             await self._finish_error(run, "deadline", f"generation exceeded {deadline:g} s", usage, compute_s)
@@ -204,7 +217,7 @@ class JobRunner:
             log.error("engine failed: %s", type(error).__name__, extra={"stream_id": str(claim.stream_id)})
             await self._finish_error(run, error_code(error), str(error) or type(error).__name__, usage, compute_s)
         else:
-            reason = "stop" if stops.stopped else (gen.finish_reason if gen else "stop")
+            reason = FinishReason.STOP if answer.stopped else (gen.finish_reason if gen else FinishReason.STOP)
             u = usage.as_dict()
             await self._finish(run, EventType.DONE, {"finish_reason": reason, "usage": u}, "done", u)
 

@@ -1,8 +1,9 @@
 """The bounded hand-off from the inference thread to the event loop, and ``produce``, which runs an engine's
-generation into it: in a thread, or on the loop for engines that say ``on_loop``.
+generation into it: in a thread of its own, or on the loop for engines that say ``on_loop``.
 
-The thread puts one piece of text per token; the loop takes everything available at once, so tokens
-that arrive while an append is in flight are coalesced into the next one. Putting costs a lock and,
+The thread puts one piece of text per token (and, now and then, a marker that is no token: see
+generator.engines.pieces); the loop takes everything available at once, so tokens that arrive while an
+append is in flight are coalesced into the next one. Putting costs a lock and,
 only when the loop is waiting, one ``call_soon_threadsafe``: cheap enough to keep per-token cost flat.
 When the loop falls behind (Redis slow or down) the thread blocks, so memory stays bounded.
 """
@@ -10,6 +11,7 @@ When the loop falls behind (Redis slow or down) the thread blocks, so memory sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -17,20 +19,49 @@ from dataclasses import dataclass
 
 from broker.request import GenerationRequest
 from generator.engines.base import Engine, Generation
+from generator.engines.pieces import PartialAnswer, Piece
+
+
+class StopSignal(threading.Event):
+    """The ``stop`` of a generation: a threading.Event (an inference thread checks it between tokens) that
+    also runs callbacks when set, so a loop producer waiting on the network is cancelled at once instead of
+    at its next token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def on_set(self, callback: Callable[[], None]) -> None:
+        if self.is_set():
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def set(self) -> None:
+        super().set()
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
 
 @dataclass(slots=True)
 class Batch:
-    pieces: list[str]
+    pieces: list[Piece]
     closed: bool  # the producer finished (or failed: see ``error``) and nothing more will come
     error: BaseException | None = None
     progress: tuple[int, int] | None = None  # the latest prefill progress, if any came since the last get
+    markers: int = 0  # pieces that are no token (markers, Extra text); 0: every piece is a token's text
+
+    @property
+    def tokens(self) -> int:
+        return len(self.pieces) - self.markers
 
 
 class TokenHandoff:
     def __init__(self, loop: asyncio.AbstractEventLoop, max_pending: int) -> None:
         self._loop = loop
-        self._items: deque[str] = deque()
+        self._items: deque[Piece] = deque()
+        self._markers = 0
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
         self._max_pending = max_pending
@@ -47,21 +78,24 @@ class TokenHandoff:
 
     # -- producer (inference thread) -----------------------------------------------------------
 
-    def put(self, piece: str) -> bool:
-        """Hand over one token's text. Blocks while the buffer is full; False once the consumer left."""
+    def put(self, piece: Piece) -> bool:
+        """Hand over one token's text (or a marker). Blocks while the buffer is full; False once the consumer
+        left."""
         with self._space:
             while len(self._items) >= self._max_pending and not self._abandoned:
                 self._space.wait(timeout=0.5)
             if self._abandoned:
                 return False
             self._items.append(piece)
+            if type(piece) is not str:
+                self._markers += 1
             wake = self._waiting
             self._waiting = False
         if wake:
             self._loop.call_soon_threadsafe(self._wake)
         return True
 
-    async def aput(self, piece: str) -> bool:
+    async def aput(self, piece: Piece) -> bool:
         """``put`` for a producer on the event loop: waits (without blocking the loop) while the buffer is full."""
         while len(self._items) >= self._max_pending and not self._abandoned:
             waiter = self._space_waiter = self._loop.create_future()
@@ -73,6 +107,8 @@ class TokenHandoff:
             return False
         with self._lock:
             self._items.append(piece)
+            if type(piece) is not str:
+                self._markers += 1
             wake = self._waiting
             self._waiting = False
         if wake:
@@ -114,10 +150,11 @@ class TokenHandoff:
                 if self._items or self._closed or self._progress is not None:
                     pieces = list(self._items)
                     self._items.clear()
+                    markers, self._markers = self._markers, 0
                     progress, self._progress = self._progress, None
                     self._space.notify_all()
                     self._room()
-                    return Batch(pieces, self._closed and not self._items, self._error, progress)
+                    return Batch(pieces, self._closed and not self._items, self._error, progress, markers)
                 self._waiting = True
                 waiter = self._waiter = self._loop.create_future()
             timer = self._loop.call_later(timeout_s, self._wake) if timeout_s is not None else None
@@ -141,21 +178,25 @@ class TokenHandoff:
 
 
 def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *, prefix_text: str,
-            max_tokens: int, stop: threading.Event,
-            on_start: Callable[[Generation], None] | None = None) -> asyncio.Future[None]:
+            max_tokens: int, stop: threading.Event, on_start: Callable[[Generation], None] | None = None,
+            partial: PartialAnswer | None = None) -> asyncio.Future[None]:
     """Run a generation of ``engine`` into ``handoff`` (closed at the end, with the error if one was raised);
-    ``on_start`` gets the Generation. In an inference thread, or, for an engine that says ``on_loop``, as a
-    task on the running loop. The future ends when the producer has."""
+    ``on_start`` gets the Generation. In an inference thread of its own, or, for an engine that says
+    ``on_loop``, as a task on the running loop. The future ends when the producer has.
+
+    A thread per generation, not a pool's: asyncio's default executor (``asyncio.to_thread``) holds
+    ``min(32, cores + 4)`` threads, so past that a worker's ``--concurrency`` generations would be claimed,
+    send ``started`` and then wait, silent, for another one to end."""
 
     def started(gen: Generation) -> None:
         gen.on_progress = handoff.progress
         if on_start is not None:
             on_start(gen)
 
-    if getattr(engine, "on_loop", False):
+    if engine.on_loop:
         async def on_loop() -> None:
             try:
-                gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop)
+                gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial)
                 started(gen)
                 assert gen.apieces is not None, "an on_loop engine fills apieces"
                 async for piece in gen.apieces:
@@ -168,11 +209,21 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
             except Exception as e:  # handed to the loop, which ends the stream with `error`
                 handoff.close(e)
 
-        return asyncio.ensure_future(on_loop())
+        task = asyncio.ensure_future(on_loop())
+        if isinstance(stop, StopSignal):
+            loop = asyncio.get_running_loop()
+            def cancel() -> None:
+                loop.call_soon_threadsafe(task.cancel)
+
+            stop.on_set(cancel)
+        return task
+
+    loop = asyncio.get_running_loop()
+    finished: asyncio.Future[None] = loop.create_future()
 
     def in_thread() -> None:
         try:
-            gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop)
+            gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial)
             started(gen)
             for piece in gen.pieces:
                 if not handoff.put(piece):
@@ -180,5 +231,16 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
             handoff.close()
         except BaseException as e:  # handed to the loop, which ends the stream with `error`
             handoff.close(e)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for this any more
+                loop.call_soon_threadsafe(_resolve, finished)
 
-    return asyncio.ensure_future(asyncio.to_thread(in_thread))
+    # Not a daemon, like the executor's threads were: the interpreter lets a generation leave its C call
+    # (the worker sets ``stop`` at shutdown) before it exits.
+    threading.Thread(target=in_thread, name="rsb-generation").start()
+    return finished
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

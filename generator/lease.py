@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from broker.redis.pubsub import Channels
 from broker.streams.keys import control_channel
 from broker.streams.records import Claim
 from broker.streams.store import Store
+from generator.handoff import StopSignal
 
 log = logging.getLogger("rsb.generator")
 
@@ -33,12 +33,15 @@ class Run:
     """What the worker knows about one job in flight. ``stop`` tells the inference thread to stop."""
 
     claim: Claim
-    stop: threading.Event = field(default_factory=threading.Event)
+    stop: StopSignal = field(default_factory=StopSignal)
     cancel_reason: str = ""
     fenced_out: bool = False
     deadline_hit: bool = False
     handing_over: bool = False
     generation_over: bool = False
+    #: A bug met while keeping the lease (a failing script, WRONGTYPE): the generation stops and its stream
+    #: ends with ``error`` (generator.generation), never a lease renewed by retrying the bug in silence.
+    failure: BaseException | None = None
 
     def cancel(self, reason: str) -> None:
         if reason and not self.cancel_reason:
@@ -47,6 +50,13 @@ class Run:
 
     def fence_out(self) -> None:
         self.fenced_out = True
+        self.stop.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self.failure is None:
+            self.failure = error
+            log.error("keeping the lease failed: %s", type(error).__name__, exc_info=error,
+                      extra={"stream_id": str(self.claim.stream_id)})
         self.stop.set()
 
 
@@ -64,6 +74,9 @@ async def keep_lease(run: Run, store: Store, worker_id: str, lease_s: float, dis
             if run.generation_over or (task is not None and task.cancelling()):
                 raise asyncio.CancelledError from None
             continue
+        except Exception as e:  # a bug: retrying it would renew nothing, for ever
+            run.fail(e)
+            return
         if not res.ok:
             run.fence_out()
             return
@@ -76,6 +89,9 @@ async def check_cancel(run: Run, store: Store, worker_id: str, disconnect_grace_
         res = await store.renew(run.claim, worker_id, disconnect_grace_s)
     except UNAVAILABLE_ERRORS:
         return  # the renewal loop asks again within lease_s / 3
+    except Exception as e:
+        run.fail(e)
+        return
     run.cancel(res.cancel_reason)
 
 

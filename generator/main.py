@@ -55,8 +55,7 @@ async def serve(settings: GeneratorSettings, engine: Engine) -> None:
             h.cancel()
         if metrics_server is not None:
             metrics_server.close()
-        if store.gate is not None:
-            await store.gate.aclose()
+        await store.aclose()
         await redis.aclose()
         await blocking.aclose()
         engine.close()

@@ -1,76 +1,54 @@
-"""The generator's Prometheus metrics, served by a tiny HTTP endpoint (``--metrics-port``).
+"""The generator's Prometheus metrics (prometheus_client), served by a tiny HTTP endpoint (``--metrics-port``).
 
 Updated once per generation (never per token): jobs by outcome, tokens generated and tokens generated
-for answers that were then aborted, and TTFT/TPOT histograms."""
+for answers that were then aborted, and TTFT/TPOT histograms. The endpoint is served from the worker's own
+event loop, not from prometheus_client's server thread: it is the generators' startup and liveness probe
+(deploy/kubernetes), so a worker whose loop is stuck must stop answering it."""
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+# No ``<name>_created`` series beside each counter and histogram: nothing reads them.
+disable_created_metrics()
+
 TTFT_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 TPOT_BUCKETS_MS = (0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500)
-
-
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.help, self.buckets = name, help_text, buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for bound, count in zip(self.buckets, self.counts, strict=False):
-            running += count
-            lines.append(f'{self.name}_bucket{{le="{bound:g}"}} {running}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.n}')
-        lines.append(f"{self.name}_sum {self.total:g}")
-        lines.append(f"{self.name}_count {self.n}")
-        return lines
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 class GeneratorMetrics:
     def __init__(self) -> None:
-        self.jobs: dict[str, int] = {}
-        self.tokens_generated = 0
-        self.tokens_aborted = 0
-        self.running = 0
-        self.ttft = Histogram("rsb_generator_ttft_ms", "time from claim to first token", TTFT_BUCKETS_MS)
-        self.tpot = Histogram("rsb_generator_tpot_ms", "time per output token after the first", TPOT_BUCKETS_MS)
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.jobs = Counter("rsb_generator_jobs_total", "generations this worker ended, by final status", ["status"],
+                            registry=r)
+        self.tokens_generated = Counter("rsb_generator_tokens_total", "tokens this worker generated", registry=r)
+        self.tokens_wasted = Counter("rsb_generator_tokens_wasted_total",
+                                     "tokens generated for answers that were then aborted", registry=r)
+        self.running = Gauge("rsb_generator_running", "generations in flight on this worker", registry=r)
+        self.ttft = Histogram("rsb_generator_ttft_ms", "time from claim to first token, in ms", registry=r,
+                              buckets=TTFT_BUCKETS_MS)
+        self.tpot = Histogram("rsb_generator_tpot_ms", "time per output token after the first, in ms", registry=r,
+                              buckets=TPOT_BUCKETS_MS)
 
     def finished(self, status: str, usage: dict[str, Any], generated_here: int) -> None:
         """One generation ended. ``generated_here``: tokens this worker computed for it (not earlier attempts)."""
-        self.jobs[status] = self.jobs.get(status, 0) + 1
-        self.tokens_generated += generated_here
+        self.jobs.labels(status).inc()
+        self.tokens_generated.inc(generated_here)
         if status != "done":
-            self.tokens_aborted += generated_here
+            self.tokens_wasted.inc(generated_here)
         if usage.get("ttft_ms") is not None:
             self.ttft.observe(float(usage["ttft_ms"]))
         if usage.get("tpot_ms") is not None:
             self.tpot.observe(float(usage["tpot_ms"]))
 
-    def render(self) -> str:
-        lines = ["# HELP rsb_generator_jobs_total generations this worker ended, by final status",
-                 "# TYPE rsb_generator_jobs_total counter"]
-        lines += [f'rsb_generator_jobs_total{{status="{s}"}} {n}' for s, n in sorted(self.jobs.items())]
-        lines += ["# HELP rsb_generator_tokens_total tokens this worker generated",
-                  "# TYPE rsb_generator_tokens_total counter", f"rsb_generator_tokens_total {self.tokens_generated}",
-                  "# HELP rsb_generator_tokens_wasted_total tokens generated for answers that were then aborted",
-                  "# TYPE rsb_generator_tokens_wasted_total counter",
-                  f"rsb_generator_tokens_wasted_total {self.tokens_aborted}",
-                  "# HELP rsb_generator_running generations in flight on this worker",
-                  "# TYPE rsb_generator_running gauge", f"rsb_generator_running {self.running}"]
-        lines += self.ttft.render() + self.tpot.render()
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 async def serve_metrics(metrics: GeneratorMetrics, host: str, port: int) -> asyncio.Server:
@@ -83,8 +61,7 @@ async def serve_metrics(metrics: GeneratorMetrics, host: str, port: int) -> asyn
                 pass  # headers: not needed
             parts = request_line.split()
             if len(parts) >= 2 and parts[0] == b"GET" and parts[1].split(b"?")[0] == b"/metrics":
-                body, status = metrics.render().encode(), b"200 OK"
-                ctype = b"text/plain; version=0.0.4; charset=utf-8"
+                body, status, ctype = metrics.render(), b"200 OK", CONTENT_TYPE
             else:
                 body, status, ctype = b'{"error":{"code":"not_found","message":"try /metrics"}}', b"404 Not Found", \
                     b"application/json"

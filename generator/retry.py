@@ -11,9 +11,6 @@ from broker.redis.connection import UNAVAILABLE_ERRORS
 
 log = logging.getLogger("rsb.generator")
 
-#: Failures that mean "Redis is away for now": retried. Anything else is a bug and propagates.
-TRANSIENT = UNAVAILABLE_ERRORS
-
 T = TypeVar("T")
 
 
@@ -23,6 +20,6 @@ async def until_done(op: Callable[[], Awaitable[T]], what: str = "redis unavaila
     while True:
         try:
             return await op()
-        except TRANSIENT as e:
+        except UNAVAILABLE_ERRORS as e:  # Redis away for now: retried; anything else is a bug and propagates
             log.warning("%s, retrying: %s", what, e)
             await attempts.sleep()

@@ -17,7 +17,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from broker.backoff import Attempts
-from broker.redis.connection import RedisClient
+from broker.redis.connection import UNAVAILABLE_ERRORS, RedisClient
 from broker.streams.records import Job
 from broker.streams.served_models import ANNOUNCE_INTERVAL_S, ServedModels
 from broker.streams.store import Store
@@ -27,7 +27,6 @@ from generator.generation import Appender, JobRunner
 from generator.jobs import JobPoller
 from generator.lease import check_cancel, listen_for_cancels
 from generator.metrics import GeneratorMetrics
-from generator.retry import TRANSIENT
 from generator.settings import GeneratorSettings
 
 log = logging.getLogger("rsb.generator")
@@ -81,8 +80,10 @@ class Worker:
         while True:
             try:
                 await models.announce(self.engine.name)
-            except TRANSIENT as e:
+            except UNAVAILABLE_ERRORS as e:
                 log.warning("could not announce the model, retrying: %s", e)
+            except Exception as e:  # a bug (the key holds another type): said, and tried again, never in silence
+                log.error("could not announce the model: %s", type(e).__name__, exc_info=e)
             await asyncio.sleep(ANNOUNCE_INTERVAL_S)
 
     def _on_cancel_notice(self, stream_id: uuid.UUID) -> None:
@@ -105,7 +106,7 @@ class Worker:
                     await self.store.ensure_groups()
                     job = await self._poll_unless_stopping()
                     attempts.reset()
-                except TRANSIENT as e:
+                except UNAVAILABLE_ERRORS as e:
                     slots.release()
                     log.warning("redis unavailable, retrying: %s", e)
                     await attempts.sleep()
@@ -119,6 +120,8 @@ class Worker:
                 def done(t: asyncio.Task[None]) -> None:
                     jobs.discard(t)
                     slots.release()
+                    if not t.cancelled() and t.exception() is not None:  # a bug the run could not even report
+                        log.error("a job failed: %s", type(t.exception()).__name__, exc_info=t.exception())
 
                 task.add_done_callback(done)
         finally:

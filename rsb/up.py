@@ -289,7 +289,8 @@ def run_stack(settings: UpSettings) -> int:
         broker = dataclasses.replace(gen.broker, redis_url=redis_url)
         gen = dataclasses.replace(gen, broker=broker)
         api = dataclasses.replace(api, broker=broker)
-        consumer_server = build_server(api)
+        # Ready (/readyz) once a generator serves its model: /v1/models lists it from the first 200 on.
+        consumer_server = build_server(api, expect_model=True)
 
         def give_up(reason: str) -> None:
             failure.append(reason)

@@ -26,10 +26,10 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import RedisError
+from redis.exceptions import SlotNotCoveredError
 
 from broker.backoff import Backoff
-from broker.redis.connection import RedisClient, connect_node
+from broker.redis.connection import UNAVAILABLE_ERRORS, RedisClient, connect_node, is_unavailable
 
 log = logging.getLogger("rsb.pubsub")
 
@@ -85,15 +85,31 @@ class _Shard:
 
     async def subscribe(self, ch: bytes) -> asyncio.Future[None] | None:
         """Subscribe ``ch``; the future resolves on Redis's confirmation. None: not connected now; the
-        (re)connect subscribes it and reports a reset."""
+        (re)connect subscribes it and reports a reset. Cancelled while it waits for the lock or sends, it
+        leaves nothing behind: a channel it added is dropped again (and unsubscribed, if the command went
+        out), so no caller that gave up leaves a channel subscribed for nobody. A failed send leaves the
+        channel wanted: the reconnect that follows subscribes it."""
+        added = ch not in self.channels
         self.channels.add(ch)
-        async with self._lock:
-            ps = self._pubsub
-            if ps is None or not self._connected.is_set():
-                return None
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._confirmations.setdefault(ch, deque()).append(fut)
-            await self._send_subscribe(ps, [ch])
+        try:
+            async with self._lock:
+                ps = self._pubsub
+                if ps is None or not self._connected.is_set():
+                    return None
+                fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                # Queued before the send, so the confirmations stay in step with the commands sent: a send cut
+                # by a cancellation either went out (its confirmation comes, and resolves nothing) or dropped
+                # the connection (whose loss fails every confirmation).
+                self._confirmations.setdefault(ch, deque()).append(fut)
+                try:
+                    await self._send_subscribe(ps, [ch])
+                except asyncio.CancelledError:
+                    fut.cancel()
+                    raise
+        except asyncio.CancelledError:
+            if added:
+                self.unsubscribe(ch)
+            raise
         return fut
 
     async def _send_subscribe(self, ps: PubSub, channels: list[bytes]) -> None:
@@ -125,7 +141,7 @@ class _Shard:
             if ch in self.channels or ps is not self._pubsub:
                 return
             self._unsubscribing[ch] = self._unsubscribing.get(ch, 0) + 1
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*UNAVAILABLE_ERRORS):  # the connection is going: so is the channel
                 await (ps.sunsubscribe(ch) if self._sharded else ps.unsubscribe(ch))
 
     async def _run(self) -> None:
@@ -151,14 +167,18 @@ class _Shard:
                 await self._dispatch(ps)
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as e:
+            except Exception as e:
+                # Redis away (UNAVAILABLE_ERRORS) is the ordinary case. Anything else (a refused SUBSCRIBE, a
+                # reply this loop cannot read) is a bug: logged as one, and handed to whoever waits for a
+                # confirmation; the loop still reconnects, since a pod without its pub/sub hears no stream.
+                if not is_unavailable(e):
+                    log.error("pub/sub failed: %s", type(e).__name__, exc_info=e, extra={"node": self.name})
                 self._connected.clear()
                 self._pubsub = None
-                err = e if isinstance(e, RedisError) else RedisError(str(e))
                 for futs in self._confirmations.values():
                     for f in futs:
                         if not f.done():
-                            f.set_exception(err)
+                            f.set_exception(e)
                             f.exception()  # retrieved: nobody may be waiting on a resubscription's future
                 self._confirmations.clear()
                 self._resubscribed.clear()
@@ -245,7 +265,7 @@ class Channels:
             # Connect now, so the first readers find a live connection and need no resync.
             self._shard("", lambda: self._redis.pubsub(), sharded=False)
             return
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*UNAVAILABLE_ERRORS):
             await self._cluster.initialize()  # the slot map; retried at the first subscribe otherwise
 
     async def stop(self) -> None:
@@ -255,14 +275,19 @@ class Channels:
         await asyncio.gather(*(s.stop() for s in shards), return_exceptions=True)
 
     async def subscribe(self, ch: bytes, *, moved: bool = False) -> asyncio.Future[None] | None:
-        """See ``_Shard.subscribe``. Raises RedisError/OSError when the command could not be sent."""
+        """See ``_Shard.subscribe``. Raises one of UNAVAILABLE_ERRORS when the command could not be sent."""
         shard = self._where.get(ch)
         if shard is None:
             shard = await self._shard_for(ch)
             self._where[ch] = shard
         if moved:
             shard.resubscribe(ch)
-        return await shard.subscribe(ch)
+        try:
+            return await shard.subscribe(ch)
+        except asyncio.CancelledError:
+            if ch not in shard.channels and self._where.get(ch) is shard:
+                del self._where[ch]  # the shard took it back (see _Shard.subscribe)
+            raise
 
     def unsubscribe(self, ch: bytes) -> None:
         shard = self._where.pop(ch, None)
@@ -276,7 +301,7 @@ class Channels:
         await cluster.initialize()
         node = cluster.get_node_from_key(ch.decode())
         if node is None:
-            raise RedisError(f"no master owns the slot of {ch!r}")
+            raise SlotNotCoveredError(f"no master owns the slot of {ch!r}")
         host, port = node.host, int(node.port)
         return self._shard(node.name, lambda: _node_pubsub(cluster, host, port), sharded=True)
 
@@ -305,14 +330,17 @@ class Channels:
         async with self._reroute_lock:
             try:
                 await cluster.nodes_manager.initialize()
-            except (RedisError, OSError) as e:
-                log.warning("could not refresh the cluster's slot map: %s", e)
+            except Exception as e:  # it runs in a shard's reconnect loop, which must go on whatever this raised
+                if not is_unavailable(e):
+                    log.error("could not refresh the cluster's slot map", exc_info=e)
+                else:
+                    log.warning("could not refresh the cluster's slot map: %s", e)
                 return
             moved: list[bytes] = []
             for ch in list(shard.channels):
                 try:
                     node = cluster.get_node_from_key(ch.decode())
-                except RedisError:
+                except UNAVAILABLE_ERRORS:  # no master owns it in this map: the next reroute looks again
                     continue
                 if node is None or node.name == shard.name:
                     continue
@@ -320,7 +348,7 @@ class Channels:
                 self._where.pop(ch, None)
                 moved.append(ch)
             for ch in moved:
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(*UNAVAILABLE_ERRORS):  # the shard's reconnect subscribes it
                     await self.subscribe(ch, moved=True)
             if moved:
                 log.info("channels moved to another master", extra={"node": shard.name, "channels": len(moved)})

@@ -20,6 +20,11 @@ from dataclasses import dataclass
 from broker.redis.keyspace import PREFIX, tagged
 
 JOBS_GROUP = "generators"
+# The last part of each key of a stream, after ``stream_key_prefix`` and its id: also what the claim script
+# appends, inside Lua, to reach the streams waiting behind the one it claims (it gets them as arguments).
+META_SUFFIX = ":meta"
+EVENTS_SUFFIX = ":events"
+CHANNEL_SUFFIX = ":live"
 # One channel for workers that want cancel requests without waiting for their next append.
 _CONTROL = "ctl"
 
@@ -46,24 +51,28 @@ class StreamKeys:
         return tagged(self.partition, self.partitions)
 
     @property
+    def _stream(self) -> str:
+        return f"{stream_key_prefix(self.partition, self.partitions)}{self.stream_id}"
+
+    @property
     def meta(self) -> str:
         """Hash: request, status, fence token, usage. See broker.streams.scripts for its fields."""
-        return f"{self._tag}:s:{self.stream_id}:meta"
+        return self._stream + META_SUFFIX
 
     @property
     def events(self) -> str:
         """Redis Stream: the stream's events, in order; entry ids are the SSE event ids."""
-        return f"{self._tag}:s:{self.stream_id}:events"
+        return self._stream + EVENTS_SUFFIX
 
     @property
     def tombstone(self) -> str:
         """Tiny key left after retention so an expired stream answers 410, not 404."""
-        return f"{self._tag}:s:{self.stream_id}:gone"
+        return self._stream + ":gone"
 
     @property
     def channel(self) -> str:
         """Pub/sub channel on which every appended event is also published, for live tailing."""
-        return f"{self._tag}:s:{self.stream_id}:live"
+        return self._stream + CHANNEL_SUFFIX
 
     @property
     def jobs(self) -> str:
@@ -112,8 +121,8 @@ def queue_stats_key(partition: int, partitions: int) -> str:
 
 
 def stream_key_prefix(partition: int, partitions: int) -> str:
-    """``<prefix><uuid>:meta`` / ``:events`` are a stream's keys: the claim script walks the waiting jobs
-    of its partition (same slot) with it to update their queue positions."""
+    """``<prefix><uuid><suffix>`` are a stream's keys: the claim script walks the waiting jobs of its partition
+    (same slot) with it and the suffixes to update their queue positions."""
     return f"{tagged(partition, partitions)}:s:"
 
 

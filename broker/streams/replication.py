@@ -36,9 +36,10 @@ from typing import Any
 
 from broker.backoff import Backoff
 from broker.events import Event, EventPage
-from broker.redis.connection import RedisClient, register_script, xrange_raw
+from broker.redis.connection import RedisClient, register_script
 from broker.redis.replicas import ReplicaWaiter, no_replica
 from broker.streams.keys import StreamKeys
+from broker.streams.scripts import PRELUDE
 
 log = logging.getLogger("rsb.replication")
 
@@ -56,7 +57,7 @@ WAIT_RETRY_BACKOFF = Backoff(base_s=0.05, cap_s=2.0)
 # Makes the events up to ``upto`` visible: sets the watermark and publishes what it passes, from the stream
 # itself (so a payload is never built twice). Monotonic: an older ``upto`` changes nothing. Never creates a
 # meta hash (an expired stream stays gone).
-ADVANCE = """
+ADVANCE = PRELUDE + """
 -- KEYS: meta, events ; ARGV: channel, upto ('' = the stream's last event)
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local upto = ARGV[2]
@@ -69,7 +70,7 @@ local wm = redis.call('HGET', KEYS[1], 'wm') or '0-0'
 local entries = redis.call('XRANGE', KEYS[2], '(' .. wm, upto)
 if #entries == 0 then return wm end
 for _, e in ipairs(entries) do
-  redis.call('PUBLISH', ARGV[1], e[1] .. '\\n' .. e[2][2] .. '\\n' .. e[2][4])
+  redis.call('PUBLISH', ARGV[1], entry_payload(e))
 end
 local top = entries[#entries][1]
 redis.call('HSET', KEYS[1], 'wm', top)
@@ -168,24 +169,3 @@ class ReplicaGate:
     async def watermark(self, keys: StreamKeys) -> str | None:
         raw = await self.redis.hget(keys.meta, "wm")
         return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
-
-
-async def read_after(redis: RedisClient, gate: ReplicaGate | None, keys: StreamKeys, after_id: str,
-                     count: int) -> tuple[Sequence[Event], bool]:
-    """Up to ``count`` readable events after ``after_id``, and whether ``after_id`` is in the stream. One
-    round trip: the range starts AT ``after_id`` (inclusive) and drops it when it is there."""
-    if gate is not None:
-        return await gate.read(keys, after_id, count, check=True)
-    events = EventPage(await xrange_raw(redis, keys.events, after_id, count + 1))
-    if events and events[0].id == after_id:
-        return events[1:], True
-    return events[:count], False
-
-
-async def last_common_id(redis: RedisClient, keys: StreamKeys, after_id: str) -> str | None:
-    """The newest event id of the stream that is not newer than ``after_id`` (None: no such event)."""
-    entries: Any = await redis.xrevrange(keys.events, max=after_id, min="-", count=1)
-    if not entries:
-        return None
-    eid = entries[0][0]
-    return eid.decode() if isinstance(eid, bytes) else str(eid)

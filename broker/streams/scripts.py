@@ -16,7 +16,10 @@ nothing, and the events are published once a replica has them.
 
 All keys a script touches share the partition's hash tag (broker.streams.keys), so every script runs in one
 slot on Redis Cluster; that includes the keys the CLAIM script builds inside Lua (the waiting streams of
-its own partition) and the channels it publishes on. Retrying a script whose reply was lost must be safe:
+its own partition, from the prefix and suffixes broker.streams.keys passes it) and the channels it publishes
+on. What the scripts share (an event's fields and payload, the final statuses) is ``PRELUDE``, generated
+from their Python definitions. Replies lead with a named tag (``{'created'}``, ``{'fenced', ...}``), as
+the Durable Streams scripts' do. Retrying a script whose reply was lost must be safe:
 CREATE and CANCEL are idempotent, APPEND carries a sequence number, FINISH and RELEASE check the fence
 and status.
 
@@ -28,6 +31,44 @@ broker.durable.scripts.
 """
 
 from __future__ import annotations
+
+from broker.events import DATA_FIELD, PAYLOAD_SEPARATOR, TERMINAL_TYPES, TYPE_FIELD
+
+
+def lua_string(value: bytes | str) -> str:
+    """``value`` as a Lua string literal."""
+    text = value.decode() if isinstance(value, bytes) else value
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
+#: What every script of a stream shares, as Lua generated from the one Python definition of each: an event's
+#: stream-entry fields and its pub/sub payload (broker.events), and which statuses are final (a stream's final
+#: status is its terminal event's type).
+PRELUDE = f"""
+local TYPE_FIELD, DATA_FIELD, SEP = {lua_string(TYPE_FIELD)}, {lua_string(DATA_FIELD)}, {lua_string(PAYLOAD_SEPARATOR)}
+local TERMINAL = {{{", ".join(f"[{lua_string(t)}] = true" for t in sorted(TERMINAL_TYPES))}}}
+local function ended(status) return TERMINAL[status] == true end
+-- An event as pub/sub carries it (broker.events.Event.from_payload).
+local function payload(eid, etype, data) return eid .. SEP .. etype .. SEP .. data end
+-- An XRANGE entry {{id, {{field, value, ...}}}} as its payload, its fields read by name.
+local function entry_payload(e)
+  local etype, data
+  for i = 1, #e[2], 2 do
+    if e[2][i] == TYPE_FIELD then etype = e[2][i + 1] elseif e[2][i] == DATA_FIELD then data = e[2][i + 1] end
+  end
+  return payload(e[1], etype, data)
+end
+"""
+
+# Shared Lua: append one event to a stream and publish it, through ``publish_event`` (defined per durability
+# level in front of the script: broker.streams.replication.prepare).
+_APPEND_EVENT = """
+local function append_event(events, channel, etype, data)
+  local eid = redis.call('XADD', events, '*', TYPE_FIELD, etype, DATA_FIELD, data)
+  publish_event(channel, payload(eid, etype, data))
+  return eid
+end
+"""
 
 # Shared Lua: record an aborted generation in the partition's log and running totals (for the report
 # and /metrics). Arguments: meta fields (model, max_tokens, key_id), the record's own values.
@@ -59,8 +100,7 @@ local function close_stream(meta, events, tomb, channel, etype, data, status, us
     local left_ms = tonumber(redis.call('HGET', tenant, 'tat') or '0') - (t[1] * 1000 + math.floor(t[2] / 1000))
     if left_ms > 0 then redis.call('PEXPIRE', tenant, math.ceil(left_ms)) else redis.call('DEL', tenant) end
   end
-  local eid = redis.call('XADD', events, '*', 't', etype, 'd', data)
-  publish_event(channel, eid .. '\\n' .. etype .. '\\n' .. data)
+  local eid = append_event(events, channel, etype, data)
   redis.call('HSET', meta, 'status', status, 'usage', usage, 'last_id', eid, 'finished_at', now)
   redis.call('HDEL', meta, 'worker')
   redis.call('EXPIRE', meta, retention)
@@ -83,19 +123,21 @@ end
 # interval on. Time is the Redis server's (TIME), not a pod's clock: a pod whose clock runs ahead must not
 # lock callers out on every other pod. Only an accepted create counts; a retry of an accepted create (same
 # id, same body) is answered before any limit and costs nothing.
-CREATE = """
+CREATE = PRELUDE + _APPEND_EVENT + """
 -- KEYS: meta, events, jobs, qstats, tombstone, tenant
 -- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s, abandon_s, cod,
 --       max_active, burst, interval_ms, max_wait_s
 --   max_queue, max_active, burst: this partition's share (0: no bound); interval_ms: the caller's time per
 --   create in this partition (0: no rate limit); max_wait_s: bound on the estimated wait (0: none)
+-- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'rate_limited', early_ms, ema, busy}
+--   | {'too_many_generations', max_active, ema, busy} | {'queue_full', waiting, ema, busy, 'count' | 'wait'}
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local m = redis.call('HMGET', KEYS[1], 'rh', 'status', 'key_id')
   -- Another tenant's stream is a conflict whatever the body: its status is not theirs to see.
-  if m[1] == ARGV[2] and (m[3] or '') == ARGV[9] then return {0, m[2]} end
-  return {-1, ''}
+  if m[1] == ARGV[2] and (m[3] or '') == ARGV[9] then return {'exists', m[2]} end
+  return {'conflict'}
 end
-if redis.call('EXISTS', KEYS[5]) == 1 then return {-2, 'expired'} end
+if redis.call('EXISTS', KEYS[5]) == 1 then return {'expired'} end
 local q = redis.call('HMGET', KEYS[4], 'waiting', 'ema_job_s', 'busy')
 local waiting = tonumber(q[1] or '0')
 -- The caller's own limits first: a flooding caller is told which of its limits it reached.
@@ -106,19 +148,21 @@ if interval > 0 then
   local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
   tat = math.max(tonumber(redis.call('HGET', KEYS[6], 'tat') or '0'), now_ms)
   local early_ms = tat - (tonumber(ARGV[14]) - 1) * interval - now_ms
-  if early_ms > 0 then return {-5, tostring(early_ms), q[2] or '', q[3] or '0'} end
+  if early_ms > 0 then return {'rate_limited', tostring(early_ms), q[2] or '', q[3] or '0'} end
 end
 local max_active = tonumber(ARGV[13])
 if max_active > 0 and tonumber(redis.call('HGET', KEYS[6], 'active') or '0') >= max_active then
-  return {-4, tostring(max_active), q[2] or '', q[3] or '0'}
+  return {'too_many_generations', tostring(max_active), q[2] or '', q[3] or '0'}
 end
 local max_queue = tonumber(ARGV[5])
-if max_queue > 0 and waiting >= max_queue then return {-3, tostring(waiting), q[2] or '', q[3] or '0', 'count'} end
+if max_queue > 0 and waiting >= max_queue then
+  return {'queue_full', tostring(waiting), q[2] or '', q[3] or '0', 'count'}
+end
 -- The wait this create would have: the jobs ahead of it, at the observed job time over the running jobs.
 -- Before any job finished there is no estimate, and the count bound above is the bound.
 local max_wait = tonumber(ARGV[16])
 if max_wait > 0 and q[2] and waiting * tonumber(q[2]) / math.max(1, tonumber(q[3] or '1')) > max_wait then
-  return {-3, tostring(waiting), q[2], q[3] or '0', 'wait'}
+  return {'queue_full', tostring(waiting), q[2], q[3] or '0', 'wait'}
 end
 local jid = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'rh', ARGV[2], 'req', ARGV[3], 'created_at', ARGV[4],
@@ -132,10 +176,8 @@ local eta = 'null'
 if q[2] then
   eta = string.format('%.3f', (waiting + 1) * tonumber(q[2]) / math.max(1, tonumber(q[3] or '1')))
 end
-local data = '{"position":' .. (waiting + 1) .. ',"eta_s":' .. eta .. '}'
-local eid = redis.call('XADD', KEYS[2], '*', 't', 'queued', 'd', data)
-publish_event(ARGV[8], eid .. '\\n' .. 'queued' .. '\\n' .. data)
-return {1, 'queued'}
+append_event(KEYS[2], ARGV[8], 'queued', '{"position":' .. (waiting + 1) .. ',"eta_s":' .. eta .. '}')
+return {'created'}
 """
 
 # Closes: two workers claiming one job (a crashed worker's entry reclaimed while it wakes up), and a
@@ -143,12 +185,14 @@ return {1, 'queued'}
 # whose appends APPEND and FINISH refuse. Then, in the same step, the streams still waiting in this
 # partition learn their new queue position (the first POSITION_UPDATES of them; later ones as they
 # move up), so positions count down exactly once per claim.
-CLAIM = """
+CLAIM = PRELUDE + _APPEND_EVENT + """
 -- KEYS: meta, qstats, jobs
--- ARGV: worker, now_s, group, stream_key_prefix, position_updates
-if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
+-- ARGV: worker, now_s, group, stream_key_prefix, position_updates, meta_suffix, events_suffix, channel_suffix
+--   (a waiting stream's keys: prefix .. id .. suffix, broker.streams.keys)
+-- Reply: {'gone'} | {'finished'} | {'claimed', fence, attempts, req, cancel, model, seq, jid}
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'gone'} end
 local st = redis.call('HGET', KEYS[1], 'status')
-if st == 'done' or st == 'cancelled' or st == 'error' then return {-2} end
+if ended(st) then return {'finished'} end
 local now = tonumber(ARGV[2])
 if st == 'queued' then
   redis.call('HINCRBY', KEYS[2], 'waiting', -1)
@@ -174,49 +218,46 @@ if last then
   local q = redis.call('HMGET', KEYS[2], 'ema_job_s', 'busy')
   local pos = 0
   for _, e in ipairs(redis.call('XRANGE', KEYS[3], '(' .. last, '+', 'COUNT', tonumber(ARGV[5]))) do
-    local sid = e[2][2]
-    local wmeta = ARGV[4] .. sid .. ':meta'
-    if redis.call('HGET', wmeta, 'status') == 'queued' then
+    local stream = ARGV[4] .. e[2][2]
+    if redis.call('HGET', stream .. ARGV[6], 'status') == 'queued' then
       pos = pos + 1
       local eta = 'null'
       if q[1] then eta = string.format('%.3f', pos * tonumber(q[1]) / math.max(1, tonumber(q[2] or '1'))) end
-      local data = '{"position":' .. pos .. ',"eta_s":' .. eta .. '}'
-      local eid = redis.call('XADD', ARGV[4] .. sid .. ':events', '*', 't', 'queued', 'd', data)
-      publish_event(ARGV[4] .. sid .. ':live', eid .. '\\n' .. 'queued' .. '\\n' .. data)
+      append_event(stream .. ARGV[7], stream .. ARGV[8], 'queued', '{"position":' .. pos .. ',"eta_s":' .. eta .. '}')
     end
   end
 end
 local m = redis.call('HMGET', KEYS[1], 'req', 'cancel', 'model', 'seq', 'jid')
-return {fence, attempts, m[1], m[2] or '', m[3] or '', m[4] or '0', m[5]}
+return {'claimed', fence, attempts, m[1], m[2] or '', m[3] or '', m[4] or '0', m[5]}
 """
 
 # Closes: a zombie (a worker that lost its lease) appending after the new owner, and an append landing
 # after the terminal event. Fence and status are checked in the same step as the XADD. ``seq`` (the
 # number of tokens appended so far) makes a retried append whose first reply was lost a no-op, not a
-# duplicate: the caller sees {-2, current seq} and knows whether its batch landed.
-APPEND = """
+# duplicate: the caller sees {'seq', current seq} and knows whether its batch landed.
+APPEND = PRELUDE + _APPEND_EVENT + """
 -- KEYS: meta, events ; ARGV: fence, channel, seq_before, seq_after, type1, data1, type2, data2, ...
+-- Reply: {'appended', cancel, last event id} | {'fenced', cancel} | {'seq', stored seq}
 local m = redis.call('HMGET', KEYS[1], 'fence', 'status', 'cancel', 'seq')
-if m[1] ~= ARGV[1] or m[2] ~= 'running' then return {-1, m[3] or ''} end
-if (m[4] or '0') ~= ARGV[3] then return {-2, m[4] or '0'} end
+if m[1] ~= ARGV[1] or m[2] ~= 'running' then return {'fenced', m[3] or ''} end
+if (m[4] or '0') ~= ARGV[3] then return {'seq', m[4] or '0'} end
 redis.call('HSET', KEYS[1], 'seq', ARGV[4])
 local eid = ''
 for i = 5, #ARGV, 2 do
-  eid = redis.call('XADD', KEYS[2], '*', 't', ARGV[i], 'd', ARGV[i + 1])
-  publish_event(ARGV[2], eid .. '\\n' .. ARGV[i] .. '\\n' .. ARGV[i + 1])
+  eid = append_event(KEYS[2], ARGV[2], ARGV[i], ARGV[i + 1])
 end
-return {0, m[3] or '', eid}
+return {'appended', m[3] or '', eid}
 """
 
 # Closes: two terminal events (a zombie finishing after the new owner, or finish racing cancel-while-
 # queued), and a terminal event without its status/usage/expiry/abort record (a crash between writes).
-FINISH = _RECORD_ABORT + _CLOSE + """
+FINISH = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + _CLOSE + """
 -- KEYS: meta, events, aborted, qstats, tombstone, aborted_totals
 -- ARGV: fence, channel, type, data, status, usage, model, now_s,
 --       reason, prompt_tokens, completion_tokens, compute_s, sid
 local m = redis.call('HMGET', KEYS[1], 'fence', 'status', 'model', 'max_tokens', 'key_id', 'retention_s',
   'claimed_at')
-if m[1] == ARGV[1] and (m[2] == 'done' or m[2] == 'cancelled' or m[2] == 'error') then
+if m[1] == ARGV[1] and ended(m[2]) then
   -- A retry of this very claim's finish whose reply was lost: the same answer again.
   return redis.call('HGET', KEYS[1], 'last_id')
 end
@@ -242,24 +283,26 @@ return eid
 
 # Closes: cancel racing claim (a queued stream cancelled while a worker claims it: exactly one of them
 # wins, and the loser sees the other's status) and two cancels racing (one terminal event).
-CANCEL = _RECORD_ABORT + _CLOSE + """
+CANCEL = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + _CLOSE + """
 -- KEYS: meta, events, qstats, aborted, tombstone, aborted_totals
 -- ARGV: reason, channel, cancelled_data, usage, now_s, control_channel, sid
-if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, ''} end
+-- Reply: {'unknown'} | {'ended', status} (nothing to cancel) | {'cancelled'} (it was queued: now it ended)
+--   | {'requested', status} (running: its worker stops it)
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown'} end
 local m = redis.call('HMGET', KEYS[1], 'status', 'model', 'max_tokens', 'key_id', 'retention_s')
 local st = m[1]
-if st == 'done' or st == 'cancelled' or st == 'error' then return {0, st} end
+if ended(st) then return {'ended', st} end
 if st == 'queued' then
   redis.call('HSET', KEYS[1], 'cancel', ARGV[1])
   close_stream(KEYS[1], KEYS[2], KEYS[5], ARGV[2], 'cancelled', ARGV[3], 'cancelled', ARGV[4], ARGV[5],
     tonumber(m[5] or '3600'))
   redis.call('HINCRBY', KEYS[3], 'waiting', -1)
   record_abort(KEYS[4], KEYS[6], ARGV[7], ARGV[5], 'cancelled', ARGV[1], m[2], m[3], m[4], 0, 0, 0)
-  return {1, 'cancelled'}
+  return {'cancelled'}
 end
 if not redis.call('HGET', KEYS[1], 'cancel') then redis.call('HSET', KEYS[1], 'cancel', ARGV[1]) end
 redis.call('PUBLISH', ARGV[6], ARGV[7])
-return {2, st}
+return {'requested', st}
 """
 
 # Keeps a running job's queue entry fresh, so XAUTOCLAIM by other workers (min idle = lease) only takes
@@ -268,10 +311,11 @@ return {2, st}
 # read once and then left without a reader for disconnect_grace_s.
 RENEW = """
 -- KEYS: meta, jobs ; ARGV: fence, group, worker, jid, now_s, disconnect_grace_s
+-- Reply: {'renewed', cancel reason or ''} | {'fenced'}
 local m = redis.call('HMGET', KEYS[1], 'fence', 'status', 'cancel', 'abandon_s', 'cod', 'read', 'seen')
-if m[1] ~= ARGV[1] or m[2] ~= 'running' then return {-1, ''} end
+if m[1] ~= ARGV[1] or m[2] ~= 'running' then return {'fenced'} end
 redis.call('XCLAIM', KEYS[2], ARGV[2], ARGV[3], 0, ARGV[4], 'JUSTID')
-if m[3] then return {0, m[3]} end
+if m[3] then return {'renewed', m[3]} end
 local now, seen = tonumber(ARGV[5]), tonumber(m[7] or ARGV[5])
 local reason = ''
 if tonumber(m[4] or '0') > 0 and now - seen > tonumber(m[4]) then
@@ -280,7 +324,7 @@ elseif m[5] == '1' and m[6] == '1' and now - seen > tonumber(ARGV[6]) then
   reason = 'disconnect'
 end
 if reason ~= '' then redis.call('HSET', KEYS[1], 'cancel', reason) end
-return {0, reason}
+return {'renewed', reason}
 """
 
 # XCLAIM ... IDLE this: an entry handed back looks idle for longer than any lease, so XAUTOCLAIM takes it.

@@ -29,7 +29,17 @@ from broker.redis.connection import (
 )
 from broker.request import GenerationRequest
 from broker.streams import replication, scripts
-from broker.streams.keys import JOBS_GROUP, StreamKeys, jobs_key, principal, queue_stats_key, stream_key_prefix
+from broker.streams.keys import (
+    CHANNEL_SUFFIX,
+    EVENTS_SUFFIX,
+    JOBS_GROUP,
+    META_SUFFIX,
+    StreamKeys,
+    jobs_key,
+    principal,
+    queue_stats_key,
+    stream_key_prefix,
+)
 from broker.streams.records import (
     NO_QUOTA,
     AppendResult,
@@ -113,24 +123,25 @@ class Store:
             [str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
                   queue_share, request.model or default_model, request.max_tokens, k.channel, key_id,
                   retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
-                  max_queue_wait_s], lambda r: "" if int(r[0]) == 1 else None)
-        code = int(res[0])
-        if code == 1:
+                  max_queue_wait_s], lambda r: "" if reply_text(r[0]) == "created" else None)
+        tag = reply_text(res[0])
+        if tag == "created":
             return Created(True, "queued")
-        if code == 0:
+        if tag == "exists":
             return Created(False, reply_text(res[1]))
-        if code == -1:
+        if tag == "conflict":
             raise Conflict("a stream with this id exists with a different request")
-        if code == -2:
+        if tag == "expired":
             raise Expired("a stream with this id existed and expired; use a new id")
         ema_raw, busy = reply_text(res[2]), int(res[3] or 0)
         ema = float(ema_raw) if ema_raw else None
-        if code == -5:
+        if tag == "rate_limited":
             raise RateLimited(f"too many creates from this caller (a burst of {quota.burst}, then "
                               f"{quota.rate_per_s:g} per second)", retry_after_s=max(1, math.ceil(int(res[1]) / 1000)))
-        if code == -4:
+        if tag == "too_many_generations":
             raise TooManyGenerations(f"this caller has as many unfinished generations as it may ({quota.max_active})",
                                      retry_after_s=retry_after_s(1, ema, busy))
+        assert tag == "queue_full", tag
         waiting = int(res[1])
         if reply_text(res[4]) == "wait":
             assert ema is not None
@@ -143,19 +154,20 @@ class Store:
 
     async def status(self, stream_id: uuid.UUID) -> StreamStatus | None:
         k = self.keys(stream_id)
+        # ``cod``, not the stored request: a status (every resume makes one) must not parse a prompt of up to
+        # --max-prompt-chars to read one flag that CREATE stores apart.
         raw = await self.redis.hmget(
-            k.meta, ["status", "model", "created_at", "usage", "last_id", "req", "max_tokens", "key_id", "abandon_s"]
+            k.meta, ["status", "model", "created_at", "usage", "last_id", "cod", "max_tokens", "key_id", "abandon_s"]
         )
         if raw[0] is None:
             return None
-        req = orjson.loads(raw[5]) if raw[5] else {}
         return StreamStatus(
             status=reply_text(raw[0]),
             model=reply_text(raw[1]),
             created_at=float(raw[2] or 0),
             usage=orjson.loads(raw[3]) if raw[3] else None,
             last_id=reply_text(raw[4]) or None,
-            cancel_on_disconnect=bool(req.get("cancel_on_disconnect", False)),
+            cancel_on_disconnect=reply_text(raw[5]) == "1",
             max_tokens=int(raw[6] or 0),
             key_id=reply_text(raw[7]),
             abandon_s=float(raw[8] or 0),
@@ -185,6 +197,28 @@ class Store:
             return (await self.gate.read(k, after_id, count, check=False))[0]
         return EventPage(await xrange_raw(self.redis, k.events, "-" if after_id is None else f"({after_id}", count))
 
+    async def read_after(self, stream_id: uuid.UUID, after_id: str, count: int) -> tuple[Sequence[Event], bool]:
+        """Up to ``count`` readable events after ``after_id``, and whether ``after_id`` is in the stream (the
+        reset rule: consumer.streaming.reader). One round trip: the range starts AT ``after_id`` (inclusive)
+        and drops it when it is there; at ``replicated``, the gate's script reads up to the watermark."""
+        k = self.keys(stream_id)
+        if self.gate is not None:
+            return await self.gate.read(k, after_id, count, check=True)
+        events = EventPage(await xrange_raw(self.redis, k.events, after_id, count + 1))
+        if events and events[0].id == after_id:
+            return events[1:], True
+        return events[:count], False
+
+    async def last_common_id(self, stream_id: uuid.UUID, after_id: str) -> str | None:
+        """The newest event id of the stream that is not newer than ``after_id`` (None: no such event)."""
+        entries: Any = await self.redis.xrevrange(self.keys(stream_id).events, max=after_id, min="-", count=1)
+        return reply_text(entries[0][0]) if entries else None
+
+    async def aclose(self) -> None:
+        """Close what the store opened itself (the replica gate's per-master clients); the client is the caller's."""
+        if self.gate is not None:
+            await self.gate.aclose()
+
     async def last_event_id(self, stream_id: uuid.UUID) -> str | None:
         """The id of the stream's latest event readers may see (None: no events)."""
         if self.gate is not None:
@@ -213,13 +247,14 @@ class Store:
         k = self.keys(stream_id)
         usage = orjson.dumps(empty_usage())
         data = encode_data({"reason": reason, "usage": empty_usage()})
-        code, status = await self._call(
+        res = await self._call(
             k, self._cancel, [k.meta, k.events, k.queue_stats, k.aborted, k.tombstone, k.aborted_totals],
             [reason, k.channel, data, usage, f"{time.time():.6f}", k.control, str(stream_id)],
-            lambda r: "" if int(r[0]) in (0, 1) else None)  # 0, 1: the stream has ended; nothing comes after
-        if int(code) == -1:
+            lambda r: "" if reply_text(r[0]) in ("ended", "cancelled") else None)  # nothing comes after those
+        tag = reply_text(res[0])
+        if tag == "unknown":
             return None
-        return reply_text(status)
+        return "cancelled" if tag == "cancelled" else reply_text(res[1])
 
     async def waiting(self) -> int:
         """Streams enqueued and not yet claimed, over all partitions."""
@@ -271,10 +306,11 @@ class Store:
         res = await self._claim(keys=[k.meta, k.queue_stats, k.jobs],
                                 args=[worker_id, f"{time.time():.6f}", JOBS_GROUP,
                                       stream_key_prefix(k.partition, k.partitions),
-                                      POSITION_UPDATES])
-        if int(res[0]) < 0:
-            return Unclaimable.GONE if int(res[0]) == -1 else Unclaimable.FINISHED
-        fence, attempts, req, cancel, model, seq, jid = res
+                                      POSITION_UPDATES, META_SUFFIX, EVENTS_SUFFIX, CHANNEL_SUFFIX])
+        tag = reply_text(res[0])
+        if tag != "claimed":
+            return Unclaimable.GONE if tag == "gone" else Unclaimable.FINISHED
+        _, fence, attempts, req, cancel, model, seq, jid = res
         return Claim(stream_id, k, int(fence), int(attempts), GenerationRequest.from_canonical(req),
                      reply_text(cancel), reply_text(model), int(seq), reply_text(jid))
 
@@ -283,7 +319,8 @@ class Store:
         keys, args = self._append_call(claim, seq_before, seq_after, events)
         # Visible up to its last event; a retry that finds the batch landed, up to the stream's last one.
         return self._append_result(await self._call(claim.keys, self._append, keys, args, lambda r: (
-            reply_text(r[2]) if int(r[0]) == 0 else "" if int(r[0]) == -2 and int(r[1]) == seq_after else None)))
+            reply_text(r[2]) if reply_text(r[0]) == "appended"
+            else "" if reply_text(r[0]) == "seq" and int(r[1]) == seq_after else None)))
 
     async def append_many(self, calls: Sequence[tuple[Claim, int, int, Sequence[tuple[str, bytes]]]]
                           ) -> list[AppendResult | BaseException]:
@@ -307,12 +344,12 @@ class Store:
 
     @staticmethod
     def _append_result(raw: Any) -> AppendResult:
-        code, detail = int(raw[0]), raw[1]
-        if code == 0:
+        tag, detail = reply_text(raw[0]), raw[1]
+        if tag == "appended":
             return AppendResult(True, reply_text(detail))
-        if code == -2:
+        if tag == "seq":
             return AppendResult(False, "", seq=int(detail))
-        return AppendResult(False, reply_text(detail))
+        return AppendResult(False, reply_text(detail))  # fenced
 
     async def finish(self, claim: Claim, etype: str, data: dict[str, Any], *, status: str,
                      usage: dict[str, Any], model: str = "", reason: str = "", compute_s: float = 0.0) -> str | None:
@@ -329,10 +366,10 @@ class Store:
     async def renew(self, claim: Claim, worker_id: str, disconnect_grace_s: float) -> AppendResult:
         """Extend the lease; the reply carries any cancel reason (incl. abandoned / disconnect)."""
         k = claim.keys
-        code, cancel = await self._renew(keys=[k.meta, k.jobs],
-                                         args=[claim.fence, JOBS_GROUP, worker_id, claim.job_id,
-                                               f"{time.time():.3f}", disconnect_grace_s])
-        return AppendResult(int(code) == 0, reply_text(cancel))
+        res = await self._renew(keys=[k.meta, k.jobs], args=[claim.fence, JOBS_GROUP, worker_id, claim.job_id,
+                                                             f"{time.time():.3f}", disconnect_grace_s])
+        renewed = reply_text(res[0]) == "renewed"
+        return AppendResult(renewed, reply_text(res[1]) if renewed else "")
 
     async def release(self, claim: Claim, worker_id: str) -> bool:
         """Hand the job over to the next worker that polls, without waiting for the lease to lapse."""

@@ -18,6 +18,26 @@ log = logging.getLogger("rsb.consumer")
 REDIS_RETRY_AFTER_S = 2
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_request", 413: "payload_too_large"}
 
+#: The HTTP status of each of rsb's error codes (broker.errors), here and nowhere else: 429 when the caller is
+#: over one of its own limits, 503 when this pod or Redis cannot serve now (another pod, or later, may).
+STATUS: dict[str, int] = {
+    "invalid_request": 400, "unauthorized": 401, "not_found": 404, "conflict": 409, "expired": 410,
+    "payload_too_large": 413, "too_many_streams": 429, "queue_full": 429, "too_many_connections": 429,
+    "too_many_generations": 429, "rate_limited": 429, "internal": 500, "overloaded": 503, "starting": 503,
+    "unavailable": 503,
+}
+
+
+def status_of(err: RsbError) -> int:
+    """The HTTP status ``err`` is answered with."""
+    return STATUS[err.code]
+
+
+def refusal(err: RetryLater, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The response of a RetryLater: its status, code and message, and its ``Retry-After``."""
+    return error_response(status_of(err), err.code, err.message, {"Retry-After": str(err.retry_after_s),
+                                                                  **(headers or {})})
+
 
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
@@ -37,8 +57,9 @@ async def rsb_error(request: Request, exc: Exception) -> Response:
     err = as_rsb_error(exc)
     if err is None:
         return await internal_error(request, exc)
-    headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, RetryLater) else None
-    return error_response(err.status_code, err.code, err.message, headers)
+    if isinstance(err, RetryLater):
+        return refusal(err)
+    return error_response(status_of(err), err.code, err.message)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

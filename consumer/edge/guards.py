@@ -10,7 +10,7 @@ keep-alive timer only runs *between* requests). So, per connection, at the proto
   not).
 - **body timeout**: a body not received whole ``body_timeout_s`` after its head closes the connection.
 - **connections per peer address group** (an IPv4 address, an IPv6 /64: one host is given a whole /64):
-  past ``per_address`` the request is answered ``503 too_many_connections`` + ``Retry-After`` and the
+  past ``per_address`` the request is answered ``429 too_many_connections`` + ``Retry-After`` and the
   connection closed; past twice that, the socket is closed at once. Peers that are trusted proxies
   (``--forwarded-allow-ips``) are exempt: their connections carry many clients, which the app counts by
   forwarded address (consumer.edge.limits).
@@ -40,8 +40,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from broker.errors import Overloaded, RetryLater, TooManyConnections
-from consumer.edge.errors import error_response
+from broker.errors import Overloaded, TooManyConnections
+from consumer.edge.errors import refusal
 from consumer.edge.limits import TrustedProxies, address_group
 
 log = logging.getLogger("rsb.consumer")
@@ -106,16 +106,13 @@ def guarded(base: type[asyncio.Protocol], guards: Guards) -> type[asyncio.Protoc
     by_group: Counter[str] = Counter()
     warn = _Warner()
 
-    def refusal(status: int, err: RetryLater) -> Any:
-        return error_response(status, err.code, err.message,
-                              {"Retry-After": str(err.retry_after_s), "Connection": "close"})
-
-    per_address_app = refusal(503, TooManyConnections(
+    close = {"Connection": "close"}
+    per_address_app = refusal(TooManyConnections(
         f"too many connections from this address (limit {guards.per_address}); close some or retry later",
-        REFUSED_RETRY_AFTER_S))
-    overloaded_app = refusal(503, Overloaded(
+        REFUSED_RETRY_AFTER_S), close)
+    overloaded_app = refusal(Overloaded(
         "this server holds as many connections as it may; retry (another server may answer)",
-        REFUSED_RETRY_AFTER_S))
+        REFUSED_RETRY_AFTER_S), close)
 
     # Every name this class adds starts with _guard_: it is mixed into uvicorn's protocol and under other
     # wrappers (consumer.server's stall guard), where a shared name would silently override another's. They
@@ -141,7 +138,7 @@ def guarded(base: type[asyncio.Protocol], guards: Guards) -> type[asyncio.Protoc
                     self.transport.abort()
                     return
                 if by_group[group] > guards.per_address:
-                    warn("per_address", "refusing connections of an address past its cap (503)", group=group)
+                    warn("per_address", "refusing connections of an address past its cap (429)", group=group)
                     app = per_address_app
             total = len(self.connections)
             if total > guards.hard_total:

@@ -14,7 +14,7 @@ const CHAT_KEY = "rsb.chat.v1"; // {turns: [{id, prompt, body, createdAt}]}
 const SETTINGS_KEY = "rsb.settings.v1"; // {maxTokens, apiKey, temperature}
 const streamKey = (id) => `rsb.stream.v1.${id}`; // a Snapshot, see Turn.snapshot()
 const UUID_RE = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
-const TERMINAL_STATUSES = new Set(["done", "cancelled", "error"]);
+const TERMINAL_STATUSES = TERMINAL_EVENTS; // a stream's final status is the type of its terminal event
 // Writing the whole answer to localStorage per token would cost more than rendering it; a snapshot is
 // always self-consistent (text and last event id together), so a lost write only means a longer replay.
 const PERSIST_EVERY_MS = 400;

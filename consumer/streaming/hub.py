@@ -15,6 +15,7 @@ have been lost while down) or when the reader fell so far behind that its buffer
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import Iterable
@@ -27,7 +28,6 @@ from consumer.streaming.clock import Clock
 log = logging.getLogger("rsb.consumer.hub")
 
 SUBSCRIBE_TIMEOUT_S = 5.0
-_NOT_CONFIRMED: tuple[type[Exception], ...] = (TimeoutError, *UNAVAILABLE_ERRORS)
 
 
 class Subscription:
@@ -101,8 +101,9 @@ class LiveHub:
         self._max_buffered = max_buffered
         self.clock = Clock()
         self._subs: dict[bytes, set[Subscription]] = {}
-        # The confirmation each channel's first reader waits for; later readers wait behind it.
-        self._pending: dict[bytes, asyncio.Future[None]] = {}
+        # Each channel's subscription while Redis has not confirmed it: every reader of the channel waits for it.
+        self._pending: dict[bytes, asyncio.Future[bool]] = {}
+        self._confirming: set[asyncio.Future[bool]] = set()  # those tasks, the ones no reader waits for included
         self._channels = Channels(redis, on_message=self._on_message, on_reset=self._on_reset)
 
     @property
@@ -126,6 +127,9 @@ class LiveHub:
         await self._channels.start()
 
     async def stop(self) -> None:
+        for task in list(self._confirming):
+            task.cancel()
+        await asyncio.gather(*self._confirming, return_exceptions=True)
         await self._channels.stop()
 
     def stream_ids(self) -> list[uuid.UUID]:
@@ -141,44 +145,63 @@ class LiveHub:
                         watched: bool = False) -> Subscription:
         """A live feed of ``channel``; returns once Redis confirmed the subscription (or a resync is due).
         ``stream_id``: the rsb stream behind the channel, if any (Durable Streams channels have none: their
-        messages, ``<offset>\\n<kind>\\n``, only wake readers, who then read the stream)."""
+        messages, ``<offset>\\n<kind>\\n``, only wake readers, who then read the stream).
+
+        A reader that leaves while it waits (its task is cancelled: a page reload) takes its subscription
+        with it: the channel is not left subscribed for nobody, nor the stream touched as if it had a reader."""
         ch = channel.encode()
         sub = Subscription(ch, stream_id, self._max_buffered, watched, self.clock)
-        subs = self._subs.get(ch)
-        if subs:
-            subs.add(sub)
-            # A subscription is in place, but possibly not confirmed yet: wait behind its confirmation.
+        subs = self._subs.setdefault(ch, set())
+        subs.add(sub)
+        try:
             pending = self._pending.get(ch)
-            if pending is not None and not pending.done():
-                await self._await_confirmation(sub, pending)
-            return sub
-        self._subs[ch] = {sub}
+            if pending is None:
+                # The channel's first reader: its subscription is a task of its own, which every reader of the
+                # channel waits for and none cancels, so that it outlives a reader that leaves meanwhile.
+                pending = self._pending[ch] = asyncio.ensure_future(self._confirm(ch))
+                self._confirming.add(pending)
+                pending.add_done_callback(functools.partial(self._confirmed, ch))
+            await self._await_confirmation(sub, pending)
+        except BaseException:
+            self.unsubscribe(sub)
+            raise
+        return sub
+
+    async def _confirm(self, ch: bytes) -> bool:
+        """Subscribe ``ch`` on Redis: True once Redis confirmed it; False when the pub/sub connection is away
+        (its (re)connect subscribes the channel, then resets, i.e. resyncs, its readers)."""
         try:
             fut = await self._channels.subscribe(ch)
         except UNAVAILABLE_ERRORS:
-            fut = None
-        if fut is None:  # not connected: the (re)connect subscribes it, then resets (resyncs) its readers
-            sub.request_resync()
-            return sub
-        self._pending[ch] = fut
-        try:
-            await self._await_confirmation(sub, fut)
+            return False
         finally:
-            if self._pending.get(ch) is fut:
-                del self._pending[ch]
-        return sub
+            if ch not in self._subs:  # every reader left while the command was sent: take it back
+                self._channels.unsubscribe(ch)
+        if fut is None:
+            return False
+        try:
+            await fut
+        except UNAVAILABLE_ERRORS:
+            return False
+        return True
+
+    def _confirmed(self, ch: bytes, task: asyncio.Future[bool]) -> None:
+        self._confirming.discard(task)
+        if self._pending.get(ch) is task:
+            del self._pending[ch]
+        if not task.cancelled():
+            task.exception()  # retrieved: its readers, if any are left, got it (or a resync) themselves
 
     @staticmethod
-    async def _await_confirmation(sub: Subscription, fut: asyncio.Future[None]) -> None:
+    async def _await_confirmation(sub: Subscription, pending: asyncio.Future[bool]) -> None:
         try:
             async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
-                await asyncio.shield(fut)  # shared by every reader of the channel: never cancel it
-        except _NOT_CONFIRMED:
+                # Shared by every reader of the channel: shielded, so a reader that leaves never cancels it.
+                confirmed = await asyncio.shield(pending)
+        except TimeoutError:
+            confirmed = False
+        if not confirmed:
             sub.request_resync()  # not confirmed: replay after the (re)connect confirms it instead
-        except asyncio.CancelledError:
-            if not fut.cancelled():
-                raise
-            sub.request_resync()
 
     def unsubscribe(self, sub: Subscription) -> None:
         subs = self._subs.get(sub.channel)
@@ -188,6 +211,7 @@ class LiveHub:
         if subs:
             return
         del self._subs[sub.channel]
+        # A subscription still being confirmed finishes on its own (LiveHub._confirm takes it back).
         self._pending.pop(sub.channel, None)
         self._channels.unsubscribe(sub.channel)
 

@@ -25,9 +25,8 @@ from collections.abc import AsyncIterator, Sequence
 
 from broker.events import RESET_FROM_START, Event, parse_event_id, reset_event
 from broker.redis.connection import UNAVAILABLE_ERRORS
-from broker.streams import replication
 from broker.streams.store import Store
-from consumer.streaming.hub import LiveHub
+from consumer.streaming.hub import LiveHub, Subscription
 
 REPLAY_PAGE = 512
 # A replay's pages double up to this: the first comes fast, and a long catch-up takes few round trips (each a
@@ -61,12 +60,15 @@ async def read_batches(
     """``read_stream`` by the batch: a replay page, or all the live events that arrived together, so the
     response can write them in one send (one syscall, one loop iteration) instead of one per event."""
     keys = store.keys(stream_id)
-    sub = await hub.subscribe(keys.channel, stream_id, watched=watched)
-    if watched:
-        with contextlib.suppress(*UNAVAILABLE_ERRORS):
-            await store.touch([stream_id])  # a reader is here now (cancel_on_disconnect counts from here)
+    sub: Subscription | None = None
     prefetch: asyncio.Future[Sequence[Event]] | None = None
     try:
+        # Inside the try: a reader that leaves at any await from here on (a page reload) unsubscribes, or the
+        # pod would keep the channel and go on touching the stream as if it had a reader.
+        sub = await hub.subscribe(keys.channel, stream_id, watched=watched)
+        if watched:
+            with contextlib.suppress(*UNAVAILABLE_ERRORS):
+                await store.touch([stream_id])  # a reader is here now (cancel_on_disconnect counts from here)
         last = None if after_id == RESET_FROM_START else after_id  # a client resuming after a reset to the start
         last_key = parse_event_id(last) if last else (0, 0)
         need_range = True
@@ -80,9 +82,9 @@ async def read_batches(
                 while True:
                     try:
                         if check and last is not None:
-                            page, found = await replication.read_after(store.redis, store.gate, keys, last, count)
+                            page, found = await store.read_after(stream_id, last, count)
                             if not found:  # the reset rule (see the module doc)
-                                common = await replication.last_common_id(store.redis, keys, last)
+                                common = await store.last_common_id(stream_id, last)
                                 reset = reset_event(common)
                                 yield [reset]
                                 next_beat = time.monotonic() + idle_s
@@ -147,4 +149,5 @@ async def read_batches(
     finally:
         if prefetch is not None:
             prefetch.cancel()
-        hub.unsubscribe(sub)
+        if sub is not None:
+            hub.unsubscribe(sub)

@@ -16,7 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import cast
 
-from broker.errors import Expired, NotFound, RetryLater
+from broker.errors import Expired, NotFound, RetryLater, Starting
 from broker.events import Event, EventType, parse_event_id
 from broker.request import GenerationRequest, RequestLimits
 from broker.streams.keys import principal
@@ -73,8 +73,11 @@ class Slot:
 
 class StreamService:
     def __init__(self, settings: ConsumerSettings, store: Store, hub: LiveHub, metrics: Metrics,
-                 api_keys: ApiKeys, limiter: ConnectionLimiter) -> None:
+                 api_keys: ApiKeys, limiter: ConnectionLimiter, *, expect_model: bool = False) -> None:
         self.settings = settings
+        #: Ready (``/readyz``) only once a model is served: this pod's stack starts its own generators
+        #: (``rsb up``), so an empty model list means "not up yet", not "no generator runs now".
+        self.expect_model = expect_model
         self.store = store
         self.hub = hub
         self.metrics = metrics
@@ -90,10 +93,20 @@ class StreamService:
         if self.settings.default_model:
             return [self.settings.default_model]
         now = time.monotonic()
-        if now - self._served_at >= MODELS_CACHE_S:
+        # An empty list is looked up again each time: the first announcement shows at once (readiness waits for it).
+        if now - self._served_at >= MODELS_CACHE_S or not self._served:
             self._served = await self.models.recent()
             self._served_at = now
         return self._served
+
+    async def ready(self) -> None:
+        """Raise unless this pod can serve: Redis answers (else one of UNAVAILABLE_ERRORS) and, when it
+        ``expect_model``, a model is served (Starting), so that ``GET /v1/models`` lists one from the first
+        ready answer on. A standalone pod does not wait for generators: it serves reads and queues creates
+        without them, and its model list is what they announce (empty while none runs)."""
+        await self.store.redis.ping()
+        if self.expect_model and not await self.served_models():
+            raise Starting("no generator has announced its model yet", retry_after_s=1)
 
     async def default_model(self) -> str:
         """The model recorded for a request that names none."""
@@ -141,14 +154,14 @@ class StreamService:
                                           retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
                                           key_id=caller.key_id, quota=self.quota(caller))
         except RetryLater:
-            self.metrics.inc("rsb_creates_rejected_total")
+            self.metrics.creates_rejected.inc()
             raise
         extra: dict[str, object] = {"stream_id": str(stream_id), "key_id": caller.key_id, "new_stream": res.created}
         if s.log_content:
             extra["prompt"] = request.prompt if request.prompt is not None else [
                 {"role": m.role, "content": m.content} for m in request.messages or ()]
         log.info("create", extra=extra)
-        self.metrics.inc("rsb_streams_created_total" if res.created else "rsb_creates_replayed_total")
+        (self.metrics.streams_created if res.created else self.metrics.creates_replayed).inc()
         return res
 
     async def status(self, caller: Caller, stream_id: uuid.UUID) -> StreamStatus:
@@ -167,7 +180,7 @@ class StreamService:
         status = await self.store.cancel(stream_id, reason)
         if status is None:
             raise NotFound("no stream with this id")
-        self.metrics.inc("rsb_cancels_total")
+        self.metrics.cancels.inc()
         return status
 
     async def request_of(self, stream_id: uuid.UUID) -> GenerationRequest | None:

@@ -14,13 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from broker.errors import RsbError
+from broker.redis.connection import is_unavailable
 from broker.sse import HEARTBEAT, retry_hint
+
+log = logging.getLogger("rsb.consumer")
 
 # Sent before closing on shutdown: reconnect soon (to another pod), resuming from the last id.
 RECONNECT_HINT = retry_hint(1000)
@@ -29,6 +34,9 @@ RECONNECT_HINT = retry_hint(1000)
 CLOSING_SEND_TIMEOUT_S = 1.0
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+#: The response header of the protocol views (OpenAI, AI SDK) that names the rsb stream behind a response, for
+#: reading it again through the native API.
+STREAM_ID_HEADER = "x-rsb-stream-id"
 
 T = TypeVar("T")
 
@@ -182,8 +190,16 @@ class SSEResponse(Response):
                     with contextlib.suppress(Exception):
                         async with asyncio.timeout(CLOSING_SEND_TIMEOUT_S):
                             await self._send(send, self.shutdown_frame)
-            except Exception:  # the stream failed between frames: end the body, the client resumes
-                pass
+            except Exception as e:
+                if not (isinstance(e, RsbError) or is_unavailable(e)):
+                    # A bug (a failing script, WRONGTYPE, a view's own error): logged, and the body is cut
+                    # rather than ended: a clean end says "resume from here", and the client would meet the same
+                    # bug again without anyone being told. uvicorn closes the connection; the client sees an
+                    # incomplete body.
+                    log.error("a response's stream failed: %s", type(e).__name__, exc_info=e)
+                    return
+                # The stream ended in an error rsb expects (Redis away, the stream deleted or expired meanwhile):
+                # end the body at a frame boundary, and the client resumes.
             # The stream ended (terminal event sent), failed between events or the pod drains: either way the
             # body ends at a frame boundary and the client can resume from its last id.
             with contextlib.suppress(Exception):

@@ -79,7 +79,7 @@ async def native_frames(batches: AsyncIterator[Sequence[Event] | None], metrics:
             continue
         # A replay page is framed straight from Redis's reply (broker.events.EventPage).
         yield batch.frames() if isinstance(batch, EventPage) else b"".join([ev.to_sse() for ev in batch])
-        metrics.inc("rsb_events_sent_total", len(batch))  # after the send: the generator resumes then
+        metrics.events_sent.inc(len(batch))  # after the send: the generator resumes then
 
 
 async def stream_events(request: Request) -> Response:
@@ -97,8 +97,8 @@ async def stream_events(request: Request) -> Response:
                 slot.release()
                 return Response(status_code=204)
         if resume is not None:
-            state.metrics.inc("rsb_resumes_total")
-        state.metrics.inc("rsb_reads_total")
+            state.metrics.resumes.inc()
+        state.metrics.reads.inc()
         frames = native_frames(service.batches(stream_id, resume, watched=st.watched), state.metrics)
         return SSEResponse(frames, shutdown=state.draining, send_timeout_s=state.settings.send_timeout_s,
                            on_close=slot.release)

@@ -11,7 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 from broker.events import EventType
-from broker.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MODEL_MAX_CHARS, ROLES, RequestLimits
+from broker.request import (
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_TOOL_CALL_ID_CHARS,
+    MAX_TOOL_CALLS,
+    MODEL_MAX_CHARS,
+    TOOL_NAME,
+    RequestLimits,
+)
 from broker.streams.records import STATUSES
 from broker.streams.report import GROUP_BYS
 from consumer.schema import RETRY_AFTER, error_response, json_response, nullable, sse_response
@@ -76,19 +84,44 @@ def generation_properties(limits: RequestLimits) -> dict[str, Any]:
     }
 
 
+def _message(limits: RequestLimits) -> dict[str, Any]:
+    """One message of the native body: text from the system, the user or the assistant; an assistant's tool
+    calls (content null or text); a tool's result, naming the call it answers."""
+    content = {"type": "string", "maxLength": limits.max_prompt_chars}
+    call_id = {"type": "string", "minLength": 1, "maxLength": MAX_TOOL_CALL_ID_CHARS}
+    call = {"type": "object", "additionalProperties": False, "required": ["id", "function"], "properties": {
+        "id": call_id, "type": {"const": "function"},
+        "function": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": f"^{TOOL_NAME.pattern[2:-2]}$"}, "arguments": content}}}}
+
+    def shape(roles: list[str], required: list[str], **props: Any) -> dict[str, Any]:
+        return {"type": "object", "additionalProperties": False, "required": ["role", *required],
+                "properties": {"role": {"type": "string", "enum": roles}, "content": content, **props}}
+
+    return {"anyOf": [
+        shape(["system", "user"], ["content"]),
+        shape(["assistant"], ["content"], tool_calls={"type": "null"}),
+        shape(["assistant"], ["tool_calls"], content=nullable(content),  # content: absent or null = none
+              tool_calls={"type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS, "items": call}),
+        shape(["tool"], ["content", "tool_call_id"], tool_call_id=call_id),
+    ]}
+
+
 def create_body(limits: RequestLimits) -> dict[str, Any]:
     """``POST /v1/streams``; the prompt limit applies to each text and to all of them together (the sum is
-    beyond JSON Schema: the description says it)."""
+    beyond JSON Schema: the description says it). Typed output's fields are described in words: whether a
+    ``tools``, ``tool_choice`` or ``response_format`` is accepted depends on more than JSON Schema can say (a
+    named tool choice names one of the tools, a schema must be one rsb can enforce), and the suite fuzzes this
+    document with checks that every request it allows is accepted."""
     return {
         "type": "object",
         "additionalProperties": False,
-        "description": f"the prompt, or the messages' content in all, is at most {limits.max_prompt_chars} characters",
+        "description": f"the prompt, or the messages' content in all, is at most {limits.max_prompt_chars} "
+                       "characters. Also accepted: `tools`, `tool_choice` and `response_format` in OpenAI's shapes "
+                       "(docs/protocol.md, \"Typed output\").",
         "properties": {
             "id": nullable({"type": "string", "format": "uuid"}),
-            "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": {
-                "type": "object", "additionalProperties": False, "required": ["role", "content"],
-                "properties": {"role": {"type": "string", "enum": sorted(ROLES)},
-                               "content": {"type": "string", "maxLength": limits.max_prompt_chars}}}},
+            "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": _message(limits)},
             "prompt": {"type": "string", "maxLength": limits.max_prompt_chars},
             **generation_properties(limits),
             "cancel_on_disconnect": {"type": "boolean"},
@@ -111,10 +144,11 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
                 "409": error_response("this id exists with a different request"),
                 "410": error_response("this id belonged to a stream that expired"),
                 "413": error_response("body too large"),
-                "429": error_response("the queue is full (queue_full), or the caller's share is used "
-                                      "(too_many_generations, rate_limited)", RETRY_AFTER),
-                "503": error_response("Redis unreachable, or too many connections (too_many_connections, "
-                                      "overloaded)", RETRY_AFTER), **common}}},
+                "429": error_response("the queue is full (queue_full), the caller's share is used "
+                                      "(too_many_generations, rate_limited), or its address holds too many "
+                                      "connections (too_many_connections)", RETRY_AFTER),
+                "503": error_response("Redis unreachable (unavailable), or the pod holds as many connections "
+                                      "as it may (overloaded)", RETRY_AFTER), **common}}},
         "/v1/streams/{stream_id}/events": {"get": {
             "operationId": "streamEvents",
             "summary": "Replay after the resume point, then tail live (SSE)",
@@ -169,8 +203,12 @@ def _operations_paths() -> dict[str, Any]:
         "/healthz": {"get": {"operationId": "healthz",
                              "responses": {"200": json_response("the process is up", {"type": "object"})}}},
         "/readyz": {"get": {"operationId": "readyz",
-                            "responses": {"200": json_response("Redis is reachable", {"type": "object"}),
-                                          "503": error_response("Redis unreachable", RETRY_AFTER)}}},
+                            "responses": {"200": json_response(
+                                "Redis is reachable (under rsb up: and a generator serves its model)",
+                                {"type": "object"}),
+                                          "503": error_response("Redis unreachable (code unavailable), or under "
+                                                                "rsb up no model served yet (code starting)",
+                                                                RETRY_AFTER)}}},
         "/metrics": {"get": {"operationId": "metrics", "responses": {
             "200": {"description": "Prometheus text", "content": {"text/plain": {"schema": text}}},
             "503": error_response("Redis unreachable", RETRY_AFTER)}}},

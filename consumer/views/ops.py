@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from broker.streams.report import COUNTERS, aborted_totals
+from consumer.metrics import CONTENT_TYPE
 from consumer.state import state_of
 from consumer.views.openapi import build_openapi
 
@@ -21,26 +24,26 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    await state_of(request).store.redis.ping()
+    await state_of(request).service.ready()
     return JSONResponse({"status": "ready"})
 
 
 async def metrics_route(request: Request) -> Response:
     state = state_of(request)
-    lines = [state.metrics.render()]
+    # What Redis holds, read for this scrape: the same totals as the aborted-generation report, and the queue.
     totals = await aborted_totals(state.store.redis, state.settings.broker.partitions)
+    scraped: list[Metric] = []
     for counter in COUNTERS:
-        name = f"rsb_aborted_{counter}_total"
-        lines.append(f"# HELP {name} aborted generations (cancelled, abandoned, failed): {counter}, by reason")
-        lines.append(f"# TYPE {name} counter")
+        family = CounterMetricFamily(f"rsb_aborted_{counter}",
+                                     f"aborted generations (cancelled, abandoned, failed): {counter}, by reason",
+                                     labels=["reason"])
         for (reason, c), value in sorted(totals.items()):
             if c == counter:
-                lines.append(f'{name}{{reason="{reason}"}} {value:g}')
-    waiting = await state.store.waiting()
-    lines.append("# HELP rsb_queue_waiting streams enqueued and not yet claimed by a worker")
-    lines.append("# TYPE rsb_queue_waiting gauge")
-    lines.append(f"rsb_queue_waiting {waiting}")
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+                family.add_metric([reason], value)
+        scraped.append(family)
+    scraped.append(GaugeMetricFamily("rsb_queue_waiting", "streams enqueued and not yet claimed by a worker",
+                                     value=await state.store.waiting()))
+    return Response(state.metrics.render(scraped), media_type=CONTENT_TYPE)
 
 
 ROUTES = [

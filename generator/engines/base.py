@@ -1,8 +1,9 @@
 """What every engine is: the interface the worker drives, the running generation it gets back, and the one
-error family engines raise. Engines run in a worker thread, never on the event loop, unless they say
-``on_loop = True``: engines whose generations only wait (on a network, on a clock) and produce on the loop.
-A thread per generation costs a thread wake-up, a GIL hand-over and a loop wake-up per token: fine for
-llama.cpp's one generation per process, most of a worker's CPU when it runs hundreds at once."""
+error family engines raise. Each generation of an engine runs in an inference thread of its own, never on the
+event loop, unless the engine says ``on_loop = True``: engines whose generations only wait (on a network, on
+a clock) and produce on the loop. A thread per generation costs a thread wake-up, a GIL hand-over and a loop
+wake-up per token: fine for llama.cpp's one generation per process, most of a worker's CPU when it runs
+hundreds at once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from broker.request import GenerationRequest
+from generator.engines.pieces import PartialAnswer, Piece
 
 
 class EngineError(Exception):
@@ -51,22 +53,29 @@ def error_code(error: BaseException) -> str:
 class Generation:
     """One running generation. ``pieces`` yields the text of each generated token, in order, already
     UTF-8 safe (a token that ends inside a character yields "" and its bytes come out with the next
-    one; invalid bytes become U+FFFD). It stops between tokens as soon as ``stop`` is set, after
-    ``max_tokens`` tokens, or at end-of-generation; then ``finish_reason`` is "stop" or "length"."""
+    one; invalid bytes become U+FFFD), and markers that switch the kind of the text after them (reasoning,
+    a tool call's arguments: generator.engines.pieces). It stops between tokens as soon as ``stop`` is set,
+    after ``max_tokens`` tokens, or at end-of-generation; then ``finish_reason`` is "stop", "length" or
+    "tool_calls" (the answer is calls)."""
 
     prompt_tokens: int
-    pieces: Iterator[str]
+    pieces: Iterator[Piece]
     finish_reason: str = "length"
     #: Set by the worker before iterating: engines that process a long prompt in steps call it with
     #: (prompt tokens processed, prompt tokens) between steps, from the inference thread.
     on_progress: Callable[[int, int], None] | None = None
     #: A loop engine's pieces (see ``on_loop``), instead of ``pieces``.
-    apieces: AsyncIterator[str] | None = None
+    apieces: AsyncIterator[Piece] | None = None
 
 
 class Engine(Protocol):
+    """An engine class either subclasses this (and inherits ``on_loop = False``) or declares ``on_loop``."""
+
     #: The model's name, as reported in ``started`` events and the status route.
     name: str
+    #: False: each generation runs in an inference thread of its own (generator.handoff.produce); True: on the
+    #: event loop (``start`` is called there and fills ``Generation.apieces``).
+    on_loop: bool = False
 
     def start(
         self,
@@ -75,12 +84,14 @@ class Engine(Protocol):
         prefix_text: str,
         max_tokens: int,
         stop: threading.Event,
+        partial: PartialAnswer | None = None,
     ) -> Generation:
         """Tokenize the prompt (chat template applied for ``messages``) followed by ``prefix_text``
-        (answer text already appended by an earlier attempt, which the generation continues), and return
+        (answer text already appended by an earlier attempt, which the generation continues; ``partial``:
+        its reasoning and tool calls, when it had any), and return
         a Generation that produces at most ``max_tokens`` more tokens. Called in the inference thread:
-        prefill may happen here or on the first ``next()``. An engine with a true ``on_loop`` attribute is
-        called on the event loop instead, and fills ``apieces`` (an async iterator) rather than ``pieces``."""
+        prefill may happen here or on the first ``next()``. An engine whose ``on_loop`` is true is called on
+        the event loop instead, and fills ``apieces`` (an async iterator) rather than ``pieces``."""
         ...
 
     def close(self) -> None: ...

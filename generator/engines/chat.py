@@ -7,18 +7,28 @@ Kept apart from the engine so that a template can be checked against hand-writte
 - a template that refuses the ``system`` role (Gemma's "System role not supported") gets the system prompt
   folded into the first user turn, separated by a blank line, as llama.cpp's own chat code does;
 - any other refusal (roles that do not alternate, an unsupported role) is an ``invalid_request`` error
-  event carrying the template's own message, not an engine crash.
+  event carrying the template's own message, not an engine crash;
+- tools (``render_chat``): a template that renders tools itself (it uses ``tools`` and ``tool_calls``, as
+  Qwen's, Llama 3.1+'s and Mistral's do) gets them, the assistant calls (arguments as objects, as
+  transformers passes them) and the ``tool`` messages as they are; any other template gets the Hermes
+  convention written into the conversation: the tools described in the system prompt (Qwen 2.5's own wording),
+  each call as ``<tool_call>`` JSON in the assistant's text, each result as a user turn in ``<tool_response>``
+  (consecutive results in one turn), which is what the engine then parses (generator.engines.tool_syntax).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+from broker.request import Message as RequestMessage
+from broker.request import Tool
 from generator.engines.base import EngineError
+from generator.engines.tool_syntax import closed_call_text
 
 #: Used when a GGUF carries no chat template: the plain role-tagged format of the demo model.
 FALLBACK_CHAT_TEMPLATE = (
@@ -29,7 +39,16 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
-Message = Mapping[str, str]
+Message = Mapping[str, Any]
+
+# Qwen 2.5's template's words for tools, for templates that have none of their own.
+TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>"
+)
 
 
 class ChatTemplateError(EngineError):
@@ -65,6 +84,20 @@ class ChatTemplate:
         prompt: str = self._formatter(messages=list(messages), **extra).prompt  # type: ignore[arg-type]
         return prompt
 
+    @property
+    def renders_tools(self) -> bool:
+        """The template writes tools, calls and their results itself."""
+        return "tools" in self.template and "tool_calls" in self.template
+
+    def render_chat(self, messages: Sequence[RequestMessage], tools: Sequence[Tool] = (), **extra: Any) -> str:
+        """A request's messages (and the tools the model may call) as the prompt text."""
+        if self.renders_tools:
+            native = [_native(m) for m in messages]
+            if tools:
+                extra = {**extra, "tools": [t.as_openai() for t in tools]}
+            return self.render(native, **extra)
+        return self.render(hermes_messages(messages, tools), **extra)
+
     def render(self, messages: Sequence[Message], **extra: Any) -> str:
         """``extra`` reaches the template as variables (``date_string`` for Llama 3.1+, which otherwise
         writes today's date)."""
@@ -78,3 +111,47 @@ class ChatTemplate:
             except (ValueError, jinja2.TemplateError):
                 pass
         raise ChatTemplateError(f"the model's chat template refuses these messages: {first_error}") from None
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # what the model wrote, not JSON: passed on as it is
+
+
+def _native(m: RequestMessage) -> dict[str, Any]:
+    out = m.as_openai()
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                             for c in m.tool_calls]
+    return out
+
+
+def hermes_messages(messages: Sequence[RequestMessage], tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    """The conversation for a template that knows no tools (see the module doc)."""
+    out: list[dict[str, Any]] = []
+    if tools:
+        prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in tools))
+        if messages and messages[0].role == "system":
+            prompt = f"{messages[0].content}\n\n{prompt}"
+            messages = messages[1:]
+        out.append({"role": "system", "content": prompt})
+    for m in messages:
+        if m.role == "tool":
+            response = f"<tool_response>\n{m.content}\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response, "tool_results": True})
+            continue
+        content = m.content
+        if m.tool_calls:
+            # As the engine's grammar writes them (the arguments are the model's own text).
+            calls = "\n".join(closed_call_text(c.name, c.arguments or "{}") for c in m.tool_calls)
+            content = f"{content}\n{calls}" if content else calls
+        out.append({"role": m.role, "content": content})
+    for turn in out:
+        turn.pop("tool_results", None)
+    return out

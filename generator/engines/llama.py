@@ -1,23 +1,34 @@
-"""The llama.cpp engine: one ``llama_cpp.Llama`` (one llama.cpp context) per process, driven through
-``Llama.generate`` with our own incremental detokenizer, so the cost per token stays flat."""
+"""The llama.cpp engine: one ``llama_cpp.Llama`` (one llama.cpp context) per process, decoded token by token
+with llama.cpp's samplers (generator.engines.sampler) and our own incremental detokenizer, so the cost per
+token stays flat.
+
+Typed output. A ``response_format`` or a forced ``tool_choice`` constrains the answer with a grammar
+(generator.engines.grammar); tools the model may call are rendered into the prompt (generator.engines.chat)
+and its calls are read out of its text (generator.engines.tool_syntax). A continued generation replays the
+answer so far into the prompt as the model wrote it (calls included) and into the grammar, so it resumes
+mid-value: the final JSON is valid and nothing is written twice."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
+from broker.events import FinishReason
 from broker.request import GenerationRequest
-from generator.engines.base import EngineError, Generation, PromptTooLong
+from generator.engines.base import Engine, EngineError, Generation, PromptTooLong
 from generator.engines.chat import ChatTemplate
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
+from generator.engines.grammar import answer_grammar
+from generator.engines.pieces import PartialAnswer, Piece
+from generator.engines.sampler import GrammarError, Sampler, utf8_masks
+from generator.engines.tool_syntax import ToolCallSyntax, replay_text
 
 # llama.cpp reads this seed as "pick a random one", so a request's seed must never be passed as it.
 _RANDOM_SEED = llama_cpp.LLAMA_DEFAULT_SEED
@@ -39,7 +50,7 @@ def physical_cores() -> int:
     return n or os.cpu_count() or 1
 
 
-class LlamaEngine:
+class LlamaEngine(Engine):
     """``Engine`` over llama-cpp-python. Generations run one at a time: the context is held by a lock from
     a generation's first ``next()`` until it ends or is closed; a generation the same thread left suspended
     is ended when the next one starts.
@@ -87,7 +98,10 @@ class LlamaEngine:
                                  eos_token=self._token_text(llm.token_eos()))
 
         self._lock = threading.Lock()
-        self._active: Iterator[str] | None = None
+        self._active: Iterator[Piece] | None = None
+        self._byte_tokens: dict[int, int] | None = None
+        self._invalid_utf8: list[int] | None = None
+        self._utf8: Sequence[npt.NDArray[np.bool_]] | None = None  # built on the first constrained answer
         self._active_thread = 0
         self._closed = False
 
@@ -107,10 +121,11 @@ class LlamaEngine:
 
     def tokenize_prompt(self, request: GenerationRequest, prefix_text: str = "") -> list[int]:
         """The tokens a generation for ``request`` starts from: the prompt (chat template applied to
-        ``messages``) with ``prefix_text`` appended. Both are tokenized as one string, so the answer text
-        being continued is split into tokens as if it had always been part of the prompt."""
+        ``messages``, with the tools the model may call) with ``prefix_text`` appended. Both are tokenized as
+        one string, so the answer text being continued is split into tokens as if it had always been part of
+        the prompt."""
         if request.messages is not None:
-            prompt = self.chat.render([{"role": m.role, "content": m.content} for m in request.messages])
+            prompt = self.chat.render_chat(request.messages, request.tools if request.offers_tools else ())
         else:
             prompt = request.prompt or ""
         # special=True like llama-cpp-python's completions: templates spell BOS/EOS and role markers as text.
@@ -128,14 +143,22 @@ class LlamaEngine:
         prefix_text: str,
         max_tokens: int,
         stop: threading.Event,
+        partial: PartialAnswer | None = None,
     ) -> Generation:
         if self._closed:
             raise RuntimeError("engine is closed")
-        tokens = self.tokenize_prompt(request, prefix_text)
+        # The answer so far as the model wrote it: its text, then its calls in the call syntax (all closed but
+        # the one the stored answer ended in).
+        written = prefix_text
+        if partial is not None and partial.calls:
+            written = replay_text(prefix_text, ((c.name, c.arguments, c.index != partial.ends_in)
+                                                for c in partial.calls))
+        grammar = answer_grammar(request)
+        tokens = self.tokenize_prompt(request, written)
         if len(tokens) > self.n_ctx - 1 - max_tokens:
             raise PromptTooLong(len(tokens), max_tokens, self.n_ctx)
         generation = Generation(prompt_tokens=len(tokens), pieces=iter(()))
-        generation.pieces = self._run(generation, request, tokens, max_tokens, stop)
+        generation.pieces = self._run(generation, request, tokens, max_tokens, stop, grammar, written)
         return generation
 
     def _take_context(self) -> None:
@@ -155,10 +178,13 @@ class LlamaEngine:
         tokens: list[int],
         max_tokens: int,
         stop: threading.Event,
-    ) -> Iterator[str]:
+        grammar: str | None = None,
+        written: str = "",
+    ) -> Iterator[Piece]:
         if stop.is_set():
             return
         self._take_context()
+        sampler: Sampler | None = None
         try:
             if self._closed:
                 raise RuntimeError("engine is closed")
@@ -173,18 +199,18 @@ class LlamaEngine:
                 seed = secrets.randbelow(_RANDOM_SEED)
             elif seed == _RANDOM_SEED:
                 seed -= 1
-            llm.set_seed(seed)
+            evaluated = 0
             on_progress = generation.on_progress
             if on_progress is not None and len(tokens) > PROGRESS_MIN_TOKENS:
-                # A long prompt is evaluated in steps (all but its last token: generate() then finds the
-                # cached prefix and decodes only that one), reporting progress between steps; a cancel
-                # stops it between steps instead of after the whole prefill.
+                # A long prompt is evaluated in steps (all but its last token), reporting progress between
+                # steps; a cancel stops it between steps instead of after the whole prefill.
                 end = len(tokens) - 1
                 for start in range(0, end, PROGRESS_CHUNK_TOKENS):
                     if stop.is_set():
                         return
                     llm.eval(tokens[start:min(start + PROGRESS_CHUNK_TOKENS, end)])
-                    on_progress(min(start + PROGRESS_CHUNK_TOKENS, end), len(tokens))
+                    evaluated = min(start + PROGRESS_CHUNK_TOKENS, end)
+                    on_progress(evaluated, len(tokens))
 
             detok = IncrementalDetokenizer(
                 self._pieces,
@@ -197,52 +223,89 @@ class LlamaEngine:
             if limit <= 0:
                 generation.finish_reason = "length"
                 return
-            processors = None
-            if self.ignore_eos and len(self._eog_ids):
-                eog_ids = self._eog_ids
-
-                def mask_eog(_ids: Any, scores: npt.NDArray[np.single]) -> npt.NDArray[np.single]:
-                    scores[eog_ids] = -np.inf
-                    return scores
-
-                processors = llama_cpp.LogitsProcessorList([mask_eog])
-
-            sampled = llm.generate(
-                tokens,
-                temp=request.temperature,
-                top_p=request.top_p,
-                top_k=self.top_k,
-                min_p=0.0,
-                typical_p=1.0,
-                repeat_penalty=1.0,
-                logits_processor=processors,
-            )
+            # A grammar ends with end-of-generation, so ignore_eos does not apply to a constrained answer.
+            masked = self._never_utf8() if grammar is not None else self._eog if self.ignore_eos else ()
+            sampler = Sampler(llm, temperature=request.temperature, top_p=request.top_p, top_k=self.top_k,
+                              seed=seed, masked_ids=masked, grammar=grammar, pieces=self._pieces,
+                              utf8=self._utf8_masks() if grammar is not None else None)
+            if written and sampler.constrained:
+                sampler.accept_text(self._text_tokens(written))
+            syntax: ToolCallSyntax | None = None
+            if request.offers_tools:
+                syntax = ToolCallSyntax()
+                syntax.prime(written)
+            llm.eval(tokens[evaluated:])
             n = 0
             finish = "length"
-            try:
-                for token in sampled:
-                    if token in eog:
-                        finish = "stop"
-                        break
-                    n += 1
-                    if n >= limit:
-                        generation.finish_reason = "length"
-                        # Merged into the last token, so a length-limited answer is exactly `limit` pieces.
-                        yield detok.push(token) + detok.flush()
-                        return
-                    yield detok.push(token)
-                    # Checked before resuming `sampled`, whose next step is the decode of this token.
-                    if stop.is_set():
-                        break
-            finally:
-                sampled.close()
-            generation.finish_reason = finish
+            while True:
+                token = sampler.sample()
+                if token in eog:
+                    finish = "stop"
+                    break
+                n += 1
+                text = detok.push(token)
+                if n >= limit:
+                    generation.finish_reason = "length"
+                    # Merged into the last token, so a length-limited answer is exactly `limit` pieces.
+                    text += detok.flush()
+                    if syntax is None:
+                        yield text
+                    else:
+                        yield from syntax.feed(text)
+                        yield from syntax.end()
+                    return
+                if syntax is None:
+                    yield text
+                else:
+                    yield from syntax.feed(text)
+                # Checked before the decode of this token (the next step).
+                if stop.is_set():
+                    break
+                llm.eval([token])
             tail = detok.flush()
-            if tail:
-                yield tail
+            if syntax is None:
+                if tail:
+                    yield tail
+            else:
+                if tail:
+                    yield from syntax.feed(tail)
+                yield from syntax.end()
+                if finish == "stop" and syntax.calls:
+                    finish = FinishReason.TOOL_CALLS
+            generation.finish_reason = finish
         finally:
+            if sampler is not None:
+                sampler.close()
             self._active = None
             self._lock.release()
+
+    def _utf8_masks(self) -> Sequence[npt.NDArray[np.bool_]]:
+        if self._utf8 is None:
+            self._utf8 = utf8_masks(self._pieces, self._llm.n_vocab())
+        return self._utf8
+
+    def _never_utf8(self) -> list[int]:
+        """Tokens with a byte that valid UTF-8 never holds (C0, C1, F5-FF): masked in constrained answers."""
+        if self._invalid_utf8 is None:
+            bad = frozenset((0xC0, 0xC1, *range(0xF5, 0x100)))
+            self._invalid_utf8 = [t for t in range(self._llm.n_vocab()) if not bad.isdisjoint(self._pieces(t))]
+        return self._invalid_utf8
+
+    def _text_tokens(self, text: str) -> list[int]:
+        """``text`` as tokens of one byte each (every byte has one: llama's 256 byte tokens, or a byte-level
+        BPE's), to advance a grammar over text exactly, whatever the tokenizer would merge it into."""
+        table = self._byte_tokens
+        if table is None:
+            table = {}
+            for t in range(self._llm.n_vocab()):
+                piece = self._pieces(t)
+                if len(piece) == 1 and piece[0] not in table and not llama_cpp.llama_vocab_is_control(self._vocab, t):
+                    table[piece[0]] = t
+            self._byte_tokens = table
+        try:
+            return [table[b] for b in text.encode("utf-8")]
+        except KeyError:
+            raise GrammarError("the model's vocabulary lacks a token for a byte of the stored answer") from None
 
     def close(self) -> None:
         if self._closed:

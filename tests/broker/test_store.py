@@ -171,3 +171,26 @@ async def test_finish_sets_status_usage_expiry_and_records_aborts(store: Store) 
     zombie = dataclasses.replace(claim, fence=claim.fence - 1)
     assert await store.finish(zombie, EventType.DONE, {}, status="done", usage={}) is None
     assert len(await store.read(sid, None)) == 2
+
+
+@pytest.mark.slow
+async def test_a_script_flush_is_not_an_error_every_script_is_loaded_again(store: Store, redis_client: redis.Redis) -> None:
+    """NOSCRIPT after SCRIPT FLUSH (or a restarted Redis) is answered by loading the script again, on single calls
+    and on the batched appends' pipeline alike: the stream goes on, whole and once."""
+    await store.ensure_groups()
+    sid = uuid.uuid4()
+    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+    redis_client.script_flush()
+    claim = await _claimed(store, sid)
+    redis_client.script_flush()
+    assert (await store.append(claim, 0, 1, [_delta("a")])).ok
+    redis_client.script_flush()
+    [res] = await store.append_many([(claim, 1, 2, [_delta("b")])])
+    assert not isinstance(res, BaseException) and res.ok
+    redis_client.script_flush()
+    assert (await store.renew(claim, "w1", 5.0)).ok
+    redis_client.script_flush()
+    assert await store.finish(claim, EventType.DONE, {"finish_reason": "stop"}, status="done", usage={}) is not None
+    events = await store.read(sid, None)
+    assert [e.type for e in events] == ["queued", "delta", "delta", "done"]
+    assert [e.json()["text"] for e in events if e.type == "delta"] == ["a", "b"]

@@ -1,6 +1,7 @@
 """The Vercel AI SDK view (consumer/views/aisdk) driven by the real client: the ``ai`` package's own
-``AbstractChat`` + ``DefaultChatTransport``, ai@5 and ai@6 (tests/aisdk/harness, pinned in its
-package-lock.json, installed by scripts/test.sh with ``npm ci``), in Node and in Debian's chromium, against
+``AbstractChat`` + ``DefaultChatTransport``, ai@5, ai@6 and ai@7 (tests/aisdk/harness, pinned in its
+package-lock.json, installed by scripts/test.sh with ``npm ci``; ai@7 runs on the harness's own Node 22, the
+npm package ``node``), in Node and (ai@5, ai@6) in Debian's chromium, against
 real redis-server, `rsb generator` (llama.cpp, the slow demo model) and `rsb consumer` processes with two
 API keys. The harness returns what the chat shows; every answer is compared with its rsb stream, read
 natively (the assistant message's id is the stream id)."""
@@ -8,6 +9,7 @@ natively (the assistant message's id is the stream id)."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -26,6 +28,7 @@ import orjson
 import pytest
 import redis
 from helpers import read_sse
+from scripted_upstream import Reply, ScriptedUpstream, reasoning, text, tool_call_pieces
 from servers import CHROMIUM, Stack, StackFactory, needs_chromium
 
 from broker.redis.server import RedisServer
@@ -37,7 +40,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "aisdk" / "harness"
 NODE = shutil.which("node")
-MAJORS = ("ai5", "ai6")
+#: Node 22 for ai@7 (which needs it): the npm package `node`, a dev dependency of the harness.
+NODE22 = HARNESS / "node_modules" / ".bin" / "node"
+MAJORS = ("ai5", "ai6")  # in Chromium (ai@7's build is not mapped for a page without a bundler)
+NODE_MAJORS = ("ai5", "ai6", "ai7")
 # Long enough that a stop, a drop or a second tab lands mid-answer on the slow model; short answers where
 # the scenario only needs an answer.
 LONG, SHORT = 600, 30
@@ -50,7 +56,8 @@ if CHROMIUM is not None:
 
 
 def _require_harness() -> None:
-    missing = [m for m in MAJORS if not (HARNESS / "node_modules" / m / "package.json").exists()]
+    missing = [m for m in NODE_MAJORS if not (HARNESS / "node_modules" / m / "package.json").exists()]
+    missing += [] if NODE22.exists() else ["node (Node 22)"]
     assert not missing, (f"the AI SDK harness is not installed ({', '.join(missing)} missing from "
                          f"{HARNESS / 'node_modules'}): run scripts/test.sh, or `npm ci --prefix tests/aisdk/harness`")
 
@@ -59,12 +66,15 @@ class AisdkStack:
     """rsb with two API keys: a consumer (and the keys to call it with) and one generator on the slow model,
     whose cancel_on_disconnect grace is short so that a stop by disconnect shows within a test."""
 
-    def __init__(self, stack: Stack, tmp: Path, slow_model: Path, cors_origin: str | None = None) -> None:
+    def __init__(self, stack: Stack, tmp: Path, slow_model: Path, cors_origin: str | None = None,
+                 upstream: str | None = None) -> None:
         self.key_a, entry_a = new_key("alice")
         self.key_b, entry_b = new_key("bob")
         keys = tmp / "keys.json"
         keys.write_bytes(orjson.dumps({"keys": [entry_a, entry_b]}))
-        stack.generator("--lease-s", "1", "--disconnect-grace-s", "1", model=slow_model)
+        engine = ("--upstream", upstream) if upstream else ()
+        stack.generator("--lease-s", "1", "--disconnect-grace-s", "1", *engine, model=slow_model,
+                        ignore_eos=upstream is None)
         cors = ("--cors-origins", cors_origin) if cors_origin else ()
         _, self.url = stack.consumer("--api-keys", str(keys), "--heartbeat-s", "1", *cors)
 
@@ -162,7 +172,7 @@ def check_networkDrop(r: dict[str, Any], s: Streams, major: str) -> None:
     assert dropped["finishes"][-1]["isDisconnect"] is True and dropped["status"] == "error"
     text = s.text(final["messageId"])
     assert final["assistants"] == 1 and final["status"] == "ready"
-    if major == "ai6":
+    if major != "ai5":
         # resumeStreamIsReplay: the kept partial state is reset at the replay's `start`.
         assert final["text"] == text and final["textParts"] == 1
     else:
@@ -277,21 +287,30 @@ def check_results(results: dict[str, Any], rsb: AisdkStack, major: str, scenario
 # -- the harness in Node ---------------------------------------------------------------------------------
 
 
+def run_harness(major: str, rsb: AisdkStack, out: Path, scenarios: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """``node run.mjs`` (Node 22 for ai@7) against ``rsb``; its report."""
+    env = {**os.environ, "RSB_URL": rsb.url, "RSB_KEY_A": rsb.key_a, "RSB_KEY_B": rsb.key_b,
+           "RSB_LONG_TOKENS": str(LONG), "RSB_SHORT_TOKENS": str(SHORT)}
+    if scenarios is not None:
+        env["RSB_SCENARIOS"] = ",".join(scenarios)
+    node = str(NODE22) if major == "ai7" else NODE
+    assert node is not None
+    run = subprocess.run([node, "run.mjs", major, str(out)], cwd=HARNESS, env=env, capture_output=True, text=True,
+                         timeout=280)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report: dict[str, Any] = json.loads(out.read_text())
+    assert report["version"].startswith(f"{major[2:]}.")
+    assert report["node"].startswith("v22." if major == "ai7" else "v")
+    return report
+
+
 @needs_node
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("major", MAJORS)
+@pytest.mark.parametrize("major", NODE_MAJORS)
 def test_use_chat_works_against_rsb(major: str, aisdk_stack: AisdkStackFactory, tmp_path: Path) -> None:
     _require_harness()
     rsb = aisdk_stack()
-    out = tmp_path / f"{major}.json"
-    env = {**os.environ, "RSB_URL": rsb.url, "RSB_KEY_A": rsb.key_a, "RSB_KEY_B": rsb.key_b,
-           "RSB_LONG_TOKENS": str(LONG), "RSB_SHORT_TOKENS": str(SHORT)}
-    assert NODE is not None
-    run = subprocess.run([NODE, "run.mjs", major, str(out)], cwd=HARNESS, env=env, capture_output=True, text=True,
-                         timeout=280)
-    assert run.returncode == 0, run.stdout + run.stderr
-    report = json.loads(out.read_text())
-    assert report["version"].startswith("5." if major == "ai5" else "6.")
+    report = run_harness(major, rsb, tmp_path / f"{major}.json")
     check_results(report["results"], rsb, major, tuple(CHECKS))
 
 
@@ -405,6 +424,17 @@ REFUSED = [
     (orjson.dumps(_turn_body("c") | {"messages": [{"role": "user", "parts": [
         {"type": "file", "mediaType": "image/png", "url": "data:,"}]}]}), "'file' parts are not supported"),
     (orjson.dumps(_turn_body("c") | {"messages": [{"role": "tool", "parts": []}]}), "messages[0] must be"),
+    # A call nobody answered cannot go to the model; a user message carries no tool parts.
+    (orjson.dumps(_turn_body("c") | {"messages": [
+        {"id": "u", "role": "user", "parts": [{"type": "text", "text": "hi"}]},
+        {"id": "a", "role": "assistant", "parts": [{"type": "step-start"}, {
+            "type": "tool-get_weather", "toolCallId": "call_1", "state": "input-available", "input": {}}]}]}),
+     "tool call 'call_1' has no result (state 'input-available')"),
+    (orjson.dumps(_turn_body("c") | {"messages": [{"id": "u", "role": "user", "parts": [
+        {"type": "tool-get_weather", "toolCallId": "call_1", "state": "output-available", "output": 1}]}]}),
+     "'tool-get_weather' parts are not supported in a user message"),
+    (orjson.dumps({**_turn_body("c"), "tools": [{"type": "function", "function": {"name": "has space"}}]}),
+     "tools[0].function.name must match"),
 ]
 
 
@@ -503,3 +533,195 @@ def test_racing_posts_make_one_generation_per_turn_and_one_active_turn(
     with s.client() as c:
         for sid in {*same, *different}:
             assert c.get(f"/v1/streams/{sid}").json()["status"] == "queued"
+
+
+# -- tools: a client-side tool loop against an upstream that calls tools ----------------------------------
+
+#: The arguments the scripted model gives get_weather (streamed two characters a piece).
+WEATHER_ARGS = '{"city": "Paris", "unit": "celsius"}'
+REASONING = ["The user wants ", "the weather."]
+
+
+def weather_model() -> Callable[[dict[str, Any]], Reply]:
+    """The scripted upstream's answers, as vLLM would stream them: to a question, reasoning and a get_weather
+    call (its arguments in pieces; slowly when the question says "(slowly)"); to a tool result, a sentence made
+    from it (slowly when the question says "(answer slowly)")."""
+    ids = itertools.count(1)
+
+    def respond(body: dict[str, Any]) -> Reply:
+        messages = body["messages"]
+        question = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+        if messages[-1]["role"] == "tool":
+            result = json.loads(messages[-1]["content"])
+            words = ["It ", "is ", f"{result['temperature']} ", "degrees ", "in ", f"{result['city']}."]
+            return Reply([text(w) for w in words], delay_s=0.4 if "(answer slowly)" in question else 0.0)
+        return Reply([*(reasoning(r) for r in REASONING),
+                      *tool_call_pieces(0, f"call_{next(ids)}", "get_weather", WEATHER_ARGS, 2)],
+                     finish_reason="tool_calls", delay_s=0.15 if "(slowly)" in question else 0.0)
+
+    return respond
+
+
+def weather_answer(output: dict[str, Any]) -> str:
+    return f"It is {output['temperature']} degrees in {output['city']}."
+
+
+@pytest.fixture
+def tool_stack(aisdk_stack: AisdkStackFactory) -> Iterator[tuple[AisdkStack, ScriptedUpstream]]:
+    with ScriptedUpstream() as upstream:
+        upstream.respond = weather_model()
+        yield aisdk_stack(upstream=upstream.url), upstream
+
+
+def _finished_loop(r: dict[str, Any], s: Streams, *, kept_partial: bool = False) -> dict[str, Any]:
+    """The checks of a finished tool loop on screen: one assistant message whose steps are the reasoning, the
+    call (its input the model's arguments, its output the page's) and the answer made from that output, each
+    once; that message's first turn, read natively, is the call. Returns the tool part.
+
+    ``kept_partial``: ai@5 resuming a message it kept (a reloaded page's persisted partial message) appends the
+    replay to it, so the partial step (its reasoning, and the call: a second part for the same call, which
+    addToolOutput answers too) stays in front."""
+    chat, parts = r["chat"], r["parts"]
+    assert chat["status"] == "ready" and chat["error"] is None, chat
+    assert chat["roles"] == ["user", "assistant"] and chat["assistants"] == 1
+    types = [p["type"] for p in parts]
+    partial = ["step-start", "reasoning", "tool-get_weather"] if kept_partial else []
+    assert types == [*partial, "step-start", "reasoning", "tool-get_weather", "step-start", "text"], types
+    if kept_partial:
+        assert parts[2]["toolCallId"] == parts[5]["toolCallId"]
+        parts = parts[3:]
+        types = types[3:]
+    assert [p["text"] for p in parts if p["type"] == "reasoning"] == ["".join(REASONING)]
+    tool: dict[str, Any] = parts[types.index("tool-get_weather")]
+    assert tool["state"] == "output-available" and tool["input"] == json.loads(WEATHER_ARGS)
+    assert tool["output"] == {"city": "Paris", "temperature": 18, "unit": "celsius"}
+    assert parts[-1] == {"type": "text", "text": weather_answer(tool["output"]), "state": "done"}
+    # The message is its first turn's stream: reasoning, then the call in pieces, ending tool_calls.
+    with s.rsb.native() as c:
+        first = read_sse(c, f"/v1/streams/{chat['messageId']}/events")
+    kinds = [e.event for e in first.events]
+    assert "".join(e.data["text"] for e in first.events if e.event == "reasoning") == "".join(REASONING)
+    assert [e.data for e in first.events if e.event == "tool_call"] == [
+        {"index": 0, "id": tool["toolCallId"], "name": "get_weather"}]
+    assert "".join(e.data["text"] for e in first.events if e.event == "tool_args") == WEATHER_ARGS
+    assert kinds[-1] == "done" and first.events[-1].data["finish_reason"] == "tool_calls" and "delta" not in kinds
+    return tool
+
+
+def _model_saw_the_result(upstream: ScriptedUpstream, tool: dict[str, Any], requests: int = 2) -> None:
+    """What the model was sent: the tool (OpenAI's shape, from the transport's body) both times; the second
+    time the call (the arguments as JSON text) and its result (the output as JSON text) after the question."""
+    bodies = upstream.bodies()
+    assert len(bodies) == requests, [b["messages"] for b in bodies]
+    assert all(b["tools"][0]["function"]["name"] == "get_weather" for b in bodies)
+    assert bodies[0]["messages"][-1]["role"] == "user"
+    *_, asked, called, answered = bodies[-1]["messages"]
+    assert asked["role"] == "user" and called["role"] == "assistant" and not called.get("content")
+    [call] = called["tool_calls"]
+    assert call["id"] == tool["toolCallId"] and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == tool["input"]
+    assert answered == {"role": "tool", "tool_call_id": tool["toolCallId"], "content": answered["content"]}
+    assert json.loads(answered["content"]) == tool["output"]
+
+
+@needs_node
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("major", NODE_MAJORS)
+def test_a_client_side_tool_loop_runs_and_resumes_in_the_middle_of_a_call(
+        major: str, tool_stack: tuple[AisdkStack, ScriptedUpstream], tmp_path: Path) -> None:
+    """addToolOutput + sendAutomaticallyWhen (lastAssistantMessageIsCompleteWithToolCalls), with the real
+    client: the loop, then a page that leaves in the middle of the call's arguments and is reloaded, then a
+    page that opens the chat while the answer after the result streams."""
+    _require_harness()
+    rsb, upstream = tool_stack
+    streams = Streams(rsb)
+
+    loop = run_harness(major, rsb, tmp_path / "loop.json", ("toolLoop",))["results"]["toolLoop"]
+    assert "exception" not in loop, loop["exception"]
+    tool = _finished_loop(loop, streams)
+    assert loop["calls"] == [{"toolCallId": tool["toolCallId"], "toolName": "get_weather",
+                              "input": json.loads(WEATHER_ARGS)}]  # onToolCall, once
+    # The second POST continues the message: the same message id, after the tool's output.
+    second = loop["bodies"][1]
+    assert second["trigger"] == "submit-message" and second["messageId"] == loop["chat"]["messageId"]
+    assert [q[2] for q in _requests(loop["chat"])] == [200, 200]
+    _model_saw_the_result(upstream, tool)
+
+    upstream.requests.clear()
+    resumed = run_harness(major, rsb, tmp_path / "resume.json", ("toolResume",))["results"]["toolResume"]
+    assert "exception" not in resumed, resumed["exception"]
+    partial = resumed["partial"]
+    assert [p["state"] for p in partial["parts"] if p["type"] == "tool-get_weather"] == ["input-streaming"]
+    # ai@6 and ai@7 start the message afresh at the replay's start. ai@5 keeps the reloaded page's partial
+    # message and appends the replay to it (docs/aisdk.md: with ai@5, persist a message once it is finished).
+    tool = _finished_loop(resumed, streams, kept_partial=major == "ai5")
+    assert resumed["chat"]["messageId"] == partial["chat"]["messageId"]
+    assert [c["toolCallId"] for c in resumed["calls"]] == [tool["toolCallId"]]  # the tool ran once
+    assert [(q[0], q[2]) for q in _requests(resumed["chat"])] == [("GET", 200), ("POST", 200)]
+    if major == "ai5":  # the doubled step goes to the model too: the call and its result twice
+        assert [m["role"] for m in upstream.bodies()[-1]["messages"]] == ["user", "assistant", "tool", "assistant",
+                                                                           "tool"]
+    else:
+        _model_saw_the_result(upstream, tool)  # one generation per turn: the reload made none
+
+    upstream.requests.clear()
+    reopened = run_harness(major, rsb, tmp_path / "reopen.json",
+                           ("toolContinuationResume",))["results"]["toolContinuationResume"]
+    assert "exception" not in reopened, reopened["exception"]
+    tool = _finished_loop(reopened["first"], streams)
+    # The second page resumed the message's second turn: its first step (the call and its result) rebuilt
+    # from the turn's request, then the answer; no tool run on that page, no reasoning (not kept for it).
+    again = reopened["reopened"]
+    assert again["chat"]["messageId"] == reopened["first"]["chat"]["messageId"] and again["calls"] == []
+    assert [p["type"] for p in again["parts"]] == ["step-start", "tool-get_weather", "step-start", "text"]
+    assert again["parts"][1] == tool and again["parts"][-1] == reopened["first"]["parts"][-1]
+    assert [(q[0], q[2]) for q in _requests(again["chat"])] == [("GET", 200)]
+    _model_saw_the_result(upstream, tool)
+
+
+@pytest.mark.slow
+def test_a_failed_call_goes_to_the_model_as_its_error_and_a_resume_rebuilds_the_continued_message(
+        tool_stack: tuple[AisdkStack, ScriptedUpstream]) -> None:
+    """The wire, without the SDK: an ``output-error`` tool part is the call's result (its error text); the turn
+    continues the assistant message (``start`` names it); a resume of that turn sends the message's earlier
+    step first (the call as tool-input-start + tool-input-delta, never tool-input-available, and its result)."""
+    rsb, upstream = tool_stack
+    words = ["Sorry, ", "the ", "weather ", "service ", "failed ", "just ", "now."]
+    upstream.respond = lambda body: Reply([text(w) for w in words], delay_s=0.3)
+    tool_part = {"type": "tool-get_weather", "toolCallId": "call_e1", "state": "output-error",
+                 "input": {"city": "Paris"}, "errorText": "the service is down"}
+    body = {"id": "failed-call", "trigger": "submit-message", "messageId": "a1", "tools": [{
+        "type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}], "messages": [
+        {"id": "u1", "role": "user", "parts": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"id": "a1", "role": "assistant", "parts": [{"type": "step-start"}, {"type": "text", "text": "Checking."},
+                                                     tool_part]}]}
+    posted: list[Any] = []
+    resumed: list[Any] = []
+    with rsb.native() as c, c.stream("POST", "/api/chat", json=body) as r:
+        assert r.status_code == 200
+        for chunk in ui_chunks(r):
+            posted.append(chunk)
+            if isinstance(chunk, dict) and chunk["type"] == "text-delta" and not resumed:
+                # Another page opens the chat while the answer streams: it resumes the running turn.
+                with rsb.native() as again, again.stream("GET", "/api/chat/failed-call/stream") as resume:
+                    assert resume.status_code == 200
+                    resumed += ui_chunks(resume)
+    history = upstream.bodies()[-1]["messages"]
+    assert history[1:] == [
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "call_e1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_e1", "content": "the service is down"}]
+    kinds = [c if isinstance(c, str) else c["type"] for c in posted]
+    assert posted[0] == {"type": "start", "messageId": "a1"} and kinds[1] == "start-step"
+    assert "tool-input-start" not in kinds and kinds[-3:] == ["finish-step", "finish", "[DONE]"]
+    # The resume: the same message, its earlier step rebuilt, then the turn's chunks as the POST sent them.
+    earlier = [
+        {"type": "start-step"},
+        {"type": "text-start", "id": "text-step0"}, {"type": "text-delta", "id": "text-step0", "delta": "Checking."},
+        {"type": "text-end", "id": "text-step0"},
+        {"type": "tool-input-start", "toolCallId": "call_e1", "toolName": "get_weather"},
+        {"type": "tool-input-delta", "toolCallId": "call_e1", "inputTextDelta": '{"city":"Paris"}'},
+        {"type": "tool-output-available", "toolCallId": "call_e1", "output": "the service is down"},
+        {"type": "finish-step"}]
+    assert resumed == [posted[0], *earlier, *posted[1:]]

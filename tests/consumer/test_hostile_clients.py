@@ -109,9 +109,9 @@ def test_half_open_connections_are_closed_after_the_header_timeout_and_others_ar
             with _client(url, HOSTILE) as c:
                 return c.get("/healthz")
 
-        # The hostile address itself, at its cap, is refused with a 503 that says why.
+        # The hostile address itself, at its cap, is refused with a 429 that says why.
         refused = await asyncio.to_thread(hostile_request)
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_connections"
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_connections"
         assert int(refused.headers["retry-after"]) >= 1
         served_s = await other
         results = await asyncio.gather(*watchers)
@@ -344,7 +344,7 @@ def test_the_queue_never_holds_more_than_its_bound(stack_factory: StackFactory, 
 def test_a_read_flood_is_refused_at_the_cap_and_nothing_is_lost_for_others(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
     """1,500 SSE connects at once from one address: 1,000 are admitted (--max-streams-per-ip), the rest
-    refused (429 in the app, 503 past the address's TCP cap); every admitted reader, and a reader from
+    refused (429, in the app or past the address's TCP cap); every admitted reader, and a reader from
     another address, gets the whole answer."""
     s = stack_factory(redis_server.url)
     _, url = s.consumer()  # no flag: the defaults

@@ -351,9 +351,17 @@ def test_bad_requests_get_openai_errors_and_create_nothing(shared_stack: SharedS
         ({"messages": CHAT, "seed": -1}, "seed"),
         ({"messages": CHAT, "n": 2}, "n"),
         ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+        ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "parallel_tool_calls": False}, "parallel_tool_calls"),
         ({"messages": CHAT, "logprobs": True}, "logprobs"),
-        ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}},
+         "response_format"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
+         "messages"),
     ]
     for kwargs, param in bad_chats:
         for stream in (False, True):
@@ -368,6 +376,10 @@ def test_bad_requests_get_openai_errors_and_create_nothing(shared_stack: SharedS
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {
+            "type": "object", "properties": {"s": {"type": "string", "format": "email"}}}}}}, "text"),
         ({"input": "x", "previous_response_id": "resp_" + uuid.uuid4().hex}, "previous_response_id"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "temperature": -1}, "temperature"),

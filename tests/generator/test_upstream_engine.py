@@ -10,9 +10,11 @@ can be compared with what the server answers directly."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -24,13 +26,14 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from helpers import create, read_sse, wait_status
+from helpers import SSE, create, read_sse, wait_status
 from servers import StackFactory
 
 from bench.procs import wait_serving
 from broker.redis.server import RedisServer, free_port
 from broker.request import GenerationRequest, Message
-from generator.engines import UpstreamError
+from generator.engines import Generation, UpstreamError
+from generator.engines.pieces import Piece
 from generator.engines.upstream import UpstreamEngine, detect_api
 from generator.engines.upstream.ollama import OLLAMA, parse_line
 from generator.engines.upstream.openai import OPENAI, parse_event
@@ -41,6 +44,13 @@ from generator.engines.upstream.protocol import (
     UpstreamRequest,
     stream_pieces,
 )
+from generator.handoff import StopSignal, TokenHandoff, produce
+
+
+async def collect(gen: Generation) -> list[Piece]:
+    """An on-loop generation's pieces, read to the end."""
+    assert gen.apieces is not None
+    return [p async for p in gen.apieces]
 
 
 def openai_request(request: GenerationRequest, **kw: Any) -> tuple[str, dict[str, Any]]:
@@ -291,66 +301,66 @@ def test_a_character_split_into_two_escaped_surrogates_comes_out_whole() -> None
 
 
 @pytest.mark.slow
-def test_the_engine_streams_what_the_upstream_generates(upstream: LlamaServer) -> None:
+async def test_the_engine_streams_what_the_upstream_generates(upstream: LlamaServer) -> None:
     engine = UpstreamEngine(upstream.url + "/v1")
     try:
         assert engine.name == upstream.model_id  # listed by the server
         gen = engine.start(_chat_request(STORY), prefix_text="", max_tokens=200, stop=threading.Event())
-        pieces = list(gen.pieces)
-        direct = upstream.chat(STORY, 200)
-        assert "".join(pieces) == direct["choices"][0]["message"]["content"]
+        pieces = await collect(gen)
+        direct = await asyncio.to_thread(upstream.chat, STORY, 200)
+        assert "".join(map(str, pieces)) == direct["choices"][0]["message"]["content"]
         assert gen.finish_reason == direct["choices"][0]["finish_reason"] == "length"
         # No usage when this server streams: one piece per delta with text (it sends empty ones too, and
         # merges a token that ends inside a character into the next).
-        deltas = upstream.chat_deltas(STORY, 200)
+        deltas = await asyncio.to_thread(upstream.chat_deltas, STORY, 200)
         assert pieces == [d for d in deltas if d] and len(pieces) <= 200
 
         # A prompt continued after a crash: completed exactly as the prompt plus the answer so far.
         gen = engine.start(_request(prompt="Hello"), prefix_text=" the", max_tokens=30, stop=threading.Event())
-        text = "".join(gen.pieces)
-        assert text == upstream.complete("Hello the", 30)["choices"][0]["text"]
+        text = "".join(map(str, await collect(gen)))
+        assert text == (await asyncio.to_thread(upstream.complete, "Hello the", 30))["choices"][0]["text"]
     finally:
         engine.close()
 
 
 @pytest.mark.slow
-def test_stop_aborts_a_request_still_waiting_in_the_upstream(slow_upstream: LlamaServer) -> None:
-    """Our request waits in the server's queue with nothing to read: setting stop must still end it at once,
-    and the server must drop it, not run it once it is free."""
+async def test_stop_aborts_a_request_still_waiting_in_the_upstream(slow_upstream: LlamaServer) -> None:
+    """Our request waits in the server's queue with nothing to read: setting stop must still end it at once
+    (the producing task is cancelled, which closes the connection), and the server must drop it, not run it
+    once it is free."""
     engine = UpstreamEngine(slow_upstream.url)
     try:
         with slow_upstream.busy():
             posts = slow_upstream.chat_posts()
-            stop = threading.Event()
-            gen = engine.start(_chat_request(STORY), prefix_text="", max_tokens=3000, stop=stop)
-            got: list[str] = []
-            reader = threading.Thread(target=lambda: got.extend(gen.pieces))
-            reader.start()
+            stop = StopSignal()
+            handoff = TokenHandoff(asyncio.get_running_loop(), 64)
+            producer = produce(engine, _chat_request(STORY), handoff, prefix_text="", max_tokens=3000, stop=stop)
             deadline = time.monotonic() + 10
             while slow_upstream.chat_posts() == posts:  # our request is at the server, waiting
                 assert time.monotonic() < deadline
-                time.sleep(0.05)
-            time.sleep(0.3)  # deliberate: a moment in which the waiting request must not end by itself
-            assert reader.is_alive()
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # deliberate: a moment in which the waiting request must not end by itself
+            assert not producer.done()
             t0 = time.monotonic()
             stop.set()
-            reader.join(5)
-            assert not reader.is_alive() and time.monotonic() - t0 < 2.0
-            assert got == []
+            await asyncio.wait_for(asyncio.gather(producer, return_exceptions=True), 2.0)
+            assert time.monotonic() - t0 < 2.0
+            batch = await handoff.get(timeout_s=0)
+            assert batch.closed and batch.pieces == []
         # Had our request stayed queued, it would now run its 3000 tokens ahead of this one.
-        slow_upstream.assert_free()
+        await asyncio.to_thread(slow_upstream.assert_free)
     finally:
         engine.close()
 
 
 @pytest.mark.slow
-def test_an_http_error_from_the_upstream_is_an_upstream_error(upstream: LlamaServer) -> None:
+async def test_an_http_error_from_the_upstream_is_an_upstream_error(upstream: LlamaServer) -> None:
     engine = UpstreamEngine(upstream.url)
     try:
         # 8192-token context: a prompt this long plus max_tokens cannot fit, and the server says so.
         gen = engine.start(_request(prompt="the " * 9000), prefix_text="", max_tokens=4, stop=threading.Event())
         with pytest.raises(UpstreamError) as e:
-            list(gen.pieces)
+            await collect(gen)
         assert e.value.code == "upstream" and "upstream" in str(e.value)
     finally:
         engine.close()
@@ -420,3 +430,246 @@ def test_an_unreachable_upstream_ends_the_stream_with_error(
     assert end.event == "error" and end.data["code"] == "upstream"
     assert "unreachable" in end.data["message"] or "Connect" in end.data["message"]
     assert st["status"] == "error"
+
+
+# -- typed output: tools, reasoning, structured output -------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL_HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+]
+ARGS = '{"city": "Paris", "unit": "celsius"}'
+
+
+def _typed_request(**body: Any) -> GenerationRequest:
+    from broker.request import RequestLimits, validate_create_body
+
+    body.setdefault("messages", CALL_HISTORY)
+    return validate_create_body(body, RequestLimits())[1]
+
+
+def test_openai_requests_carry_tools_tool_choice_formats_and_the_tool_history() -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}, "strict": True}}
+    req = _typed_request(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                         response_format=None)
+    _, body = openai_request(req, prefix_text="", max_tokens=50, model=None)
+    assert body["messages"] == CALL_HISTORY
+    assert body["tools"] == [WEATHER_TOOL]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    _, body = openai_request(_typed_request(response_format=fmt), prefix_text="", max_tokens=50, model=None)
+    assert body["response_format"] == fmt and "tools" not in body and "tool_choice" not in body
+
+
+def test_ollama_requests_carry_tools_format_and_the_tool_history_as_ollama_reads_it() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    req = _typed_request(tools=[WEATHER_TOOL],
+                         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    _, body = ollama_request(req, prefix_text="", max_tokens=50, model="qwen3")
+    assert body["format"] == schema and body["tools"] == [WEATHER_TOOL]
+    assert body["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert body["messages"][2] == {"role": "tool", "content": '{"temp_c": 21}', "tool_name": "get_weather"}
+    _, body = ollama_request(_typed_request(response_format={"type": "json_object"}), prefix_text="",
+                             max_tokens=5, model="m")
+    assert body["format"] == "json" and "tools" not in body
+
+
+def test_openai_records_carry_reasoning_and_tool_call_pieces() -> None:
+    r = parse_event('{"choices":[{"delta":{"reasoning_content":"Hmm"},"finish_reason":null}]}', chat=True)
+    assert (r.reasoning, r.piece) == ("Hmm", None)
+    assert parse_event('{"choices":[{"delta":{"reasoning":"Hm"}}]}', chat=True).reasoning == "Hm"  # vLLM 0.10+
+    start = parse_event('{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function",'
+                        '"function":{"name":"get_weather"}}]}}]}', chat=True)
+    assert [(c.index, c.id, c.name, c.arguments) for c in start.calls] == [(0, "c1", "get_weather", None)]
+    args = parse_event('{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\\"ci"}}]}}]}',
+                       chat=True)
+    assert [(c.index, c.id, c.name, c.arguments) for c in args.calls] == [(0, None, None, '{"ci')]
+    end = parse_event('{"choices":[{"delta":{"content":""},"finish_reason":"tool_calls"}]}', chat=True)
+    assert end.finish_reason == "tool_calls" and end.piece is None
+
+
+def _vllm_lines(*deltas: dict[str, Any], finish: str, completion_tokens: int | None = None) -> list[str]:
+    """A chat completion stream exactly as vLLM writes it."""
+    records: list[dict[str, Any]] = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+    records += [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    records.append({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": finish}]})
+    if completion_tokens is not None:
+        records.append({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": completion_tokens}})
+    return _sse(*(json.dumps(r) for r in records), "[DONE]")
+
+
+def test_reasoning_and_tool_calls_become_markers_and_pieces() -> None:
+    from generator.engines.pieces import REASONING, TEXT, Extra, ToolCallStart
+
+    lines = _vllm_lines({"reasoning_content": "Let me"}, {"reasoning_content": " check."}, {"content": "Sure."},
+                        {"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "a"}}]},
+                        {"tool_calls": [{"index": 0, "function": {"arguments": '{"x":'}}]},
+                        {"tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]},
+                        {"tool_calls": [{"index": 1, "id": "c2", "type": "function",
+                                         "function": {"name": "b", "arguments": "{}"}}]},
+                        {"reasoning_content": "Done", "content": "!"},
+                        finish="tool_calls", completion_tokens=9)
+    gen = UpstreamGeneration(prompt_tokens=0, pieces=iter(()))
+    pieces = list(stream_pieces(OPENAI.chunks(lines, chat=True), generation=gen, max_tokens=100,
+                                stop=threading.Event()))
+    assert pieces == [REASONING, "Let me", " check.", TEXT, "Sure.", ToolCallStart(0, "c1", "a"), '{"x":', " 1}",
+                      ToolCallStart(1, "c2", "b"), "{}", REASONING, "Done", TEXT, Extra("!"), "", ""]
+    assert gen.finish_reason == "tool_calls"
+    # One token per record that carries text (the Extra "!" shares its record's): 7, and the usage says 9.
+    assert sum(type(p) is str for p in pieces) == 9
+
+
+def test_ollama_thinking_and_tool_calls_become_pieces_and_end_with_tool_calls() -> None:
+    from generator.engines.pieces import REASONING, TEXT, ToolCallStart
+
+    lines = ['{"message":{"role":"assistant","content":"","thinking":"Paris?"},"done":false}',
+             '{"message":{"role":"assistant","content":"","tool_calls":[{"function":{"name":"get_weather",'
+             '"arguments":{"city":"Paris"}}}]},"done":false}',
+             '{"message":{"role":"assistant","content":""},"done":true,"done_reason":"stop","eval_count":4}']
+    gen = UpstreamGeneration(prompt_tokens=0, pieces=iter(()))
+    pieces = list(stream_pieces(OLLAMA.chunks(lines, chat=True), generation=gen, max_tokens=10,
+                                stop=threading.Event()))
+    assert pieces[:2] == [REASONING, "Paris?"] and pieces[-2:] == ["", ""]
+    start = pieces[2]
+    assert isinstance(start, ToolCallStart) and (start.index, start.name) == (0, "get_weather")
+    assert start.id.startswith("call_") and pieces[3] == '{"city": "Paris"}'
+    assert gen.finish_reason == "tool_calls" and TEXT not in pieces
+
+
+def test_a_replayed_answer_skips_what_was_stored_and_refuses_a_different_one() -> None:
+    from generator.engines.pieces import PartialAnswer, PartialCall
+    from generator.engines.upstream.protocol import Replay
+
+    lines = _vllm_lines({"reasoning_content": "Let me check."},
+                        {"tool_calls": [{"index": 0, "id": "new-id", "type": "function", "function": {"name": "a"}}]},
+                        {"tool_calls": [{"index": 0, "function": {"arguments": '{"x":'}}]},
+                        {"tool_calls": [{"index": 0, "function": {"arguments": " 12}"}}]}, finish="tool_calls")
+    stored = PartialAnswer("Let me check.", (PartialCall(0, "c1", "a", '{"x": 1'),), 0)
+    gen = UpstreamGeneration(prompt_tokens=0, pieces=iter(()))
+    pieces = list(stream_pieces(OPENAI.chunks(lines, chat=True), generation=gen, max_tokens=100,
+                                stop=threading.Event(), replay=Replay("", stored)))
+    assert pieces == ["2}"]  # the rest of call 0's arguments, in the kind the stored answer ended in
+    different = PartialAnswer("Let me check.", (PartialCall(0, "c1", "a", '{"x": 7'),), 0)
+    with pytest.raises(UpstreamError, match="differs from the stored one"):
+        list(stream_pieces(OPENAI.chunks(lines, chat=True), generation=gen, max_tokens=100,
+                           stop=threading.Event(), replay=Replay("", different)))
+    renamed = PartialAnswer("", (PartialCall(0, "c1", "b", ""),), 0)
+    with pytest.raises(UpstreamError, match="calls 'a' where it had called 'b'"):
+        list(stream_pieces(OPENAI.chunks(lines, chat=True), generation=gen, max_tokens=100,
+                           stop=threading.Event(), replay=Replay("", renamed)))
+
+
+# -- typed output end to end: the scripted upstream behind a real generator ---------------------------------
+
+
+def merged(events: list[SSE]) -> list[tuple[str, Any]]:
+    """The stream's events after ``started``, consecutive pieces of one kind joined (how they are split into
+    events depends on timing; what they add up to, and their order, may not)."""
+    out: list[tuple[str, Any]] = []
+    for e in events:
+        if e.event in ("queued", "started"):
+            continue
+        if e.event in ("delta", "reasoning") and out and out[-1][0] == e.event:
+            out[-1] = (e.event, out[-1][1] + e.data["text"])
+        elif e.event == "tool_args" and out and out[-1][0] == "tool_args" and out[-1][1]["index"] == e.data["index"]:
+            out[-1] = ("tool_args", {"index": e.data["index"], "text": out[-1][1]["text"] + e.data["text"]})
+        elif e.event in ("delta", "reasoning"):
+            out.append((e.event, e.data["text"]))
+        else:
+            out.append((e.event, e.data))
+    return out
+
+
+@pytest.mark.slow
+def test_reasoning_and_a_tool_call_in_pieces_are_exact_native_events(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    from scripted_upstream import Reply, ScriptedUpstream, reasoning, text, tool_call_pieces
+
+    with ScriptedUpstream() as up:
+        up.script(Reply([reasoning("Let me"), reasoning(" think."), text("Checking."),
+                         *tool_call_pieces(0, "call_abc", "get_weather", ARGS, piece_chars=5),
+                         *tool_call_pieces(1, "call_def", "get_time", '{"tz": "CET"}', piece_chars=3)],
+                        finish_reason="tool_calls", delay_s=0.02, usage={"prompt_tokens": 31, "completion_tokens": 20}))
+        s = stack_factory(redis_server.url)
+        s.consumer()
+        s.generator("--upstream", up.url, ignore_eos=False)
+        with s.client() as c:
+            sid = create(c, messages=CALL_HISTORY, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=200).json()["id"]
+            read = read_sse(c, f"/v1/streams/{sid}/events")
+        sent = up.bodies()[0]
+    assert sent["messages"] == CALL_HISTORY and sent["tools"] == [WEATHER_TOOL] and "tool_choice" not in sent
+    assert read.events[1].event == "started" and read.events[1].data == {"model": "scripted-model"}
+    done = read.events[-1]
+    assert merged(read.events[:-1]) == [
+        ("reasoning", "Let me think."), ("delta", "Checking."),
+        ("tool_call", {"index": 0, "id": "call_abc", "name": "get_weather"}), ("tool_args", {"index": 0, "text": ARGS}),
+        ("tool_call", {"index": 1, "id": "call_def", "name": "get_time"}), ("tool_args", {"index": 1, "text": '{"tz": "CET"}'}),
+    ]
+    assert done.event == "done" and done.data["finish_reason"] == "tool_calls"
+    assert (done.data["usage"]["prompt_tokens"], done.data["usage"]["completion_tokens"]) == (31, 20)
+    assert len(read.ids) == len(set(read.ids))
+
+
+@pytest.mark.slow
+def test_a_generator_killed_inside_a_tool_call_is_replayed_without_a_piece_twice(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """The upstream answers the same way twice (a deterministic sampler): the second generator asks again,
+    checks the repeated part against the stream and skips it, and goes on from where the first stopped."""
+    from scripted_upstream import Reply, ScriptedUpstream, reasoning, tool_call_pieces
+
+    arguments = '{"city": "Paris", "days": [' + ", ".join(f'"day {i}"' for i in range(40)) + "]}"
+    deltas = [reasoning("Paris, then."), *tool_call_pieces(0, "call_first", "get_weather", arguments, piece_chars=4)]
+    with ScriptedUpstream() as up:
+        up.respond = lambda body: Reply(deltas, finish_reason="tool_calls", delay_s=0.03)
+        s = stack_factory(redis_server.url)
+        s.consumer()
+        victim = s.generator("--upstream", up.url, "--lease-s", "1", ignore_eos=False)
+        with s.client() as c:
+            sid = create(c, messages=CALL_HISTORY[:1], tools=[WEATHER_TOOL], temperature=0.0, seed=3,
+                         max_tokens=500).json()["id"]
+            head = read_sse(c, f"/v1/streams/{sid}/events", stop_after=12)
+            assert head.events[-1].event == "tool_args"  # inside the call's arguments
+            victim.signal(signal.SIGKILL)
+            victim.wait(5)
+            s.generator("--upstream", up.url, "--lease-s", "1", ignore_eos=False)
+            read = read_sse(c, f"/v1/streams/{sid}/events")
+        bodies = up.bodies()
+    assert len(bodies) == 2 and bodies[1]["messages"] == bodies[0]["messages"]  # asked again, as first asked
+    assert bodies[1]["max_tokens"] == bodies[0]["max_tokens"] == 500
+    assert merged(read.events[:-1]) == [
+        ("reasoning", "Paris, then."), ("tool_call", {"index": 0, "id": "call_first", "name": "get_weather"}),
+        ("tool_args", {"index": 0, "text": arguments})]
+    json.loads(arguments)
+    assert [e.event for e in read.events].count("started") == 1 and len(read.ids) == len(set(read.ids))
+    assert read.events[-1].event == "done" and read.events[-1].data["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.slow
+def test_a_replay_the_upstream_answers_differently_ends_with_an_upstream_error(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    from scripted_upstream import Reply, ScriptedUpstream, tool_call_pieces
+
+    first = tool_call_pieces(0, "c1", "get_weather", '{"town": "Paris, France, Europe, Earth"}', piece_chars=2)
+    second = tool_call_pieces(0, "c9", "get_weather", '{"city": "Lyon"}', piece_chars=2)
+    with ScriptedUpstream() as up:
+        up.script(Reply(first, finish_reason="tool_calls", delay_s=0.1), Reply(second, finish_reason="tool_calls"))
+        s = stack_factory(redis_server.url)
+        s.consumer()
+        victim = s.generator("--upstream", up.url, "--lease-s", "1", ignore_eos=False)
+        with s.client() as c:
+            sid = create(c, messages=CALL_HISTORY[:1], tools=[WEATHER_TOOL], max_tokens=100).json()["id"]
+            read_sse(c, f"/v1/streams/{sid}/events", stop_after=8)
+            victim.signal(signal.SIGKILL)
+            victim.wait(5)
+            s.generator("--upstream", up.url, "--lease-s", "1", ignore_eos=False)
+            read = read_sse(c, f"/v1/streams/{sid}/events")
+    end = read.events[-1]
+    assert end.event == "error" and end.data["code"] == "upstream" and "differs from the stored one" in end.data["message"]
+    args = "".join(e.data["text"] for e in read.events if e.event == "tool_args")
+    assert args.startswith('{"town": "') and "Lyon" not in args  # only the first answer's pieces

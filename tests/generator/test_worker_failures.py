@@ -6,12 +6,14 @@ and duplicate-free, and the answer has exactly max_tokens tokens."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jsonschema
 import pytest
 import redis
 from helpers import SSE, SSERead, create, eventually, read_sse, wait_status
@@ -157,3 +159,68 @@ def test_deadline_ends_the_generation_with_error_deadline(stack_factory: StackFa
         # The worker is free again straight away.
         sid2 = create(c, max_tokens=5).json()["id"]
         assert read_sse(c, f"/v1/streams/{sid2}/events").events[-1].event == "done"
+
+
+@pytest.mark.slow
+def test_a_lease_renewal_that_fails_for_a_bug_ends_the_stream_with_an_error(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
+    """RENEW fails on a stream whose meta holds a value it cannot read (a failing script, not Redis away): the
+    renewer does not go on renewing nothing in silence; the generation stops, and its stream ends with ``error``
+    (code ``internal``) that readers see, and the generator logs why."""
+    import uuid
+
+    from broker.streams.keys import StreamKeys
+
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    gen = s.generator("--lease-s", "1", model=slow_model)
+    with s.client() as c:
+        sid = create(c, max_tokens=MAX_TOKENS).json()["id"]
+        head = read_sse(c, f"/v1/streams/{sid}/events", stop_after=3)
+        assert head.events[-1].event == "delta"
+        # Python reads "1_0" as 10 (the status route works); Lua's tonumber does not: RENEW fails, and only RENEW.
+        redis_client.hset(StreamKeys.of(uuid.UUID(sid), 1).meta, "abandon_s", "1_0")
+        read = read_sse(c, f"/v1/streams/{sid}/events", timeout_s=30)
+        st = wait_status(c, sid, {"done", "cancelled", "error"})
+    end = read.events[-1]
+    assert end.event == "error" and end.data["code"] == "internal", end
+    assert st["status"] == "error"
+    assert end.data["usage"]["completion_tokens"] < MAX_TOKENS
+    assert "keeping the lease failed" in gen.output()
+
+
+# -- a crash inside a tool call's arguments (constrained decoding, continued) ---------------------------------
+
+NOTES_TOOL = {"type": "function", "function": {"name": "save_notes", "parameters": {
+    "type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "minLength": 12,
+                                                                          "maxLength": 24},
+                                               "minItems": 30, "maxItems": 30}},
+    "required": ["notes"], "additionalProperties": False}}}
+
+
+@pytest.mark.slow
+def test_sigkilled_inside_a_tool_call_the_continuation_completes_valid_arguments_once(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    victim = s.generator("--lease-s", "1", model=slow_model)
+    with s.client() as c:
+        sid = create(c, messages=[{"role": "user", "content": "Take notes"}], tools=[NOTES_TOOL],
+                     tool_choice="required", max_tokens=3000, temperature=1.0, seed=7).json()["id"]
+        head = read_sse(c, f"/v1/streams/{sid}/events", stop_after=12)
+        assert head.events[-1].event == "tool_args", [e.event for e in head.events]
+        victim.signal(signal.SIGKILL)
+        victim.wait(5)
+        s.generator("--lease-s", "1", model=slow_model)
+        full = read_sse(c, f"/v1/streams/{sid}/events")
+    assert redis_client.hget(f"rsb:{{p0}}:s:{sid}:meta", "attempts") == b"2"
+    types = [e.event for e in full.events if e.event != "progress"]  # the continuation's prompt is long
+    assert types.count("started") == 1 and types.count("tool_call") == 1 and types[-1] == "done", types
+    assert set(types[types.index("tool_call") + 1:-1]) == {"tool_args"}
+    ids = full.ids
+    assert len(ids) == len(set(ids)) and ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+    args = "".join(e.data["text"] for e in full.events if e.event == "tool_args")
+    head_args = "".join(e.data["text"] for e in head.events if e.event == "tool_args")
+    assert args.startswith(head_args) and len(args) > len(head_args)  # went on from where it stopped
+    jsonschema.validate(json.loads(args), NOTES_TOOL["function"]["parameters"])  # type: ignore[index]
+    assert full.events[-1].data["finish_reason"] == "tool_calls"

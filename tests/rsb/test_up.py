@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -238,3 +239,35 @@ def test_every_subcommand_documents_every_flag() -> None:
     for flag in ["--host", "--port", "--redis-url", "--model", "--model-name", "--heartbeat-s", "--max-body-bytes",
                  "--lease-s", "--max-queue", "--retention-s", "--abandon-after-s"]:
         assert flag in out
+
+
+@pytest.mark.slow
+def test_rsb_up_lists_its_model_from_the_first_ready_answer(tmp_path: Path, demo_model: Path) -> None:
+    """The first line of many openai SDK scripts, ``client.models.list().data[0]``, right after /readyz says 200:
+    under ``rsb up`` readiness waits for a generator to serve its model (503 ``starting`` until then)."""
+    import openai
+
+    from generator.engines.default_model import resolve_model
+
+    up = _up(tmp_path, "--model", str(demo_model))
+    try:
+        deadline = time.monotonic() + 60
+        statuses: list[tuple[int, str]] = []
+        while True:
+            assert up.alive(), up.output()
+            assert time.monotonic() < deadline, f"never ready: {statuses[-3:]}\n{up.output()}"
+            try:
+                r = httpx.get(f"{up.url}/readyz", timeout=2)
+            except httpx.HTTPError:
+                time.sleep(0.02)
+                continue
+            if r.status_code == 200:
+                break
+            assert r.status_code == 503 and r.json()["error"]["code"] == "starting", r.text
+            assert r.headers["Retry-After"]
+            statuses.append((r.status_code, r.json()["error"]["code"]))
+            time.sleep(0.02)
+        client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0)
+        assert client.models.list().data[0].id == resolve_model(str(demo_model), None).name
+    finally:
+        up.stop()

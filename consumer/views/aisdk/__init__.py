@@ -1,4 +1,4 @@
-"""The Vercel AI SDK view: ``useChat`` (``DefaultChatTransport``, ai@5 and ai@6) works against rsb unchanged.
+"""The Vercel AI SDK view: ``useChat`` (``DefaultChatTransport``, ai@5, ai@6 and ai@7) works against rsb unchanged.
 
 - ``POST /api/chat`` (the SDK's default ``api``): a chat turn, answered as the UI message stream;
 - ``GET /api/chat/{chat_id}/stream`` (what ``resume: true`` sends on page load): the chat's active turn

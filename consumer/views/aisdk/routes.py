@@ -15,17 +15,16 @@ from broker.streams.records import StreamStatus
 from consumer.edge.http import read_body
 from consumer.state import State, caller_of, state_of
 from consumer.streaming.service import Caller, Slot
-from consumer.streaming.sse import SSEResponse
-from consumer.views.aisdk.request import ChatRequest, chat_id_of, parse_chat_body
-from consumer.views.aisdk.stream import HEADERS, SHUTDOWN_FRAME, turn_frames
-
-STREAM_ID_HEADER = "x-rsb-stream-id"
+from consumer.streaming.sse import STREAM_ID_HEADER, SSEResponse
+from consumer.views.aisdk.request import ChatRequest, chat_id_of, continued_message, parse_chat_body
+from consumer.views.aisdk.stream import HEADERS, SHUTDOWN_FRAME, earlier_steps, turn_frames
 
 
-def _respond(state: State, slot: Slot, stream_id: uuid.UUID, st: StreamStatus) -> Response:
-    state.metrics.inc("rsb_reads_total")
+def _respond(state: State, slot: Slot, stream_id: uuid.UUID, st: StreamStatus, message_id: str | None = None,
+             earlier: bytes = b"") -> Response:
+    state.metrics.reads.inc()
     batches = state.service.batches(stream_id, None, watched=st.watched, resets=False)
-    frames = turn_frames(batches, stream_id, state.metrics)
+    frames = turn_frames(batches, stream_id, state.metrics, message_id, earlier)
     return SSEResponse(frames, shutdown=state.draining, send_timeout_s=state.settings.send_timeout_s,
                        headers={**HEADERS, STREAM_ID_HEADER: str(stream_id)}, shutdown_frame=SHUTDOWN_FRAME,
                        on_close=slot.release)
@@ -65,15 +64,16 @@ async def send_turn(request: Request) -> Response:
     chat = parse_chat_body(parse_json_object(await read_body(request, state.settings.max_body_bytes)))
     with state.service.connection(caller) as slot:
         stream_id, st = await _start_turn(state, caller, chat)
-        return _respond(state, slot, stream_id, st)
+        # A continued message's earlier steps are on the page that sent them: only a resume sends them.
+        return _respond(state, slot, stream_id, st, chat.continues)
 
 
-async def _active_turn(state: State, caller: Caller, chat_id: str) -> tuple[uuid.UUID, StreamStatus] | None:
+async def _active_turn(state: State, caller: Caller, chat_id: str) -> tuple[Turn, StreamStatus] | None:
     latest = await state.chats.latest(caller.key_id, chat_id)
     if latest is None:
         return None
     st = await _status_or_none(state, caller, latest.stream_id)
-    return None if st is None else (latest.stream_id, st)
+    return None if st is None else (latest, st)
 
 
 async def resume_turn(request: Request) -> Response:
@@ -83,12 +83,15 @@ async def resume_turn(request: Request) -> Response:
     caller = caller_of(request)
     chat_id = chat_id_of(request.path_params["chat_id"])
     with state.service.connection(caller) as slot:
-        turn = await _active_turn(state, caller, chat_id)
-        if turn is None or turn[1].status in TERMINAL_TYPES:
+        active = await _active_turn(state, caller, chat_id)
+        if active is None or active[1].status in TERMINAL_TYPES:
             slot.release()
             return Response(status_code=204)
-        state.metrics.inc("rsb_resumes_total")
-        return _respond(state, slot, *turn)
+        state.metrics.resumes.inc()
+        turn, st = active
+        message_id = continued_message(turn.turn_key)
+        earlier = b"" if message_id is None else earlier_steps(await state.service.request_of(turn.stream_id))
+        return _respond(state, slot, turn.stream_id, st, message_id, earlier)
 
 
 async def stop_turn(request: Request) -> Response:
@@ -97,9 +100,9 @@ async def stop_turn(request: Request) -> Response:
     state = state_of(request)
     caller = caller_of(request)
     chat_id = chat_id_of(request.path_params["chat_id"])
-    turn = await _active_turn(state, caller, chat_id)
-    if turn is None:
+    active = await _active_turn(state, caller, chat_id)
+    if active is None:
         raise NotFound("this chat has no turn")
-    stream_id = turn[0]
+    stream_id = active[0].stream_id
     status = await state.service.cancel(caller, stream_id)
     return JSONResponse({"id": chat_id, "messageId": str(stream_id), "status": status}, status_code=202)

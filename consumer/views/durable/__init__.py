@@ -41,7 +41,7 @@ async def dispatch(request: Request) -> Response:
         raise NotFound("reserved path: subscriptions are not supported")
     if request.method == "OPTIONS":
         return preflight(request)
-    state_of(request).metrics.inc(f'rsb_ds_requests_total{{method="{request.method}"}}')
+    state_of(request).metrics.ds_requests.labels(request.method).inc()
     if first == streams.GENERATIONS:
         return await generations.handle(request, path)
     return await _HANDLERS[request.method](request, path)

@@ -2,7 +2,8 @@
 
 No copy: a read goes through the stream service (its ownership checks, its reader and the live hub), like
 every other view. The stream is in JSON mode, one message per rsb event, ``{"id", "type", "data"}`` built
-from the stored fields without parsing them; its offsets are the event ids (``1795948061229-0`` is
+from the stored fields without parsing them (so every type reads as stored: typed output's ``reasoning``,
+``tool_call`` and ``tool_args`` too); its offsets are the event ids (``1795948061229-0`` is
 ``0001795948061229_0000000000000000``), so a client can switch between this and ``/v1/streams/{id}/events``
 without losing its place. The terminal event (``done``, ``cancelled``, ``error``) closes the stream. PUT,
 POST and DELETE answer 405: a generation is written by its worker only.

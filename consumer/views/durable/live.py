@@ -89,9 +89,15 @@ async def sse(request: Request, state: State, keys: DurableKeys, offset: str) ->
         except BaseException:
             state.hub.unsubscribe(sub)
             raise
+        def close() -> None:
+            # Here, not in the frames' own finally: a response that ends before its first frame (the pod
+            # drains, the client left) never starts them, and would leave the channel subscribed for nobody.
+            state.hub.unsubscribe(sub)
+            slot.release()
+
         frames = _sse_frames(request, state, keys, sub, page)
         return SSEResponse(frames, shutdown=state.draining, send_timeout_s=state.settings.send_timeout_s,
-                           headers=sse_headers(page.content_type), shutdown_frame=b"", on_close=slot.release)
+                           headers=sse_headers(page.content_type), shutdown_frame=b"", on_close=close)
 
 
 async def _sse_frames(request: Request, state: State, keys: DurableKeys, sub: Subscription,
@@ -99,29 +105,27 @@ async def _sse_frames(request: Request, state: State, keys: DurableKeys, sub: Su
     """The first page, then every page the stream grows by, each as a data event and its control event; a
     keep-alive control (which also restarts a sliding TTL) after each --heartbeat-s of silence (half the TTL,
     if that is shorter). Ends after the
-    final control of a closed stream, or after --ds-sse-max-s (the client reconnects from its last offset)."""
+    final control of a closed stream, or after --ds-sse-max-s (the client reconnects from its last offset). The
+    response's ``on_close`` ends ``sub``."""
     settings = state.settings
     text = is_text(page.content_type)
     loop = asyncio.get_running_loop()
     ends_at = loop.time() + settings.ds_sse_max_s
-    try:
-        yield page_events(page, text=text, cursor=cursor(request))
-        while not page.closed_here:
-            if page.more:
-                page = await read(state, keys, page.next_id)
-                yield page_events(page, text=text, cursor=cursor(request))
-                continue
-            left = ends_at - loop.time()
-            if left <= 0:
-                return
-            # The keep-alive's read restarts a sliding TTL: an open reader keeps a short-lived stream alive.
-            idle_s = min(settings.heartbeat_s, page.ttl_s / 2) if page.ttl_s else settings.heartbeat_s
-            woke = await sub.wait(min(idle_s, left))
-            sub.take()
-            if not woke and ends_at - loop.time() <= 0:
-                return
+    yield page_events(page, text=text, cursor=cursor(request))
+    while not page.closed_here:
+        if page.more:
             page = await read(state, keys, page.next_id)
-            if page.entries or page.closed_here or not woke:
-                yield page_events(page, text=text, cursor=cursor(request))
-    finally:
-        state.hub.unsubscribe(sub)
+            yield page_events(page, text=text, cursor=cursor(request))
+            continue
+        left = ends_at - loop.time()
+        if left <= 0:
+            return
+        # The keep-alive's read restarts a sliding TTL: an open reader keeps a short-lived stream alive.
+        idle_s = min(settings.heartbeat_s, page.ttl_s / 2) if page.ttl_s else settings.heartbeat_s
+        woke = await sub.wait(min(idle_s, left))
+        sub.take()
+        if not woke and ends_at - loop.time() <= 0:
+            return
+        page = await read(state, keys, page.next_id)
+        if page.entries or page.closed_here or not woke:
+            yield page_events(page, text=text, cursor=cursor(request))

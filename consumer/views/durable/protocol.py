@@ -16,8 +16,8 @@ from starlette.responses import Response
 
 from broker.durable.format import DEFAULT_TYPE, entry_id_of
 from broker.durable.store import Producer
-from broker.errors import InvalidRequest, NotFound, RetryLater
-from consumer.edge.errors import as_rsb_error, error_response, internal_error
+from broker.errors import InvalidRequest, NotFound
+from consumer.edge.errors import as_rsb_error, internal_error, rsb_error
 
 PREFIX = "/v1/stream/"
 MAX_PATH = 1024
@@ -197,8 +197,7 @@ def endpoint(handler: Endpoint) -> Endpoint:
             if err is None:
                 response = await internal_error(request, exc)
             else:
-                extra = {"Retry-After": str(err.retry_after_s)} if isinstance(err, RetryLater) else None
-                response = error_response(err.status_code, err.code, err.message, extra)
+                response = await rsb_error(request, err)
         for name, value in SECURITY_HEADERS.items():
             response.headers[name] = value
         return response

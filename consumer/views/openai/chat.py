@@ -1,6 +1,11 @@
 """``POST /v1/chat/completions``: a chat completion is one rsb stream, read as ``chat.completion.chunk``
 objects (``stream: true``) or folded into one ``chat.completion`` once it ends.
 
+Typed output streams as OpenAI (and vLLM) stream it: a tool call's first chunk names it (``index``, ``id``,
+``type: function``, ``name``), the next ones carry only its ``index`` and a piece of its ``arguments`` (the
+SDKs concatenate every string field of a chunk: an id or a name sent twice would be doubled); reasoning is
+``delta.reasoning_content``, the field vLLM and DeepSeek send and their clients read.
+
 The generation runs on whether or not this connection stays: the ``x-rsb-stream-id`` response header names
 the stream, which ``/v1/streams/{id}/events`` resumes.
 """
@@ -32,6 +37,7 @@ from consumer.views.openai.common import (
     Only,
     boolean,
     check_only,
+    check_results_answer_calls,
     create_stream,
     data_frame,
     error_json,
@@ -39,7 +45,6 @@ from consumer.views.openai.common import (
     no_items,
     null_only,
     read_json,
-    text_format,
     text_of,
     usage_tokens,
 )
@@ -62,15 +67,18 @@ def _stream_options(v: object) -> bool:
 
 
 #: What rsb cannot honour, and the one shape in which each parameter is accepted (the OpenAPI document is
-#: built from the same rules).
+#: built from the same rules). Tools, tool_choice and response_format are rsb's own create fields (OpenAI's
+#: shapes), passed through.
 RESTRICTIONS = (
     Only("n", {"anyOf": [{"const": 1}, NULL]}, lambda v: v is None or _is_int(v, 1), "only 'n': 1 is supported"),
-    no_items("tools"), no_items("functions"),
+    no_items("functions"), null_only("function_call"),
+    # A model may call several tools in one answer; rsb cannot promise one at most.
+    Only("parallel_tool_calls", {"anyOf": [{"const": True}, NULL]}, lambda v: v is None or v is True,
+         "'parallel_tool_calls': false is not supported (an answer may call several tools)"),
     null_only("audio"), null_only("prediction"), null_only("web_search_options"),
     Only("logprobs", {"anyOf": [{"const": False}, NULL]}, lambda v: v is None or v is False,
          "logprobs are not supported"),
     null_only("top_logprobs"),
-    text_format("response_format", "only 'response_format': {'type': 'text'} is supported"),
     Only("modalities", {"anyOf": [{"const": ["text"]}, NULL]}, lambda v: v is None or v == ["text"],
          "only the text modality is supported"),
     boolean("stream"),
@@ -80,8 +88,47 @@ RESTRICTIONS = (
 )
 #: The token budget goes by either name (max_tokens is the older one): both are checked, the newer wins.
 TOKEN_LIMITS = ("max_completion_tokens", "max_tokens")
-#: Passed to rsb's own validation as they are (their schema is the native create body's).
-PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop")
+#: Passed to rsb's own validation as they are: the generation settings (their schema is the native create
+#: body's) and typed output's fields (OpenAI's shapes are rsb's).
+GENERATION = ("model", "temperature", "top_p", "seed", "stop")
+TYPED = ("tools", "tool_choice", "response_format")
+PASSED_THROUGH = GENERATION + TYPED
+#: A chat request's roles, as rsb's: OpenAI's (``developer`` is its newer name for ``system``) and tool results.
+CHAT_ROLES = {**ROLES, "tool": "tool"}
+
+
+def _message(i: int, m: object) -> dict[str, Any]:
+    """One chat message as rsb's: text parts joined; an assistant's tool calls and a tool result's call id
+    passed on as they are (rsb validates them)."""
+    if not isinstance(m, dict):
+        raise invalid(f"messages[{i}] must be an object", "messages")
+    role = CHAT_ROLES.get(str(m.get("role")))
+    if role is None:
+        raise invalid(f"messages[{i}].role must be one of system, developer, user, assistant, tool "
+                      "(function messages are not supported: use tool)", "messages")
+    where, content = f"messages[{i}]", m.get("content")
+    if role == "tool":
+        return {"role": "tool", "tool_call_id": m.get("tool_call_id"), "content": text_of(content, where, TEXT_PARTS)}
+    if role != "assistant":
+        return {"role": role, "content": text_of(content, where, TEXT_PARTS)}
+    if m.get("function_call") is not None:
+        raise invalid(f"{where}.function_call is not supported: send tool_calls", "messages")
+    text = None if content is None else text_of(content, where, TEXT_PARTS)
+    out: dict[str, Any] = {"role": "assistant", "content": text}
+    if m.get("tool_calls"):  # null and [] are what clients send back for "no calls"
+        out["tool_calls"] = [_echoed_call(c) for c in m["tool_calls"]] if isinstance(m["tool_calls"], list) \
+            else m["tool_calls"]
+    return out
+
+
+def _echoed_call(call: object) -> object:
+    """A call as the client sends it back: the SDK's parsed objects carry what they parsed (``parsed_arguments``)
+    and the request needs only the call itself."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call  # rsb's validator says what is wrong with it
+    fn = call["function"]
+    return {**{k: call[k] for k in ("id", "type") if k in call},
+            "function": {k: fn[k] for k in ("name", "arguments") if k in fn}}
 
 
 def _chat_body(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any], dict[str, str]]:
@@ -89,15 +136,8 @@ def _chat_body(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, A
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("'messages' must be a non-empty list", "messages")
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise invalid(f"messages[{i}] must be an object", "messages")
-        role = ROLES.get(str(m.get("role")))
-        if role is None:
-            raise invalid(f"messages[{i}].role must be one of system, developer, user, assistant "
-                          "(tools are not supported)", "messages")
-        messages.append({"role": role, "content": text_of(m.get("content"), f"messages[{i}]", TEXT_PARTS)})
+    messages = [_message(i, m) for i, m in enumerate(raw)]
+    check_results_answer_calls(messages, "messages")
     check_only(body, RESTRICTIONS)
     given = [name for name in TOKEN_LIMITS if body.get(name) is not None]
     for name in given[1:]:  # the older name must be valid too, though the newer one wins
@@ -107,7 +147,8 @@ def _chat_body(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, A
             raise invalid(e.message, name) from None
     rsb: dict[str, Any] = {"messages": messages, "max_tokens": body.get(given[0]) if given else None}
     for name in PASSED_THROUGH:
-        rsb[name] = body.get(name)
+        if body.get(name) is not None:
+            rsb[name] = body[name]
     return rsb, {"max_tokens": given[0] if given else "max_completion_tokens"}
 
 
@@ -140,6 +181,26 @@ def _terminal_error(ev: Event) -> dict[str, Any]:
             "param": None, "code": str(data.get("code", "engine"))}
 
 
+def _tool_call(data: dict[str, Any]) -> dict[str, Any]:
+    """A ``tool_call`` event as the first chunk of a call: its index, id, type and name (no arguments yet)."""
+    return {"index": data["index"], "id": data["id"], "type": "function",
+            "function": {"name": data["name"], "arguments": ""}}
+
+
+def _delta(ev: Event) -> dict[str, Any] | None:
+    """The chunk delta of one event of the answer (None: the event is not part of the answer)."""
+    if ev.type == EventType.DELTA:
+        return {"content": ev.json()["text"]}
+    if ev.type == EventType.REASONING:
+        return {"reasoning_content": ev.json()["text"]}
+    if ev.type == EventType.TOOL_CALL:
+        return {"tool_calls": [_tool_call(ev.json())]}
+    if ev.type == EventType.TOOL_ARGS:
+        data = ev.json()
+        return {"tool_calls": [{"index": data["index"], "function": {"arguments": data["text"]}}]}
+    return None
+
+
 async def _frames(service: StreamService, chat: _Chat, stream_id: uuid.UUID,
                   include_usage: bool) -> AsyncIterator[bytes | None]:
     # The role comes first, as OpenAI sends it, before the queue wait: the client sees the call was taken.
@@ -148,8 +209,8 @@ async def _frames(service: StreamService, chat: _Chat, stream_id: uuid.UUID,
         async for ev in events:
             if ev is None:
                 yield None  # heartbeat comment: the SDK skips it
-            elif ev.type == EventType.DELTA:
-                yield data_frame(chat.chunk({"content": ev.json()["text"]}))
+            elif (delta := _delta(ev)) is not None:
+                yield data_frame(chat.chunk(delta))
             elif ev.type == EventType.DONE:
                 data = ev.json()
                 yield data_frame(chat.chunk({}, data.get("finish_reason", "stop")))
@@ -162,18 +223,47 @@ async def _frames(service: StreamService, chat: _Chat, stream_id: uuid.UUID,
                 yield DONE_FRAME
 
 
-async def _completion(service: StreamService, chat: _Chat, stream_id: uuid.UUID) -> Response:
-    texts: list[str] = []
-    end: list[Event] = []
+class _Answer:
+    """The answer's events folded into one assistant message: its text, reasoning and tool calls."""
 
-    def feed(ev: Event) -> None:
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.end: Event | None = None
+
+    def feed(self, ev: Event) -> None:
         if ev.type == EventType.DELTA:
-            texts.append(ev.json()["text"])
+            self.texts.append(ev.json()["text"])
+        elif ev.type == EventType.REASONING:
+            self.reasoning.append(ev.json()["text"])
+        elif ev.type == EventType.TOOL_CALL:
+            call = _tool_call(ev.json())
+            self.calls[call.pop("index")] = call
+        elif ev.type == EventType.TOOL_ARGS:
+            data = ev.json()
+            if data["index"] in self.calls:
+                self.calls[data["index"]]["function"]["arguments"] += data["text"]
         elif ev.is_terminal:
-            end.append(ev)
+            self.end = ev
 
-    await service.fold(stream_id, feed)  # the reader ends only after the terminal event
-    ev = end[0]
+    def message(self) -> dict[str, Any]:
+        text = "".join(self.texts)
+        # OpenAI's content is null for an answer that only calls tools.
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not self.calls else None,
+                                   "refusal": None, "annotations": []}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        return message
+
+
+async def _completion(service: StreamService, chat: _Chat, stream_id: uuid.UUID) -> Response:
+    answer = _Answer()
+    await service.fold(stream_id, answer.feed)  # the reader ends only after the terminal event
+    ev = answer.end
+    assert ev is not None
     if ev.type != EventType.DONE:
         # 409 (stopped by someone) or 502 (the engine failed). The SDK would retry both, each retry a new
         # generation paid in full: x-should-retry: false leaves that choice to the caller.
@@ -185,8 +275,7 @@ async def _completion(service: StreamService, chat: _Chat, stream_id: uuid.UUID)
         "id": chat.id, "object": "chat.completion", "created": chat.created, "model": chat.model,
         "system_fingerprint": None,
         "choices": [{"index": 0, "logprobs": None, "finish_reason": data.get("finish_reason", "stop"),
-                     "message": {"role": "assistant", "content": "".join(texts), "refusal": None,
-                                 "annotations": []}}],
+                     "message": answer.message()}],
         "usage": chat.usage(data.get("usage")),
     })
 
@@ -200,7 +289,7 @@ async def chat_completions(request: Request) -> ASGIApp:
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     with service.connection(caller_of(request)) as slot:
         stream_id, st = await create_stream(request, rsb_body, renames)
-        chat = _Chat(stream_id, st, rsb_body["model"] or await service.default_model())
+        chat = _Chat(stream_id, st, rsb_body.get("model") or await service.default_model())
         if stream:
             return SSEResponse(_frames(service, chat, stream_id, include_usage), shutdown=state.draining,
                                send_timeout_s=state.settings.send_timeout_s,

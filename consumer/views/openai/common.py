@@ -22,21 +22,24 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.errors import Conflict, Expired, InvalidRequest, RetryLater, RsbError
 from broker.request import validate_create_body
+from broker.sse import DONE_FRAME as DONE_FRAME  # the views' one [DONE], re-exported for chat and responses
+from broker.sse import frame
 from broker.streams.records import StreamStatus
-from consumer.edge.errors import as_rsb_error
+from consumer.edge.errors import as_rsb_error, status_of
 from consumer.edge.http import read_body
 from consumer.state import caller_of, state_of
 from consumer.streaming.service import Caller
+from consumer.streaming.sse import STREAM_ID_HEADER as STREAM_ID_HEADER  # re-exported, as DONE_FRAME
 from consumer.streaming.sse import Draining, Gone, race
 
 # Lets a client find the rsb stream behind an OpenAI object (to resume it over /v1/streams/{id}/events).
-STREAM_ID_HEADER = "x-rsb-stream-id"
 IDEMPOTENCY_HEADER = "idempotency-key"
 MAX_IDEMPOTENCY_KEY = 256
 # Stream ids made from Idempotency-Key headers live in their own namespace (uuid5 of caller and key).
 _IDEMPOTENCY_NS = uuid.UUID("6f1c2a0e-5d3b-4c1e-9b7a-2e4f8d9c0a11")
-# The parameter an rsb validation message is about: "'max_tokens' must be ..." or "messages[3].role ...".
-_PARAM = re.compile(r"\A'?([a-z_]+)(?:'|\[)")
+# The parameter an rsb validation message is about: "'max_tokens' must be ...", "messages[3].role ..." or
+# "response_format.json_schema.name ...".
+_PARAM = re.compile(r"\A'?([a-z_]+)(?:'|\[|\.|:)")
 #: OpenAI's message roles, as rsb's (``developer`` is OpenAI's newer name for ``system``).
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -44,7 +47,10 @@ Handler = Callable[[Request], Awaitable[ASGIApp]]
 
 
 class OpenAIError(RsbError):
-    """An error with OpenAI's fields, for what rsb's own exceptions cannot say (the parameter, the type)."""
+    """An error with OpenAI's fields, for what rsb's own exceptions cannot say (the parameter, the type), and
+    its own HTTP status: it is made at this view's HTTP edge, in OpenAI's terms."""
+
+    status_code: int
 
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None, headers: Mapping[str, str] | None = None) -> None:
@@ -78,14 +84,15 @@ def error_response(exc: RsbError) -> JSONResponse:
     if isinstance(exc, Conflict):
         return error_json(409, exc.message, type_="invalid_request_error", code=exc.code,
                           headers={"x-should-retry": "false"})
+    status = status_of(exc)
     if isinstance(exc, RetryLater):
-        type_ = "requests" if exc.status_code == 429 else "server_error"
-        return error_json(exc.status_code, exc.message, type_=type_, code=exc.code,
+        type_ = "requests" if status == 429 else "server_error"
+        return error_json(status, exc.message, type_=type_, code=exc.code,
                           headers={"Retry-After": str(exc.retry_after_s)})
-    if exc.status_code == 401:
+    if status == 401:
         return error_json(401, exc.message, type_="invalid_request_error", code="invalid_api_key")
-    type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
-    return error_json(exc.status_code, exc.message, type_=type_, code=exc.code)
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    return error_json(status, exc.message, type_=type_, code=exc.code)
 
 
 def openai_route(handler: Handler) -> Handler:
@@ -157,8 +164,9 @@ def check_only(body: Mapping[str, Any], rules: tuple[Only, ...]) -> None:
             raise invalid(rule.message, rule.name)
 
 
-def text_of(content: object, where: str, part_types: frozenset[str]) -> str:
-    """A message's text: a string, or a list of text parts (joined); anything else is refused."""
+def text_of(content: object, where: str, part_types: frozenset[str], field: str = "content") -> str:
+    """A message's text (or a tool result's: ``field``): a string, or a list of text parts (joined); anything
+    else is refused."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -166,11 +174,22 @@ def text_of(content: object, where: str, part_types: frozenset[str]) -> str:
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if not (isinstance(kind, str) and kind in part_types and isinstance(part.get("text"), str)):
-                raise invalid(f"{where}.content[{j}]: only text parts ({', '.join(sorted(part_types))}) are "
+                raise invalid(f"{where}.{field}[{j}]: only text parts ({', '.join(sorted(part_types))}) are "
                               "supported", where.split("[", 1)[0])
             texts.append(part["text"])
         return "".join(texts)
-    raise invalid(f"{where}.content must be a string or a list of text parts", where.split("[", 1)[0])
+    raise invalid(f"{where}.{field} must be a string or a list of text parts", where.split("[", 1)[0])
+
+
+def check_results_answer_calls(messages: list[dict[str, Any]], param: str) -> None:
+    """OpenAI's rule: a tool message answers a call that an earlier assistant message made."""
+    calls: set[object] = set()
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            calls.update(c.get("id") for c in m.get("tool_calls") or () if isinstance(c, dict))
+        elif m["role"] == "tool" and m.get("tool_call_id") not in calls:
+            raise invalid(f"{param}[{i}]: a tool message must answer a call an earlier assistant message made "
+                          f"(tool_call_id {str(m.get('tool_call_id'))[:64]!r} names none)", param)
 
 
 def _stream_id(request: Request, caller: Caller) -> uuid.UUID:
@@ -198,7 +217,10 @@ async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Map
     except InvalidRequest as e:
         message = e.message
         for ours, theirs in renames.items():
-            message = message.replace(f"'{ours}'", f"'{theirs}'").replace(f"{ours}[", f"{theirs}[")
+            if ours.isidentifier():
+                message = message.replace(f"'{ours}'", f"'{theirs}'").replace(f"{ours}[", f"{theirs}[")
+            else:
+                message = message.replace(ours, theirs)
         m = _PARAM.match(message)
         param = m.group(1) if m else renames.get("messages", "messages") if "messages" in message else None
         raise invalid(message, param) from None
@@ -214,14 +236,12 @@ async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Map
 
 
 def data_frame(obj: object) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return frame(orjson.dumps(obj))
 
 
 def event_frame(obj: dict[str, Any]) -> bytes:
-    return b"event: " + str(obj["type"]).encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
-
-
-DONE_FRAME = b"data: [DONE]\n\n"
+    """A Responses API event: its ``type`` is also the SSE event's name."""
+    return frame(orjson.dumps(obj), event=str(obj["type"]).encode())
 
 
 class DeferredResponse(Response):

@@ -2,8 +2,14 @@
 ``stream=true&starting_after=N`` to resume its events) and ``POST /v1/responses/{id}/cancel``.
 
 A response is an rsb stream: ``resp_<hex of the stream UUID>``. Its Responses events are a pure function of
-the stream's events, folded from the first one (``ResponseView``), so their ``sequence_number`` s are the
-same on every read: resuming after N replays the stream from its start and sends what comes after N.
+the stream's events, folded from the first one (``ResponseView``, consumer.views.openai.response_view), so
+their ``sequence_number`` s are the same on every read: resuming after N replays the stream from its start
+and sends what comes after N.
+
+Input items: messages, ``function_call`` items (the calls of an earlier answer: they become the assistant
+message's tool calls) and ``function_call_output`` items (tool results), and ``reasoning`` items, which are
+dropped; ``tools`` (function tools), ``tool_choice`` and ``text.format`` become rsb's tools, tool_choice and
+response_format (consumer.views.openai.shapes).
 """
 
 from __future__ import annotations
@@ -19,8 +25,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
 from broker.errors import NotFound
-from broker.events import Event, EventType, parse_event_id
-from broker.request import GenerationRequest
 from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
 from consumer.streaming.service import Slot, StreamService
@@ -36,18 +40,19 @@ from consumer.views.openai.common import (
     create_stream,
     event_frame,
     invalid,
-    no_items,
     null_only,
     read_json,
-    text_format,
     text_of,
-    usage_tokens,
 )
+from consumer.views.openai.response_view import ResponseView
+from consumer.views.openai.shapes import chat_tool_choice, chat_tools, response_format
 
 _ID = re.compile(r"\Aresp_([0-9a-fA-F]{32})\Z")
 #: Every event type a response's stream carries (the OpenAPI document lists them).
 EVENT_TYPES = ("response.created", "response.queued", "response.in_progress", "response.output_item.added",
                "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+               "response.reasoning_text.delta", "response.reasoning_text.done",
+               "response.function_call_arguments.delta", "response.function_call_arguments.done",
                "response.content_part.done", "response.output_item.done", "response.completed",
                "response.incomplete", "response.failed")
 #: ``starting_after`` has at most 18 digits: a sequence number, never an integer Python must guard.
@@ -57,10 +62,6 @@ MAX_SEQUENCE_NUMBER = 10**18 - 1
 CANCEL_WAIT_S = 5.0
 
 
-def response_id(stream_id: uuid.UUID) -> str:
-    return f"resp_{stream_id.hex}"
-
-
 def _path_stream_id(request: Request) -> uuid.UUID:
     m = _ID.match(request.path_params["response_id"])
     if m is None:
@@ -68,160 +69,16 @@ def _path_stream_id(request: Request) -> uuid.UUID:
     return uuid.UUID(hex=m.group(1))
 
 
-def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    if usage is None:
-        return None
-    prompt, completion = usage_tokens(usage)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion}
-
-
-class ResponseView:
-    """Folds one stream's events, in order from the first, into Responses events and the Response object.
-
-    rsb event     Responses events
-    (before all)  response.created
-    first queued  response.queued
-    started       response.in_progress, response.output_item.added, response.content_part.added
-    delta         response.output_text.delta
-    terminal      response.output_text.done, response.content_part.done, response.output_item.done (when
-                  started), then response.completed (done, stop), response.incomplete (done, length:
-                  max_output_tokens; or cancelled: status "cancelled"), response.failed (error)
-
-    OpenAI's stream has no event for a cancelled response; ``response.incomplete`` is the terminal event
-    that clients already handle for "ended before its end", and its response says ``cancelled``.
-    """
-
-    def __init__(self, stream_id: uuid.UUID, st: StreamStatus, req: GenerationRequest | None,
-                 default_model: str) -> None:
-        self.id = response_id(stream_id)
-        self.item_id = f"msg_{stream_id.hex}"
-        # Only what never changes goes into the objects, so every read folds to the same events: the
-        # request as stored, not StreamStatus.model (the engine's name replaces it when the stream ends).
-        self.created_at = int(st.created_at)
-        self.model = (req.model if req is not None else None) or default_model
-        self.temperature = req.temperature if req is not None else None
-        self.top_p = req.top_p if req is not None else None
-        self.max_output_tokens = st.max_tokens
-        self.seq = 0
-        self.status = "queued"
-        self.queued = False
-        self.started = False
-        self.ended = False
-        self.parts: list[str] = []
-        self.usage: dict[str, Any] | None = None
-        self.error: dict[str, Any] | None = None
-        self.incomplete: dict[str, Any] | None = None
-        self.completed_at: int | None = None
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-    def _event(self, type_: str, **fields: Any) -> dict[str, Any]:
-        ev = {"type": type_, **fields, "sequence_number": self.seq}
-        self.seq += 1
-        return ev
-
-    def _part(self) -> dict[str, Any]:
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
-
-    def _item(self) -> dict[str, Any]:
-        if not self.ended:
-            status = "in_progress"
-        else:
-            status = "completed" if self.status == "completed" else "incomplete"
-        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status,
-                "content": [self._part()] if self.started else []}
-
-    def response(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
-            # Every rsb generation runs detached from its connections: background, whatever was asked.
-            "background": True, "completed_at": self.completed_at, "error": self.error,
-            "incomplete_details": self.incomplete, "instructions": None,
-            "max_output_tokens": self.max_output_tokens, "metadata": {}, "model": self.model,
-            "output": [self._item()] if self.started else [], "parallel_tool_calls": False,
-            "previous_response_id": None, "temperature": self.temperature, "top_p": self.top_p,
-            "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "truncation": "disabled",
-            "usage": _usage(self.usage),
-        }
-
-    def opening(self) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=self.response())]
-
-    def _start(self) -> list[dict[str, Any]]:
-        self.status = "in_progress"
-        out = [self._event("response.in_progress", response=self.response())]
-        self.started = True
-        out.append(self._event("response.output_item.added", output_index=0, item=self._item()))
-        out.append(self._event("response.content_part.added", item_id=self.item_id, output_index=0,
-                               content_index=0, part=self._part()))
-        return out
-
-    def feed(self, ev: Event) -> list[dict[str, Any]]:
-        if self.ended:
-            return []
-        if ev.type == EventType.QUEUED:
-            if self.queued or self.started:
-                return []  # later positions in the queue: the Response object has no field for them
-            self.queued = True
-            return [self._event("response.queued", response=self.response())]
-        if ev.type == EventType.STARTED:
-            return [] if self.started else self._start()
-        if ev.type == EventType.DELTA:
-            out = [] if self.started else self._start()
-            text = ev.json()["text"]
-            self.parts.append(text)
-            out.append(self._event("response.output_text.delta", item_id=self.item_id, output_index=0,
-                                   content_index=0, delta=text, logprobs=[]))
-            return out
-        if not ev.is_terminal:
-            return []  # an event type this view does not know: nothing to say about it
-        return self._end(ev)
-
-    def _end(self, ev: Event) -> list[dict[str, Any]]:
-        data = ev.json()
-        self.usage = data.get("usage")
-        key = parse_event_id(ev.id)  # the server's clock when the stream ended (ids are Redis times)
-        self.completed_at = key[0] // 1000 if key is not None else None
-        if ev.type == EventType.DONE and data.get("finish_reason") != "length":
-            self.status, final = "completed", "response.completed"
-        elif ev.type == EventType.DONE:
-            self.status, final = "incomplete", "response.incomplete"
-            self.incomplete = {"reason": "max_output_tokens"}
-        elif ev.type == EventType.CANCELLED:
-            self.status, final = "cancelled", "response.incomplete"
-        else:
-            self.status, final = "failed", "response.failed"
-            # ResponseError.code is a closed list; rsb's code (deadline, worker_lost, engine) goes in the text.
-            self.error = {"code": "server_error",
-                          "message": f"{data.get('code', 'engine')}: {data.get('message', 'generation failed')}"}
-        self.ended = True
-        out = []
-        if self.started:
-            out.append(self._event("response.output_text.done", item_id=self.item_id, output_index=0,
-                                   content_index=0, text=self.text, logprobs=[]))
-            out.append(self._event("response.content_part.done", item_id=self.item_id, output_index=0,
-                                   content_index=0, part=self._part()))
-            out.append(self._event("response.output_item.done", output_index=0, item=self._item()))
-        out.append(self._event(final, response=self.response()))
-        return out
-
-
-#: The content parts an input message may carry.
+#: The content parts an input message (or a function call's output) may carry.
 INPUT_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 #: What rsb cannot honour, and the one shape in which each parameter is accepted (the OpenAPI document is
 #: built from the same rules).
 RESTRICTIONS = (
     Only("instructions", {"anyOf": [{"type": "string"}, NULL]}, lambda v: v is None or isinstance(v, str),
          "'instructions' must be a string"),
-    no_items("tools"),
     null_only("previous_response_id"), null_only("conversation"), null_only("prompt"),
-    Only("text", {"anyOf": [{"type": "object", "properties": {"format": text_format("format", "").schema}}, NULL]},
-         lambda v: v is None or (isinstance(v, dict) and text_format("format", "").accepts(v.get("format"))),
-         "only the text format is supported"),
+    Only("parallel_tool_calls", {"anyOf": [{"const": True}, NULL]}, lambda v: v is None or v is True,
+         "'parallel_tool_calls': false is not supported (an answer may call several tools)"),
     Only("top_logprobs", {"anyOf": [{"const": 0}, NULL]},
          lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 0),
          "logprobs are not supported"),
@@ -230,10 +87,37 @@ RESTRICTIONS = (
 #: Passed to rsb's own validation as they are (seed and stop are not Responses parameters; accepted, as
 #: extra_body, because rsb has them).
 PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop")
+#: The input items rsb reads. ``reasoning`` items (the model's earlier reasoning, which clients pass back with
+#: the rest of a response's output) are dropped: models are not given their past reasoning, as chat templates
+#: drop it.
+INPUT_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
+#: rsb's validation messages, said in the Responses API's terms (its tools have no ``function`` level, its
+#: output format is ``text.format``).
+PHRASES = {"response_format.json_schema.": "text.format.", "'response_format'": "'text.format'",
+           "response_format:": "text.format:", "].function.": "]."}
 
 
-def _input_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = []
+def _string(item: dict[str, Any], name: str, i: int) -> str:
+    value = item.get(name)
+    if not isinstance(value, str) or (name != "arguments" and not value):
+        raise invalid(f"input[{i}].{name} must be a{'' if name == 'arguments' else ' non-empty'} string", "input")
+    return value
+
+
+def _add_call(messages: list[dict[str, Any]], i: int, item: dict[str, Any]) -> None:
+    """A ``function_call`` item as a tool call of the assistant message it belongs to: the one right before
+    it (the text and calls of one answer are one assistant message), or a new one."""
+    call = {"id": _string(item, "call_id", i), "type": "function",
+            "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
         messages.append({"role": "system", "content": instructions})
@@ -242,15 +126,29 @@ def _input_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         messages.append({"role": "user", "content": raw})
         return messages
     if not isinstance(raw, list) or not raw:
-        raise invalid("'input' must be a string or a non-empty list of messages", "input")
+        raise invalid("'input' must be a string or a non-empty list of items", "input")
     for i, item in enumerate(raw):
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-            raise invalid(f"input[{i}]: only message items are supported, not {kind!r}", "input")
-        role = ROLES.get(str(item.get("role")))
-        if role is None:
-            raise invalid(f"input[{i}].role must be one of system, developer, user, assistant", "input")
-        messages.append({"role": role, "content": text_of(item.get("content"), f"input[{i}]", INPUT_TEXT_PARTS)})
+        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        if kind not in INPUT_ITEMS:
+            raise invalid(f"input[{i}]: only {', '.join(INPUT_ITEMS)} items are supported, not {kind!r}", "input")
+        assert isinstance(item, dict)
+        if kind == "function_call":
+            _add_call(messages, i, item)
+        elif kind == "function_call_output":
+            calls = {c["id"] for m in messages for c in m.get("tool_calls", ())}
+            call_id = _string(item, "call_id", i)
+            if call_id not in calls:
+                raise invalid(f"input[{i}]: no function_call with call_id {call_id[:64]!r} comes before this "
+                              "output", "input")
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": text_of(item.get("output"), f"input[{i}]", INPUT_TEXT_PARTS, "output")})
+        elif kind == "message":
+            role = ROLES.get(str(item.get("role")))
+            if role is None:
+                raise invalid(f"input[{i}].role must be one of system, developer, user, assistant", "input")
+            messages.append({"role": role, "content": text_of(item.get("content"), f"input[{i}]", INPUT_TEXT_PARTS)})
+    if not messages:
+        raise invalid("'input' has no message (reasoning items alone are no conversation)", "input")
     return messages
 
 
@@ -260,6 +158,9 @@ def _responses_body(body: dict[str, Any]) -> dict[str, Any]:
     rsb: dict[str, Any] = {"messages": _input_messages(body), "max_tokens": body.get("max_output_tokens")}
     for name in PASSED_THROUGH:
         rsb[name] = body.get(name)
+    typed = {"tools": chat_tools(body.get("tools")), "tool_choice": chat_tool_choice(body.get("tool_choice")),
+             "response_format": response_format(body.get("text"))}
+    rsb.update({name: value for name, value in typed.items() if value is not None})
     return rsb
 
 
@@ -304,7 +205,7 @@ async def create_response(request: Request) -> ASGIApp:
     body = await read_json(request)
     rsb_body = _responses_body(body)
     stream, background = bool(body.get("stream")), bool(body.get("background"))
-    renames = {"max_tokens": "max_output_tokens", "messages": "input"}
+    renames = {**PHRASES, "max_tokens": "max_output_tokens", "messages": "input"}
     uncounted = 1 if body.get("instructions") is not None else 0
     service = state_of(request).service
     if not stream and background:

@@ -1,7 +1,13 @@
 """The OpenAPI description of the OpenAI-compatible views, built from the rules the views validate with
 (their ``RESTRICTIONS``, roles and content parts, and the generation settings rsb itself validates), so the
 document and the code cannot say different things. Bodies follow OpenAI's API reference; what rsb
-cannot honour is described as refused."""
+cannot honour is described as refused.
+
+Typed output (``tools``, ``tool_choice``, ``response_format`` / ``text.format``, tool messages and function call
+items) is described in words, not in the request schemas: whether such a request is accepted depends on more
+than JSON Schema can say (a tool message must answer an earlier call, a named tool choice must name one of the
+tools, a schema must be one rsb can enforce), and the test suite fuzzes the document with checks that every
+request it allows is accepted. The responses' schemas do describe the tool calls and reasoning they carry."""
 
 from __future__ import annotations
 
@@ -27,9 +33,15 @@ _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model"
     "model": {"type": "string"}, "usage": _USAGE,
     "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
         "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
-            "index": {"const": 0}, "finish_reason": {"enum": ["stop", "length"]},
-            "message": {"type": "object", "required": ["role", "content"],
-                        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}}
+            "index": {"const": 0}, "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
+            "message": {"type": "object", "required": ["role", "content"], "properties": {
+                "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                "reasoning_content": {"type": "string"},
+                "tool_calls": {"type": "array", "items": {
+                    "type": "object", "required": ["id", "type", "function"], "properties": {
+                        "id": {"type": "string"}, "type": {"const": "function"},
+                        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+                            "name": {"type": "string"}, "arguments": {"type": "string"}}}}}}}}}}}}}
 # One event of a streamed chat completion: a chat.completion.chunk, a mid-stream error, or [DONE] (OpenAI
 # names no event type: EventSource calls it "message").
 _CHAT_EVENT = {"type": "object", "required": ["data"], "properties": {
@@ -39,7 +51,9 @@ _RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "statu
     "id": {"type": "string", "pattern": "^resp_[0-9a-f]{32}$"}, "object": {"const": "response"},
     "created_at": {"type": "integer"}, "model": {"type": "string"}, "background": {"const": True},
     "status": {"enum": ["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]},
-    "output": {"type": "array", "maxItems": 1}, "usage": nullable({"type": "object"})}}
+    "output": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["message", "reasoning", "function_call"]}}}},
+    "usage": nullable({"type": "object"})}}
 # One event of a response's stream: its type as the SSE event name, the event object as its data.
 _RESPONSE_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
     "event": {"enum": list(responses.EVENT_TYPES)},
@@ -58,17 +72,26 @@ def _content(limits: RequestLimits, part_types: frozenset[str]) -> dict[str, Any
     return {"anyOf": [text, {"type": "array", "items": part}]}
 
 
+_CHAT_TYPED = ("Also accepted, in OpenAI's shapes and validated as rsb's create fields (docs/protocol.md): "
+               "`tools`, `tool_choice`, `response_format` (text, json_object, json_schema), messages of role `tool` "
+               "(`tool_call_id`, `content`) answering an earlier assistant message's `tool_calls`.")
+_RESPONSES_TYPED = ("Also accepted, in OpenAI's shapes (docs/protocol.md): function `tools`, `tool_choice`, "
+                    "`text.format` (text, json_object, json_schema), and input items of type `function_call`, "
+                    "`function_call_output` (answering an earlier call) and `reasoning` (dropped).")
+
+
 def _chat_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[str, Any]:
     message = {"type": "object", "required": ["role", "content"],
                "properties": {"role": {"enum": sorted(ROLES)}, "content": _content(limits, chat.TEXT_PARTS)}}
     props: dict[str, Any] = {
         "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": message},
-        **{name: generation[name] for name in chat.PASSED_THROUGH},
+        **{name: generation[name] for name in chat.GENERATION},
         **{name: generation["max_tokens"] for name in chat.TOKEN_LIMITS},
         **{rule.name: rule.schema for rule in chat.RESTRICTIONS},
     }
     return {"type": "object", "required": ["messages"], "properties": props,
-            "description": f"the messages' content is at most {limits.max_prompt_chars} characters in all"}
+            "description": f"the messages' content is at most {limits.max_prompt_chars} characters in all. "
+                           + _CHAT_TYPED}
 
 
 def _responses_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +108,8 @@ def _responses_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[s
         **rules,
     }
     return {"type": "object", "required": ["input"], "properties": props,
-            "description": f"instructions and input are at most {limits.max_prompt_chars} characters in all"}
+            "description": f"instructions and input are at most {limits.max_prompt_chars} characters in all. "
+                           + _RESPONSES_TYPED}
 
 
 def openai_paths(limits: RequestLimits, generation: dict[str, Any], auth: bool) -> dict[str, Any]:

@@ -1,25 +1,33 @@
 """The OpenAI-compatible protocol: vLLM, llama.cpp's server, llama-cpp-python's server, Ollama's ``/v1``,
 OpenAI itself. ``messages`` requests go to ``POST /v1/chat/completions``, ``prompt`` requests to
 ``POST /v1/completions``, both with ``stream: true`` (server-sent events, read with broker.sse) and
-``stream_options.include_usage`` so servers that can report usage do."""
+``stream_options.include_usage`` so servers that can report usage do.
+
+Typed output passes through as OpenAI spells it: ``tools``, ``tool_choice``, ``response_format``, tool
+messages and assistant ``tool_calls`` on the way up; ``delta.tool_calls`` pieces, ``delta.reasoning_content``
+(vLLM before 0.10, DeepSeek, llama.cpp's server) or ``delta.reasoning`` (vLLM 0.10+, OpenRouter) on the way
+down. Whether the server enforces a ``response_format`` schema or a forced ``tool_choice`` is the server's
+affair (vLLM and llama.cpp's server do; a server that ignores them answers free text)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 from broker.request import GenerationRequest
 from broker.sse import LineDecoder
 from generator.engines.base import UpstreamError
 from generator.engines.upstream.protocol import (
+    CallPiece,
     Chunk,
+    LineReader,
     UpstreamProtocol,
     UpstreamRequest,
     continued_messages,
     error_message,
     int_or_none,
     map_finish_reason,
+    str_or_none,
 )
 
 
@@ -45,24 +53,38 @@ class OpenAIProtocol(UpstreamProtocol):
             body["stop"] = list(request.stop)
         if ignore_eos:  # a vLLM / llama.cpp server extension; other servers ignore unknown fields
             body["ignore_eos"] = True
+        if request.response_format is not None:
+            body["response_format"] = request.response_format.as_openai()
+        if request.messages is not None and request.tools:
+            body["tools"] = [t.as_openai() for t in request.tools]
+            if request.tool_choice is not None:
+                body["tool_choice"] = request.tool_choice.as_openai()
         if request.messages is not None:
             body["messages"] = continued_messages(request, prefix_text)
             return UpstreamRequest("/v1/chat/completions", body, chat=True)
         body["prompt"] = (request.prompt or "") + prefix_text
         return UpstreamRequest("/v1/completions", body, chat=False)
 
-    def chunks(self, lines: Iterable[str], *, chat: bool) -> Iterator[Chunk]:
-        decoder = LineDecoder()
-        for line in lines:
-            block = decoder.feed(line)
-            # Only events with data matter; comments (keep-alives) and bare fields do not.
-            if block is not None and block.is_event:
-                yield parse_event(block.data, chat=chat)
+    def reader(self, *, chat: bool) -> LineReader:
+        return _SSEReader(chat)
 
     def first_model(self, listing: Any) -> str | None:
         listed = listing.get("data") or []
         first = listed[0].get("id") if listed else None
         return first if isinstance(first, str) and first else None
+
+
+class _SSEReader(LineReader):
+    def __init__(self, chat: bool) -> None:
+        self._decoder = LineDecoder()
+        self._chat = chat
+
+    def feed(self, line: str) -> Chunk | None:
+        block = self._decoder.feed(line)
+        # Only events with data matter; comments (keep-alives) and bare fields do not.
+        if block is not None and block.is_event:
+            return parse_event(block.data, chat=self._chat)
+        return None
 
 
 def parse_event(data: str, *, chat: bool) -> Chunk:
@@ -86,12 +108,18 @@ def parse_event(data: str, *, chat: bool) -> Chunk:
         return Chunk(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
     choice = choices[0]
     finish = choice.get("finish_reason")
+    thought: str | None = None
+    calls: tuple[CallPiece, ...] = ()
     if chat:
         delta = choice.get("delta") or {}
         text = delta.get("content")
         # The opening {"role": "assistant"} (vLLM adds "content": "") announces the turn: not a token.
         if "role" in delta and not text:
             text = None
+        thought = str_or_none(delta.get("reasoning_content")) or str_or_none(delta.get("reasoning"))
+        raw_calls = delta.get("tool_calls")
+        if isinstance(raw_calls, list):
+            calls = tuple(_call_piece(c, i) for i, c in enumerate(raw_calls) if isinstance(c, dict))
     else:
         text = choice.get("text")
     # The record that carries the finish reason is a token only if it carries text (vLLM); llama.cpp's
@@ -100,7 +128,16 @@ def parse_event(data: str, *, chat: bool) -> Chunk:
         text = None
     return Chunk(piece=text if isinstance(text, str) else None,
                  finish_reason=map_finish_reason(finish) if finish is not None else None,
-                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, reasoning=thought or None,
+                 calls=calls)
+
+
+def _call_piece(raw: dict[str, Any], position: int) -> CallPiece:
+    fn = raw.get("function")
+    fn = fn if isinstance(fn, dict) else {}
+    index = int_or_none(raw.get("index"))
+    return CallPiece(index=position if index is None else index, id=str_or_none(raw.get("id")) or None,
+                     name=str_or_none(fn.get("name")) or None, arguments=str_or_none(fn.get("arguments")))
 
 
 OPENAI = OpenAIProtocol()

@@ -193,9 +193,83 @@ export const SCENARIOS = {
   },
 };
 
+// -- a client-side tool loop (rsb on an upstream that calls tools: tests/consumer/test_aisdk.py scripts it) --
+
+/** The tool the page offers (OpenAI's shape, through the transport's `body`), and the page's answer to it. */
+export const WEATHER_TOOL = {
+  type: 'function',
+  function: {
+    name: 'get_weather', description: 'The weather in a city',
+    parameters: { type: 'object', properties: { city: { type: 'string' }, unit: { type: 'string' } }, required: ['city'] },
+  },
+};
+const weatherOf = (input) => ({ city: input?.city, temperature: 18, unit: input?.unit ?? 'celsius' });
+
+/** What a user sees of an assistant message with tools: its parts, each with what it shows. */
+export function partsOf(m) {
+  return (m?.parts ?? []).map((p) => {
+    if (p.type === 'text' || p.type === 'reasoning') return { type: p.type, text: p.text, state: p.state };
+    if (p.type === 'dynamic-tool' || p.type.startsWith('tool-')) {
+      return { type: p.type, toolCallId: p.toolCallId, state: p.state, input: p.input ?? null,
+        output: p.output ?? null, errorText: p.errorText ?? null };
+    }
+    return { type: p.type };
+  });
+}
+
+function toolSummary(h, calls) {
+  return { chat: summary(h), parts: partsOf(h.lastAssistant()), calls, bodies: h.requests.map((r) => r.body ?? null) };
+}
+
+const toolPart = (m) => (m?.parts ?? []).find((p) => p.type.startsWith('tool-'));
+// Mid tool call: the call's input has begun streaming (a partial input shows), the call is not complete.
+const midToolCall = (h) => {
+  const p = toolPart(h.lastAssistant());
+  return p?.state === 'input-streaming' && typeof p.input?.city === 'string';
+};
+
+export const TOOL_SCENARIOS = {
+  // The model calls get_weather; onToolCall answers with addToolOutput; sendAutomaticallyWhen
+  // (lastAssistantMessageIsCompleteWithToolCalls) sends the result; the model's answer is the same
+  // message's next step.
+  async toolLoop(ctx) {
+    const calls = [];
+    const h = ctx.toolChat(calls);
+    await h.send('What is the weather in Paris?');
+    return toolSummary(h, calls);
+  },
+
+  // The page goes away in the middle of the call's arguments (stop() aborts the fetch: the turn goes on);
+  // a reloaded page (a new Chat with the persisted partial message) resumes the turn from its start: the
+  // call completes, onToolCall runs once, and the loop goes on to the answer.
+  async toolResume(ctx) {
+    const before = ctx.toolChat([]);
+    await before.sendAndStopWhen('What is the weather in Paris? (slowly)', midToolCall, { timeoutMs: 60000 });
+    const partial = { chat: summary(before), parts: partsOf(before.lastAssistant()) };
+    const calls = [];
+    const after = ctx.toolChat(calls, { chatId: before.id, messages: structuredClone(before.messages) });
+    await after.resume();
+    return { partial, ...toolSummary(after, calls) };
+  },
+
+  // A second page opens the chat while the answer after the tool result streams (the continuation of the
+  // message): the resume shows the whole message, the call and its result included, once.
+  async toolContinuationResume(ctx) {
+    const calls = [];
+    const first = ctx.toolChat(calls);
+    const sending = first.send('What is the weather in Paris? (answer slowly)');
+    await waitFor(() => partsOf(first.lastAssistant()).some((p) => p.type === 'text' && p.text.length > 0), 60000);
+    const reopenedCalls = [];
+    const reopened = ctx.toolChat(reopenedCalls, { chatId: first.id });
+    await reopened.resume();
+    await sending;
+    return { first: toolSummary(first, calls), reopened: toolSummary(reopened, reopenedCalls) };
+  },
+};
+
 /**
- * Run the scenarios (all, or `only`) one after the other against `baseUrl`; each result is what the
- * scenario returned or `{ exception }`.
+ * Run the scenarios (all of SCENARIOS, or `only`, which may name TOOL_SCENARIOS too) one after the other
+ * against `baseUrl`; each result is what the scenario returned or `{ exception }`.
  */
 export async function runScenarios({ ai, major, baseUrl, keyA, keyB, long, short, only }) {
   let n = 0;
@@ -205,6 +279,23 @@ export async function runScenarios({ ai, major, baseUrl, keyA, keyB, long, short
       ai, baseUrl, apiKey, chatId: chatId ?? `${major}-${Date.now()}-${++n}`,
       transport: { body: { max_tokens: maxTokens, ...body } }, ...o,
     }),
+    // A chat with a client-side tool: `calls` collects every onToolCall, each answered with addToolOutput.
+    toolChat(calls, { chatId, messages = [] } = {}) {
+      const h = createChat({
+        ai, baseUrl, apiKey: keyA, chatId: chatId ?? `${major}-tools-${Date.now()}-${++n}`, messages,
+        transport: { body: { max_tokens: 200, tools: [WEATHER_TOOL], tool_choice: 'auto' } },
+        chat: {
+          sendAutomaticallyWhen: ai.lastAssistantMessageIsCompleteWithToolCalls,
+          onToolCall: ({ toolCall }) => {
+            calls.push({ toolCallId: toolCall.toolCallId, toolName: toolCall.toolName, input: toolCall.input });
+            // Not awaited: the SDK's own advice (awaiting it inside onToolCall would wait for itself).
+            void h.chat.addToolOutput({ tool: toolCall.toolName, toolCallId: toolCall.toolCallId,
+              output: weatherOf(toolCall.input) });
+          },
+        },
+      });
+      return h;
+    },
     async api(method, path, { key = keyA, body, text = false } = {}) {
       const headers = { authorization: `Bearer ${key}` };
       if (body) headers['content-type'] = 'application/json';
@@ -216,10 +307,11 @@ export async function runScenarios({ ai, major, baseUrl, keyA, keyB, long, short
     },
   };
   const results = {};
+  const all = { ...SCENARIOS, ...TOOL_SCENARIOS };
   for (const name of only ?? Object.keys(SCENARIOS)) {
     const t0 = Date.now();
     try {
-      results[name] = await SCENARIOS[name](ctx);
+      results[name] = await all[name](ctx);
     } catch (e) {
       results[name] = { exception: String(e?.stack ?? e) };
     }

@@ -1,0 +1,115 @@
+"""The JSON Schema subset rsb enforces: what is admitted, what is refused (and that the refusal names the
+keyword and where it is)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from broker.errors import InvalidRequest
+from broker.json_schema import ANY_VALUE, check_enforceable, for_grammar
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "description": "full name", "maxLength": 40},
+        "age": {"type": "integer"},
+        "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+[.]com$"},
+        "born": {"type": "string", "format": "date"},
+        "id": {"type": "string", "format": "uuid"},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
+        "pet": {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}], "default": None},
+        "role": {"enum": ["admin", "user"], "type": "string"},
+        "point": {"type": "array", "prefixItems": [{"type": "number"}, {"type": "number"}]},
+        "extra": {"type": "object", "additionalProperties": {"type": "boolean"}},
+        "any": {},
+        "kind": {"const": "person"},
+        "either": {"type": ["string", "integer"]},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+    "$defs": {"Pet": {"type": "object", "title": "Pet", "properties": {"name": {"type": "string"},
+                                                                      "next": {"$ref": "#/$defs/Pet"}}}},
+}
+
+
+def test_a_schema_of_supported_keywords_is_admitted() -> None:
+    check_enforceable(PERSON, "schema")
+    check_enforceable({"allOf": [{"properties": {"a": {"type": "string"}}}, {"$ref": "#/$defs/B"}],
+                       "$defs": {"B": {"type": "object", "properties": {"b": {"type": "integer"}}}}}, "s")
+    check_enforceable({}, "s")
+    check_enforceable({"type": "array", "minItems": 2}, "s")
+
+
+@pytest.mark.parametrize(("schema", "names"), [
+    ({"type": "integer", "minimum": 1}, ["schema.minimum", "numeric bounds"]),
+    ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 2}}}, ["properties.a.multipleOf"]),
+    ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, ["oneOf", "anyOf"]),
+    ({"type": "string", "format": "email"}, ["format", "'email'"]),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, ["maxLength", "next to 'pattern'"]),
+    ({"type": "string", "pattern": "^\\d+$"}, ["escape", "[0-9]"]),
+    ({"type": "string", "pattern": "a+"}, ["anchored"]),
+    ({"type": "string", "pattern": "^(?=a)a$"}, ["(?"]),
+    ({"type": "string", "pattern": '^a"b$'}, ["character '\"'"]),
+    ({"type": "string", "pattern": "^[^a]+$"}, ["negated class"]),
+    ({"type": "string", "pattern": "^[ -~]+$"}, ["class range ' '-'~'"]),  # it holds '"' and '\\'
+    ({"type": "string", "pattern": "^a\tb$"}, ["character '\\t'"]),
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, ["uniqueItems"]),
+    ({"type": "object", "properties": {}, "required": ["x"]}, ["required", "'x'"]),
+    ({"type": "object", "patternProperties": {"^a": {}}}, ["patternProperties"]),
+    ({"$ref": "https://example.com/s.json"}, ["reference"]),
+    ({"$ref": "#/$defs/A", "description": "fine", "type": "object"}, ["'type' next to '$ref'"]),
+    ({"anyOf": [{"type": "string"}], "type": "string"}, ["'type' next to 'anyOf'"]),
+    ({"type": ["string", "null"], "maxLength": 3}, ["maxLength"]),
+    ({"type": "integer", "format": "int32"}, ["format", "'integer'"]),
+    ({"not": {"type": "string"}}, ["schema.not", "negation"]),
+    ({"if": {"type": "string"}, "then": {"minLength": 1}}, ["conditionals"]),
+    ({"type": "array", "items": [{"type": "string"}]}, ["prefixItems"]),
+    ({"type": "array", "prefixItems": [{"type": "string"}], "items": {"type": "integer"}}, ["prefixItems"]),
+    ({"type": "object", "properties": {"a": False}}, ["'false' schema"]),
+    ({"allOf": [{"type": "string"}]}, ["allOf"]),
+    ({"allOf": [{"properties": {"a": {}}}, {"properties": {"a": {}}}]}, ["two 'allOf' parts"]),
+])
+def test_what_the_converter_would_ignore_is_refused_by_name(schema: dict[str, Any], names: list[str]) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        check_enforceable(schema, "schema")
+    for name in names:
+        assert name in e.value.message
+    assert e.value.message.startswith("schema")
+
+
+@pytest.mark.parametrize(("schema", "message"), [
+    ([], "must be a JSON Schema object"),
+    ({"type": "uuid"}, "type must be one of"),
+    ({"enum": []}, "enum must be a list"),
+    ({"type": "string", "enum": ["a", 1]}, "is not of type 'string'"),
+    ({"type": "string", "maxLength": 100_000}, "maxLength must be an integer between 0 and 1024"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "maxLength is below minLength"),
+    ({"$ref": "#/$defs/Nope"}, "names no schema"),
+    ({"type": "string", "pattern": "^a{1,\u0661}$"}, "quantifiers"),  # an Arabic-Indic digit is no digit here
+    ({"properties": {"a": {"properties": {"a": {"properties": {}}}}}, "x": "y" * 40_000}, "bytes of JSON"),
+])
+def test_malformed_schemas_are_refused_with_the_reason(schema: Any, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        check_enforceable(schema, "schema")
+
+
+def test_nesting_is_bounded() -> None:
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(InvalidRequest, match="nested deeper"):
+        check_enforceable(deep, "schema")
+
+
+def test_for_grammar_keeps_only_what_the_converter_reads() -> None:
+    out = for_grammar(PERSON)
+    assert "description" not in out["properties"]["name"] and out["properties"]["name"]["maxLength"] == 40
+    assert out["properties"]["any"] == ANY_VALUE
+    assert out["properties"]["pet"] == {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}]}
+    assert "title" not in out["$defs"]["Pet"]
+    props: dict[str, Any] = PERSON["properties"]  # type: ignore[assignment]
+    assert list(out["properties"]) == list(props)  # property order is the answer's order
+    assert for_grammar({"type": "array", "maxItems": 2}) == {"type": "array", "maxItems": 2, "items": ANY_VALUE}
+    assert for_grammar({"title": "only a title"}) == ANY_VALUE
