@@ -180,9 +180,11 @@ def test_responses_report_completed_on_a_stop_sequence_and_wait_without_backgrou
     last = list(client.responses.retrieve(r.id, stream=True))[-1]
     assert last.type == "response.completed" and last.response.model_dump() == r.model_dump()
 
-    # background without stream: answered at once, then polled.
-    bg = client.responses.create(model="m", input="Hello", max_output_tokens=16, background=True)
+    # background without stream: answered at once, then polled. 1,000 tokens take the demo model a few hundred
+    # ms: the create answers first even on a warm generator that claims the job at once.
+    bg = client.responses.create(model="m", input="Hello", max_output_tokens=1000, background=True)
     assert bg.status in ("queued", "in_progress") and bg.background
+
     def ended() -> Response | None:
         now = client.responses.retrieve(bg.id)
         return None if now.status in ("queued", "in_progress") else now
