@@ -50,7 +50,8 @@ def build_app(tokens_per_s: float, heartbeat_s: float, *, threaded: bool = False
                     batch = await handoff.get(timeout_s=1.0)
                     if batch.pieces:
                         n += 1
-                        data = orjson.dumps({"text": "".join(batch.pieces)})
+                        # The paced engine's pieces are all text (no marker).
+                        data = orjson.dumps({"text": "".join(p for p in batch.pieces if isinstance(p, str))})
                         yield b"id: %d\nevent: delta\ndata: %s\n\n" % (n, data)
                     if batch.closed:
                         break

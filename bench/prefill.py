@@ -4,14 +4,18 @@ read: ``prefill(redis_url, streams, events)`` returns each stream's id and event
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 import uuid
 from typing import Any
 
 import orjson
 
 from broker.events import EventType, encode_data
+from broker.history import History
 from broker.redis.connection import connect
 from broker.request import RequestLimits, parse_create_body
+from broker.streams.conversations import Begin, ConversationStore, Limits, absent
 from broker.streams.records import Claim
 from broker.streams.store import Store, started_event
 
@@ -23,10 +27,17 @@ def delta_text(i: int) -> str:
     return f" tok{i}"
 
 
-async def _one(store: Store, events: int, finish: bool, prompt: str) -> tuple[str, list[str]]:
+async def _one(store: Store, events: int, finish: bool, prompt: str,
+               conversation: str | None = None) -> tuple[str, list[str]]:
     sid = uuid.uuid4()
-    _, req = parse_create_body(orjson.dumps({"prompt": prompt, "max_tokens": events}),
+    body = {"prompt": prompt} if conversation is None else {"messages": [{"role": "user", "content": prompt}]}
+    _, req = parse_create_body(orjson.dumps({**body, "max_tokens": events}),
                                RequestLimits(max_tokens=1 << 20, default_max_tokens=events))
+    if conversation is not None:  # the stream is the conversation's pending turn (key id "": no API keys)
+        outcome, _ = await ConversationStore(store).begin(absent("", conversation), sid, "", Limits(3600),
+                                                          created_at=time.time(), create=True)
+        assert outcome is Begin.RESERVED, outcome
+        req = dataclasses.replace(req, history=History(conversation=conversation))
     await store.create(sid, req, default_model="prefill", max_queue=0, retention_s=3600)
     claim = await store.claim(sid, "prefill")
     assert isinstance(claim, Claim), claim
@@ -49,19 +60,22 @@ async def _one(store: Store, events: int, finish: bool, prompt: str) -> tuple[st
     return str(sid), ids
 
 
-async def prefill_async(redis_url: str, streams: int, events: int, *, finish: bool = True) -> list[dict[str, Any]]:
+async def prefill_async(redis_url: str, streams: int, events: int, *, finish: bool = True,
+                        conversation: str | None = None) -> list[dict[str, Any]]:
     redis = connect(redis_url)
     store = Store(redis)
     try:
         out = []
         for _ in range(streams):
-            sid, ids = await _one(store, events, finish, "prefill")
+            sid, ids = await _one(store, events, finish, "prefill", conversation)
             out.append({"id": sid, "event_ids": ids})
         return out
     finally:
         await redis.aclose()
 
 
-def prefill(redis_url: str, streams: int, events: int, *, finish: bool = True) -> list[dict[str, Any]]:
-    """``streams`` streams of exactly ``events`` events (queued, started, deltas, and done when ``finish``)."""
-    return asyncio.run(prefill_async(redis_url, streams, events, finish=finish))
+def prefill(redis_url: str, streams: int, events: int, *, finish: bool = True,
+            conversation: str | None = None) -> list[dict[str, Any]]:
+    """``streams`` streams of exactly ``events`` events (queued, started, deltas, and done when ``finish``);
+    with ``conversation``, each the pending turn of that conversation (of the anonymous key)."""
+    return asyncio.run(prefill_async(redis_url, streams, events, finish=finish, conversation=conversation))

@@ -39,6 +39,24 @@ class Conflict(RsbError):
     code = "conflict"
 
 
+class TooManyConversations(RsbError):
+    """A caller (an API key, or without keys an address) holds as many conversations as it may
+    (``--max-conversations``; counted in Redis, in the step that makes one)."""
+
+    code = "too_many_conversations"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this caller holds as many conversations as it may ({limit}); delete one, or let one "
+                         "expire (--conversation-ttl-s)")
+
+
+class ConversationFull(Conflict):
+    """A conversation's history has reached one of its bounds (turns, bytes, or the prompt it makes): the state
+    of the conversation refuses the turn, whatever the request (start a new conversation)."""
+
+    code = "conversation_full"
+
+
 class TooManyStreams(RsbError):
     """An API key holds as many Durable Streams as it may (``--ds-max-streams``, or the key's ``max_ds_streams``)."""
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,32 @@ from typing import Any
 import orjson
 
 from broker.errors import InvalidRequest
+from broker.history import History
 from broker.json_schema import check_enforceable
+from broker.tools import (
+    JSON_FORMATS,
+    MAX_TOOL_CALL_ID_CHARS,
+    MAX_TOOL_CALLS,
+    MAX_TOOL_DESCRIPTION_CHARS,
+    MAX_TOOLS,
+    MAX_TOOLS_BYTES,
+    TOOL_CHOICES,
+    TOOL_NAME,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    parse_response_format,
+    parse_tool_calls,
+    parse_tool_choice,
+    parse_tools,
+    schema_fragment,
+)
+
+__all__ = ["JSON_FORMATS", "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_CALLS", "MAX_TOOL_CALL_ID_CHARS",
+           "MAX_TOOL_DESCRIPTION_CHARS", "TOOL_CHOICES", "TOOL_NAME", "GenerationRequest", "Message",
+           "RequestLimits", "ResponseFormat", "Tool", "ToolCall", "ToolChoice", "check_integer", "parse_create_body",
+           "parse_json_object", "parse_stream_id", "validate_create_body"]
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 _FIELDS = frozenset(
@@ -31,15 +55,6 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 128
 MAX_MESSAGES = 1024
 MAX_PROMPT_CHARS = 200_000
-MAX_TOOLS = 128
-MAX_TOOLS_BYTES = 128 * 1024  # every tool's JSON, together
-MAX_TOOL_DESCRIPTION_CHARS = 8192
-MAX_TOOL_CALLS = 128  # in one assistant message
-MAX_TOOL_CALL_ID_CHARS = 256
-TOOL_NAME = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
-TOOL_CHOICES = ("auto", "none", "required")
-#: response_format types that constrain the answer (``text`` is the default: stored as no format at all).
-JSON_FORMATS = ("json_object", "json_schema")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +65,6 @@ class RequestLimits:
     default_max_tokens: int = 256
     max_messages: int = MAX_MESSAGES
     max_prompt_chars: int = MAX_PROMPT_CHARS
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """A call the model made (in an assistant message): ``arguments`` is JSON text, as the model wrote it."""
-
-    id: str
-    name: str
-    arguments: str
-
-    def as_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +87,8 @@ class Message:
             out["tool_call_id"] = self.tool_call_id
         return out
 
-    def _stored(self) -> dict[str, Any]:
+    def stored(self) -> dict[str, Any]:
+        """The stored form (in the canonical request, and in a conversation's turns)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             out["tool_calls"] = [[c.id, c.name, c.arguments] for c in self.tool_calls]
@@ -93,69 +97,9 @@ class Message:
         return out
 
     @classmethod
-    def _from_stored(cls, m: dict[str, Any]) -> Message:
+    def from_stored(cls, m: dict[str, Any]) -> Message:
         return cls(m["role"], m["content"], tuple(ToolCall(*c) for c in m.get("tool_calls", ())),
                    m.get("tool_call_id"))
-
-
-@dataclass(frozen=True, slots=True)
-class Tool:
-    """A function the model may call. ``parameters`` is the JSON Schema of its arguments (None: none)."""
-
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool = False
-
-    def as_openai(self) -> dict[str, Any]:
-        fn: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            fn["description"] = self.description
-        fn["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
-        if self.strict:
-            fn["strict"] = True
-        return {"type": "function", "function": fn}
-
-    @property
-    def arguments_schema(self) -> dict[str, Any]:
-        """The schema its arguments must match (no parameters: an empty object)."""
-        if self.parameters is not None:
-            return self.parameters
-        return {"type": "object", "properties": {}, "additionalProperties": False}
-
-
-@dataclass(frozen=True, slots=True)
-class ToolChoice:
-    """``mode`` is auto, none, required or function (then ``name`` is the function that must be called)."""
-
-    mode: str
-    name: str | None = None
-
-    def as_openai(self) -> str | dict[str, Any]:
-        if self.mode == "function":
-            return {"type": "function", "function": {"name": self.name}}
-        return self.mode
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseFormat:
-    """``type`` is json_object or json_schema (then ``schema`` is the schema the answer matches)."""
-
-    type: str
-    name: str | None = None
-    schema: dict[str, Any] | None = None
-    strict: bool = False
-    description: str | None = None
-
-    def as_openai(self) -> dict[str, Any]:
-        if self.type != "json_schema":
-            return {"type": self.type}
-        spec: dict[str, Any] = {"name": self.name, "schema": self.schema}
-        if self.description is not None:
-            spec["description"] = self.description
-        if self.strict:
-            spec["strict"] = True
-        return {"type": "json_schema", "json_schema": spec}
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +116,7 @@ class GenerationRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice | None = None  # None: OpenAI's default (auto with tools)
     response_format: ResponseFormat | None = None  # None: text
+    history: History | None = None
 
     @property
     def forced_tools(self) -> tuple[Tool, ...]:
@@ -193,7 +138,7 @@ class GenerationRequest:
         inside JSON Schemas, whose property order is the order the answer is generated in (so two schemas
         that differ only in order are different requests)."""
         doc: dict[str, Any] = {
-            "messages": None if self.messages is None else [m._stored() for m in self.messages],
+            "messages": None if self.messages is None else [m.stored() for m in self.messages],
             "prompt": self.prompt,
             "model": self.model,
             "max_tokens": self.max_tokens,
@@ -205,14 +150,16 @@ class GenerationRequest:
         }
         if self.tools:
             doc["tools"] = [{"name": t.name, "description": t.description, "strict": t.strict,
-                             "parameters": _schema_fragment(t.parameters)} for t in self.tools]
+                             "parameters": schema_fragment(t.parameters)} for t in self.tools]
         if self.tool_choice is not None:
             doc["tool_choice"] = self.tool_choice.as_openai()
         if self.response_format is not None:
             rf = self.response_format
             doc["response_format"] = {
                 "type": rf.type, "name": rf.name, "strict": rf.strict, "description": rf.description,
-                "schema": _schema_fragment(rf.schema)}
+                "schema": schema_fragment(rf.schema)}
+        if self.history is not None:
+            doc["history"] = self.history.as_json()
         return orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
 
     def request_hash(self) -> str:
@@ -225,7 +172,7 @@ class GenerationRequest:
         choice = d.get("tool_choice")
         rf = d.get("response_format")
         return cls(
-            messages=None if msgs is None else tuple(Message._from_stored(m) for m in msgs),
+            messages=None if msgs is None else tuple(Message.from_stored(m) for m in msgs),
             prompt=d["prompt"],
             model=d["model"],
             max_tokens=d["max_tokens"],
@@ -239,12 +186,8 @@ class GenerationRequest:
                 ToolChoice(choice) if isinstance(choice, str) else ToolChoice("function", choice["function"]["name"])),
             response_format=None if rf is None else ResponseFormat(
                 rf["type"], rf["name"], rf["schema"], rf["strict"], rf["description"]),
+            history=History.from_json(d["history"]) if d.get("history") is not None else None,
         )
-
-
-def _schema_fragment(schema: dict[str, Any] | None) -> orjson.Fragment | None:
-    # Serialized apart, so OPT_SORT_KEYS leaves its key order (the answer's property order) alone.
-    return None if schema is None else orjson.Fragment(orjson.dumps(schema))
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -349,11 +292,11 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
     if not isinstance(cod, bool):
         raise InvalidRequest("'cancel_on_disconnect' must be true or false")
 
-    tools = _tools(body.get("tools"))
-    tool_choice = _tool_choice(body.get("tool_choice"), tools)
-    if prompt is not None and (tools or tool_choice is not None):
+    tools = parse_tools(body.get("tools"))
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    if prompt is not None and (body.get("tools") is not None or body.get("tool_choice") is not None):
         raise InvalidRequest("'tools' and 'tool_choice' need 'messages' (a chat), not a 'prompt'")
-    response_format = _response_format(body.get("response_format"))
+    response_format = parse_response_format(body.get("response_format"))
     if response_format is not None and tool_choice is not None and tool_choice.mode in ("required", "function"):
         raise InvalidRequest("a 'response_format' and a 'tool_choice' that forces a call exclude each other: "
                              "the answer is a call, not JSON text")
@@ -396,7 +339,7 @@ def _message(m: Any, i: int) -> Message:
     content = m.get("content")
     calls: tuple[ToolCall, ...] = ()
     if role == "assistant" and m.get("tool_calls") is not None:
-        calls = _tool_calls(m["tool_calls"], f"{at}.tool_calls")
+        calls = parse_tool_calls(m["tool_calls"], f"{at}.tool_calls")
         if content is None:
             content = ""
     if not isinstance(content, str):
@@ -409,126 +352,3 @@ def _message(m: Any, i: int) -> Message:
             raise InvalidRequest(f"{at}.tool_call_id must be the id of the call answered "
                                  f"(a string of 1 to {MAX_TOOL_CALL_ID_CHARS} characters)")
     return Message(role, content, calls, call_id)
-
-
-def _tool_calls(raw: Any, at: str) -> tuple[ToolCall, ...]:
-    if not isinstance(raw, list) or not raw or len(raw) > MAX_TOOL_CALLS:
-        raise InvalidRequest(f"{at} must be a list of 1 to {MAX_TOOL_CALLS} calls")
-    calls = []
-    for j, c in enumerate(raw):
-        where = f"{at}[{j}]"
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(c, dict) or set(c) - {"id", "type", "function"} or c.get("type", "function") != "function" \
-                or not isinstance(fn, dict) or set(fn) - {"name", "arguments"}:
-            raise InvalidRequest(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": "
-                                 "{\"name\", \"arguments\"}}")
-        cid = c.get("id")
-        if not isinstance(cid, str) or not 0 < len(cid) <= MAX_TOOL_CALL_ID_CHARS:
-            raise InvalidRequest(f"{where}.id must be a string of 1 to {MAX_TOOL_CALL_ID_CHARS} characters")
-        name = fn.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise InvalidRequest(f"{where}.function.name must match {TOOL_NAME.pattern[2:-2]}")
-        args = fn.get("arguments", "")
-        if not isinstance(args, str):
-            raise InvalidRequest(f"{where}.function.arguments must be a string (JSON text)")
-        calls.append(ToolCall(cid, name, args))
-    return tuple(calls)
-
-
-def _tools(raw: Any) -> tuple[Tool, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
-        raise InvalidRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools")
-    size = len(orjson.dumps(raw))
-    if size > MAX_TOOLS_BYTES:
-        raise InvalidRequest(f"'tools' is {size} bytes of JSON; at most {MAX_TOOLS_BYTES} are accepted")
-    tools: list[Tool] = []
-    for i, t in enumerate(raw):
-        at = f"tools[{i}]"
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or set(t) - {"type", "function"} or t.get("type") != "function" \
-                or not isinstance(fn, dict):
-            raise InvalidRequest(f"{at} must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}")
-        unknown = sorted(set(fn) - {"name", "description", "parameters", "strict"})
-        if unknown:
-            raise InvalidRequest(f"{at}.function: unknown field(s): {', '.join(unknown)}")
-        name = fn.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise InvalidRequest(f"{at}.function.name must match {TOOL_NAME.pattern[2:-2]} (letters, digits, _ and -, "
-                                 "at most 64)")
-        if any(other.name == name for other in tools):
-            raise InvalidRequest(f"{at}.function.name: two tools are called {name!r}")
-        desc = fn.get("description")
-        if desc is not None and (not isinstance(desc, str) or len(desc) > MAX_TOOL_DESCRIPTION_CHARS):
-            raise InvalidRequest(f"{at}.function.description must be a string of at most "
-                                 f"{MAX_TOOL_DESCRIPTION_CHARS} characters")
-        params = fn.get("parameters")
-        if params is not None and (not isinstance(params, dict) or params.get("type") != "object"):
-            raise InvalidRequest(f"{at}.function.parameters must be a JSON Schema of an object "
-                                 "({\"type\": \"object\", \"properties\": ...})")
-        strict = fn.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise InvalidRequest(f"{at}.function.strict must be true or false")
-        tools.append(Tool(name, desc, params, bool(strict)))
-    return tuple(tools)
-
-
-def _tool_choice(raw: Any, tools: tuple[Tool, ...]) -> ToolChoice | None:
-    if raw is None:
-        return None
-    if isinstance(raw, str):
-        if raw not in TOOL_CHOICES:
-            raise InvalidRequest("'tool_choice' must be auto, none, required or {\"type\": \"function\", "
-                                 "\"function\": {\"name\"}}")
-        choice = ToolChoice(raw)
-    else:
-        fn = raw.get("function") if isinstance(raw, dict) else None
-        if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or set(raw) - {"type", "function"} or set(fn) - {"name"}:
-            raise InvalidRequest("'tool_choice' must be auto, none, required or {\"type\": \"function\", "
-                                 "\"function\": {\"name\"}}")
-        if not any(t.name == fn["name"] for t in tools):
-            raise InvalidRequest(f"'tool_choice' names {fn['name'][:64]!r}, which is not one of 'tools'")
-        choice = ToolChoice("function", fn["name"])
-    if choice.mode == "required" and not tools:
-        raise InvalidRequest("'tool_choice' required needs 'tools'")
-    # The defaults are stored as no choice at all: auto with tools, none (nothing to call) without.
-    if (choice.mode == "auto" and tools) or (choice.mode in ("auto", "none") and not tools):
-        return None
-    return choice
-
-
-def _response_format(raw: Any) -> ResponseFormat | None:
-    if raw is None:
-        return None
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind not in ("text", *JSON_FORMATS):
-        raise InvalidRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                             "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}")
-    assert isinstance(raw, dict)
-    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
-    if set(raw) - allowed:
-        raise InvalidRequest(f"response_format: unknown field(s): {', '.join(sorted(set(raw) - allowed))}")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return ResponseFormat("json_object")
-    spec = raw.get("json_schema")
-    if not isinstance(spec, dict) or set(spec) - {"name", "schema", "strict", "description"}:
-        raise InvalidRequest("response_format.json_schema must be {\"name\", \"schema\", \"strict\"?, "
-                             "\"description\"?}")
-    name = spec.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.match(name):
-        raise InvalidRequest(f"response_format.json_schema.name must match {TOOL_NAME.pattern[2:-2]}")
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise InvalidRequest("response_format.json_schema.strict must be true or false")
-    desc = spec.get("description")
-    if desc is not None and (not isinstance(desc, str) or len(desc) > MAX_TOOL_DESCRIPTION_CHARS):
-        raise InvalidRequest(f"response_format.json_schema.description must be a string of at most "
-                             f"{MAX_TOOL_DESCRIPTION_CHARS} characters")
-    if "schema" not in spec:
-        raise InvalidRequest("response_format.json_schema.schema is required")
-    check_enforceable(spec["schema"], "response_format.json_schema.schema")
-    return ResponseFormat("json_schema", name, spec["schema"], bool(strict), desc)

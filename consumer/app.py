@@ -14,7 +14,6 @@ from starlette.types import ASGIApp
 
 from broker.durable.store import DurableStore
 from broker.redis.connection import connect, connect_blocking, is_unavailable
-from broker.streams.chats import ChatStore
 from broker.streams.store import Store
 from consumer.edge.auth import ApiKeys
 from consumer.edge.errors import HANDLERS
@@ -24,6 +23,7 @@ from consumer.edge.middleware import AuthMiddleware
 from consumer.metrics import Metrics
 from consumer.settings import ConsumerSettings
 from consumer.state import STATE_KEY, State
+from consumer.streaming.conversations import ConversationService
 from consumer.streaming.hub import LiveHub
 from consumer.streaming.service import StreamService
 from consumer.streaming.sse import Drain
@@ -83,7 +83,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
                       replica_patience_s=REPLICA_PATIENCE_S)
         service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
-                      service=service, chats=ChatStore(redis),
+                      service=service, conversations=ConversationService(service, service.conversations),
                       durable=DurableStore(redis, b.partitions), draining=drain)
         # A read stream must never look unread for abandon_after_s: touch well within it.
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,

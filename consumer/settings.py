@@ -80,6 +80,17 @@ class ConsumerSettings(Settings):
     cors_origins: tuple[str, ...] = setting(
         (), "comma-separated origins allowed by CORS (default: none; '*' for any)")
     log_content: bool = setting(False, "log prompts at create (off by default: users' data)")
+    # Conversations (broker/streams/conversations.py, docs/protocol.md "Conversations").
+    conversation_ttl_s: int = setting(
+        30 * 86_400, "a conversation is kept this long after its last use (every read and turn restarts it)")
+    conversation_max_turns: int = setting(
+        500, "turns one conversation may hold; a create past it gets 409 conversation_full")
+    conversation_max_bytes: int = setting(
+        1024 * 1024, "bytes one conversation's turns may hold (a turn's output may go past it; the next create "
+        "gets 409 conversation_full)")
+    max_conversations: int = setting(
+        1000, "conversations one caller (as for --max-active) may hold; more get 429 too_many_conversations (0 = "
+        "no bound; a key's limits.max_conversations overrides)")
     # Durable Streams at /v1/stream/ (consumer/views/durable, docs/protocol.md).
     ds_long_poll_timeout_s: float = setting(
         20.0, "Durable Streams: how long a long-poll waits for data before its 204 (keep it under every proxy's "

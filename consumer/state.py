@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from starlette.requests import HTTPConnection
 
 from broker.durable.store import DurableStore
-from broker.streams.chats import ChatStore
 from broker.streams.store import Store
 from consumer.edge.auth import ApiKeys
 from consumer.edge.limits import ConnectionLimiter, address_group
 from consumer.metrics import Metrics
 from consumer.settings import ConsumerSettings
+from consumer.streaming.conversations import ConversationService
 from consumer.streaming.hub import LiveHub
 from consumer.streaming.service import Caller, StreamService
 from consumer.streaming.sse import Drain
@@ -30,8 +30,8 @@ class State:
     api_keys: ApiKeys
     limiter: ConnectionLimiter
     service: StreamService
-    #: Which stream is each chat's latest turn (the AI SDK view).
-    chats: ChatStore
+    #: Conversations: a turn's history, one running turn each, the history read back (every view's chats).
+    conversations: ConversationService
     #: Durable Streams (consumer/views/durable): streams that clients name and write.
     durable: DurableStore
     #: Set on SIGTERM (by consumer.server) or at the end of the lifespan: open responses end at a frame

@@ -3,9 +3,10 @@
 The engine runs in a thread (ctypes releases the GIL) and hands one text piece per token to the event
 loop through a bounded queue (generator.handoff). The loop appends whatever has accumulated as one
 ``delta`` while the previous append was in flight, so the append rate adapts to Redis latency and the cost
-per token stays flat. A job continued after a crash starts from the text already appended (the prompt
-plus the partial answer), with the tokens already counted taken off its budget, so readers see one
-seamless answer.
+per token stays flat; typed pieces (reasoning, a tool call and its arguments) become their own events the
+same way (generator.answer). A job continued after a crash starts from the answer already appended (its
+text, reasoning and tool calls, rebuilt from the stream), with the tokens already counted taken off its
+budget, so readers see one seamless answer.
 
 A job is acknowledged only after its terminal event is in Redis, so a worker never holds the only copy of
 anything: if it dies, its pending entry goes idle and another worker's XAUTOCLAIM takes it over.
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 
 from broker.errors import RsbError
 from broker.events import EventType, FinishReason, encode_data
+from broker.streams.conversations import ConversationStore
 from broker.streams.records import AppendResult, Claim, Job, Unclaimable
 from broker.streams.store import Store, started_event
 from generator.answer import AnswerEvents, AnswerSoFar
@@ -86,6 +88,7 @@ class JobRunner:
         self.metrics = metrics
         self.worker_id = worker_id
         self.running: dict[uuid.UUID, Run] = {}
+        self.conversations = ConversationStore(store)
 
     async def run(self, job: Job) -> None:
         claim = await until_done(lambda: self.store.claim(job.stream_id, self.worker_id))
@@ -260,8 +263,22 @@ class JobRunner:
             run.fenced_out = True
         else:
             self.metrics.finished(status, usage, max(0, int(usage.get("completion_tokens") or 0) - run.claim.seq))
+            await self._fold(run)
         log.info("finished", extra={"stream_id": str(run.claim.stream_id), "status": status,
                                     "completion_tokens": usage.get("completion_tokens")})
+
+    async def _fold(self, run: Run) -> None:
+        """A conversation's turn goes into its conversation as soon as it ended (broker.streams.conversations):
+        within the stream's retention, whether or not anyone reads the conversation. If this worker dies
+        first, the next read or create of the conversation folds it."""
+        history = run.claim.request.history
+        if history is None or history.conversation is None:
+            return
+        try:
+            await until_done(lambda: self.conversations.fold(run.claim.stream_id), "fold failed")
+        except Exception:  # the stream is finished and safe: a bug here must not keep the job from its ack
+            log.exception("folding the turn into its conversation failed",
+                          extra={"stream_id": str(run.claim.stream_id)})
 
     async def _finish_cancelled(self, run: Run, reason: str, usage: Usage, compute_s: float) -> None:
         u = usage.as_dict()

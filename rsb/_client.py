@@ -58,7 +58,8 @@ def build_create_body(*, messages: Sequence[Mapping[str, Any]] | None, prompt: s
                       top_p: float | None, seed: int | None, stop: Sequence[str] | None,
                       cancel_on_disconnect: bool | None, tools: Sequence[Mapping[str, Any]] | None = None,
                       tool_choice: str | Mapping[str, Any] | None = None,
-                      response_format: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                      response_format: Mapping[str, Any] | None = None,
+                      conversation: str | None = None) -> dict[str, Any]:
     if (messages is None) == (prompt is None):
         raise ValueError("give exactly one of messages or prompt")
     body: dict[str, Any] = {"id": id or str(uuid.uuid4())}
@@ -71,7 +72,8 @@ def build_create_body(*, messages: Sequence[Mapping[str, Any]] | None, prompt: s
                 "cancel_on_disconnect": cancel_on_disconnect,
                 "tools": [dict(t) for t in tools] if tools is not None else None,
                 "tool_choice": tool_choice if isinstance(tool_choice, str | None) else dict(tool_choice),
-                "response_format": dict(response_format) if response_format is not None else None}
+                "response_format": dict(response_format) if response_format is not None else None,
+                "conversation": conversation}
     body.update({k: v for k, v in optional.items() if v is not None})
     return body
 
@@ -214,14 +216,16 @@ class Client(_BaseClient):
                temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
                stop: Sequence[str] | None = None, cancel_on_disconnect: bool | None = None,
                tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping[str, Any] | None = None,
-               response_format: Mapping[str, Any] | None = None) -> StreamInfo:
+               response_format: Mapping[str, Any] | None = None, conversation: str | None = None) -> StreamInfo:
         """Start a generation (exactly one of ``messages`` / ``prompt``). Idempotent by ``id``, which is a
         new UUID when not given; a full queue raises RateLimitedError (not retried: that is the caller's
-        call). ``tools``, ``tool_choice`` and ``response_format`` take OpenAI's shapes."""
+        call). ``tools``, ``tool_choice`` and ``response_format`` take OpenAI's shapes. ``conversation`` (a
+        UUID of yours): the messages are the conversation's next turn, the server puts its history in front
+        (ConflictError while another of its turns runs)."""
         body = build_create_body(messages=messages, prompt=prompt, id=id, model=model, max_tokens=max_tokens,
                                  temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                                  cancel_on_disconnect=cancel_on_disconnect, tools=tools, tool_choice=tool_choice,
-                                 response_format=response_format)
+                                 response_format=response_format, conversation=conversation)
         return StreamInfo.from_json(self._request("POST", "/v1/streams", json_body=body).json())
 
     def status(self, stream_id: str) -> StreamStatus:
@@ -304,11 +308,12 @@ class AsyncClient(_BaseClient):
                      stop: Sequence[str] | None = None, cancel_on_disconnect: bool | None = None,
                      tools: Sequence[Mapping[str, Any]] | None = None,
                      tool_choice: str | Mapping[str, Any] | None = None,
-                     response_format: Mapping[str, Any] | None = None) -> StreamInfo:
+                     response_format: Mapping[str, Any] | None = None,
+                     conversation: str | None = None) -> StreamInfo:
         body = build_create_body(messages=messages, prompt=prompt, id=id, model=model, max_tokens=max_tokens,
                                  temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                                  cancel_on_disconnect=cancel_on_disconnect, tools=tools, tool_choice=tool_choice,
-                                 response_format=response_format)
+                                 response_format=response_format, conversation=conversation)
         return StreamInfo.from_json((await self._request("POST", "/v1/streams", json_body=body)).json())
 
     async def status(self, stream_id: str) -> StreamStatus:

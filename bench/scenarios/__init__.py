@@ -2,4 +2,4 @@
 scenario's name is its module's, with ``-`` for ``_`` (``partial-json`` is partial_json.py)."""
 
 SCENARIOS = ["latency", "capacity", "throughput", "resume", "generator", "cpu", "peer", "create", "soak", "aisdk",
-             "durable", "durability", "partial-json"]
+             "durable", "durability", "partial-json", "conversation", "constrained"]

@@ -1,8 +1,8 @@
 """aisdk: resume latency through the Vercel AI SDK view (GET /api/chat/{chat}/stream) vs the native route.
 
 One running turn of ``--events`` events (queued, started, deltas; no terminal event: a resume only serves an
-active turn) is written through the Store and made a chat's active turn (broker.streams.chats). Each try opens a new
-TCP connection and reads until the last delta written so far, timed from sending the request:
+active turn) is written through the Store as a chat's running turn (its conversation's pending turn). Each try
+opens a new TCP connection and reads until the last delta written so far, timed from sending the request:
 
 - view: ``GET /api/chat/bench/stream``, what ``useChat({resume: true})`` sends on page load. It always
   replays the turn from its start (the SDK cannot resume mid-turn), as UI message stream chunks;
@@ -17,10 +17,8 @@ it read: the view's text is the stream's text and its message id the stream id; 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import time
-import uuid
 from typing import Any
 
 import httpx
@@ -33,9 +31,7 @@ from bench.report import table
 from bench.scenarios.resume import resume_once
 from bench.sseclient import client, parse_frame
 from bench.stats import ratio, summarize
-from broker.redis.connection import connect
 from broker.sse import ByteDecoder
-from broker.streams.chats import ChatStore, Turn
 
 CHAT_ID = "bench"
 WARMUP = 5
@@ -107,21 +103,12 @@ async def load_aisdk(ctl: Control, base: str, sid: str, event_ids: list[str], tr
                    "incorrect": bad[name]} for name in runs} | {"events": len(event_ids)}
 
 
-async def _make_active_turn(redis_url: str, stream_id: str) -> None:
-    redis = connect(redis_url)
-    try:
-        await ChatStore(redis).advance("", CHAT_ID, None, Turn(uuid.UUID(stream_id), "bench"), 3600)
-    finally:
-        await redis.aclose()
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"params": {"events": args.events, "tries": args.tries}}
     with procs.redis_server() as server, procs.procs() as started:
         consumer, base = procs.start_consumer(server.url)
         started.append(consumer)
-        (stream,) = prefill(server.url, 1, args.events, finish=False)
-        asyncio.run(_make_active_turn(server.url, stream["id"]))
+        (stream,) = prefill(server.url, 1, args.events, finish=False, conversation=CHAT_ID)
         res = procs.run_load("bench.scenarios.aisdk:load_aisdk",
                              {"base": base, "sid": stream["id"], "event_ids": stream["event_ids"],
                               "tries": args.tries})

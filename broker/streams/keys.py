@@ -143,14 +143,47 @@ def aborted_totals_key(partition: int, partitions: int) -> str:
     return f"{tagged(partition, partitions)}:aborted_totals"
 
 
-def chat_key(key_id: str, chat_id: str) -> str:
-    """Hash of one chat's latest turn (``sid``: the turn's stream id, ``turn``: its turn key; see broker.streams.chats),
-    per API key: the key id is part of the name, so one tenant's chat id never names another's chat. The
-    chat id is a client's string: only its digest reaches the key. It is a key of its own, in its own slot
-    on Redis Cluster (no hash tag), apart from its turns' streams: no script touches both (broker.streams.chats
-    says how a turn stays atomic without that)."""
-    digest = hashlib.sha256(chat_id.encode()).hexdigest()[:32]
-    return f"{PREFIX}:chat:{key_id or '-'}:{digest}"
+def conversation_digest(key_id: str, name: str) -> str:
+    """A conversation's name within its API key, as it reaches key names: a digest (the name is a client's
+    string: a UUID, or an AI SDK chat id of up to 256 characters). The key id is part of it, so one tenant's
+    conversation id never names another's conversation."""
+    return hashlib.sha256(f"{key_id or '-'}\n{name}".encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationKeys:
+    """The keys of one conversation (broker.streams.conversations). They share the hash tag of the
+    conversation's own partition (the CRC-32 of its digest), so every conversation script runs in one slot;
+    its turns' streams live in their own partitions, in other slots on Redis Cluster, and no script touches
+    both (broker.streams.conversations says how a turn stays atomic without that)."""
+
+    digest: str
+    partition: int
+    partitions: int = 1
+
+    @classmethod
+    def of(cls, key_id: str, name: str, partitions: int) -> ConversationKeys:
+        digest = conversation_digest(key_id, name)
+        return cls(digest, zlib.crc32(digest.encode()) % partitions, partitions)
+
+    @property
+    def _tag(self) -> str:
+        return tagged(self.partition, self.partitions)
+
+    @property
+    def meta(self) -> str:
+        """Hash: version, turn count, bytes, the pending turn, expiry. See broker.streams.conversation_scripts."""
+        return f"{self._tag}:c:{self.digest}:meta"
+
+    @property
+    def turns(self) -> str:
+        """List: the conversation's finished turns, in order, one JSON record each (broker.streams.turns)."""
+        return f"{self._tag}:c:{self.digest}:turns"
+
+    def owner(self, principal: str) -> str:
+        """Sorted set of the conversations one caller (``principal()``) holds in this partition, each scored
+        by its expiry (Unix ms): counted against ``--max-conversations`` in the same step that creates one."""
+        return f"{self._tag}:cs:{principal or '-'}"
 
 
 def served_models_key() -> str:

@@ -359,19 +359,3 @@ redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return redis.call('XDEL', KEYS[1], ARGV[2])
 """
 
-
-# Closes: two turns of one chat started at once (two tabs, a retried POST racing its original, two
-# regenerate clicks), and a late POST moving the chat back to an older turn. Each POST read the chat's
-# pointer, then created its turn under a stream id derived from (chat, turn key, the pointer it read), so
-# identical POSTs create one stream (CREATE is idempotent). The pointer then moves only from the value
-# that POST read (or is already there): the first new turn wins, its duplicates find it in place, and a
-# POST that read a stale pointer cannot overwrite a newer turn. Read-then-HSET across round trips would
-# let the slower of two racing turns silently replace the faster one. One key: runs in one slot.
-ADVANCE_TURN = """
--- KEYS: chat ; ARGV: expected sid ('' = the chat had no turn), new sid, turn key, ttl_s
-local cur = redis.call('HGET', KEYS[1], 'sid') or ''
-if cur ~= ARGV[1] and cur ~= ARGV[2] then return cur end
-redis.call('HSET', KEYS[1], 'sid', ARGV[2], 'turn', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return ARGV[2]
-"""

@@ -21,8 +21,9 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_reques
 #: The HTTP status of each of rsb's error codes (broker.errors), here and nowhere else: 429 when the caller is
 #: over one of its own limits, 503 when this pod or Redis cannot serve now (another pod, or later, may).
 STATUS: dict[str, int] = {
-    "invalid_request": 400, "unauthorized": 401, "not_found": 404, "conflict": 409, "expired": 410,
-    "payload_too_large": 413, "too_many_streams": 429, "queue_full": 429, "too_many_connections": 429,
+    "invalid_request": 400, "unauthorized": 401, "not_found": 404, "conflict": 409, "conversation_full": 409,
+    "expired": 410, "payload_too_large": 413, "too_many_streams": 429, "too_many_conversations": 429,
+    "queue_full": 429, "too_many_connections": 429,
     "too_many_generations": 429, "rate_limited": 429, "internal": 500, "overloaded": 503, "starting": 503,
     "unavailable": 503,
 }

@@ -1,16 +1,22 @@
-// The chat page. Every answer is an rsb stream named by a UUID chosen here; the conversation (stream ids
-// and prompts) and each stream's progress (its answer's events so far + the id of the last event it
-// includes) live in localStorage, so a reload shows the answer at once and resumes from the last event id:
+// The chat page. A chat is an rsb conversation named by a UUID chosen here, and the page's address names it
+// (/?chat=<uuid>): opened on any device, it shows the whole conversation (GET /v1/conversations/{id}/turns),
+// follows a running turn and goes on from there. Every answer is an rsb stream named by a UUID chosen here; a
+// send carries only the new message (the server puts the history in front). This page's copy of the chat
+// (stream ids and prompts) and each stream's progress (its answer's events so far + the id of the last event
+// it includes) live in localStorage, so a reload shows the answer at once and resumes from the last event id:
 // nothing is lost, nothing is shown twice. A `reset` (a Redis failover lost events the page had) takes back
 // what came after the event it names, on screen and in storage (rsb-client.js's Answer). /?stream=<uuid>
 // opens any existing stream (another tab, another device).
 
 import {
-  Answer, cancelStream, createStream, listModels, RsbStream, streamStatus, TERMINAL_EVENTS, uuid4,
+  Answer, answerOf, cancelStream, conversationTurns, createStream, listModels, RsbStream, streamStatus,
+  TERMINAL_EVENTS, uuid4,
 } from "./rsb-client.js";
 import { IncrementalMarkdown } from "./markdown.js";
 
-const CHAT_KEY = "rsb.chat.v1"; // {turns: [{id, prompt, body, createdAt}]}
+// {conversation: uuid, turns: [{id, prompt, body, createdAt}], legacy?: true (turns kept from before chats were
+// conversations: the next send carries them as messages, so the server's history starts with them)}
+const CHAT_KEY = "rsb.chat.v1";
 const SETTINGS_KEY = "rsb.settings.v1"; // {maxTokens, apiKey, temperature}
 const streamKey = (id) => `rsb.stream.v1.${id}`; // a Snapshot, see Turn.snapshot()
 const UUID_RE = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
@@ -59,13 +65,14 @@ const settings = { maxTokens: 256, apiKey: "", temperature: null, ...(load(SETTI
 // --- one answer --------------------------------------------------------------------------------------
 
 class Turn {
-  constructor({ id, prompt = null, body = null, createdAt = null }, container) {
+  constructor({ id, prompt = null, body = null, createdAt = null, server = null }, container) {
     this.id = id;
     this.prompt = prompt;
     this.body = body; // the create request, kept so a reload before its answer can retry it as is
     this.createdAt = createdAt; // Date.now() at send, for the client-side time to first token
     this.sentHere = false; // sent from this page (not restored by a reload or another tab)
-    const saved = load(streamKey(id)) || {};
+    // Not stored here, but finished on the server: the conversation's copy of its answer (no stream read).
+    const saved = load(streamKey(id)) || (server?.output ? serverSnapshot(server) : {});
     this.lastEventId = saved.lastEventId || null;
     this.status = saved.status || (body ? "creating" : "connecting");
     const restored = restoreAnswer(saved, TERMINAL_STATUSES.has(this.status));
@@ -143,6 +150,10 @@ class Turn {
         await createStream(this.body, { ...opts, signal: this.createAbort.signal });
       } catch (e) {
         if (e.name === "AbortError") return;
+        if (e.status === 409 && e.code === "conflict") {
+          app.lostRace(this); // another device's turn runs in this chat: show that one instead
+          return;
+        }
         this.fail(e);
         return;
       } finally {
@@ -406,6 +417,20 @@ class Turn {
   }
 }
 
+// A finished turn of the conversation (GET .../turns) as a snapshot: its answer as the server keeps it.
+function serverSnapshot(t) {
+  return {
+    answer: answerOf(t.output).toJSON(), lastEventId: "0-0", status: t.status, model: t.model || null,
+    usage: t.usage || null, detail: t.error?.message || t.finish_reason || null,
+  };
+}
+
+// What a turn of the conversation asked, as the page shows it: its user messages' text.
+function promptOf(t) {
+  const texts = (t.messages || []).filter((m) => m.role === "user").map((m) => m.content || "");
+  return texts.length ? texts.join("\n\n") : (t.messages || []).map((m) => m.role).join(", ");
+}
+
 // A snapshot's answer, or null: read the stream again from its start. Snapshots of before the answer's events
 // were stored hold only text: a finished one keeps it (nothing more will be read), an unfinished one is read
 // again (a reset could not be applied to text whose events are unknown), and so is a damaged one.
@@ -446,10 +471,13 @@ function formatSeconds(s) {
 const app = {
   turns: [],
   shared: null, // the stream id of a /?stream= view
+  chatId: null, // the conversation this page shows (/?chat=<uuid>)
+  legacy: false,
 
   init() {
     const params = new URLSearchParams(location.search);
     const shared = params.get("stream");
+    const wanted = params.get("chat");
     $("#max-tokens").value = settings.maxTokens;
     $("#api-key").value = settings.apiKey;
     $("#temperature").value = settings.temperature ?? "";
@@ -466,11 +494,88 @@ const app = {
       $("#composer").hidden = true;
       this.addTurn({ id: this.shared }).start();
     } else {
-      for (const t of load(CHAT_KEY)?.turns || []) this.addTurn(t).start();
+      if (wanted !== null && !UUID_RE.test(wanted)) this.notice("That link's chat id is not a UUID: a new chat.");
+      this.openChat(wanted !== null && UUID_RE.test(wanted) ? wanted.toLowerCase() : null);
     }
     this.bind();
     this.update();
     this.scrollToBottom();
+  },
+
+  // Shows the chat `chatId` (null: this page's own, else a new one): this page's copy at once, then the
+  // server's (every turn, from any device), following a running turn.
+  openChat(chatId) {
+    let chat = load(CHAT_KEY);
+    // A chat kept from before chats were conversations: a new conversation, empty on the server until it sends.
+    if (chat && !chat.conversation) chat = { conversation: uuid4(), turns: chat.turns || [], legacy: true, fresh: true };
+    if (!chat || (chatId && chat.conversation !== chatId)) {
+      if (chat) for (const t of chat.turns || []) remove(streamKey(t.id)); // another chat's copy: the server has it
+      // A chat named here has nothing on the server until its first send (`fresh`: no need to ask).
+      chat = { conversation: chatId || uuid4(), turns: [], fresh: !chatId };
+    }
+    save(CHAT_KEY, chat);
+    this.chatId = chat.conversation;
+    this.legacy = Boolean(chat.legacy);
+    history.replaceState(null, "", `/?chat=${this.chatId}`);
+    for (const t of chat.turns) this.addTurn(t).start();
+    if (!chat.fresh) this.sync();
+  },
+
+  // The server's copy of the chat, merged into the page's: turns this page lacks are added (finished ones as
+  // the conversation keeps them, a running one read from its stream), in the server's order.
+  async sync() {
+    const chatId = this.chatId;
+    let history;
+    try {
+      history = await conversationTurns(chatId, { apiKey: settings.apiKey || null });
+    } catch (e) {
+      this.notice(`Could not load this chat from the server: ${e.message}`);
+      return;
+    }
+    if (chatId !== this.chatId || !history) return; // another chat meanwhile, or none on the server yet
+    const known = new Map(this.turns.map((t) => [t.id, t]));
+    const ordered = [];
+    for (const t of history.turns) {
+      let turn = known.get(t.id);
+      if (turn) {
+        known.delete(t.id); // shown and read already
+      } else {
+        turn = this.addTurn({ id: t.id, prompt: promptOf(t), server: t });
+        turn.start();
+      }
+      ordered.push(turn);
+    }
+    // Turns the server does not list: finished ones are older (kept from before chats were conversations),
+    // live ones are being sent from here (last).
+    const localOnly = this.turns.filter((t) => known.has(t.id));
+    this.turns = [...localOnly.filter((t) => !t.live), ...ordered, ...localOnly.filter((t) => t.live)];
+    for (const t of this.turns) $("#conversation").appendChild(t.el);
+    const chat = load(CHAT_KEY) || { conversation: chatId, turns: [] };
+    const records = new Map((chat.turns || []).map((r) => [r.id, r]));
+    chat.turns = this.turns.map((t) => records.get(t.id) ?? { id: t.id, prompt: t.prompt, body: null, createdAt: null });
+    if (history.turns.length) delete chat.legacy;
+    this.legacy = Boolean(chat.legacy);
+    save(CHAT_KEY, chat);
+    this.update();
+    this.scrollToBottom();
+  },
+
+  // A send refused because another turn of the chat runs (another device's): this one never existed; show
+  // the chat as the server has it, that turn included, and follow it.
+  lostRace(turn) {
+    turn.close();
+    turn.el.remove();
+    remove(streamKey(turn.id));
+    this.turns = this.turns.filter((t) => t !== turn);
+    const chat = load(CHAT_KEY);
+    if (chat) {
+      chat.turns = chat.turns.filter((r) => r.id !== turn.id);
+      save(CHAT_KEY, chat);
+    }
+    $("#prompt").value = $("#prompt").value || turn.prompt || "";
+    this.notice("Another device is answering in this chat: its turn is shown here. Send again once it is done.");
+    this.update();
+    this.sync();
   },
 
   bind() {
@@ -511,7 +616,8 @@ const app = {
     addEventListener("storage", (ev) => {
       if (ev.key !== CHAT_KEY || this.shared) return;
       const known = new Set(this.turns.map((t) => t.id));
-      const turns = load(CHAT_KEY)?.turns || [];
+      const chat = load(CHAT_KEY);
+      const turns = chat?.conversation === this.chatId ? chat.turns || [] : [];
       if (!turns.length) return;
       for (const t of turns) if (!known.has(t.id)) this.addTurn({ ...t, createdAt: null }).start();
       this.update();
@@ -547,12 +653,18 @@ const app = {
     if (Number.isInteger(maxTokens) && maxTokens > 0) settings.maxTokens = maxTokens;
     save(SETTINGS_KEY, settings);
     const id = uuid4();
-    const body = { id, messages: this.messages(prompt), max_tokens: settings.maxTokens };
+    // Only the new message: the server puts the conversation's history in front (a chat kept from before
+    // chats were conversations sends its turns once, so that the server's history starts with them).
+    const messages = this.legacy ? this.messages(prompt) : [{ role: "user", content: prompt }];
+    const body = { id, conversation: this.chatId, messages, max_tokens: settings.maxTokens };
     if (settings.temperature !== null) body.temperature = settings.temperature;
     const record = { id, prompt, createdAt: Date.now(), body };
     // Recorded before the request leaves: a reload mid-request retries it with the same id.
-    const chat = load(CHAT_KEY) || { turns: [] };
+    const chat = load(CHAT_KEY) || { conversation: this.chatId, turns: [] };
     chat.turns.push(record);
+    delete chat.legacy;
+    delete chat.fresh;
+    this.legacy = false;
     save(CHAT_KEY, chat);
     $("#prompt").value = "";
     const turn = this.addTurn(record);
@@ -573,6 +685,7 @@ const app = {
     this.turns = [];
     remove(CHAT_KEY);
     $("#empty").hidden = false;
+    this.openChat(null);
     this.update();
   },
 

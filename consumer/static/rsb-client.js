@@ -256,6 +256,18 @@ export async function listModels({ baseUrl = "", apiKey = null, fetch: fetchFn =
   return (body.data || []).map((m) => m.id);
 }
 
+// A conversation's history (GET /v1/conversations/{id}/turns): {id, created_at, turns: [{id, status, messages,
+// output, finish_reason, usage, model, error?, events_url}]}, every finished turn, then a running one (its
+// output null); null when the caller has no conversation of this id (yet).
+export async function conversationTurns(id, { baseUrl = "", apiKey = null,
+  fetch: fetchFn = globalThis.fetch.bind(globalThis) } = {}) {
+  const r = await fetchFn(joinUrl(baseUrl, `/v1/conversations/${encodeURIComponent(id)}/turns`),
+    { headers: authHeaders(apiKey) });
+  if (r.status === 404) return null;
+  if (r.status !== 200) throw await errorFrom(r);
+  return await r.json();
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Read: replay, tail, resume
 
@@ -575,4 +587,21 @@ export class Answer {
   toJSON() {
     return { log: this.log };
   }
+}
+
+// A finished turn's answer as a conversation keeps it ({text, reasoning, tool_calls} in OpenAI's shape) as an
+// Answer, the same as reading its stream would give (the stream itself may have passed its retention).
+export function answerOf(output) {
+  const log = [];
+  let n = 0;
+  const add = (type, data) => log.push([`0-${++n}`, type, data]);
+  if (output?.reasoning) add("reasoning", { text: output.reasoning });
+  if (output?.text) add("delta", { text: output.text });
+  (output?.tool_calls || []).forEach((c, index) => {
+    add("tool_call", { index, id: c.id, name: c.function?.name ?? "" });
+    add("tool_args", { index, text: c.function?.arguments ?? "" });
+  });
+  const answer = new Answer(log);
+  answer.ended = true;
+  return answer;
 }

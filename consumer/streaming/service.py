@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import cast
 
 from broker.errors import Expired, NotFound, RetryLater, Starting
-from broker.events import Event, EventType, parse_event_id
+from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
 from broker.request import GenerationRequest, RequestLimits
+from broker.streams.conversations import ConversationStore
 from broker.streams.keys import principal
 from broker.streams.records import Created, Quota, StreamStatus
 from broker.streams.served_models import ServedModels
@@ -84,6 +85,7 @@ class StreamService:
         self.api_keys = api_keys
         self.limiter = limiter
         self.models = ServedModels(store.redis)
+        self.conversations = ConversationStore(store)
         self._served: list[str] = []
         self._served_at = -MODELS_CACHE_S
 
@@ -181,6 +183,8 @@ class StreamService:
         if status is None:
             raise NotFound("no stream with this id")
         self.metrics.cancels.inc()
+        if status in TERMINAL_TYPES:  # a queued turn the cancel itself ended: no worker will fold it
+            await self.conversations.fold(stream_id)
         return status
 
     async def request_of(self, stream_id: uuid.UUID) -> GenerationRequest | None:

@@ -14,12 +14,14 @@ from starlette.routing import Route
 
 from broker.errors import InvalidRequest, NotFound
 from broker.events import TERMINAL_TYPES, Event, EventPage, parse_event_id
-from broker.request import parse_create_body
+from broker.request import parse_json_object, validate_create_body
 from broker.streams.records import StreamStatus
 from broker.streams.report import aborted_report, parse_time
+from broker.streams.turns import Turn, as_messages
 from consumer.edge.http import read_body
 from consumer.metrics import Metrics
 from consumer.state import caller_of, state_of
+from consumer.streaming.conversations import conversation_name
 from consumer.streaming.sse import SSEResponse
 
 
@@ -48,12 +50,20 @@ def status_body(stream_id: uuid.UUID, st: StreamStatus) -> dict[str, object]:
 async def create_stream(request: Request) -> Response:
     state = state_of(request)
     caller = caller_of(request)
-    raw = await read_body(request, state.settings.max_body_bytes)
-    sid, gen_request = parse_create_body(raw, state.service.limits_for(caller))
-    stream_id = sid or uuid.uuid4()
-    res = await state.service.create(caller, gen_request, stream_id)
+    body_in = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+    raw_conversation = body_in.pop("conversation", None)
+    conversation = None if raw_conversation is None else conversation_name(raw_conversation)
+    sid, gen_request = validate_create_body(body_in, state.service.limits_for(caller))
+    if conversation is not None:
+        started = await state.conversations.start(caller, conversation, gen_request, stream_id=sid)
+        stream_id, res = started.stream_id, started.created
+    else:
+        stream_id = sid or uuid.uuid4()
+        res = await state.service.create(caller, gen_request, stream_id)
     body: dict[str, object] = {"id": str(stream_id), "status": res.status,
                                "events_url": f"/v1/streams/{stream_id}/events", "created": res.created}
+    if conversation is not None:
+        body["conversation"] = conversation
     if state.api_keys.enabled:  # for EventSource, which cannot send an Authorization header
         token = state.api_keys.issue_read_token(stream_id, caller.key_id, state.settings.read_token_ttl_s)
         body["read_token"] = token
@@ -117,6 +127,42 @@ async def cancel_stream(request: Request) -> Response:
     return JSONResponse({"id": str(stream_id), "status": status}, status_code=202)
 
 
+def _time(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def turn_body(turn: Turn) -> dict[str, object]:
+    """A turn in rsb's shape: its messages as a create body has them (so a client can send them again)."""
+    out = turn.output
+    body: dict[str, object] = {
+        "id": str(turn.id), "status": turn.status, "created_at": _time(turn.created_at),
+        "messages": [m.as_openai() for m in as_messages(turn.input)],
+        "output": None if not turn.has_stream else {
+            "text": out.text, "reasoning": out.reasoning,
+            "tool_calls": [c.as_openai() for c in out.tool_calls]},
+        "finish_reason": turn.finish_reason, "usage": turn.usage, "model": turn.model}
+    if turn.error is not None:
+        body["error"] = turn.error
+    if turn.has_stream:
+        body["events_url"] = f"/v1/streams/{turn.id}/events"
+    return body
+
+
+async def conversation_turns(request: Request) -> Response:
+    """``GET /v1/conversations/{id}/turns``: the conversation's history for a second device: every finished
+    turn, then the running one (its status, its messages and where to follow it; no output yet)."""
+    state = state_of(request)
+    name = conversation_name(request.path_params["conversation_id"], NotFound("no conversation with this id"))
+    snap = await state.conversations.get(caller_of(request), name)
+    conv = snap.conversation
+    turns = [turn_body(t) for t in conv.turns]
+    running = await state.conversations.running_turn(snap)
+    if running is not None:
+        turns.append({**turn_body(running), "status": snap.pending.status if snap.pending else "queued",
+                      "output": None})
+    return JSONResponse({"id": name, "created_at": _time(conv.created_at), "turns": turns})
+
+
 async def aborted_report_route(request: Request) -> Response:
     state = state_of(request)
     q = request.query_params
@@ -133,4 +179,5 @@ ROUTES = [
     Route("/v1/streams/{stream_id}", stream_status, methods=["GET"]),
     Route("/v1/streams/{stream_id}/cancel", cancel_stream, methods=["POST"]),
     Route("/v1/reports/aborted", aborted_report_route, methods=["GET"]),
+    Route("/v1/conversations/{conversation_id}/turns", conversation_turns, methods=["GET"]),
 ]

@@ -16,7 +16,10 @@ from broker.request import (
     MAX_STOP_SEQUENCES,
     MAX_TOOL_CALL_ID_CHARS,
     MAX_TOOL_CALLS,
+    MAX_TOOL_DESCRIPTION_CHARS,
+    MAX_TOOLS,
     MODEL_MAX_CHARS,
+    TOOL_CHOICES,
     TOOL_NAME,
     RequestLimits,
 )
@@ -63,6 +66,16 @@ _REPORT = {"type": "object", "required": ["rows", "total"], "properties": {
     "group_by": {"type": "string"}, "since": {"type": ["number", "null"]}, "until": {"type": ["number", "null"]},
     "rows": {"type": "array", "items": {"type": "object", "properties": _COUNTERS}},
     "total": {"type": "object", "properties": _COUNTERS}}}
+# A conversation id: its UUID, or OpenAI's spelling of it (conv_ and its hex).
+_CONVERSATION_ID = {"anyOf": [{"type": "string", "format": "uuid"},
+                              {"type": "string", "pattern": "^conv_[0-9a-fA-F]{32}$"}]}
+_TURNS = {"type": "object", "required": ["id", "created_at", "turns"], "properties": {
+    "id": {"type": "string", "format": "uuid"}, "created_at": {"type": "string"},
+    "turns": {"type": "array", "items": {"type": "object", "required": ["id", "status", "messages", "output"],
+                                         "properties": {"id": {"type": "string", "format": "uuid"},
+                                                        "status": {"type": "string"},
+                                                        "messages": {"type": "array"},
+                                                        "output": {"type": ["object", "null"]}}}}}}
 # The native operations a created stream leads to (schemathesis' stateful phase follows them).
 _STREAM_LINKS = {name: {"operationId": op, "parameters": {"stream_id": "$response.body#/id"}}
                  for name, op in (("status", "streamStatus"), ("events", "streamEvents"), ("cancel", "cancelStream"))}
@@ -84,6 +97,9 @@ def generation_properties(limits: RequestLimits) -> dict[str, Any]:
     }
 
 
+_NAME = {"type": "string", "pattern": f"^{TOOL_NAME.pattern[2:-2]}$"}
+
+
 def _message(limits: RequestLimits) -> dict[str, Any]:
     """One message of the native body: text from the system, the user or the assistant; an assistant's tool
     calls (content null or text); a tool's result, naming the call it answers."""
@@ -92,7 +108,7 @@ def _message(limits: RequestLimits) -> dict[str, Any]:
     call = {"type": "object", "additionalProperties": False, "required": ["id", "function"], "properties": {
         "id": call_id, "type": {"const": "function"},
         "function": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
-            "name": {"type": "string", "pattern": f"^{TOOL_NAME.pattern[2:-2]}$"}, "arguments": content}}}}
+            "name": _NAME, "arguments": content}}}}
 
     def shape(roles: list[str], required: list[str], **props: Any) -> dict[str, Any]:
         return {"type": "object", "additionalProperties": False, "required": ["role", *required],
@@ -107,26 +123,76 @@ def _message(limits: RequestLimits) -> dict[str, Any]:
     ]}
 
 
+def typed_output_properties() -> dict[str, Any]:
+    """``tools``, ``tool_choice`` and ``response_format`` in OpenAI's shapes. A JSON Schema rsb must enforce (a
+    json_schema format's, the parameters of tools a forced choice allows) must use the keywords constrained
+    decoding supports, and a named choice must name one of the tools: rules beyond JSON Schema, which the
+    descriptions state."""
+    description = nullable({"type": "string", "maxLength": MAX_TOOL_DESCRIPTION_CHARS})
+    parameters = {"type": "object", "required": ["type"], "properties": {"type": {"const": "object"}},
+                  "description": "a JSON Schema of an object; with a tool_choice that forces a call, only the "
+                                 "keywords rsb can enforce (docs/protocol.md)"}
+    tool = {"type": "object", "additionalProperties": False, "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+            "name": _NAME, "description": description,
+            "parameters": nullable(parameters), "strict": nullable({"type": "boolean"})}}}}
+    schema = {"type": "object", "description": "a JSON Schema using only the keywords rsb can enforce "
+                                                "(docs/protocol.md); anything else is a 400 naming the keyword"}
+    return {
+        "tools": nullable({"type": "array", "maxItems": MAX_TOOLS, "items": tool}),
+        # The named form, {"type": "function", "function": {"name"}}, is accepted when it names one of the tools:
+        # a rule JSON Schema cannot state, so the schema leaves the form out (fuzzed, it names no tool).
+        "tool_choice": nullable({"enum": list(TOOL_CHOICES),
+                                 "description": 'or {"type": "function", "function": {"name"}} naming one of the '
+                                                "tools (docs/protocol.md)"}),
+        "response_format": nullable({"anyOf": [
+            {"type": "object", "additionalProperties": False, "required": ["type"],
+             "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "additionalProperties": False, "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "additionalProperties": False, "required": ["name", "schema"],
+                                "properties": {"name": _NAME, "schema": schema, "strict": nullable({"type": "boolean"}),
+                                               "description": description}}}}]}),
+    }
+
+
 def create_body(limits: RequestLimits) -> dict[str, Any]:
     """``POST /v1/streams``; the prompt limit applies to each text and to all of them together (the sum is
-    beyond JSON Schema: the description says it). Typed output's fields are described in words: whether a
-    ``tools``, ``tool_choice`` or ``response_format`` is accepted depends on more than JSON Schema can say (a
-    named tool choice names one of the tools, a schema must be one rsb can enforce), and the suite fuzzes this
-    document with checks that every request it allows is accepted."""
+    beyond JSON Schema: the description says it). Typed output's fields are described as far as JSON Schema
+    can say them (the rules between fields in ``allOf``); what it cannot say is left out of the schema where
+    the fuzzer would otherwise send requests the document allows and rsb refuses (a named tool choice that
+    names none of the tools), and said in the descriptions (a schema must use what rsb can enforce)."""
     return {
         "type": "object",
         "additionalProperties": False,
         "description": f"the prompt, or the messages' content in all, is at most {limits.max_prompt_chars} "
-                       "characters. Also accepted: `tools`, `tool_choice` and `response_format` in OpenAI's shapes "
-                       "(docs/protocol.md, \"Typed output\").",
+                       "characters; tools and tool_choice need messages; a tool_choice that forces a call "
+                       "(required, or a function) needs tools and excludes a JSON response_format (docs/protocol.md, "
+                       "\"Typed output\")",
         "properties": {
             "id": nullable({"type": "string", "format": "uuid"}),
             "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": _message(limits)},
             "prompt": {"type": "string", "maxLength": limits.max_prompt_chars},
             **generation_properties(limits),
             "cancel_on_disconnect": {"type": "boolean"},
+            "conversation": nullable(_CONVERSATION_ID),
+            **typed_output_properties(),
         },
-        "oneOf": [{"required": ["messages"]}, {"required": ["prompt"]}],
+        # A conversation's turn takes messages.
+        "oneOf": [{"required": ["messages"], "not": {"required": ["prompt"]}},
+                  {"required": ["prompt"], "not": {"required": ["messages"]},
+                   "properties": {"conversation": {"type": "null"}}}],
+        # The rules between fields that JSON Schema can say.
+        "allOf": [
+            {"if": {"required": ["prompt"]}, "then": {"properties": {"tools": {"type": "null"},
+                                                                     "tool_choice": {"type": "null"}}}},
+            {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"const": "required"}}},
+             "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1},
+                                                            "response_format": {"anyOf": [
+                                                                {"type": "null"},
+                                                                {"properties": {"type": {"const": "text"}}}]}}}},
+        ],
     }
 
 
@@ -141,12 +207,13 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
                 "200": {**json_response("this id exists with an identical request", _CREATED),
                         "links": _STREAM_LINKS},
                 "400": error_response("invalid request"),
-                "409": error_response("this id exists with a different request"),
+                "409": error_response("this id exists with a different request; a turn of the conversation runs, "
+                                      "or the conversation is full (conversation_full)"),
                 "410": error_response("this id belonged to a stream that expired"),
                 "413": error_response("body too large"),
                 "429": error_response("the queue is full (queue_full), the caller's share is used "
-                                      "(too_many_generations, rate_limited), or its address holds too many "
-                                      "connections (too_many_connections)", RETRY_AFTER),
+                                      "(too_many_generations, rate_limited, too_many_conversations), or its "
+                                      "address holds too many connections (too_many_connections)", RETRY_AFTER),
                 "503": error_response("Redis unreachable (unavailable), or the pod holds as many connections "
                                       "as it may (overloaded)", RETRY_AFTER), **common}}},
         "/v1/streams/{stream_id}/events": {"get": {
@@ -181,6 +248,15 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
                                      {"type": "object", "required": ["id", "status"],
                                       "properties": {"id": {"type": "string"}, "status": _STATUS}}),
                 "404": error_response("unknown stream"), "410": error_response("expired"),
+                "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
+        "/v1/conversations/{conversation_id}/turns": {"get": {
+            "operationId": "conversationTurns",
+            "summary": "A conversation's history: every finished turn, then the running one",
+            "parameters": [{"name": "conversation_id", "in": "path", "required": True,
+                            "schema": _CONVERSATION_ID}],
+            "responses": {
+                "200": json_response("the conversation's turns", _TURNS),
+                "404": error_response("no conversation with this id (or another API key's)"),
                 "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
         "/v1/reports/aborted": {"get": {
             "operationId": "abortedReport",

@@ -101,6 +101,9 @@ class LlamaEngine(Engine):
         self._active: Iterator[Piece] | None = None
         self._byte_tokens: dict[int, int] | None = None
         self._invalid_utf8: list[int] | None = None
+        #: Tokens of the last constrained answer that its grammar rejected (and were sampled again): for the
+        #: benchmark (bench/scenarios/constrained.py).
+        self.last_resampled = 0
         self._utf8: Sequence[npt.NDArray[np.bool_]] | None = None  # built on the first constrained answer
         self._active_thread = 0
         self._closed = False
@@ -275,6 +278,7 @@ class LlamaEngine(Engine):
             generation.finish_reason = finish
         finally:
             if sampler is not None:
+                self.last_resampled = sampler.resampled
                 sampler.close()
             self._active = None
             self._lock.release()

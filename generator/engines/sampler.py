@@ -6,10 +6,13 @@ Python callback over the vocabulary) when ``ignore_eos`` is on.
 
 A grammar (a JSON answer, a forced tool call) is applied as llama.cpp's common sampler applies it: the token is
 sampled without it first, and only checked against it (one candidate); only a rejected token makes the
-grammar filter the whole vocabulary before sampling again. Filtering the vocabulary (49k tokens for SmolLM2)
+grammar filter the candidates before sampling again. Filtering the whole vocabulary (49k tokens for SmolLM2)
 every token is what halved the speed of ``Llama.generate(grammar=...)`` (NOTES.md: 49 against 91 tokens/s);
-most tokens of a JSON answer are what the model wanted anyway. Nothing is ever accepted into the grammar
-that it has not admitted first: llama.cpp aborts the process on a token its grammar cannot take.
+most tokens of a JSON answer are what the model wanted anyway. On a rejection rsb filters the top-k candidates
+(the cost bound the free sampler has anyway), and the whole vocabulary only when none of them is admitted: the
+best admitted token is the same either way (so greedy answers are), and sampling draws from the admitted part
+of the top k. Nothing is ever accepted into the grammar that it has not admitted first: llama.cpp aborts the
+process on a token its grammar cannot take.
 
 A constrained answer is also kept valid UTF-8, which llama.cpp's grammar does not ensure: its decoder reads a
 multi-byte character without checking that the bytes after the first are continuation bytes, so a model that
@@ -113,6 +116,7 @@ class Sampler:
             self._logits: npt.NDArray[np.float32] = view["logit"]
             self._probs: npt.NDArray[np.float32] = view["p"]
             self._all_ids = np.arange(self._n_vocab, dtype=np.int32)
+            self._top_k = llama_cpp.llama_sampler_init_top_k(top_k)
             assert pieces is not None and utf8 is not None, "a grammar needs the pieces and the UTF-8 masks"
             self._piece = pieces
             self._utf8_masks = utf8
@@ -176,18 +180,26 @@ class Sampler:
 
     def _resample_once(self, grammar: llama_cpp.llama_sampler_p, utf8: npt.NDArray[np.bool_],
                        banned: list[int]) -> int:
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,))
-        self._ids[:] = self._all_ids
-        self._logits[:] = np.where(utf8, logits, -np.inf)
-        if banned:
-            self._logits[banned] = -np.inf
-        self._probs[:] = 0.0
         arr = self._all_array
-        arr.data = ctypes.cast(self._all, llama_cpp.llama_token_data_p)  # type: ignore[assignment]  # as above
-        arr.size = self._n_vocab
-        arr.selected = -1
-        arr.sorted = False
-        llama_cpp.llama_sampler_apply(grammar, ctypes.byref(arr))
+        for top_k_first in (True, False):
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,))
+            self._ids[:] = self._all_ids
+            self._logits[:] = np.where(utf8, logits, -np.inf)
+            if banned:
+                self._logits[banned] = -np.inf
+            self._probs[:] = 0.0
+            arr.data = ctypes.cast(self._all, llama_cpp.llama_token_data_p)  # type: ignore[assignment]  # as above
+            arr.size = self._n_vocab
+            arr.selected = -1
+            arr.sorted = False
+            if top_k_first:
+                llama_cpp.llama_sampler_apply(self._top_k, ctypes.byref(arr))
+            llama_cpp.llama_sampler_apply(grammar, ctypes.byref(arr))
+            # Rejected candidates are -inf wherever they were: the top-k order no longer holds (the next
+            # samplers would take the first candidate for the most likely).
+            arr.sorted = False
+            if any(arr.data[i].logit != -math.inf for i in range(arr.size)):
+                break
         llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(arr))
         if not 0 <= arr.selected < arr.size:
             raise GrammarError("the grammar admits no token here")
@@ -208,6 +220,7 @@ class Sampler:
     def close(self) -> None:
         if self._grammar is not None:
             llama_cpp.llama_sampler_free(self._grammar)
+            llama_cpp.llama_sampler_free(self._top_k)
             self._grammar = None
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)

@@ -33,6 +33,7 @@ from servers import CHROMIUM, Stack, StackFactory, needs_chromium
 
 from broker.redis.server import RedisServer
 from broker.sse import ByteDecoder, parse_block
+from broker.streams.keys import StreamKeys
 from consumer.edge.auth import new_key
 
 pytestmark = pytest.mark.slow
@@ -72,6 +73,7 @@ class AisdkStack:
         self.key_b, entry_b = new_key("bob")
         keys = tmp / "keys.json"
         keys.write_bytes(orjson.dumps({"keys": [entry_a, entry_b]}))
+        self.redis_url = stack.redis_url
         engine = ("--upstream", upstream) if upstream else ()
         stack.generator("--lease-s", "1", "--disconnect-grace-s", "1", *engine, model=slow_model,
                         ignore_eos=upstream is None)
@@ -111,6 +113,16 @@ class Streams:
 
     def text(self, message_id: str, key: str | None = None) -> str:
         return self.read(message_id, key)[0]
+
+    def engine_messages(self, message_id: str) -> list[dict[str, Any]]:
+        """The messages the engine was given for an answer: its stream's request as stored at create."""
+        r = redis.Redis.from_url(self.rsb.redis_url)
+        try:
+            raw = r.hget(StreamKeys.of(uuid.UUID(message_id), 1).meta, "req")
+        finally:
+            r.close()
+        assert isinstance(raw, bytes), message_id
+        return list(orjson.loads(raw)["messages"])
 
 
 def _requests(chat: dict[str, Any]) -> list[tuple[str, str, int]]:
@@ -260,13 +272,41 @@ def check_multiTab(r: dict[str, Any], s: Streams, major: str) -> None:
     assert [q[2] for q in _requests(second)] == [200]
 
 
+def check_secondDevice(r: dict[str, Any], s: Streams, major: str) -> None:
+    a, running, followed, b = r["a"], r["whileRunning"], r["followed"], r["b"]
+    first_answer = s.text(a["messageId"])
+    # While the phone's turn ran, the laptop got its question, then followed the answer into the same message.
+    assert running["active"] is True and [m["role"] for m in running["messages"]] == ["user"]
+    assert running["messages"][0]["parts"] == [{"type": "text", "text": "from the phone"}]
+    assert followed["messageId"] == a["messageId"] and followed["text"] == first_answer == a["text"]
+    assert [q[2] for q in _requests(followed)] == [200]
+    # The laptop's turn: it sent the whole chat as the SDK does; the engine got the server's history.
+    assert r["sent"]["roles"] == ["user", "assistant", "user", "assistant"] and r["sent"]["status"] == "ready"
+    assert [m["role"] for m in r["bBodies"][0]["messages"]] == ["user", "assistant", "user"]
+    second_answer = s.text(r["afterB"]["messages"][3]["id"])
+    assert s.engine_messages(r["afterB"]["messages"][3]["id"]) == [
+        {"role": "user", "content": "from the phone"}, {"role": "assistant", "content": first_answer},
+        {"role": "user", "content": "from the laptop"}]
+    assert [(m["role"], m["parts"][-1]["text"]) for m in r["afterB"]["messages"]] == [
+        ("user", "from the phone"), ("assistant", first_answer), ("user", "from the laptop"),
+        ("assistant", second_answer)]
+    assert r["reloadedRoles"] == ["user", "assistant", "user", "assistant"]
+    # Both at once: one turn, one 409 (shown as the chat's error).
+    statuses = sorted([r["reloaded"]["status"], b["status"]])
+    assert statuses == ["error", "ready"], (r["reloaded"], b)
+    loser = r["reloaded"] if r["reloaded"]["status"] == "error" else b
+    assert loser["requests"][-1]["status"] == 409 and "running" in (loser["error"] or "")
+    assert len(r["final"]["messages"]) == 6 and r["final"]["active"] is False
+    assert r["other"]["status"] == 404  # another key has no chat of this id
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], Streams, str], None]] = {
     "send": check_send, "abortResume": check_abortResume, "reloadWhileActive": check_reloadWhileActive,
     "reloadAfterFinish": check_reloadAfterFinish, "networkDrop": check_networkDrop,
     "networkDropWorkaround": check_networkDropWorkaround, "stopEndpoint": check_stopEndpoint,
     "stopCancelOnDisconnect": check_stopCancelOnDisconnect, "parallel": check_parallel,
     "tenantIsolation": check_tenantIsolation, "repost": check_repost, "regenerate": check_regenerate,
-    "multiTab": check_multiTab,
+    "multiTab": check_multiTab, "secondDevice": check_secondDevice,
 }
 # In Chromium: the flows a page goes through, over CORS (the page's origin is not rsb's).
 BROWSER_SCENARIOS = ("send", "abortResume", "reloadWhileActive", "stopEndpoint", "parallel", "tenantIsolation")
@@ -495,6 +535,18 @@ def test_a_draining_pod_ends_the_turn_with_an_error_and_another_pod_resumes_it_f
     assert "".join(c["delta"] for c in again[:-1] if c["type"] == "text-delta") == native.text
 
 
+def _post_status(url: str, body: dict[str, Any]) -> tuple[int, str | None]:
+    """A POST /api/chat's status and, when it got a turn, the turn's message id (then the connection closes)."""
+    with httpx.Client(base_url=url, timeout=30) as c, c.stream("POST", "/api/chat", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, None
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                return 200, str(json.loads(line[6:])["messageId"])
+    raise AssertionError("no chunk")
+
+
 def _first_message_id(url: str, method: str, path: str, body: dict[str, Any] | None = None) -> str:
     """The messageId of an answer's first chunk (then the connection closes)."""
     with httpx.Client(base_url=url, timeout=30) as c, c.stream(method, path, json=body) as r:
@@ -505,10 +557,11 @@ def _first_message_id(url: str, method: str, path: str, body: dict[str, Any] | N
 
 
 @pytest.mark.parametrize("where", ["standalone", "cluster"])
-def test_racing_posts_make_one_generation_per_turn_and_one_active_turn(
+def test_racing_posts_make_one_turn_and_409s(
         where: str, request: pytest.FixtureRequest, stack_factory: StackFactory) -> None:
-    """A chat's pointer and its turns' streams sit in different hash slots on a cluster; racing requests still
-    make one stream per distinct turn (the create is the idempotent step) and leave one active turn."""
+    """A chat's conversation and its turns' streams sit in different hash slots on a cluster; racing requests
+    still make one generation: identical ones name one stream (the create is the idempotent step), different
+    ones race for the conversation's one pending turn (one wins, the others get 409)."""
     if where == "standalone":
         request.getfixturevalue("redis_client")  # flushed
         s = stack_factory(request.getfixturevalue("redis_server").url)
@@ -523,15 +576,19 @@ def test_racing_posts_make_one_generation_per_turn_and_one_active_turn(
         # 20 copies of one POST (a retry storm, tabs posting the same turn): one turn.
         same = list(pool.map(post, [_turn_body("race")] * 20))
         assert len(set(same)) == 1
-        # 20 different turns at once: each request gets its own turn, and one is the chat's active turn.
-        bodies = [_turn_body("race", f"q{i}") | {"messages": [{"id": f"u{i}", "role": "user",
+        # 20 different turns at once: a chat runs one turn at a time, so one gets it, 19 a 409.
+        bodies = [_turn_body("race-different", f"q{i}") | {"messages": [{"id": f"u{i}", "role": "user",
                                                                "parts": [{"type": "text", "text": f"q{i}"}]}]}
                   for i in range(20)]
-        different = list(pool.map(post, bodies))
-    assert len(set(different)) == 20 and same[0] not in different
-    assert _first_message_id(s.base_url, "GET", "/api/chat/race/stream") in different
+        different = list(pool.map(functools.partial(_post_status, s.base_url), bodies))
+    assert sorted(code for code, _ in different) == [200] + [409] * 19, different
+    winner = next(mid for code, mid in different if code == 200)
+    assert _first_message_id(s.base_url, "GET", "/api/chat/race/stream") == same[0]
+    assert _first_message_id(s.base_url, "GET", "/api/chat/race-different/stream") == winner
+    # The running turn holds the chat: another new turn of it is a 409 too.
+    assert _post_status(s.base_url, _turn_body("race", "later"))[0] == 409
     with s.client() as c:
-        for sid in {*same, *different}:
+        for sid in {same[0], winner}:
             assert c.get(f"/v1/streams/{sid}").json()["status"] == "queued"
 
 

@@ -382,7 +382,6 @@ def test_bad_requests_get_openai_errors_and_create_nothing(shared_stack: SharedS
         ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {
             "type": "object", "properties": {"s": {"type": "string", "format": "email"}}}}}}, "text"),
-        ({"input": "x", "previous_response_id": "resp_" + uuid.uuid4().hex}, "previous_response_id"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "temperature": -1}, "temperature"),
     ]

@@ -25,8 +25,10 @@ from consumer.edge.auth import new_key
 
 pytestmark = pytest.mark.slow
 
-# The limits the consumer runs with: small, so the generated bodies reach them.
-LIMITS = ("--max-tokens-limit", "512", "--max-prompt-chars", "2000", "--max-messages", "16")
+# The limits the consumer runs with: small, so the generated bodies reach them; and a short default answer, so
+# that the generations the fuzzer starts (most name no max_tokens) queue for little time behind each other.
+LIMITS = ("--max-tokens-limit", "512", "--max-prompt-chars", "2000", "--max-messages", "16",
+          "--default-max-tokens", "32")
 SEED = "20261130"
 
 

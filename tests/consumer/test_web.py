@@ -13,10 +13,13 @@ import json
 import random
 import re
 import signal
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import orjson
 import pytest
 import redis
 from helpers import assert_english, create, read_sse, wait_status
@@ -24,6 +27,7 @@ from servers import CHROMIUM, Stack, StackFactory, needs_chromium
 from typed_streams import StandInGenerator
 
 from broker.redis.server import RedisServer, free_port
+from broker.streams.keys import StreamKeys
 from generator.engines.default_model import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.slow
@@ -797,3 +801,96 @@ def test_snapshots_stored_before_the_answer_events_open_as_they_should(
     _wait_status(page, live_id, "done")
     assert _page_text(page, live_id) == "Half an answer that ends."
     assert _saved(page, live_id)["text"] == "Half an answer that ends."
+
+
+def _chat_id(page: Page) -> str:
+    m = re.search(r"[?&]chat=([0-9a-f-]{36})", page.url)
+    assert m, page.url
+    return m.group(1)
+
+
+def _engine_messages(redis_url: str, sid: str) -> list[dict[str, Any]]:
+    """What the engine was given for a stream: its request as stored at create."""
+    r = redis.Redis.from_url(redis_url)
+    try:
+        raw = r.hget(StreamKeys.of(uuid.UUID(sid), 1).meta, "req")
+    finally:
+        r.close()
+    assert isinstance(raw, bytes)
+    return list(orjson.loads(raw)["messages"])
+
+
+@needs_chromium
+def test_a_chat_opened_by_its_address_on_another_device_follows_and_continues_there(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path,
+        new_page: PageFactory) -> None:
+    """Two browser contexts are two devices: the chat's address (/?chat=<uuid>) opens it on the second one,
+    which shows the running answer live and continues the chat; the first shows that turn after a reload; both
+    sending at once make one turn and a notice on the other."""
+    s = _slow_stack(stack_factory, redis_server.url, slow_model)
+    phone, laptop = new_page(), new_page()
+    phone.goto(f"{s.base_url}/")
+    chat = _chat_id(phone)  # the page names its chat in its address
+    first = _send(phone, "Tell me a story", LONG_ANSWER)
+    _wait_deltas(phone, first, 50)
+
+    # The other device opens the address mid-answer: the question, and the answer followed live.
+    laptop.goto(f"{s.base_url}/?chat={chat}")
+    expect(_turn(laptop, first).locator(".user")).to_have_text("Tell me a story")
+    _wait_status(phone, first, "done")
+    _wait_status(laptop, first, "done")
+    with s.client() as c:
+        story = read_sse(c, f"/v1/streams/{first}/events").text
+    assert _page_text(laptop, first) == _page_text(phone, first) == story
+
+    # It continues the chat there: only the new message is sent, the engine gets the whole history.
+    sent: list[Any] = []
+    laptop.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/streams") else None)
+    second = _send(laptop, "And then?", 40)
+    _wait_status(laptop, second, "done")
+    assert sent[0]["conversation"] == chat and sent[0]["messages"] == [{"role": "user", "content": "And then?"}]
+    assert _engine_messages(s.redis_url, second) == [
+        {"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": story},
+        {"role": "user", "content": "And then?"}]
+
+    # The first device, reloaded, shows the turn made on the other (the conversation's copy of its answer).
+    phone.reload()
+    _wait_status(phone, second, "done")
+    expect(phone.locator(".turn")).to_have_count(2)
+    assert [t.get_attribute("data-stream-id") for t in phone.locator(".turn").all()] == [first, second]
+    with s.client() as c:
+        assert _page_text(phone, second) == read_sse(c, f"/v1/streams/{second}/events").text
+
+    # Both send at once: one turn; the other page says so, and shows and follows that turn.
+    for page, text in ((phone, "phone, at once"), (laptop, "laptop, at once")):
+        page.click("#settings > summary")
+        page.fill("#max-tokens", "300")
+        page.click("#settings > summary")
+        page.fill("#prompt", text)
+    phone.evaluate("() => document.querySelector('#send').click()")
+    laptop.evaluate("() => document.querySelector('#send').click()")
+    with s.client() as c:
+        deadline = time.monotonic() + 30
+        while (pending := c.get(f"/v1/conversations/{chat}/turns").json()["turns"])[-1]["id"] == second:
+            assert time.monotonic() < deadline, "no third turn"
+            time.sleep(0.05)
+    third = pending[-1]["id"]
+    for page in (phone, laptop):  # the loser's own turn is gone, the winner's shown in its place
+        page.wait_for_function("(sid) => [...document.querySelectorAll('.turn')].map((t) => t.dataset.streamId)"
+                               ".join(',').endsWith(sid) && document.querySelectorAll('.turn').length === 3",
+                               arg=third, timeout=30_000)
+    notices = [page.locator("#notice") for page in (phone, laptop)]
+    shown = [n for n in notices if n.is_visible()]
+    assert len(shown) == 1 and "Another device is answering" in (shown[0].text_content() or "")
+    _wait_status(phone, third, "done")
+    _wait_status(laptop, third, "done")
+    # The browser logs the refused create (409) of the page that lost: expected, once, there only.
+    refused = [[e for e in cast(Any, page).errors if "status of 409" in e and e.endswith("/v1/streams")]
+               for page in (phone, laptop)]
+    assert sorted(len(r) for r in refused) == [0, 1]
+    for page in (phone, laptop):
+        cast(Any, page).errors[:] = [e for e in cast(Any, page).errors if not e.endswith("/v1/streams")]
+    with s.client() as c:
+        turns = c.get(f"/v1/conversations/{chat}/turns").json()["turns"]
+    assert [t["id"] for t in turns] == [first, second, third]
+    _screenshot(laptop, "second-device.png")

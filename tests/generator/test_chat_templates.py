@@ -6,6 +6,7 @@ checked through the real engine too."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,8 +15,8 @@ from helpers import LLAMA_EXTRA
 
 pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
-from broker.request import GenerationRequest, Message
-from generator.engines.chat import ChatTemplate, ChatTemplateError, fold_system
+from broker.request import GenerationRequest, Message, Tool, ToolCall
+from generator.engines.chat import TOOLS_PROMPT, ChatTemplate, ChatTemplateError, fold_system
 from generator.engines.default_model import default_model_path
 from generator.engines.llama import LlamaEngine
 
@@ -134,3 +135,46 @@ def test_the_default_model_uses_its_own_chatml_template_and_special_tokens(smoll
     assert tokens.count(2) == 4  # one <|im_end|> per finished turn, each one token
     # <|im_end|> ends a generation (it is what the template closes an assistant turn with).
     assert 2 in smollm2._eog
+
+
+# -- tools, calls and their results ------------------------------------------------------------------------
+
+WEATHER = Tool("get_weather", "The weather in a city",
+               {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+TOOL_TURNS = (
+    Message("system", "You are a terse assistant."),
+    Message("user", "Weather in Paris and Lyon?"),
+    Message("assistant", "", (ToolCall("c1", "get_weather", '{"city": "Paris"}'),
+                              ToolCall("c2", "get_weather", '{"city": "Lyon"}'))),
+    Message("tool", '{"temp_c": 21}', tool_call_id="c1"),
+    Message("tool", '{"temp_c": 19}', tool_call_id="c2"),
+)
+
+
+def test_a_template_without_tools_gets_the_hermes_convention() -> None:
+    """SmolLM2's ChatML template knows no tools: the tools go in the system prompt, the calls in the assistant's
+    text as the engine's grammar writes them, the results in one user turn."""
+    prompt = _template("chatml-smollm2.jinja", "<|im_start|>", "<|im_end|>").render_chat(TOOL_TURNS, [WEATHER])
+    tools_json = json.dumps(WEATHER.as_openai())
+    assert prompt == (
+        "<|im_start|>system\nYou are a terse assistant.\n\n" + TOOLS_PROMPT.format(tools=tools_json) + "<|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris and Lyon?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call><|im_end|>\n'
+        '<|im_start|>user\n<tool_response>\n{"temp_c": 21}\n</tool_response>\n'
+        '<tool_response>\n{"temp_c": 19}\n</tool_response><|im_end|>\n'
+        "<|im_start|>assistant\n")
+    # Without tools on offer, the history still renders (the calls were made).
+    assert "<tools>" not in _template("chatml-smollm2.jinja", "<|im_start|>", "<|im_end|>").render_chat(TOOL_TURNS)
+
+
+def test_a_template_that_knows_tools_renders_them_itself() -> None:
+    """Llama 3.2's template writes the tools, the calls (arguments as objects) and the results (role ipython)."""
+    template = _template("llama3.2.jinja", "<|begin_of_text|>", "<|eot_id|>")
+    assert template.renders_tools
+    one_call = (*TOOL_TURNS[:2], Message("assistant", "", TOOL_TURNS[2].tool_calls[:1]), TOOL_TURNS[3])
+    prompt = template.render_chat(one_call, [WEATHER], date_string="26 Jul 2024")
+    assert '"name": "get_weather"' in prompt and '"description": "The weather in a city"' in prompt
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in prompt
+    # The template writes a result with tojson (a string is iterable to Jinja), as transformers renders it.
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n"{\\"temp_c\\": 21}"<|eot_id|>' in prompt

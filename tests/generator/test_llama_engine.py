@@ -39,7 +39,7 @@ def run(
     eng: LlamaEngine, req: GenerationRequest, max_tokens: int, prefix_text: str = ""
 ) -> tuple[Generation, list[str]]:
     gen = eng.start(req, prefix_text=prefix_text, max_tokens=max_tokens, stop=threading.Event())
-    return gen, list(gen.pieces)
+    return gen, [str(p) for p in gen.pieces]  # plain requests: text pieces only
 
 
 def test_is_an_engine_named_after_the_model(engine: LlamaEngine, demo_gguf: Path) -> None:
@@ -82,8 +82,9 @@ def test_eos_ends_with_stop_and_ignore_eos_never_samples_it(engine: LlamaEngine,
 def test_stop_event_stops_before_the_next_decode(engine: LlamaEngine) -> None:
     stop = threading.Event()
     gen = engine.start(request(), prefix_text="", max_tokens=1000, stop=stop)
-    pieces = []
+    pieces: list[str] = []
     for piece in gen.pieces:
+        assert isinstance(piece, str)
         pieces.append(piece)
         if len(pieces) == 5:
             stop.set()

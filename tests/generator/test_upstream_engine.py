@@ -68,7 +68,7 @@ STORY = [{"role": "user", "content": "Tell me a story"}]
 class LlamaServer:
     """llama-cpp-python's OpenAI-compatible server, one process, on a free port."""
 
-    def __init__(self, model: Path, log_path: Path) -> None:
+    def __init__(self, model: Path, log_path: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -77,7 +77,7 @@ class LlamaServer:
         # would cut answers short as soon as two generations overlap.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(self.port),
-             "--n_threads", "1", "--n_ctx", "8192", "--interrupt_requests", "False"],
+             "--n_threads", "1", "--n_ctx", "8192", "--interrupt_requests", "False", *extra],
             stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         wait_serving(f"{self.url}/v1/models", lambda: self.proc.poll() is None, self.output, 90)
         self.model_id = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
@@ -580,9 +580,9 @@ def merged(events: list[SSE]) -> list[tuple[str, Any]]:
         elif e.event == "tool_args" and out and out[-1][0] == "tool_args" and out[-1][1]["index"] == e.data["index"]:
             out[-1] = ("tool_args", {"index": e.data["index"], "text": out[-1][1]["text"] + e.data["text"]})
         elif e.event in ("delta", "reasoning"):
-            out.append((e.event, e.data["text"]))
+            out.append((str(e.event), e.data["text"]))
         else:
-            out.append((e.event, e.data))
+            out.append((str(e.event), e.data))
     return out
 
 
@@ -673,3 +673,37 @@ def test_a_replay_the_upstream_answers_differently_ends_with_an_upstream_error(
     assert end.event == "error" and end.data["code"] == "upstream" and "differs from the stored one" in end.data["message"]
     args = "".join(e.data["text"] for e in read.events if e.event == "tool_args")
     assert args.startswith('{"town": "') and "Lyon" not in args  # only the first answer's pieces
+
+
+@pytest.fixture(scope="module")
+def tools_upstream(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    """llama-cpp-python's server with its tool-calling chat format (calls constrained by its own grammar)."""
+    server = LlamaServer(demo_model, tmp_path_factory.mktemp("tools-upstream") / "llama-server.log",
+                         "--chat_format", "chatml-function-calling")
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_a_real_llama_cpp_server_s_tool_call_streams_as_native_events(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+        tools_upstream: LlamaServer) -> None:
+    """This server repeats the call's id and name in every piece: one call all the same, its arguments whole."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    s.generator("--upstream", tools_upstream.url, ignore_eos=False)
+    with s.client() as c:
+        sid = create(c, messages=messages, tools=[tool], tool_choice=choice, max_tokens=60, temperature=0.0).json()["id"]
+        read = read_sse(c, f"/v1/streams/{sid}/events")
+    direct = httpx.post(f"{tools_upstream.url}/v1/chat/completions", timeout=120, json={
+        "messages": messages, "tools": [tool], "tool_choice": choice, "max_tokens": 60, "temperature": 0.0}).json()
+    [call] = direct["choices"][0]["message"]["tool_calls"]
+    events = merged(read.events[:-1])
+    assert events == [("tool_call", {"index": 0, "id": events[0][1]["id"], "name": "get_weather"}),
+                      ("tool_args", {"index": 0, "text": call["function"]["arguments"]})]
+    assert events[0][1]["id"].startswith("call__0_get_weather")
+    assert read.events[-1].event == "done" and read.events[-1].data["finish_reason"] == "tool_calls"

@@ -40,8 +40,7 @@ _SKIPPED_PARTS = frozenset({"reasoning", "source-url", "source-document"})
 _ROLES = frozenset({"system", "user", "assistant"})
 #: The states of a tool part that carry the call's result.
 RESULT_STATES = ("output-available", "output-error")
-# A turn key is the request's digest, and for a continuation ":" and the id of the message it continues (the
-# chat pointer keeps it, so a resume can name the message without the POST's body).
+# A turn key is the request's digest, and for a continuation ":" and the id of the message it continues.
 _CONTINUES = ":"
 
 
@@ -59,6 +58,9 @@ class ChatRequest:
     create_body: dict[str, Any]
     #: The id of the assistant message this turn continues (its last message), or None: a new message.
     continues: str | None = None
+    #: For each of the create body's ``messages``, the id of the UI message it comes from (an assistant UI
+    #: message becomes several: its steps and its calls' results).
+    message_ids: tuple[str, ...] = ()
 
     def turn_key(self, request: GenerationRequest) -> str:
         """Same chat + same turn key = the same turn. The request's hash is part of it, so a body that
@@ -66,12 +68,6 @@ class ChatRequest:
         raw = f"{self.trigger}\n{self.anchor}\n{request.request_hash()}".encode()
         digest = hashlib.sha256(raw).hexdigest()[:32]
         return digest if self.continues is None else f"{digest}{_CONTINUES}{self.continues}"
-
-
-def continued_message(turn_key: str) -> str | None:
-    """The id of the message a turn continues, from its turn key (None: the turn is a message of its own)."""
-    _, sep, message_id = turn_key.partition(_CONTINUES)
-    return message_id if sep else None
 
 
 def chat_id_of(raw: object) -> str:
@@ -201,11 +197,14 @@ def parse_chat_body(body: dict[str, Any]) -> ChatRequest:
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("'messages' must be a non-empty list of UI messages")
     messages: list[dict[str, Any]] = []
+    message_ids: list[str] = []
     last_user = ""
     for i, m in enumerate(raw):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise InvalidRequest(f"messages[{i}] must be a UI message with a role: system, user or assistant")
-        messages += _messages(i, m)
+        expanded = _messages(i, m)
+        messages += expanded
+        message_ids += [str(m.get("id") or "")] * len(expanded)
         if m["role"] == "user":
             last_user = str(m.get("id") or "")
     continues = None
@@ -217,4 +216,4 @@ def parse_chat_body(body: dict[str, Any]) -> ChatRequest:
     create_body = {"messages": messages, **{k: body[k] for k in OPTIONS if k in body}}
     return ChatRequest(chat_id, trigger, message_id or last_user,
                        plain_send=trigger == SUBMIT and message_id is None, create_body=create_body,
-                       continues=continues)
+                       continues=continues, message_ids=tuple(message_ids))

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from broker.errors import Expired, NotFound
+from broker.errors import Conflict, Expired, NotFound
 from broker.events import TERMINAL_TYPES
 from broker.request import parse_json_object, validate_create_body
-from broker.streams.chats import POINTER_MARGIN_S, Turn, turn_stream_id
+from broker.streams.conversations import Begin, absent
 from broker.streams.records import StreamStatus
 from consumer.edge.http import read_body
 from consumer.state import State, caller_of, state_of
+from consumer.streaming.conversations import ROUNDS
 from consumer.streaming.service import Caller, Slot
 from consumer.streaming.sse import STREAM_ID_HEADER, SSEResponse
-from consumer.views.aisdk.request import ChatRequest, chat_id_of, continued_message, parse_chat_body
+from consumer.views.aisdk.history import plan_turn, ui_messages
+from consumer.views.aisdk.request import REGENERATE, ChatRequest, chat_id_of, parse_chat_body
 from consumer.views.aisdk.stream import HEADERS, SHUTDOWN_FRAME, earlier_steps, turn_frames
+
+# Turn stream ids live in their own uuid5 namespace (see turn_stream_id).
+_TURN_NAMESPACE = uuid.UUID("0d5b6f3e-8c1a-4f6e-a2b9-3c7d9e4f1a20")
 
 
 def _respond(state: State, slot: Slot, stream_id: uuid.UUID, st: StreamStatus, message_id: str | None = None,
@@ -37,24 +43,50 @@ async def _status_or_none(state: State, caller: Caller, stream_id: uuid.UUID) ->
         return None
 
 
-async def _start_turn(state: State, caller: Caller, chat: ChatRequest) -> tuple[uuid.UUID, StreamStatus]:
-    """The turn this request names: the chat's latest one when this is a repeat of it, else a new one."""
-    service = state.service
-    _, request = validate_create_body(chat.create_body, service.limits_for(caller))
+def turn_stream_id(key_id: str, chat_id: str, version: int, turn: int, turn_key: str) -> uuid.UUID:
+    """The stream id of a chat's turn: the same for the same request made on the same history (the
+    conversation's version and turn count), so identical POSTs (a retry storm, two tabs) name one stream, and
+    its CREATE, idempotent per id, makes one generation. A regenerate's identical bodies get new ids once the
+    turn they redo has ended: its branch bumps the version."""
+    return uuid.uuid5(_TURN_NAMESPACE, f"{key_id}\n{chat_id}\n{version}\n{turn}\n{turn_key}")
+
+
+async def _start_turn(state: State, caller: Caller, chat: ChatRequest
+                      ) -> tuple[uuid.UUID, StreamStatus, str | None]:
+    """The turn this request names: a turn it repeats (a retry, a second tab), else a new one on the
+    conversation's history; with the id of the message its answer shows in when that is not its stream id (a
+    continuation). 409 while another turn of the chat runs."""
+    convs = state.conversations
+    _, request = validate_create_body(chat.create_body, state.service.limits_for(caller))
+    messages = request.messages or ()
     turn_key = chat.turn_key(request)
-    latest = await state.chats.latest(caller.key_id, chat.chat_id)
-    if latest is not None and latest.turn_key == turn_key:
-        st = await _status_or_none(state, caller, latest.stream_id)
-        if st is not None and (chat.plain_send or st.status not in TERMINAL_TYPES):
-            return latest.stream_id, st  # a retry, a second tab: the same turn, no second generation
-    previous = latest.stream_id if latest is not None else None
-    stream_id = turn_stream_id(caller.key_id, chat.chat_id, turn_key, previous)
-    await service.create(caller, request, stream_id)
-    # If another new turn of this chat won the race, it is the chat's active turn (what a resume reads);
-    # this one still runs, and this request still gets its answer.
-    await state.chats.advance(caller.key_id, chat.chat_id, previous, Turn(stream_id, turn_key),
-                              state.settings.retention_s + POINTER_MARGIN_S)
-    return stream_id, await service.status(caller, stream_id)
+    for _ in range(ROUNDS):
+        snap = await convs.snapshot(caller, chat.chat_id)
+        conv = snap.conversation if snap is not None else absent(caller.key_id, chat.chat_id)
+        plan = plan_turn(conv.turns, chat.message_ids, messages, plain_send=chat.plain_send,
+                         regenerate=chat.trigger == REGENERATE)
+        repeat = plan.repeat
+        if repeat is not None and (st := await _status_or_none(state, caller, repeat.id)) is not None:
+            # A retry of the chat's last turn: the same answer, no second generation.
+            return repeat.id, st, repeat.answer_id
+        stream_id = turn_stream_id(caller.key_id, chat.chat_id, conv.version, plan.keep, turn_key)
+        pending = snap.pending_id if snap is not None else None
+        if pending is not None:
+            if pending != stream_id:
+                raise Conflict(f"a turn of this chat is running (message {pending}); stop it "
+                               f"(POST /api/chat/{{id}}/stop) or wait for its end")
+        elif plan.keep < conv.count:
+            outcome, version = await convs.conversations.branch(conv, plan.keep)
+            if outcome is not Begin.RESERVED:
+                continue  # a turn began, or the history changed: plan again on what it is now
+            conv = dataclasses.replace(conv, version=version, count=plan.keep, turns=conv.turns[:plan.keep],
+                                       bytes=sum(len(t.to_json()) for t in conv.turns[:plan.keep]))
+            stream_id = turn_stream_id(caller.key_id, chat.chat_id, conv.version, plan.keep, turn_key)
+        new = dataclasses.replace(request, messages=messages[plan.start:])
+        assembled = convs.assemble(caller, conv, new, 0, chat.message_ids[plan.start:], chat.continues)
+        if await convs.begin(caller, conv, assembled, stream_id) is not None:
+            return stream_id, await state.service.status(caller, stream_id), chat.continues
+    raise Conflict("this chat kept changing under this request; retry")
 
 
 async def send_turn(request: Request) -> Response:
@@ -63,17 +95,21 @@ async def send_turn(request: Request) -> Response:
     caller = caller_of(request)
     chat = parse_chat_body(parse_json_object(await read_body(request, state.settings.max_body_bytes)))
     with state.service.connection(caller) as slot:
-        stream_id, st = await _start_turn(state, caller, chat)
+        stream_id, st, message_id = await _start_turn(state, caller, chat)
         # A continued message's earlier steps are on the page that sent them: only a resume sends them.
-        return _respond(state, slot, stream_id, st, chat.continues)
+        return _respond(state, slot, stream_id, st, message_id)
 
 
-async def _active_turn(state: State, caller: Caller, chat_id: str) -> tuple[Turn, StreamStatus] | None:
-    latest = await state.chats.latest(caller.key_id, chat_id)
-    if latest is None:
+async def _latest_turn(state: State, caller: Caller, chat_id: str) -> tuple[uuid.UUID, StreamStatus] | None:
+    """The chat's running turn, else its last answered one (None: it has none, or its stream expired)."""
+    snap = await state.conversations.snapshot(caller, chat_id)
+    if snap is None:
         return None
-    st = await _status_or_none(state, caller, latest.stream_id)
-    return None if st is None else (latest, st)
+    if snap.pending is not None and snap.pending_id is not None:
+        return snap.pending_id, snap.pending
+    last = next((t for t in reversed(snap.conversation.turns) if t.has_stream), None)
+    st = None if last is None else await _status_or_none(state, caller, last.id)
+    return None if last is None or st is None else (last.id, st)
 
 
 async def resume_turn(request: Request) -> Response:
@@ -83,15 +119,17 @@ async def resume_turn(request: Request) -> Response:
     caller = caller_of(request)
     chat_id = chat_id_of(request.path_params["chat_id"])
     with state.service.connection(caller) as slot:
-        active = await _active_turn(state, caller, chat_id)
+        active = await _latest_turn(state, caller, chat_id)
         if active is None or active[1].status in TERMINAL_TYPES:
             slot.release()
             return Response(status_code=204)
         state.metrics.resumes.inc()
-        turn, st = active
-        message_id = continued_message(turn.turn_key)
-        earlier = b"" if message_id is None else earlier_steps(await state.service.request_of(turn.stream_id))
-        return _respond(state, slot, turn.stream_id, st, message_id, earlier)
+        stream_id, st = active
+        turn_request = await state.service.request_of(stream_id)
+        history = turn_request.history if turn_request is not None else None
+        message_id = history.answer_id if history is not None else None
+        earlier = b"" if message_id is None else earlier_steps(turn_request)
+        return _respond(state, slot, stream_id, st, message_id, earlier)
 
 
 async def stop_turn(request: Request) -> Response:
@@ -100,9 +138,22 @@ async def stop_turn(request: Request) -> Response:
     state = state_of(request)
     caller = caller_of(request)
     chat_id = chat_id_of(request.path_params["chat_id"])
-    active = await _active_turn(state, caller, chat_id)
+    active = await _latest_turn(state, caller, chat_id)
     if active is None:
         raise NotFound("this chat has no turn")
-    stream_id = active[0].stream_id
+    stream_id = active[0]
     status = await state.service.cancel(caller, stream_id)
     return JSONResponse({"id": chat_id, "messageId": str(stream_id), "status": status}, status_code=202)
+
+
+async def chat_messages(request: Request) -> Response:
+    """``GET /api/chat/{chat_id}/messages``: the chat as ``UIMessage`` s, for another device's ``useChat`` to start
+    from (``messages``); a running turn's messages come last, and ``resumeStream()`` brings its answer. 404 when
+    the caller has no chat of this id (another key's chat included)."""
+    state = state_of(request)
+    caller = caller_of(request)
+    chat_id = chat_id_of(request.path_params["chat_id"])
+    snap = await state.conversations.get(caller, chat_id)
+    running = await state.conversations.running_turn(snap)
+    return JSONResponse({"id": chat_id, "messages": ui_messages(snap.conversation.turns, running),
+                         "active": running is not None})

@@ -21,7 +21,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.errors import Conflict, Expired, InvalidRequest, RetryLater, RsbError
-from broker.request import validate_create_body
+from broker.history import History
+from broker.request import GenerationRequest, validate_create_body
 from broker.sse import DONE_FRAME as DONE_FRAME  # the views' one [DONE], re-exported for chat and responses
 from broker.sse import frame
 from broker.streams.records import StreamStatus
@@ -192,7 +193,7 @@ def check_results_answer_calls(messages: list[dict[str, Any]], param: str) -> No
                           f"(tool_call_id {str(m.get('tool_call_id'))[:64]!r} names none)", param)
 
 
-def _stream_id(request: Request, caller: Caller) -> uuid.UUID:
+def stream_id_for(request: Request, caller: Caller) -> uuid.UUID:
     """A new stream per call, unless the client sends an Idempotency-Key: then retries of the call land on
     the same stream (one generation). The caller is part of the name, so tenants never share one."""
     key = request.headers.get(IDEMPOTENCY_HEADER)
@@ -203,17 +204,15 @@ def _stream_id(request: Request, caller: Caller) -> uuid.UUID:
     return uuid.uuid5(_IDEMPOTENCY_NS, f"{caller.key_id}\n{key}")
 
 
-async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Mapping[str, str], *,
-                        uncounted_messages: int = 0) -> tuple[uuid.UUID, StreamStatus]:
-    """Validate ``rsb_body`` (a ``POST /v1/streams`` body) exactly as the native route does, create the
-    stream, and return it with its status. ``renames`` maps rsb field names to the client's, for errors;
-    ``uncounted_messages`` leading messages (Responses' instructions) do not count against max_messages."""
-    service = state_of(request).service
-    caller = caller_of(request)
-    limits = service.limits_for(caller)
+def validated(request: Request, rsb_body: dict[str, Any], renames: Mapping[str, str], *,
+              uncounted_messages: int = 0) -> GenerationRequest:
+    """``rsb_body`` (a ``POST /v1/streams`` body) validated exactly as the native route does. ``renames`` maps
+    rsb field names to the client's, for errors; ``uncounted_messages`` leading messages (Responses'
+    instructions) do not count against max_messages."""
+    limits = state_of(request).service.limits_for(caller_of(request))
     limits = dataclasses.replace(limits, max_messages=limits.max_messages + uncounted_messages)
     try:
-        _, gen_request = validate_create_body(rsb_body, limits)
+        return validate_create_body(rsb_body, limits)[1]
     except InvalidRequest as e:
         message = e.message
         for ours, theirs in renames.items():
@@ -224,7 +223,18 @@ async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Map
         m = _PARAM.match(message)
         param = m.group(1) if m else renames.get("messages", "messages") if "messages" in message else None
         raise invalid(message, param) from None
-    stream_id = _stream_id(request, caller)
+
+
+async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Mapping[str, str], *,
+                        uncounted_messages: int = 0, history: History | None = None) -> tuple[uuid.UUID, StreamStatus]:
+    """Validate ``rsb_body`` (``validated``), create the stream (recording ``history``), and return it with its
+    status."""
+    service = state_of(request).service
+    caller = caller_of(request)
+    gen_request = validated(request, rsb_body, renames, uncounted_messages=uncounted_messages)
+    if history is not None:
+        gen_request = dataclasses.replace(gen_request, history=history)
+    stream_id = stream_id_for(request, caller)
     try:
         await service.create(caller, gen_request, stream_id)
     except Conflict:

@@ -37,6 +37,7 @@ from typing import Any
 from broker.events import Event, EventType, parse_event_id
 from broker.request import GenerationRequest
 from broker.streams.records import StreamStatus
+from consumer.streaming.conversations import openai_id
 from consumer.views.openai.common import usage_tokens
 from consumer.views.openai.shapes import responses_tool_choice, responses_tools, text_config
 
@@ -45,6 +46,11 @@ MESSAGE, REASONING, FUNCTION_CALL = "message", "reasoning", "function_call"
 _PREFIX = {MESSAGE: "msg", REASONING: "rs", FUNCTION_CALL: "fc"}
 # The content part of the items that have one.
 _PART = {MESSAGE: "output_text", REASONING: "reasoning_text"}
+
+
+def output_item_id(kind: str, stream_hex: str, index: int) -> str:
+    """The id of a response's output item ``index`` (a conversation's items name a response's output so too)."""
+    return f"{_PREFIX[kind]}_{stream_hex}" if index == 0 else f"{_PREFIX[kind]}_{stream_hex}_{index}"
 
 
 def response_id(stream_id: uuid.UUID) -> str:
@@ -111,6 +117,11 @@ class ResponseView:
         self.tool_choice = responses_tool_choice(req)
         self.text_config = text_config(req)
         self.max_output_tokens = st.max_tokens
+        history = req.history if req is not None else None
+        self.conversation = None if history is None or history.conversation is None else {
+            "id": openai_id(history.conversation)}
+        self.previous = None if history is None or history.previous is None else response_id(
+            uuid.UUID(history.previous))
         self.seq = 0
         self.status = "queued"
         self.queued = False
@@ -142,7 +153,8 @@ class ResponseView:
             "incomplete_details": self.incomplete, "instructions": None,
             "max_output_tokens": self.max_output_tokens, "metadata": {}, "model": self.model,
             "output": [item.json() for item in self.items], "parallel_tool_calls": bool(self.tools),
-            "previous_response_id": None, "temperature": self.temperature, "top_p": self.top_p,
+            "previous_response_id": self.previous, "conversation": self.conversation, "store": True,
+            "temperature": self.temperature, "top_p": self.top_p,
             "text": self.text_config, "tool_choice": self.tool_choice, "tools": self.tools,
             "truncation": "disabled", "usage": _usage(self.usage),
         }
@@ -160,7 +172,7 @@ class ResponseView:
     def _open(self, kind: str, out: list[dict[str, Any]], **fields: Any) -> _Item:
         self._close("completed", out)
         index = len(self.items)
-        item_id = f"{_PREFIX[kind]}_{self._hex}" if index == 0 else f"{_PREFIX[kind]}_{self._hex}_{index}"
+        item_id = output_item_id(kind, self._hex, index)
         item = _Item(kind, item_id, index, **fields)
         self.items.append(item)
         self.open = item

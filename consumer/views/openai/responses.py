@@ -37,13 +37,13 @@ from consumer.views.openai.common import (
     Only,
     boolean,
     check_only,
-    create_stream,
     event_frame,
     invalid,
     null_only,
     read_json,
     text_of,
 )
+from consumer.views.openai.response_history import HISTORY_RULES, create_response_stream
 from consumer.views.openai.response_view import ResponseView
 from consumer.views.openai.shapes import chat_tool_choice, chat_tools, response_format
 
@@ -62,11 +62,17 @@ MAX_SEQUENCE_NUMBER = 10**18 - 1
 CANCEL_WAIT_S = 5.0
 
 
+def parse_response_id(raw: str) -> uuid.UUID | None:
+    """The stream id of a response id (None: no response could have it)."""
+    m = _ID.match(raw)
+    return None if m is None else uuid.UUID(hex=m.group(1))
+
+
 def _path_stream_id(request: Request) -> uuid.UUID:
-    m = _ID.match(request.path_params["response_id"])
-    if m is None:
+    sid = parse_response_id(request.path_params["response_id"])
+    if sid is None:
         raise NotFound("no response with this id")  # could never have existed
-    return uuid.UUID(hex=m.group(1))
+    return sid
 
 
 #: The content parts an input message (or a function call's output) may carry.
@@ -76,13 +82,13 @@ INPUT_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 RESTRICTIONS = (
     Only("instructions", {"anyOf": [{"type": "string"}, NULL]}, lambda v: v is None or isinstance(v, str),
          "'instructions' must be a string"),
-    null_only("previous_response_id"), null_only("conversation"), null_only("prompt"),
+    *HISTORY_RULES, null_only("prompt"),
     Only("parallel_tool_calls", {"anyOf": [{"const": True}, NULL]}, lambda v: v is None or v is True,
          "'parallel_tool_calls': false is not supported (an answer may call several tools)"),
     Only("top_logprobs", {"anyOf": [{"const": 0}, NULL]},
          lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 0),
          "logprobs are not supported"),
-    boolean("stream"), boolean("background"),
+    boolean("stream"), boolean("background"), boolean("store"),
 )
 #: Passed to rsb's own validation as they are (seed and stop are not Responses parameters; accepted, as
 #: extra_body, because rsb has them).
@@ -209,10 +215,10 @@ async def create_response(request: Request) -> ASGIApp:
     uncounted = 1 if body.get("instructions") is not None else 0
     service = state_of(request).service
     if not stream and background:
-        stream_id, st = await create_stream(request, rsb_body, renames, uncounted_messages=uncounted)
+        stream_id, st = await create_response_stream(request, body, rsb_body, renames, uncounted, parse_response_id)
         return JSONResponse((await _snapshot(service, stream_id, st)).response())
     with service.connection(caller_of(request)) as slot:
-        stream_id, st = await create_stream(request, rsb_body, renames, uncounted_messages=uncounted)
+        stream_id, st = await create_response_stream(request, body, rsb_body, renames, uncounted, parse_response_id)
         if stream:
             return await _serve_events(request, slot, stream_id, st, -1)
 

@@ -17,6 +17,7 @@ from broker.request import RequestLimits
 from consumer.schema import RETRY_AFTER, error_response, json_response, nullable, sse_response
 from consumer.views.openai import chat, responses
 from consumer.views.openai.common import IDEMPOTENCY_HEADER, MAX_IDEMPOTENCY_KEY, ROLES, STREAM_ID_HEADER
+from consumer.views.openai.conversation_schema import conversation_paths
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],
@@ -94,10 +95,14 @@ def _chat_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[str, A
                            + _CHAT_TYPED}
 
 
-def _responses_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[str, Any]:
-    item = {"type": "object", "required": ["role", "content"], "properties": {
+def _input_item(limits: RequestLimits) -> dict[str, Any]:
+    return {"type": "object", "required": ["role", "content"], "properties": {
         "type": {"const": "message"}, "role": {"enum": sorted(ROLES)},
         "content": _content(limits, responses.INPUT_TEXT_PARTS)}}
+
+
+def _responses_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[str, Any]:
+    item = _input_item(limits)
     rules = {rule.name: rule.schema for rule in responses.RESTRICTIONS}
     rules["instructions"] = nullable({"type": "string", "maxLength": limits.max_prompt_chars})
     props: dict[str, Any] = {
@@ -107,7 +112,10 @@ def _responses_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[s
         **{name: generation[name] for name in responses.PASSED_THROUGH},
         **rules,
     }
-    return {"type": "object", "required": ["input"], "properties": props,
+    # conversation and previous_response_id: one or the other (both null is neither).
+    both = {"required": ["conversation", "previous_response_id"], "properties": {
+        "conversation": {"not": {"type": "null"}}, "previous_response_id": {"not": {"type": "null"}}}}
+    return {"type": "object", "required": ["input"], "properties": props, "not": both,
             "description": f"instructions and input are at most {limits.max_prompt_chars} characters in all. "
                            + _RESPONSES_TYPED}
 
@@ -152,7 +160,10 @@ def openai_paths(limits: RequestLimits, generation: dict[str, Any], auth: bool) 
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": _responses_body(limits, generation)}}},
             "responses": {"200": response_or_events, "400": err("invalid request, or a parameter rsb cannot honour"),
-                          "409": err("the Idempotency-Key was used with another request, or has expired"),
+                          "404": err("no such conversation, or previous response (or another API key's)"),
+                          "409": err("the Idempotency-Key was used with another request, or has expired; another "
+                                     "response of the conversation runs, or the previous one has not ended; the "
+                                     "conversation is full (conversation_full)"),
                           "413": err("body too large"), **limited, **common}}},
         "/v1/responses/{response_id}": {"get": {
             "operationId": "openaiRetrieveResponse",
@@ -165,6 +176,7 @@ def openai_paths(limits: RequestLimits, generation: dict[str, Any], auth: bool) 
             "operationId": "openaiCancelResponse", "parameters": [rid],
             "responses": {"200": json_response("the response, as it stands once its generation stopped", _RESPONSE),
                           "404": err("no response with this id"), **limited, **common}}},
+        **conversation_paths(_input_item(limits), limits, err, common, limited),
         "/v1/models": {"get": {"operationId": "openaiModels", "responses": {
             "200": json_response("the models this deployment serves", {
                 "type": "object", "required": ["object", "data"],

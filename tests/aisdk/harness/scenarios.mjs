@@ -181,6 +181,34 @@ export const SCENARIOS = {
     return { chat: summary(h), ids, texts, bodies: h.requests.map((r) => r.body) };
   },
 
+  // A second device opens the chat from its messages (GET /api/chat/{id}/messages) while a turn runs, follows
+  // that turn (resumeStream) and continues the chat; the first device, reloaded from the same route, sees the
+  // second's turn; then both send at once: one turn, one 409.
+  async secondDevice(ctx) {
+    const a = ctx.chat();
+    const sending = a.send('from the phone');
+    await waitFor(() => midAnswer(a), 60000);
+    const path = `/api/chat/${encodeURIComponent(a.id)}/messages`;
+    const whileRunning = await ctx.api('GET', path);
+    const b = ctx.chat({ chatId: a.id, messages: whileRunning.json.messages, maxTokens: ctx.short });
+    await b.resume();
+    await sending;
+    const followed = summary(b);
+    await b.send('from the laptop');
+    const sent = summary(b);
+    const afterB = await ctx.api('GET', path);
+    const reloaded = ctx.chat({ chatId: a.id, messages: afterB.json.messages, maxTokens: ctx.short });
+    const reloadedRoles = reloaded.messages.map((m) => m.role);
+    await Promise.all([reloaded.send('phone, at once'), b.send('laptop, at once')]);
+    const final = await ctx.api('GET', path);
+    const other = await ctx.api('GET', path, { key: ctx.keyB });
+    return {
+      a: summary(a), whileRunning: whileRunning.json, followed, sent, b: summary(b),
+      bBodies: b.requests.filter((r) => r.body).map((r) => r.body),
+      afterB: afterB.json, reloadedRoles, reloaded: summary(reloaded), final: final.json, other,
+    };
+  },
+
   // A second tab opens the chat mid-answer: the same turn, the same message, the same text.
   async multiTab(ctx) {
     const first = ctx.chat();

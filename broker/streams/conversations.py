@@ -1,0 +1,285 @@
+"""Conversations in Redis: a conversation holds its finished turns, and at most one pending turn.
+
+A conversation is named by a client's string within its API key (a UUID for the native and OpenAI views, a chat
+id for the AI SDK's): broker.streams.keys.ConversationKeys. It is a hash (version, turn count, size, the pending
+turn, expiry) and a list of finished turns (broker.streams.turns), in its own partition's slot. Each turn is one
+rsb stream, in the stream's own partition: on Redis Cluster the two are in different slots, and no script
+touches both. A turn stays atomic anyway:
+
+1. **Reserve.** BEGIN, in the conversation's slot, makes the turn's stream id the conversation's ``pending``
+   turn, if no other turn is pending and the history is still the one the request built its prompt from
+   (version and turn count: compare-and-set). Two devices sending at once: one reserves, the other gets a
+   conflict (409).
+2. **Create.** The stream is created under that id (the stream's CREATE, in its slot, idempotent per id) with
+   the history in front of the new messages: the engine sees full messages, as for any other request.
+3. **Fold.** When the stream has ended, its output is folded in: FOLD appends the turn's record (built from
+   the stream's request and events) and clears ``pending`` in one step, only if that stream is still the
+   pending one: exactly once, however many fold it. The worker that finishes a stream folds it at once (a
+   crashed worker's stream is continued and finished by another, whose fold holds the continued answer);
+   every read and create of the conversation folds a pending turn it finds ended too, so a worker killed
+   between its finish and its fold loses nothing.
+
+A process dying between 1 and 2 leaves a reservation with no stream. A request that finds one older than
+``PENDING_GRACE_S`` takes the id back: TAKE, in the stream's slot, tombstones the id if no stream has it
+(the late creator's CREATE then fails, and it answers a conflict), then RELEASE clears the reservation. A
+stream created in time is never taken: it is the turn.
+
+**Retention.** A turn's stream lives ``--retention-s`` after it ends (an hour by default); the conversation
+``--conversation-ttl-s`` after its last use (sliding: every read, turn and fold restarts it). The fold must
+happen within the stream's retention; the worker's fold does at once, and a read or create does when it
+comes. A pending turn whose stream expired unfolded (its worker died right after finishing, and nobody
+touched the conversation for the whole retention) is dropped: its reservation is released and the
+conversation goes on without it.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from broker.errors import TooManyConversations
+from broker.events import Event
+from broker.redis.connection import register_script, reply_text
+from broker.request import GenerationRequest
+from broker.streams import conversation_scripts as scripts
+from broker.streams.keys import ConversationKeys
+from broker.streams.records import TERMINAL_STATUSES, StreamStatus
+from broker.streams.store import Store
+from broker.streams.turns import Turn, finished_turn
+
+#: A reservation younger than this is a create in flight (its stream comes a round trip later); an older one
+#: whose stream does not exist is taken back. Generous: a create waits up to 5 s for a replica at
+#: ``--durability replicated``.
+PENDING_GRACE_S = 10.0
+#: How long a taken-back id stays refused (a create under it answers 410, or a conflict for a turn): far longer
+#: than any create in flight could still be.
+PENDING_TOMBSTONE_S = 86_400
+# Events read per page when a stream is folded.
+_FOLD_PAGE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """The conversation's pending turn: reserved ``age_ms`` ago (the server's clock)."""
+
+    stream_id: uuid.UUID
+    age_ms: int
+
+    @property
+    def fresh(self) -> bool:
+        return self.age_ms < PENDING_GRACE_S * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """A conversation as read in one step: its finished ``turns`` (empty when read without them) are the
+    ``count`` that ``version`` names."""
+
+    key_id: str
+    name: str
+    created_at: float
+    version: int
+    count: int
+    bytes: int
+    pending: Pending | None
+    metadata: dict[str, Any]
+    turns: tuple[Turn, ...] = ()
+
+    def turn(self, stream_id: uuid.UUID) -> Turn | None:
+        return next((t for t in self.turns if t.id == stream_id), None)
+
+
+def absent(key_id: str, name: str) -> Conversation:
+    """A conversation nobody has made yet, as a native create sees it (BEGIN makes it)."""
+    return Conversation(key_id, name, 0.0, 0, 0, 0, None, {})
+
+
+class Settled(enum.Enum):
+    """What became of a conversation's pending turn (ConversationStore.settle)."""
+
+    RUNNING = "running"  # its stream is queued or running: the turn goes on
+    STARTING = "starting"  # reserved moments ago, its stream about to be created
+    FOLDED = "folded"  # it ended, and is in the history now
+    DROPPED = "dropped"  # it named no turn (never created, expired unfolded, another's stream): released
+    CHANGED = "changed"  # its stream appeared meanwhile: read the conversation again
+
+
+class Begin(enum.Enum):
+    """What BEGIN (and CREATE, BRANCH, APPEND) answered: its reply's tag."""
+
+    RESERVED = "reserved"  # this request reserved the turn (or made the change)
+    ALREADY = "already"  # the turn was already reserved for this stream id (a retry)
+    BUSY = "busy"  # another turn is pending
+    CHANGED = "changed"  # the history changed since the request read it
+    GONE = "gone"  # no such conversation (deleted meanwhile)
+    FULL = "full"  # the owner holds as many conversations as it may
+    EXISTS = "exists"  # CREATE: a conversation of this name exists
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a new conversation gets: its sliding expiry, and how many one owner may hold (0: no bound;
+    counted per partition like ``max_active``: each holds ceil(limit / P))."""
+
+    ttl_s: int
+    max_conversations: int = 0
+
+
+class ConversationStore:
+    """Every Redis step of conversations. Works unchanged on Redis Cluster: each call touches one slot."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.redis = store.redis
+        self.partitions = store.partitions
+        r = self.redis
+        self._read = register_script(r, scripts.READ)
+        self._create = register_script(r, scripts.CREATE)
+        self._begin = register_script(r, scripts.BEGIN)
+        self._fold_script = register_script(r, scripts.FOLD)
+        self._release = register_script(r, scripts.RELEASE)
+        self._branch = register_script(r, scripts.BRANCH)
+        self._append = register_script(r, scripts.APPEND)
+        self._update = register_script(r, scripts.UPDATE)
+        self._delete = register_script(r, scripts.DELETE)
+        self._take = register_script(r, scripts.TAKE)
+
+    def keys(self, key_id: str, name: str) -> ConversationKeys:
+        return ConversationKeys.of(key_id, name, self.partitions)
+
+    def _share(self, limits: Limits) -> int:
+        n = limits.max_conversations
+        return -(-n // self.partitions) if n > 0 else 0
+
+    async def read(self, key_id: str, name: str, *, with_turns: bool = True) -> Conversation | None:
+        k = self.keys(key_id, name)
+        raw = await self._read(keys=[k.meta, k.turns], args=[k.digest, int(with_turns)])
+        if not raw:
+            return None
+        created_at, version, count, size, pending, age, metadata = (reply_text(v) for v in raw[:7])
+        return Conversation(key_id, name, float(created_at), int(version), int(count), int(size),
+                            Pending(uuid.UUID(pending), int(age)) if pending else None, orjson.loads(metadata),
+                            tuple(Turn.from_json(t) for t in raw[7:]))
+
+    async def create(self, key_id: str, name: str, owner: str, limits: Limits, *, created_at: float,
+                     metadata: dict[str, Any], turns: Sequence[Turn] = ()) -> bool:
+        """Make a conversation with these first turns (items). False: one of this name exists. Raises
+        TooManyConversations."""
+        k = self.keys(key_id, name)
+        res = await self._create(keys=[k.meta, k.turns, k.owner(owner)], args=[
+            k.digest, limits.ttl_s, self._share(limits), f"{created_at:.6f}", orjson.dumps(metadata),
+            *(t.to_json() for t in turns)])
+        outcome = Begin(reply_text(res[0]))
+        if outcome is Begin.FULL:
+            raise TooManyConversations(limits.max_conversations)
+        return outcome is Begin.RESERVED
+
+    async def begin(self, conv: Conversation, stream_id: uuid.UUID, owner: str, limits: Limits, *,
+                    created_at: float, create: bool) -> tuple[Begin, uuid.UUID | None]:
+        """Reserve the conversation's next turn for ``stream_id`` on the history ``conv`` holds (``create``:
+        make the conversation if ``conv`` is ``absent``). The pending stream id comes back with BUSY."""
+        k = self.keys(conv.key_id, conv.name)
+        res = await self._begin(keys=[k.meta, k.turns, k.owner(owner)], args=[
+            k.digest, conv.version, conv.count, str(stream_id), limits.ttl_s, self._share(limits),
+            f"{created_at:.6f}", int(create)])
+        outcome = Begin(reply_text(res[0]))
+        return outcome, uuid.UUID(reply_text(res[1])) if outcome is Begin.BUSY else None
+
+    async def release(self, key_id: str, name: str, stream_id: uuid.UUID) -> bool:
+        """Clear the reservation if it is still ``stream_id``'s."""
+        return bool(await self._release(keys=[self.keys(key_id, name).meta], args=[str(stream_id)]))
+
+    async def take(self, stream_id: uuid.UUID) -> bool:
+        """Take a reserved stream id back from a create that never came: True when no stream has it (and none
+        can be created under it any more), False when the stream exists after all."""
+        k = self.store.keys(stream_id)
+        return bool(await self._take(keys=[k.meta, k.tombstone], args=[PENDING_TOMBSTONE_S]))
+
+    async def branch(self, conv: Conversation, keep: int) -> tuple[Begin, int]:
+        """Keep the first ``keep`` turns of ``conv`` (the history it read) and bump the version. Returns
+        (RESERVED, the new version), or BUSY / CHANGED / GONE."""
+        k = self.keys(conv.key_id, conv.name)
+        res = await self._branch(keys=[k.meta, k.turns], args=[k.digest, conv.version, conv.count, keep])
+        outcome = Begin(reply_text(res[0]))
+        return outcome, int(res[1]) if outcome is Begin.RESERVED else conv.version
+
+    async def append(self, conv: Conversation, turns: Sequence[Turn]) -> Begin:
+        """Append turns of items to the history ``conv`` holds: RESERVED, or BUSY / CHANGED / GONE."""
+        k = self.keys(conv.key_id, conv.name)
+        res = await self._append(keys=[k.meta, k.turns], args=[k.digest, conv.version, conv.count,
+                                                               *(t.to_json() for t in turns)])
+        return Begin(reply_text(res[0]))
+
+    async def update(self, key_id: str, name: str, metadata: dict[str, Any]) -> bool:
+        k = self.keys(key_id, name)
+        return bool(await self._update(keys=[k.meta, k.turns], args=[k.digest, orjson.dumps(metadata)]))
+
+    async def delete(self, key_id: str, name: str) -> bool:
+        k = self.keys(key_id, name)
+        return bool(await self._delete(keys=[k.meta, k.turns], args=[k.digest]))
+
+    async def fold(self, stream_id: uuid.UUID) -> bool:
+        """Fold a finished stream into the conversation it is a turn of (what a worker does once it finished
+        one). False: the stream has not ended, or is no conversation's turn. Idempotent (FOLD is)."""
+        st = await self.store.status(stream_id)
+        request = await self.store.request_of(stream_id) if st is not None else None
+        if st is None or request is None or request.history is None or request.history.conversation is None:
+            return False
+        return await self._fold(stream_id, st, request)
+
+    async def _fold(self, stream_id: uuid.UUID, st: StreamStatus, request: GenerationRequest) -> bool:
+        history = request.history
+        assert history is not None and history.conversation is not None
+        if st.status not in TERMINAL_STATUSES:
+            return False
+        turn = finished_turn(stream_id, request, st.created_at, await self._events(stream_id))
+        if turn is None:  # the meta says ended, the terminal event is not readable yet
+            return False
+        k = self.keys(history.tenant, history.conversation)
+        await self._fold_script(keys=[k.meta, k.turns], args=[k.digest, str(stream_id), turn.to_json()])
+        return True
+
+    async def settle(self, conv: Conversation) -> tuple[Settled, StreamStatus | None]:
+        """Deal with ``conv``'s pending turn: fold it in if it ended, take a reservation whose stream never
+        came back, release one that names no turn of this conversation. The stream's status comes back with
+        RUNNING. Call it only with a pending turn; read the conversation again after anything but RUNNING
+        and STARTING."""
+        assert conv.pending is not None
+        sid = conv.pending.stream_id
+        st = await self.store.status(sid)
+        if st is None:
+            if not await self.store.expired(sid):
+                if conv.pending.fresh:
+                    return Settled.STARTING, None  # its create is a round trip away
+                if not await self.take(sid):
+                    return Settled.CHANGED, None  # created after all: read again
+            # Expired before anyone folded it, or taken back: the conversation goes on without it.
+            await self.release(conv.key_id, conv.name, sid)
+            return Settled.DROPPED, None
+        request = await self.store.request_of(sid)
+        history = request.history if request is not None else None
+        if (request is None or history is None or history.conversation != conv.name
+                or history.tenant != conv.key_id or st.key_id != conv.key_id):
+            # A reservation whose create found the id taken by another stream, left by a process that died
+            # before releasing it: that stream is no turn of this conversation.
+            await self.release(conv.key_id, conv.name, sid)
+            return Settled.DROPPED, None
+        if st.status not in TERMINAL_STATUSES:
+            return Settled.RUNNING, st
+        await self._fold(sid, st, request)
+        return Settled.FOLDED, st
+
+    async def _events(self, stream_id: uuid.UUID) -> list[Event]:
+        out: list[Event] = []
+        after: str | None = None
+        while True:
+            page = await self.store.read(stream_id, after, count=_FOLD_PAGE, visible_only=False)
+            out.extend(page)
+            if len(page) < _FOLD_PAGE:
+                return out
+            after = page[-1].id

@@ -1,0 +1,246 @@
+"""The conversation service: what every view does to a conversation. A turn's create puts the history in front
+of the new messages and makes the turn the conversation's one pending turn (broker.streams.conversations says
+how that stays atomic); a read settles a pending turn that ended first, so a second device sees every finished
+answer. Views translate their protocol's requests into these calls and their answers into its shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from broker.errors import (
+    Conflict,
+    ConversationFull,
+    Expired,
+    InvalidRequest,
+    NotFound,
+    RetryLater,
+    TooManyConversations,
+)
+from broker.history import History
+from broker.request import GenerationRequest, Message
+from broker.streams.conversations import Begin, Conversation, ConversationStore, Limits, Settled, absent
+from broker.streams.keys import principal
+from broker.streams.records import TERMINAL_STATUSES, Created, StreamStatus
+from broker.streams.turns import Turn, as_messages, history_messages, output_of
+from consumer.streaming.service import Caller, StreamService
+
+#: OpenAI's spelling of a conversation id: ``conv_`` and the 32 hex digits of its UUID. Both spellings name the
+#: same conversation on every route (docs/protocol.md, "Conversations").
+OPENAI_PREFIX = "conv_"
+_UUID_CHARS = 36
+
+
+def conversation_name(raw: object, error: Exception | None = None) -> str:
+    """A conversation id as a client sent it (a UUID, or ``conv_<hex>``) as the name it is stored under: the
+    UUID's canonical text. Anything else raises ``error`` (default: a 400 naming the field)."""
+    try:
+        if isinstance(raw, str) and raw.startswith(OPENAI_PREFIX) and len(raw) == len(OPENAI_PREFIX) + 32:
+            return str(uuid.UUID(hex=raw[len(OPENAI_PREFIX):]))
+        if isinstance(raw, str) and len(raw) == _UUID_CHARS:
+            return str(uuid.UUID(raw))
+    except ValueError:
+        pass
+    raise error or InvalidRequest("'conversation' must be a UUID like 123e4567-e89b-12d3-a456-426614174000 "
+                                  "(or OpenAI's conv_<32 hex digits>)")
+
+
+def openai_id(name: str) -> str:
+    """The ``conv_`` spelling of a conversation named by a UUID."""
+    return OPENAI_PREFIX + uuid.UUID(name).hex
+
+
+# How many times a create or read goes round (read, settle, reserve) when other requests keep changing the
+# conversation under it; each round is a few round trips, and a change needs another request's success.
+ROUNDS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A conversation as a second device reads it: every finished turn, and the pending one (its stream's
+    status, or None while its stream is being created)."""
+
+    conversation: Conversation
+    pending: StreamStatus | None
+
+    @property
+    def pending_id(self) -> uuid.UUID | None:
+        p = self.conversation.pending
+        return p.stream_id if p is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStarted:
+    stream_id: uuid.UUID
+    created: Created
+
+
+class ConversationService:
+    def __init__(self, service: StreamService, conversations: ConversationStore) -> None:
+        self.service = service
+        self.conversations = conversations
+
+    def limits(self, caller: Caller) -> Limits:
+        s = self.service.settings
+        return Limits(s.conversation_ttl_s,
+                      self.service.key_limit(caller, "max_conversations") or s.max_conversations)
+
+    def owner(self, caller: Caller) -> str:
+        return principal(caller.key_id, caller.ip)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    async def snapshot(self, caller: Caller, name: str) -> Snapshot | None:
+        """The conversation with its pending turn settled (None: the caller has no conversation of this name)."""
+        for _ in range(ROUNDS):
+            conv = await self.conversations.read(caller.key_id, name)
+            if conv is None:
+                return None
+            if conv.pending is None:
+                return Snapshot(conv, None)
+            settled, st = await self.conversations.settle(conv)
+            if settled in (Settled.RUNNING, Settled.STARTING):
+                return Snapshot(conv, st)
+        raise Conflict("this conversation keeps changing; read it again")
+
+    async def get(self, caller: Caller, name: str) -> Snapshot:
+        snap = await self.snapshot(caller, name)
+        if snap is None:
+            raise NotFound("no conversation with this id")
+        return snap
+
+    async def running_turn(self, snap: Snapshot) -> Turn | None:
+        """The pending turn as far as it is known while it runs: its messages, no output (None: no turn runs,
+        or its stream is not created yet)."""
+        sid = snap.pending_id
+        if sid is None or snap.pending is None:
+            return None
+        request = await self.service.request_of(sid)
+        if request is None or request.history is None:
+            return None
+        h = request.history
+        return Turn(sid, snap.pending.status, tuple(m.stored() for m in (request.messages or ())[h.start:]),
+                    h.message_ids, created_at=snap.pending.created_at, model=snap.pending.model,
+                    answer_id=h.answer_id)
+
+    # -- turns ---------------------------------------------------------------------------------
+
+    def _check_size(self, conv: Conversation, new: Sequence[Message]) -> None:
+        s = self.service.settings
+        if conv.count >= s.conversation_max_turns:
+            raise ConversationFull(f"this conversation holds {conv.count} turns, as many as it may "
+                                   f"(--conversation-max-turns); start a new conversation")
+        added = sum(len(m.content) for m in new)
+        if conv.bytes + added > s.conversation_max_bytes:
+            raise ConversationFull(f"this conversation's history holds {conv.bytes} bytes; with these messages "
+                                   f"it would pass its bound of {s.conversation_max_bytes} "
+                                   "(--conversation-max-bytes); start a new conversation")
+
+    def assemble(self, caller: Caller, conv: Conversation, request: GenerationRequest, lead: int,
+                 message_ids: Sequence[str], answer_id: str | None = None) -> GenerationRequest:
+        """The request the engine gets: this request's instructions (``messages[:lead]``), the conversation's
+        history, then its new messages. Past the request limits it is ``conversation_full``: the history is
+        what made it too long."""
+        if request.messages is None:
+            raise InvalidRequest("a conversation's turn takes 'messages', not 'prompt'")
+        self._check_size(conv, request.messages[lead:])
+        history = as_messages(history_messages(conv.turns))
+        messages = (*request.messages[:lead], *history, *request.messages[lead:])
+        limits = self.service.limits_for(caller)
+        chars = sum(len(m.content) for m in messages)
+        if len(messages) > limits.max_messages + lead or chars > limits.max_prompt_chars:
+            raise ConversationFull(
+                f"this conversation's history and the new messages make {len(messages)} messages of {chars} "
+                f"characters, past this server's bounds ({limits.max_messages} messages, {limits.max_prompt_chars} "
+                "characters: --max-messages, --max-prompt-chars); start a new conversation")
+        return dataclasses.replace(request, messages=messages, history=History(
+            lead=lead, start=lead + len(history), conversation=conv.name, tenant=conv.key_id, version=conv.version,
+            turn=conv.count, message_ids=tuple(message_ids), answer_id=answer_id))
+
+    async def start(self, caller: Caller, name: str, request: GenerationRequest, *, lead: int = 0,
+                    stream_id: uuid.UUID | None = None, implicit: bool = True,
+                    message_ids: Sequence[str] = ()) -> TurnStarted:
+        """Start the conversation's next turn: ``request``'s messages after ``lead`` are the new ones. A
+        ``stream_id`` the conversation already has as a turn is a retry of that turn (200, no new generation).
+        ``implicit``: a conversation of this name is made if the caller has none (else 404). Raises Conflict
+        while another turn runs (or the history changed under a race that kept being lost)."""
+        for _ in range(ROUNDS):
+            snap = await self.snapshot(caller, name)
+            if snap is None:
+                if not implicit:
+                    raise NotFound("no conversation with this id")
+                conv = absent(caller.key_id, name)
+            else:
+                conv = snap.conversation
+            if stream_id is not None and (done := conv.turn(stream_id)) is not None:
+                if list(done.input) != [m.stored() for m in (request.messages or ())[lead:]]:
+                    raise Conflict("a stream with this id exists with a different request")
+                return TurnStarted(stream_id, Created(False, done.status))
+            pending = snap.pending_id if snap is not None else None
+            if pending is not None and pending != stream_id:
+                raise Conflict(f"a turn of this conversation is running (stream {pending}); wait for its end, or "
+                               "cancel it")
+            sid = stream_id or uuid.uuid4()
+            started = await self.begin(caller, conv, self.assemble(caller, conv, request, lead, message_ids), sid,
+                                       implicit=implicit)
+            if started is not None:
+                return started
+        raise Conflict("this conversation kept changing under this request; retry")
+
+    async def begin(self, caller: Caller, conv: Conversation, request: GenerationRequest, stream_id: uuid.UUID, *,
+                    implicit: bool = True) -> TurnStarted | None:
+        """Reserve the turn on the history ``conv`` holds and create its stream (``request``: assembled). None:
+        the conversation changed since it was read (read it again). Raises Conflict when another turn is
+        pending, and whatever the stream's create raises."""
+        outcome, other = await self.conversations.begin(conv, stream_id, self.owner(caller), self.limits(caller),
+                                                        created_at=time.time(), create=implicit)
+        if outcome is Begin.BUSY:
+            raise Conflict(f"a turn of this conversation is running (stream {other}); wait for its end, or cancel it")
+        if outcome is Begin.FULL:
+            limit = self.limits(caller).max_conversations
+            raise TooManyConversations(limit)
+        if outcome in (Begin.CHANGED, Begin.GONE):
+            return None
+        try:
+            created = await self.service.create(caller, request, stream_id)
+        except Conflict:
+            if outcome is Begin.RESERVED:  # the id is another stream's: this request's reservation names nothing
+                await self.conversations.release(conv.key_id, conv.name, stream_id)
+            raise
+        except Expired:
+            # Either the id was used long ago, or a request that found this reservation stale took it back.
+            if await self.conversations.release(conv.key_id, conv.name, stream_id):
+                raise
+            raise Conflict("another request's turn took this one's place in the conversation; retry") from None
+        except RetryLater:
+            await self.conversations.release(conv.key_id, conv.name, stream_id)
+            raise
+        return TurnStarted(stream_id, created)
+
+    async def continue_response(self, caller: Caller, previous: uuid.UUID, request: GenerationRequest,
+                                lead: int = 0) -> GenerationRequest:
+        """``request`` continuing the response ``previous`` (OpenAI's ``previous_response_id``): that response's
+        messages after its own instructions, its answer, then this request's new messages. The previous
+        response must have ended (its answer is the history) and be within its retention."""
+        st = await self.service.status(caller, previous)  # 404 / 410, the owner checked
+        if st.status not in TERMINAL_STATUSES:
+            raise Conflict("the previous response has not ended yet; wait for it (its answer is part of the history)")
+        prev = await self.service.request_of(previous)
+        if prev is None or prev.messages is None or request.messages is None:
+            raise InvalidRequest("the previous response cannot be continued (it has no messages)")
+        prev_lead = prev.history.lead if prev.history is not None else 0
+        output, _, _ = output_of(await self.service.events_so_far(previous))
+        history = [*prev.messages[prev_lead:], *([] if output.empty else as_messages([output.message()]))]
+        messages = (*request.messages[:lead], *history, *request.messages[lead:])
+        limits = self.service.limits_for(caller)
+        chars = sum(len(m.content) for m in messages)
+        if len(messages) > limits.max_messages + lead or chars > limits.max_prompt_chars:
+            raise ConversationFull(
+                f"the previous responses and these messages make {len(messages)} messages of {chars} characters, "
+                f"past this server's bounds ({limits.max_messages} messages, {limits.max_prompt_chars} characters)")
+        return dataclasses.replace(request, messages=messages,
+                                   history=History(lead=lead, start=lead + len(history), previous=str(previous)))
