@@ -1,13 +1,15 @@
-"""Test helpers: a strict SSE parser and small HTTP wrappers (no fakes: they talk to real servers)."""
+"""Test helpers: a strict SSE parser, small HTTP wrappers and readers (no fakes: they talk to real servers), and
+`eventually`, the one way a test waits for something to happen."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -15,6 +17,51 @@ import orjson
 from broker.errors import RsbError
 from broker.sse import ByteDecoder, parse_block
 from broker.streams.records import Created
+
+T = TypeVar("T")
+
+# Why a test that needs llama.cpp in this process skips: the fast lane runs without the compiled extra.
+LLAMA_EXTRA = "llama.cpp is not installed (the [llama] extra: pip install -e '.[test]', or ./scripts/test.sh)"
+
+
+def eventually(check: Callable[[], T | None], timeout_s: float = 10.0, what: str = "", *, interval_s: float = 0.05) -> T:
+    """Call ``check`` until it returns something truthy (returned) and raises no AssertionError, for at most
+    ``timeout_s``: a poll with a deadline, never a sleep that hopes the server was quick enough. Past the
+    deadline it fails with ``check``'s own last AssertionError, or with ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+            failure: AssertionError | None = None
+        except AssertionError as e:
+            failure = e
+        if time.monotonic() >= deadline:
+            if failure is not None:
+                raise failure
+            raise AssertionError(f"not within {timeout_s}s: {what or check}")
+        time.sleep(interval_s)
+
+
+async def eventually_async(check: Callable[[], Awaitable[T | None]], timeout_s: float = 10.0, what: str = "", *,
+                           interval_s: float = 0.05) -> T:
+    """``eventually`` for a test on the event loop: ``check`` is a coroutine function, and the wait yields to
+    the loop."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = await check()
+            if result:
+                return result
+            failure: AssertionError | None = None
+        except AssertionError as e:
+            failure = e
+        if time.monotonic() >= deadline:
+            if failure is not None:
+                raise failure
+            raise AssertionError(f"not within {timeout_s}s: {what or check}")
+        await asyncio.sleep(interval_s)
 
 
 @dataclass
@@ -177,13 +224,12 @@ def create(client: httpx.Client, body: dict[str, Any] | None = None, **fields: A
 
 
 def wait_status(client: httpx.Client, sid: str, statuses: set[str], timeout_s: float = 60.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def reached() -> dict[str, Any]:
         r = client.get(f"/v1/streams/{sid}")
-        if r.status_code == 200 and r.json()["status"] in statuses:
-            return dict(r.json())
-        assert time.monotonic() < deadline, f"stream {sid} never reached {statuses}: {r.text}"
-        time.sleep(0.05)
+        assert r.status_code == 200 and r.json()["status"] in statuses, f"stream {sid} never reached {statuses}: {r.text}"
+        return dict(r.json())
+
+    return eventually(reached, timeout_s)
 
 
 # The commonest English words: a real model's answer is full of them, random-weight gibberish is not.
@@ -203,15 +249,81 @@ def assert_english(text: str, min_words: int = 20) -> None:
     common = sum(w in COMMON_ENGLISH for w in words)
     assert common / len(words) > 0.2, f"few common English words ({common}/{len(words)}): {text!r}"
 
+def metric(text: str, name: str) -> float:
+    """One sample of a Prometheus text exposition (``rsb_connected_readers``, or a name with its labels), 0 if
+    absent (a counter nothing has incremented yet)."""
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
+
+
+def connected_readers(base_url: str) -> float:
+    return metric(httpx.get(f"{base_url}/metrics", timeout=10).text, "rsb_connected_readers")
+
+
+def wait_readers_sync(base_url: str, n: float, timeout_s: float = 10.0) -> None:
+    """Until the consumer at ``base_url`` counts at least ``n`` connected readers (SSE and long-polls)."""
+    eventually(lambda: connected_readers(base_url) >= n, timeout_s, f"{n} connected readers")
+
+
 async def wait_readers(client: httpx.AsyncClient, n: int, timeout_s: float) -> None:
     """Wait until the consumer behind ``client`` counts ``n`` connected readers (its /metrics)."""
-    import asyncio
+    async def enough() -> bool:
+        readers = metric((await client.get("/metrics")).text, "rsb_connected_readers")
+        assert readers >= n, f"only {readers} of {n} readers connected"
+        return True
 
+    await eventually_async(enough, timeout_s)
+
+
+# -- a reader that reconnects like a browser's EventSource -----------------------------------------------
+
+
+class ResumingRead:
+    """What a reconnecting reader saw: every event once (by id), how each connection ended, when each event
+    arrived (wall clock, to compare with the event id's millisecond part: the append time in Redis)."""
+
+    def __init__(self) -> None:
+        self.events: list[SSE] = []
+        self.received_at: list[float] = []
+        self.ends: list[str] = []  # per connection: "clean" (the server ended the body) or "error"
+        self.retry: list[int] = []
+        self.errors: list[str] = []
+        self.done = False
+
+    @property
+    def ids(self) -> list[str]:
+        return [e.id for e in self.events if e.id is not None]
+
+
+def read_resuming(base_url: str, sid: str, *, max_connections: int = 10, timeout_s: float = 60.0,
+                  into: ResumingRead | None = None) -> ResumingRead:
+    """Read a stream to its terminal event, reconnecting with Last-Event-ID whenever a connection ends
+    early (a draining pod's clean close, a killed pod's cut): what a browser's EventSource does, without
+    the `retry:` wait. Each connection is new, so a balancer may send it to another pod."""
+    out = into or ResumingRead()
     deadline = time.monotonic() + timeout_s
-    while True:
-        m = (await client.get("/metrics")).text
-        readers = next(float(line.split()[1]) for line in m.splitlines() if line.startswith("rsb_connected_readers "))
-        if readers >= n:
-            return
-        assert time.monotonic() < deadline, f"only {readers} of {n} readers connected"
-        await asyncio.sleep(0.05)
+    while not out.done:
+        assert len(out.ends) < max_connections, f"gave up after {len(out.ends)} connections: {out.ends}"
+        assert time.monotonic() < deadline, "the stream did not end in time"
+        headers = {"Last-Event-ID": out.ids[-1]} if out.events else {}
+        try:
+            with httpx.Client(base_url=base_url, timeout=httpx.Timeout(10.0)) as c, \
+                    c.stream("GET", f"/v1/streams/{sid}/events", headers=headers) as r:
+                if r.status_code == 204:  # resumed at the terminal event
+                    out.done = True
+                    out.ends.append("clean")
+                    break
+                assert r.status_code == 200, r.status_code
+                for parsed in sse_blocks(r):
+                    if isinstance(parsed, SSE):
+                        out.events.append(parsed)
+                        out.received_at.append(time.time())
+                        if parsed.event in ("done", "cancelled", "error"):
+                            out.done = True
+                    elif parsed[0] == "retry":
+                        out.retry.append(int(parsed[1]))
+            out.ends.append("clean")
+        except (httpx.HTTPError, OSError) as e:
+            out.ends.append("error")  # cut mid-stream: a partial event was dropped, and is read again
+            out.errors.append(repr(e))
+            time.sleep(0.05)
+    return out

@@ -10,6 +10,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("rsb", "broker", "generator", "consumer")
 # The layers, most specific first: a module belongs to the first layer whose name is its own or a parent of it,
@@ -219,11 +221,13 @@ def test_no_blanket_type_ignores_in_tests() -> None:
     assert not offenders, offenders
 
 
+@pytest.mark.slow
 def test_ruff_is_clean() -> None:
     r = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_mypy_is_clean() -> None:
     """mypy --strict over the packages and the tests (pyproject.toml names them)."""
     r = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)

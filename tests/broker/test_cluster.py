@@ -11,9 +11,10 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 import redis
-from conftest import RedisClusterServers, Stack, StackFactory
-from helpers import create, create_outcome, read_sse, wait_status
+from helpers import create, create_outcome, read_sse, wait_readers, wait_status
+from servers import RedisClusterServers, Stack, StackFactory
 
 from broker.redis.connection import connect
 from broker.redis.keyspace import partition_slot
@@ -21,6 +22,8 @@ from broker.request import GenerationRequest
 from broker.streams.keys import jobs_key, partition_of
 from broker.streams.records import Claim
 from broker.streams.store import Store
+
+pytestmark = pytest.mark.slow
 
 PARTITIONS = 6
 
@@ -166,10 +169,7 @@ def test_live_tail_on_a_cluster_uses_one_pubsub_connection_per_master(stack_fact
                 return buf.decode()
 
             tasks = [asyncio.create_task(one(sids[i % len(sids)])) for i in range(300)]
-            deadline = time.monotonic() + 30
-            while _metric((await ac.get("/metrics")).text, "rsb_connected_readers") < 300:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)
+            await wait_readers(ac, 300, 30)
             metrics = (await ac.get("/metrics")).text
             assert _metric(metrics, "rsb_live_hub_connections") == 3  # one per master, whatever the readers
             per_node = {p: [cl for cl in redis.Redis(port=p).client_list() if cl["id"] not in baseline[p]]

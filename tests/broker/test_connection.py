@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import PrimaryReplica
+from servers import PrimaryReplica
 
 from broker.redis.connection import connect, is_sentinel_url
 from broker.redis.server import find_server_binary, free_port
+
+pytestmark = pytest.mark.slow
 
 SERVICE = "rsbmaster"
 

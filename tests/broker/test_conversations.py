@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from conftest import RedisClusterServers
+from servers import RedisClusterServers
 
 from broker.errors import Expired, TooManyConversations
 from broker.events import EventType, encode_data

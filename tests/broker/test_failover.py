@@ -27,11 +27,13 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import RedisClusterServers, Stack, StackFactory
 from helpers import SSE, create, sse_blocks
+from servers import RedisClusterServers, Stack, StackFactory
 
 from broker.redis.keyspace import partition_slot
 from broker.streams.keys import StreamKeys
+
+pytestmark = pytest.mark.slow
 
 PARTITIONS = 6
 STREAMS = 6

@@ -4,6 +4,7 @@ any input, including CR, LF, NUL, U+2028 and lone surrogates."""
 from __future__ import annotations
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +34,7 @@ def _parse_frames(raw: bytes) -> list[dict[str, str]]:
     return events
 
 
+@pytest.mark.slow  # hundreds of examples: seconds
 @given(st.lists(st.tuples(IDS, st.sampled_from(list(EventType)), TEXT), max_size=20), st.booleans())
 @settings(max_examples=200)
 def test_a_page_frames_exactly_as_its_events_do(rows: list[tuple[str, str, str]], parsed: bool) -> None:
@@ -49,6 +51,7 @@ def test_a_page_frames_exactly_as_its_events_do(rows: list[tuple[str, str, str]]
         assert page[-1] == events[-1] and list(page[1:]) == events[1:]
 
 
+@pytest.mark.slow  # hundreds of examples: seconds
 @given(TEXT, IDS)
 @settings(max_examples=300)
 def test_any_delta_text_is_exactly_one_well_framed_event(text: str, eid: str) -> None:
@@ -69,6 +72,7 @@ def test_issued_ids_parse_and_order_like_redis(eid: str) -> None:
     assert parse_event_id(eid) == (ms, seq)
 
 
+@pytest.mark.slow  # hundreds of examples: seconds
 @given(st.text(max_size=50))
 @settings(max_examples=500)
 def test_the_resume_id_parser_accepts_only_ids(raw: str) -> None:
@@ -87,6 +91,7 @@ BODY_KEYS = st.sampled_from(["id", "messages", "prompt", "model", "max_tokens", 
                              "stop", "cancel_on_disconnect", "extra"])
 
 
+@pytest.mark.slow  # hundreds of examples: seconds
 @given(st.dictionaries(BODY_KEYS, JSON, max_size=6) | JSON)
 @settings(max_examples=400)
 def test_the_request_validator_accepts_or_raises_invalid_request_only(body: object) -> None:

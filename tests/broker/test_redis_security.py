@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import StackFactory
 from helpers import create, read_sse
+from servers import StackFactory
 
 from broker.redis.server import RedisServer, TlsFiles, make_tls_files
 

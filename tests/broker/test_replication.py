@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import PrimaryReplica, StackFactory
-from helpers import SSE, create, sse_blocks
+from helpers import SSE, create, eventually, sse_blocks
+from servers import PrimaryReplica, StackFactory
 
 from broker.events import EventType, encode_data
 from broker.redis.connection import connect
@@ -24,6 +24,8 @@ from broker.request import GenerationRequest
 from broker.streams.keys import StreamKeys
 from broker.streams.records import Claim
 from broker.streams.store import Store
+
+pytestmark = pytest.mark.slow
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 
@@ -61,7 +63,7 @@ async def test_an_event_is_visible_only_once_the_replica_has_it(primary_replica:
         os.kill(pair.replica.proc.pid, signal.SIGSTOP)
         try:
             pending = asyncio.ensure_future(store.append(claim, 1, 2, [_delta("b")]))
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # deliberate: a second in which the append must not complete
             assert not pending.done()  # paused: no replica acknowledged it
             everything = await store.read(sid, None, visible_only=False)
             assert [e.type for e in everything] == ["queued", "delta", "delta"]  # on the primary...
@@ -109,16 +111,14 @@ def test_a_generation_pauses_while_no_replica_answers(primary_replica: PrimaryRe
         got: list[tuple[float, SSE | bytes]] = []
         reader = threading.Thread(target=_follow, args=(stack.base_url, sid, got), daemon=True)
         reader.start()
-        deadline = time.monotonic() + 30
-        while sum(isinstance(x, SSE) and x.event == "delta" for _, x in got) < 20:
-            assert time.monotonic() < deadline, "no deltas came"
-            time.sleep(0.02)
+        eventually(lambda: sum(isinstance(x, SSE) and x.event == "delta" for _, x in got) >= 20, 30, "20 deltas",
+                   interval_s=0.02)
         os.kill(pair.replica.proc.pid, signal.SIGSTOP)
         try:
             time.sleep(0.5)  # an append whose WAIT was answered before the stop may still arrive
             before = sum(isinstance(x, SSE) for _, x in got)
             stopped_at = time.monotonic()
-            time.sleep(2.0)
+            time.sleep(2.0)  # deliberate: two seconds with no replica, in which no event may be delivered
             during = [x for t, x in got if t >= stopped_at]
             assert not any(isinstance(x, SSE) for x in during), "an event was delivered while no replica had it"
             assert sum(isinstance(x, bytes) for x in during) >= 3  # heartbeats kept the reader

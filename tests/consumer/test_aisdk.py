@@ -27,14 +27,16 @@ import httpx
 import orjson
 import pytest
 import redis
-from conftest import CHROMIUM, Stack, StackFactory, needs_chromium
 from helpers import read_sse
 from scripted_upstream import Reply, ScriptedUpstream, reasoning, text, tool_call_pieces
+from servers import CHROMIUM, Stack, StackFactory, needs_chromium
 
 from broker.redis.server import RedisServer
 from broker.sse import ByteDecoder, parse_block
 from broker.streams.keys import StreamKeys
 from consumer.edge.auth import new_key
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "aisdk" / "harness"

@@ -8,11 +8,13 @@ from typing import Any
 import orjson
 import pytest
 import redis
-from conftest import Stack, StackFactory
 from helpers import create, read_sse, wait_status
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key
+
+pytestmark = pytest.mark.slow
 
 # A stack whose consumer knows two API keys, and the headers that send each.
 Tenants = tuple[Stack, dict[str, str], dict[str, str]]

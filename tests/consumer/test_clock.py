@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
+
+from helpers import eventually_async
 
 from consumer.streaming.clock import Clock
 
@@ -13,15 +16,20 @@ def test_callbacks_fire_never_early_at_most_a_granule_late_and_share_one_timer()
         loop = asyncio.get_running_loop()
         clock = Clock(granule_s=0.05)
         fired: dict[str, float] = {}
-        start = loop.time()
-        due = {"a": start + 0.10, "b": start + 0.11, "c": start + 0.30}
+        # a and b inside one granule whatever the loop's time now (start + 0.10 and + 0.11 straddled a granule's
+        # edge one run in five); c six granules on.
+        edge = (math.ceil(loop.time() / 0.05) + 1) * 0.05
+        due = {"a": edge + 0.001, "b": edge + 0.011, "c": edge + 0.301}
 
         def firing(name: str) -> Callable[[], None]:
             return lambda: fired.__setitem__(name, loop.time())
 
         keys = {name: clock.call_at(when, firing(name)) for name, when in due.items()}
         assert keys["a"] == keys["b"]  # one granule: one loop timer for both
-        await asyncio.sleep(0.7)
+        async def all_fired() -> bool:
+            return fired.keys() == due.keys()
+
+        await eventually_async(all_fired, 5, "every callback firing")
         for name, when in due.items():
             # never early; late by at most the granule (plus what a busy shared machine adds to any timer)
             assert when <= fired[name] <= when + 0.05 + 0.2, (name, fired[name] - when)
@@ -44,7 +52,10 @@ def test_a_cancelled_callback_never_runs() -> None:
         key = clock.call_at(loop.time() + 0.05, early)
         clock.call_at(loop.time() + 0.05, kept)
         clock.cancel(key, early)
-        await asyncio.sleep(0.15)
-        assert fired == ["kept"]
+        async def kept_fired() -> bool:
+            return "kept" in fired
+
+        await eventually_async(kept_fired, 5, "the kept callback firing")
+        assert fired == ["kept"]  # the cancelled one was due in the same granule: it would have run with it
 
     asyncio.run(main())

@@ -10,11 +10,14 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
-from conftest import NginxFactory, ResumingRead, StackFactory, read_resuming
-from helpers import create, read_sse
+from helpers import ResumingRead, create, eventually, read_resuming, read_sse
+from servers import NginxFactory, StackFactory
 
 from broker.redis.server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 
 def _readers(url: str) -> float:
@@ -36,10 +39,8 @@ def test_sigterm_moves_every_reader_to_the_other_pod_without_loss(stack_factory:
                for i, r in enumerate(results)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 20
-    while sum(_readers(u) for _, u in pods) < 12 or not all(r.events for r in results):
-        assert time.monotonic() < deadline, "readers did not connect"
-        time.sleep(0.05)
+    eventually(lambda: sum(_readers(u) for _, u in pods) >= 12 and all(r.events for r in results), 20,
+               "every reader connected and reading")
     (proc, url), (_, other) = pods
     drained = int(_readers(url))
     assert 0 < drained < 12, "least_conn spreads the readers over both pods"

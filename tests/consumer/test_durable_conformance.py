@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import ROOT, RedisClusterServers, StackFactory
+from servers import ROOT, RedisClusterServers, StackFactory
 
 from broker.redis.server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 HARNESS = ROOT / "tests" / "durable" / "harness"
 BASELINE = HARNESS / "baseline" / "reference-0.3.7-lp500ms.tsv"

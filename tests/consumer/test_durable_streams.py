@@ -17,12 +17,14 @@ import httpx
 import orjson
 import pytest
 import redis
-from conftest import Stack, StackFactory
 from durable_streams import stream as ds_stream
-from helpers import create, read_sse, wait_readers
+from helpers import connected_readers, create, eventually, read_sse, wait_readers, wait_readers_sync
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +123,19 @@ def test_a_long_poll_is_woken_by_an_append_and_by_a_close_not_by_its_timeout(ds:
             r = c.get(path, params={"offset": offset, "live": "long-poll"})
             return r, time.monotonic() - t0
 
+        readers = connected_readers(ds)
         waiting = pool.submit(poll, tail)
-        time.sleep(0.5)
+        wait_readers_sync(ds, readers + 1)  # the long-poll is waiting on the stream
         assert not waiting.done()
         post(c, path, b"news")
         r, took = waiting.result(timeout=5)
         assert r.status_code == 200 and r.content == b"news" and took < 5  # the timeout is 10 s
         assert r.headers["stream-cursor"].isdigit() and r.headers["stream-up-to-date"] == "true"
 
+        eventually(lambda: connected_readers(ds) == readers, 5, "the first long-poll counted out")
         waiting = pool.submit(poll, r.headers["stream-next-offset"])
-        time.sleep(0.5)
+        wait_readers_sync(ds, readers + 1)
+        assert not waiting.done()
         assert c.post(path, headers={"Stream-Closed": "true"}).status_code == 204
         r, took = waiting.result(timeout=5)
         assert r.status_code == 204 and r.headers["stream-closed"] == "true" and took < 5
@@ -174,8 +179,8 @@ def test_an_open_sse_reader_keeps_a_short_ttl_stream_alive_and_it_expires_after(
                 controls += next(chunks).count(b"event: control")
             assert controls >= 4
             assert c.head(path).status_code == 200
-        time.sleep(2.5)  # no reader, no write: the TTL runs out
-        assert c.head(path).status_code == 404
+        # No reader, no write: the TTL runs out (a HEAD restarts no TTL).
+        eventually(lambda: c.head(path).status_code == 404, 10, "the stream expiring")
 
 
 def test_waiting_long_polls_hold_no_redis_connection_each(ds: str, redis_client: redis.Redis) -> None:
@@ -248,7 +253,7 @@ def test_each_api_key_has_its_own_paths_and_its_own_limits(stack_factory: StackF
         # Long-polls count against the same per-address limit as SSE readers.
         tail = a.head("/v1/stream/z").headers["stream-next-offset"]
         polls = [pool.submit(a.get, "/v1/stream/z", params={"offset": tail, "live": "long-poll"}) for _ in range(2)]
-        time.sleep(1.0)
+        wait_readers_sync(s.base_url, 2)
         third = b.get("/v1/stream/x", params={"offset": "now", "live": "sse"})
         assert third.status_code == 429 and third.json()["error"]["code"] == "too_many_connections"
         post(a, "/v1/stream/z", b"wake")

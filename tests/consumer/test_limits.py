@@ -11,8 +11,8 @@ import httpx
 import orjson
 import pytest
 import redis
-from conftest import Stack, StackFactory
-from helpers import create, read_sse
+from helpers import create, eventually, read_sse, wait_status
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key
@@ -92,14 +92,14 @@ def test_open_streams_per_key_and_per_ip_at_exactly_their_limits(limited: Limite
     assert int(r.headers["retry-after"]) >= 1
     for cl in opened + more:
         cl.close()
-    deadline = time.monotonic() + 5
-    while True:  # closed connections are counted out: the limit frees up again
-        code = _open(s.base_url, 1, alice, sid_a)
-        if code[1] == [200]:
-            code[0][0].close()
-            break
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+
+    def one_more_opens() -> bool:
+        clients, codes = _open(s.base_url, 1, alice, sid_a)
+        for cl in clients:
+            cl.close()
+        return codes == [200]
+
+    eventually(one_more_opens, 5, "closed connections counted out: the limit frees up again")
 
 
 def test_read_tokens_open_one_stream_for_a_short_time(limited: Limited) -> None:
@@ -118,9 +118,13 @@ def test_read_tokens_open_one_stream_for_a_short_time(limited: Limited) -> None:
         assert anon.post(f"/v1/streams/{body['id']}/cancel", params={"token": token}).status_code == 401
         tampered = token[:-2] + ("AA" if not token.endswith("AA") else "BB")
         assert anon.get(f"/v1/streams/{body['id']}", params={"token": tampered}).status_code == 401
-        time.sleep(3.1)  # ttl 2 s
-        r = anon.get(f"/v1/streams/{body['id']}", params={"token": token})
-        assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
+
+        def token_expired() -> bool:
+            r = anon.get(f"/v1/streams/{body['id']}", params={"token": token})
+            assert r.status_code == 401 and "expired" in r.json()["error"]["message"], (r.status_code, r.text)
+            return True
+
+        eventually(token_expired, 10)  # ttl 2 s
 
 
 def test_cors_allowlist(limited: Limited) -> None:
@@ -223,13 +227,8 @@ def test_unfinished_generations_per_key_at_exactly_max_active(stack_factory: Sta
         assert create(c, max_tokens=4).status_code == 201  # a finished one frees its slot
         assert create(c, max_tokens=4).status_code == 429
         s.generator()
-        from helpers import wait_status
-
         wait_status(c, first[1].json()["id"], {"done"})
-        deadline = time.monotonic() + 30
-        while create(c, max_tokens=4).status_code != 201:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        eventually(lambda: create(c, max_tokens=4).status_code == 201, 30, "a done generation freeing its slot")
 
 
 def test_with_keys_the_create_rate_is_per_key_and_a_key_may_override_it(

@@ -17,8 +17,8 @@ import httpx
 import orjson
 import pytest
 import redis
-from conftest import Stack, StackFactory
 from helpers import read_sse, wait_status
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
 from broker.streams.keys import ConversationKeys, StreamKeys

@@ -8,18 +8,19 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
 import httpx
 import pytest
 import redis
-from conftest import NginxFactory, ResumingRead, Stack, StackFactory, read_resuming
-from helpers import create, read_sse
+from helpers import ResumingRead, create, eventually, read_resuming, read_sse
+from servers import NginxFactory, Stack, StackFactory
 
 from bench.procs import Nginx, Proc
 from broker.redis.server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 
 def _metric(url: str, name: str) -> float:
@@ -35,13 +36,6 @@ def _front(stack_factory: StackFactory, redis_server: RedisServer, nginx_factory
     return s, pods, nginx
 
 
-def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def test_events_reach_the_reader_through_nginx_within_milliseconds(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
                                                                     nginx_factory: NginxFactory, slow_model: Path) -> None:
     s, _, nginx = _front(stack_factory, redis_server, nginx_factory)
@@ -50,7 +44,7 @@ def test_events_reach_the_reader_through_nginx_within_milliseconds(stack_factory
     result = ResumingRead()
     reader = threading.Thread(target=read_resuming, args=(nginx.url, sid), kwargs={"into": result})
     reader.start()
-    _wait(lambda: len(result.events) >= 1, 10, "the reader never got `queued`")
+    eventually(lambda: len(result.events) >= 1, 10, "the reader getting `queued`", interval_s=0.02)
     s.generator(model=slow_model)  # every delta from now on is appended while the reader tails live
     reader.join(60)
     assert result.done and result.ends == ["clean"]
@@ -79,7 +73,7 @@ def test_a_reader_survives_its_pod_going_away_mid_stream(stack_factory: StackFac
     result = ResumingRead()
     reader = threading.Thread(target=read_resuming, args=(nginx.url, sid), kwargs={"into": result})
     reader.start()
-    _wait(lambda: sum(e.event == "delta" for e in result.events) >= 20, 20, "no deltas")
+    eventually(lambda: sum(e.event == "delta" for e in result.events) >= 20, 20, "20 deltas", interval_s=0.02)
     serving = [(proc, url) for proc, url in pods if _metric(url, "rsb_connected_readers") == 1]
     assert len(serving) == 1, "exactly one pod serves the reader"
     proc, _ = serving[0]

@@ -16,10 +16,10 @@ import openai
 import orjson
 import pytest
 import redis
-from conftest import Stack, StackFactory
-from helpers import SSERead, create, read_sse, wait_status
+from helpers import SSERead, create, eventually, read_sse, wait_status
 from openai.types.chat import ChatCompletionContentPartTextParam, ChatCompletionMessageParam
 from openai.types.responses import (
+    Response,
     ResponseContentPartDoneEvent,
     ResponseCreatedEvent,
     ResponseIncompleteEvent,
@@ -29,9 +29,12 @@ from openai.types.responses import (
     ResponseStreamEvent,
     ResponseTextDoneEvent,
 )
+from servers import SharedStack, StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key
+
+pytestmark = pytest.mark.slow
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story"}]
 
@@ -64,8 +67,8 @@ def _metrics(base_url: str) -> dict[str, float]:
             if line and not line.startswith("#")}
 
 
-def test_chat_stream_is_the_rsb_stream_read_as_chunks(stack: Stack) -> None:
-    client = _client(stack.base_url)
+def test_chat_stream_is_the_rsb_stream_read_as_chunks(shared_stack: SharedStack) -> None:
+    client = _client(shared_stack.base_url)
     raw = client.chat.completions.with_raw_response.create(
         model="story-model", messages=CHAT, max_tokens=32, stream=True, stream_options={"include_usage": True})
     assert raw.headers["content-type"].startswith("text/event-stream")
@@ -79,7 +82,7 @@ def test_chat_stream_is_the_rsb_stream_read_as_chunks(stack: Stack) -> None:
     assert final.choices[0].finish_reason == "length" and final.choices[0].delta.content is None
     text = "".join(c.choices[0].delta.content or "" for c in body)
 
-    native = _native(stack.base_url, sid)
+    native = _native(shared_stack.base_url, sid)
     assert text == native.text and text
     usage = native.events[-1].data["usage"]
     assert usage_chunk.choices == [] and usage_chunk.usage is not None
@@ -88,8 +91,8 @@ def test_chat_stream_is_the_rsb_stream_read_as_chunks(stack: Stack) -> None:
     assert usage_chunk.usage.total_tokens == 32 + usage["prompt_tokens"]
 
 
-def test_chat_without_stream_answers_the_whole_completion_once_it_ends(stack: Stack) -> None:
-    client = _client(stack.base_url)
+def test_chat_without_stream_answers_the_whole_completion_once_it_ends(shared_stack: SharedStack) -> None:
+    client = _client(shared_stack.base_url)
     parts: list[ChatCompletionContentPartTextParam] = [{"type": "text", "text": "Tell me "},
                                                        {"type": "text", "text": "a story"}]
     messages: list[ChatCompletionMessageParam] = [{"role": "developer", "content": "Be brief."},
@@ -98,7 +101,7 @@ def test_chat_without_stream_answers_the_whole_completion_once_it_ends(stack: St
                                                            temperature=0.5, top_p=0.9, seed=7, stop=["\n\n\n"])
     sid = raw.headers["x-rsb-stream-id"]
     completion = raw.parse()
-    native = _native(stack.base_url, sid)
+    native = _native(shared_stack.base_url, sid)
     assert completion.object == "chat.completion" and completion.id == f"chatcmpl-{uuid.UUID(sid).hex}"
     choice = completion.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == native.text
@@ -111,14 +114,14 @@ def test_chat_without_stream_answers_the_whole_completion_once_it_ends(stack: St
     native_body = {"id": sid, "model": "m", "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "seed": 7,
                    "stop": ["\n\n\n"], "messages": [{"role": "system", "content": "Be brief."},
                                                      {"role": "user", "content": "Tell me a story"}]}
-    with httpx.Client(base_url=stack.base_url) as c:
+    with httpx.Client(base_url=shared_stack.base_url) as c:
         r = c.post("/v1/streams", json=native_body)
         assert r.status_code == 200 and r.json()["created"] is False and r.json()["status"] == "done"
         assert c.post("/v1/streams", json={**native_body, "seed": 8}).status_code == 409
 
 
-def test_responses_stream_resumes_after_any_sequence_number_with_no_gap_and_no_duplicate(stack: Stack) -> None:
-    client = _client(stack.base_url)
+def test_responses_stream_resumes_after_any_sequence_number_with_no_gap_and_no_duplicate(shared_stack: SharedStack) -> None:
+    client = _client(shared_stack.base_url)
     head: list[ResponseStreamEvent] = []
     with client.responses.create(model="m", input="Tell me a story", max_output_tokens=40, background=True,
                                  stream=True) as stream:
@@ -138,7 +141,7 @@ def test_responses_stream_resumes_after_any_sequence_number_with_no_gap_and_no_d
                      "response.output_text.done", "response.content_part.done", "response.output_item.done",
                      "response.incomplete"]
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    native = _native(stack.base_url, _stream_id(rid))
+    native = _native(shared_stack.base_url, _stream_id(rid))
     assert text == native.text and text
     assert n_deltas == [e.event for e in native.events].count("delta")
     assert isinstance(events[-4], ResponseTextDoneEvent) and isinstance(events[-3], ResponseContentPartDoneEvent)
@@ -161,14 +164,14 @@ def test_responses_stream_resumes_after_any_sequence_number_with_no_gap_and_no_d
     assert retrieved.model_dump() == final.model_dump()
 
 
-def test_responses_report_completed_on_a_stop_sequence_and_wait_without_background(stack: Stack) -> None:
-    client = _client(stack.base_url)
+def test_responses_report_completed_on_a_stop_sequence_and_wait_without_background(shared_stack: SharedStack) -> None:
+    client = _client(shared_stack.base_url)
     # Stop sequences are not a Responses parameter; rsb takes them from extra_body. These letters end any
     # English-like gibberish well before 200 tokens, so the answer ends with "stop": status completed.
     r = client.responses.create(model="m", input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
                                 instructions="Answer briefly.", max_output_tokens=200,
                                 extra_body={"stop": ["e", "a", "o", "i"], "seed": 3})
-    native = _native(stack.base_url, _stream_id(r.id))
+    native = _native(shared_stack.base_url, _stream_id(r.id))
     assert native.events[-1].data["finish_reason"] == "stop"
     assert r.status == "completed" and r.output_text == native.text and r.incomplete_details is None
     assert r.usage is not None and r.usage.output_tokens == native.events[-1].data["usage"]["completion_tokens"]
@@ -177,23 +180,26 @@ def test_responses_report_completed_on_a_stop_sequence_and_wait_without_backgrou
     last = list(client.responses.retrieve(r.id, stream=True))[-1]
     assert last.type == "response.completed" and last.response.model_dump() == r.model_dump()
 
-    # background without stream: answered at once, then polled.
-    bg = client.responses.create(model="m", input="Hello", max_output_tokens=16, background=True)
+    # background without stream: answered at once, then polled. 1,000 tokens take the demo model a few hundred
+    # ms: the create answers first even on a warm generator that claims the job at once.
+    bg = client.responses.create(model="m", input="Hello", max_output_tokens=1000, background=True)
     assert bg.status in ("queued", "in_progress") and bg.background
-    deadline = time.monotonic() + 60
-    while (bg := client.responses.retrieve(bg.id)).status in ("queued", "in_progress"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert bg.status == "incomplete" and bg.output_text == _native(stack.base_url, _stream_id(bg.id)).text
+
+    def ended() -> Response | None:
+        now = client.responses.retrieve(bg.id)
+        return None if now.status in ("queued", "in_progress") else now
+
+    bg = eventually(ended, 60, "the background response ending")
+    assert bg.status == "incomplete" and bg.output_text == _native(shared_stack.base_url, _stream_id(bg.id)).text
 
 
-async def test_the_async_client_streams_chat_and_responses(stack: Stack) -> None:
-    async with openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0) as client:
+async def test_the_async_client_streams_chat_and_responses(shared_stack: SharedStack) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{shared_stack.base_url}/v1", api_key="unused", max_retries=0) as client:
         raw = await client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=24,
                                                                      stream=True)
         chunks = [c async for c in raw.parse()]
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text == _native(stack.base_url, raw.headers["x-rsb-stream-id"]).text
+        assert text == _native(shared_stack.base_url, raw.headers["x-rsb-stream-id"]).text
         assert chunks[-1].choices[0].finish_reason == "length"
 
         stream = await client.responses.create(model="m", input="Hello", max_output_tokens=24, background=True,
@@ -204,7 +210,7 @@ async def test_the_async_client_streams_chat_and_responses(stack: Stack) -> None
         resumed = [e async for e in await client.responses.retrieve(rid, stream=True, starting_after=6)]
         assert _dumps(resumed) == _dumps(events[7:])
         retrieved = await client.responses.retrieve(rid)
-        assert retrieved.output_text == _native(stack.base_url, _stream_id(rid)).text
+        assert retrieved.output_text == _native(shared_stack.base_url, _stream_id(rid)).text
 
 
 def test_cancel_stops_a_long_generation(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
@@ -213,10 +219,12 @@ def test_cancel_stops_a_long_generation(stack_factory: StackFactory, redis_serve
     s.generator(model=slow_model)
     client = _client(s.base_url)
     r = client.responses.create(model="m", input="Tell me a long story", max_output_tokens=4000, background=True)
-    deadline = time.monotonic() + 60
-    while not (r := client.responses.retrieve(r.id)).output_text:
-        assert time.monotonic() < deadline and r.status in ("queued", "in_progress")
-        time.sleep(0.05)
+    def some_text() -> Response | None:
+        now = client.responses.retrieve(r.id)
+        assert now.status in ("queued", "in_progress"), now.status
+        return now if now.output_text else None
+
+    r = eventually(some_text, 60, "some text in the response")
     assert isinstance(r.output[0], ResponseOutputMessage)
     assert r.status == "in_progress" and r.output[0].status == "in_progress"
 
@@ -307,10 +315,8 @@ def test_a_draining_pod_ends_response_streams_for_a_resume_and_chat_streams_with
     assert [e.type for e in head] == ["response.created", "response.queued"]
     # Both readers tailing and past their first Redis calls: a drain that lands inside a redis-py call can
     # lose its cancellation on Python 3.11 (asyncio.wait_for), which is the SSE layer's to handle, not ours.
-    deadline = time.monotonic() + 10
-    while _metrics(s.base_url).get("rsb_connected_readers", 0) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    eventually(lambda: _metrics(s.base_url).get("rsb_connected_readers", 0) >= 2, 10, "both readers tailing")
+    # Nothing shows a reader's first Redis calls are over: a deliberate half second for them.
     time.sleep(0.5)
     first.signal(signal.SIGTERM)
     # The pod ends the stream at an event boundary: no exception (the SDK would choke on a bare "retry:"
@@ -333,8 +339,9 @@ def test_a_draining_pod_ends_response_streams_for_a_resume_and_chat_streams_with
     assert events[-1].response.output_text == _native(second_url, _stream_id(rid)).text
 
 
-def test_bad_requests_get_openai_errors_and_create_nothing(stack: Stack) -> None:
-    client = _client(stack.base_url)
+def test_bad_requests_get_openai_errors_and_create_nothing(shared_stack: SharedStack) -> None:
+    client = _client(shared_stack.base_url)
+    created = _metrics(shared_stack.base_url).get("rsb_streams_created_total", 0)
     bad_chats: list[tuple[dict[str, Any], str]] = [
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
@@ -394,7 +401,7 @@ def test_bad_requests_get_openai_errors_and_create_nothing(stack: Stack) -> None
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
 
-    with httpx.Client(base_url=stack.base_url) as c:
+    with httpx.Client(base_url=shared_stack.base_url) as c:
         for path in ("/v1/chat/completions", "/v1/responses"):
             for body in (b"{not json", b"[1]"):
                 r = c.post(path, content=body, headers={"content-type": "application/json"})
@@ -404,18 +411,23 @@ def test_bad_requests_get_openai_errors_and_create_nothing(stack: Stack) -> None
         rid = "resp_" + uuid.uuid4().hex
         assert c.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "-1"}).status_code == 400
         assert c.get(f"/v1/responses/{rid}", params={"stream": "maybe"}).status_code == 400
-    assert _metrics(stack.base_url).get("rsb_streams_created_total", 0) == 0  # every counter is exposed, from 0
+    assert _metrics(shared_stack.base_url).get("rsb_streams_created_total", 0) == created
     # /v1/models lists the model the generator serves: the name its `started` events carry.
-    with httpx.Client(base_url=stack.base_url) as c:
-        served = _native(stack.base_url, str(create(c, max_tokens=1).json()["id"]))
+    with httpx.Client(base_url=shared_stack.base_url) as c:
+        served = _native(shared_stack.base_url, str(create(c, max_tokens=1).json()["id"]))
     model = served.events[1].data["model"]
     assert "demo" in model and [m.id for m in client.models.list()] == [model]
     assert client.models.retrieve(model).id == model
 
 
-def test_an_idempotency_key_makes_retries_land_on_one_generation(stack: Stack) -> None:
-    client = _client(stack.base_url, max_retries=2)
+def test_an_idempotency_key_makes_retries_land_on_one_generation(shared_stack: SharedStack) -> None:
+    client = _client(shared_stack.base_url, max_retries=2)
     key = {"Idempotency-Key": str(uuid.uuid4())}
+    before = _metrics(shared_stack.base_url)
+
+    def added(name: str) -> float:  # since the test began: the stack is shared
+        return _metrics(shared_stack.base_url).get(name, 0) - before.get(name, 0)
+
     first = client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=8,
                                                              extra_headers=key)
     again = client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=8, stream=True,
@@ -423,13 +435,12 @@ def test_an_idempotency_key_makes_retries_land_on_one_generation(stack: Stack) -
     assert first.headers["x-rsb-stream-id"] == again.headers["x-rsb-stream-id"]
     text = "".join(c.choices[0].delta.content or "" for c in again.parse() if c.choices)
     assert first.parse().choices[0].message.content == text
-    metrics = _metrics(stack.base_url)
-    assert metrics["rsb_streams_created_total"] == 1 and metrics["rsb_creates_replayed_total"] == 1
+    assert added("rsb_streams_created_total") == 1 and added("rsb_creates_replayed_total") == 1
     # The same key with another request: a conflict the SDK must not retry.
     with pytest.raises(openai.ConflictError) as e:
         client.chat.completions.create(model="m", messages=CHAT, max_tokens=9, extra_headers=key)
     assert e.value.response.headers["x-should-retry"] == "false"
-    assert _metrics(stack.base_url)["rsb_streams_created_total"] == 1
+    assert added("rsb_streams_created_total") == 1
 
 
 def test_tenants_see_only_their_own_responses(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:

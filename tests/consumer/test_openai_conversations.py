@@ -16,9 +16,9 @@ import openai
 import orjson
 import pytest
 import redis
-from conftest import Stack, StackFactory
 from openai.types.responses import ResponseStreamEvent
 from scripted_upstream import Reply, ScriptedUpstream, args, call, text
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key

@@ -18,13 +18,13 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import Stack, StackFactory
 from helpers import SSERead, read_sse
 from openai.lib.streaming.responses import ResponseStreamState
 from openai.types.chat import ChatCompletionMessageParam
 from openai.types.responses import ResponseStreamEvent
 from pydantic import BaseModel
 from scripted_upstream import Reply, ScriptedUpstream, reasoning, text, tool_call_pieces
+from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
 

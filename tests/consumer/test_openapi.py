@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import StackFactory
+from servers import StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key
+
+pytestmark = pytest.mark.slow
 
 # The limits the consumer runs with: small, so the generated bodies reach them; and a short default answer, so
 # that the generations the fuzzer starts (most name no max_tokens) queue for little time behind each other.

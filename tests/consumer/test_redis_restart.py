@@ -6,10 +6,13 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import StackFactory
+import pytest
 from helpers import SSERead, create, read_sse, wait_status
+from servers import StackFactory
 
 from broker.redis.server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 
 def test_redis_restart_mid_stream_loses_and_repeats_nothing(stack_factory: StackFactory, own_redis: RedisServer, slow_model: Path) -> None:
@@ -31,7 +34,7 @@ def test_redis_restart_mid_stream_loses_and_repeats_nothing(stack_factory: Stack
         assert down.status_code == 503 and down.json()["error"]["code"] == "unavailable"
         assert int(down.headers["retry-after"]) >= 1
         assert c.get(f"/v1/streams/{sid}").status_code == 503
-        time.sleep(2.0)  # connected readers get heartbeats meanwhile, not errors
+        time.sleep(2.0)  # deliberate downtime: connected readers get heartbeats meanwhile, not errors
         own_redis.start()
         downtime = time.monotonic() - t_down
 

@@ -9,8 +9,11 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import create
+from servers import Stack
 
 from broker.redis.server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 BAD_CREATES = [
     (b"{not json", "invalid_request"),
@@ -49,8 +52,6 @@ BAD_CREATES = [
 def api(redis_server: RedisServer, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
         ) -> Iterator[httpx.Client]:
     """One consumer for the whole module: these requests change nothing another test here reads."""
-    from conftest import Stack
-
     s = Stack(redis_server.url, demo_model, tmp_path_factory.mktemp("routes"))
     s.consumer("--max-body-bytes", "4096")
     with s.client() as client:

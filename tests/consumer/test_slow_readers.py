@@ -18,7 +18,8 @@ import httpx
 import psutil
 import pytest
 import redis
-from conftest import StackFactory
+from helpers import eventually_async
+from servers import StackFactory
 
 from broker.events import EventType, encode_data
 from broker.redis.connection import connect
@@ -26,6 +27,8 @@ from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
 from broker.streams.records import Claim
 from broker.streams.store import Store
+
+pytestmark = pytest.mark.slow
 
 REQ = GenerationRequest(None, "x", None, 100000, 0.8, 0.95, None, (), False)
 
@@ -125,7 +128,7 @@ async def _append(store: Store, claim: Claim, n: int, size: int, *, batch: int =
         res = await store.append(claim, seq, seq + k, [(EventType.DELTA, encode_data({"text": text}))] * k)
         assert res.ok
         seq += k
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # pacing: the readers in this process get the loop between batches
     return seq
 
 
@@ -144,10 +147,10 @@ def test_2000_live_readers_share_a_few_redis_connections(stack_factory: StackFac
         readers = [RawReader(port, streams[i % 200][0]) for i in range(2000)]
         for i in range(0, 2000, 200):  # connect in waves: the listen backlog is finite
             await asyncio.gather(*(rd.open() for rd in readers[i:i + 200]))
-        deadline = time.monotonic() + 60
-        while _metric(url, "rsb_connected_readers") < 2000:
-            assert time.monotonic() < deadline, "not every reader got connected"
-            await asyncio.sleep(0.2)
+        async def all_connected() -> bool:
+            return _metric(url, "rsb_connected_readers") >= 2000
+
+        await eventually_async(all_connected, 60, "every reader connected", interval_s=0.2)
         # The consumer's own sockets to Redis, counted from its side, and what Redis says each is doing.
         mine = {f"127.0.0.1:{c.laddr.port}" for c in psutil.Process(proc.pid).net_connections("tcp")
                 if c.raddr and c.raddr.port == redis_server.port}
@@ -205,7 +208,7 @@ def test_a_reader_that_stops_reading_costs_bounded_memory_and_is_dropped(stack_f
         await _append(store, claim, n, size)
         await store.finish(claim, EventType.DONE, {"finish_reason": "stop", "usage": {}}, status="done", usage={})
         await consume
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # deliberate: the sampler's last looks, after the end
         sampler.cancel()
         lat = [t * 1000 - int(eid.split("-")[0]) for (eid, typ, _), t in zip(reading.events, reading.received_at,
                                                                                strict=True) if typ == "delta"]
@@ -231,10 +234,10 @@ def test_a_reader_that_stops_reading_costs_bounded_memory_and_is_dropped(stack_f
         assert max(lat_with) < 1500
 
         # Past --send-timeout-s the stuck reader is dropped: the pod holds nothing for it any more ...
-        deadline = time.monotonic() + 15
-        while _metric(url, "rsb_connected_readers") != 0:
-            assert time.monotonic() < deadline, "the stuck reader was never dropped"
-            await asyncio.sleep(0.1)
+        async def dropped() -> bool:
+            return _metric(url, "rsb_connected_readers") == 0
+
+        await eventually_async(dropped, 15, "the stuck reader dropped", interval_s=0.1)
         assert "dropping a reader that accepted nothing for 3.0s" in proc.output()
         # ... and reading again, it finds its connection cut mid-stream (it never got the terminal event).
         with contextlib.suppress(ConnectionError):

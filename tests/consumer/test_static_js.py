@@ -23,7 +23,8 @@ from json_prefixes import cuts as piece_cuts
 
 HARNESS = Path(__file__).resolve().parent / "static" / "harness.mjs"
 NODE = shutil.which("node")
-pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed (Node 20: apt-get install nodejs)")
+pytestmark = [pytest.mark.slow,  # one node process for the module
+              pytest.mark.skipif(NODE is None, reason="node is not installed (Node 20: apt-get install nodejs)")]
 
 
 class Node:

@@ -11,8 +11,8 @@ import uuid
 import httpx
 import pytest
 import redis
-from conftest import StackFactory
 from helpers import create, read_sse
+from servers import StackFactory
 
 from broker.redis.server import RedisServer
 from broker.streams.keys import StreamKeys

@@ -22,13 +22,15 @@ from typing import Any, cast
 import orjson
 import pytest
 import redis
-from conftest import CHROMIUM, Stack, StackFactory, needs_chromium
 from helpers import assert_english, create, read_sse, wait_status
+from servers import CHROMIUM, Stack, StackFactory, needs_chromium
 from typed_streams import StandInGenerator
 
 from broker.redis.server import RedisServer, free_port
 from broker.streams.keys import StreamKeys
 from generator.engines.default_model import DEFAULT_MODEL_NAME
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts" / "web"

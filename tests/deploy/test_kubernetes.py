@@ -25,9 +25,8 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from helpers import CliCommand, cli_command, read_sse, wait_status
+from helpers import CliCommand, cli_command, eventually, read_sse, wait_status
 
 from broker.redis.server import RedisServer, free_port
 from broker.streams.keys import jobs_key
@@ -742,13 +741,6 @@ def manifest_env(r: Rendered, component: str) -> dict[str, str]:
     return {k: v for k, v in resolved_env(r, container(r.workload(component))).items() if k.startswith("RSB_")}
 
 
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 @needs_kubectl
 def test_live_rsb_serves_what_the_deployment_files_name(
         stack_factory: Any, redis_server: RedisServer, redis_client: Any, tmp_path: Path,
@@ -818,7 +810,7 @@ def test_live_rsb_serves_what_the_deployment_files_name(
             stack.generator("--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1")
         gurl = f"http://127.0.0.1:{metrics_port}"
         wait_status(api, third, {"done"})
-        wait_until(lambda: xlen() == 0, "the job streams to drain (finished jobs are deleted)")
+        eventually(lambda: xlen() == 0, 30, "the job streams to drain (finished jobs are deleted)")
         read = read_sse(api, f"/v1/streams/{third}/events")
         assert read.status == 200 and read.events[-1].event == "done"
         resumed = read_sse(api, f"/v1/streams/{third}/events", headers={"Last-Event-ID": read.ids[0]})

@@ -11,6 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import LLAMA_EXTRA
+
+pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
 from broker.request import GenerationRequest, Message, Tool, ToolCall
 from generator.engines.chat import TOOLS_PROMPT, ChatTemplate, ChatTemplateError, fold_system
@@ -118,6 +121,7 @@ def smollm2() -> Iterator[LlamaEngine]:
     eng.close()
 
 
+@pytest.mark.slow  # loads the real model
 @needs_default_model
 def test_the_default_model_uses_its_own_chatml_template_and_special_tokens(smollm2: LlamaEngine) -> None:
     # The GGUF's template is the file in tests/data byte for byte, with BOS <|im_start|> and EOS <|im_end|>.

@@ -17,8 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 import redis
-from conftest import StackFactory
 from helpers import SSE, create, sse_blocks, wait_status
+from servers import StackFactory
 
 from broker.redis.server import RedisServer
 

@@ -13,8 +13,10 @@ from typing import Any
 
 import jsonschema
 import pytest
-from conftest import StackFactory
-from helpers import create
+from helpers import LLAMA_EXTRA, create
+from servers import StackFactory
+
+pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest, RequestLimits, ResponseFormat, validate_create_body

@@ -4,16 +4,17 @@ prompt is the model's own ChatML template applied to the whole conversation, and
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import llama_cpp
+import pytest
 import redis
-from conftest import StackFactory
-from helpers import assert_english, create, read_sse
+from helpers import assert_english, create, eventually, read_sse
+from servers import StackFactory
 
 from broker.redis.server import RedisServer
 from generator.engines.default_model import DEFAULT_MODEL_NAME
+
+pytestmark = pytest.mark.slow
 
 CONVERSATION = [
     {"role": "system", "content": "You are a concise assistant."},
@@ -29,6 +30,8 @@ CHATML = ("<|im_start|>system\nYou are a concise assistant.<|im_end|>\n<|im_star
 
 def test_the_default_model_answers_a_conversation_in_english_under_its_own_name(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, default_gguf: Path) -> None:
+    import llama_cpp
+
     s = stack_factory(redis_server.url)
     s.generator(model=default_gguf, ignore_eos=False)
     s.consumer()
@@ -36,10 +39,8 @@ def test_the_default_model_answers_a_conversation_in_english_under_its_own_name(
     prompt_tokens = len(vocab.tokenize(CHATML.encode(), add_bos=False, special=True))
     vocab.close()
     with s.client() as c:
-        deadline = time.monotonic() + 30
-        while not (models := [m["id"] for m in c.get("/v1/models").json()["data"]]):
-            assert time.monotonic() < deadline, "the generator never announced its model"
-            time.sleep(0.1)
+        models = eventually(lambda: [m["id"] for m in c.get("/v1/models").json()["data"]], 30,
+                            "the generator announcing its model")
         assert models == [DEFAULT_MODEL_NAME]
         body = {"messages": CONVERSATION, "max_tokens": 64, "temperature": 0.2, "seed": 7}
         first = create(c, body)

@@ -3,9 +3,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+from helpers import LLAMA_EXTRA
+
+pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
+
 import gguf
 import llama_cpp
-import pytest
 
 from generator.engines import demo_model
 from generator.engines.demo_model import DEMO_MODEL_NAME, build_demo_model, default_demo_model_path, ensure_demo_model

@@ -3,11 +3,14 @@ from __future__ import annotations
 import ctypes
 import itertools
 import random
+from typing import TYPE_CHECKING
 
-import llama_cpp
 import pytest
 
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
+
+if TYPE_CHECKING:
+    import llama_cpp  # the tests on a real vocabulary get it from demo_llm; the others run without it
 
 
 def decode_split(data: bytes, cuts: tuple[int, ...]) -> tuple[list[str], str]:

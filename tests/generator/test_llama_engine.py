@@ -4,6 +4,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from helpers import LLAMA_EXTRA
+
+pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
 from broker.request import GenerationRequest, Message
 from generator.engines.base import Engine, EngineError, Generation, PromptTooLong
@@ -57,6 +60,7 @@ def test_ignore_eos_gives_exactly_max_tokens(engine: LlamaEngine, max_tokens: in
         assert gen.finish_reason == "length"
 
 
+@pytest.mark.slow  # up to 40 answers of 1,500 tokens
 def test_eos_ends_with_stop_and_ignore_eos_never_samples_it(engine: LlamaEngine, engine_eos: LlamaEngine) -> None:
     # Random weights sample EOS about once per vocabulary size; find seeds where it happens early.
     stopped = []

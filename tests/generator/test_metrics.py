@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
-from conftest import StackFactory
 from helpers import create, read_sse, wait_status
+from servers import StackFactory
 
 from broker.redis.server import RedisServer, free_port
+
+pytestmark = pytest.mark.slow
 
 
 def _value(text: str, name: str) -> float:

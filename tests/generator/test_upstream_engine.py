@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import StackFactory
 from helpers import SSE, create, read_sse, wait_status
+from servers import StackFactory
 
 from bench.procs import wait_serving
 from broker.redis.server import RedisServer, free_port
@@ -300,6 +300,7 @@ def test_a_character_split_into_two_escaped_surrogates_comes_out_whole() -> None
 # -- the engine against a real server -----------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_the_engine_streams_what_the_upstream_generates(upstream: LlamaServer) -> None:
     engine = UpstreamEngine(upstream.url + "/v1")
     try:
@@ -322,6 +323,7 @@ async def test_the_engine_streams_what_the_upstream_generates(upstream: LlamaSer
         engine.close()
 
 
+@pytest.mark.slow
 async def test_stop_aborts_a_request_still_waiting_in_the_upstream(slow_upstream: LlamaServer) -> None:
     """Our request waits in the server's queue with nothing to read: setting stop must still end it at once
     (the producing task is cancelled, which closes the connection), and the server must drop it, not run it
@@ -337,7 +339,7 @@ async def test_stop_aborts_a_request_still_waiting_in_the_upstream(slow_upstream
             while slow_upstream.chat_posts() == posts:  # our request is at the server, waiting
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # deliberate: a moment in which the waiting request must not end by itself
             assert not producer.done()
             t0 = time.monotonic()
             stop.set()
@@ -351,6 +353,7 @@ async def test_stop_aborts_a_request_still_waiting_in_the_upstream(slow_upstream
         engine.close()
 
 
+@pytest.mark.slow
 async def test_an_http_error_from_the_upstream_is_an_upstream_error(upstream: LlamaServer) -> None:
     engine = UpstreamEngine(upstream.url)
     try:
@@ -366,6 +369,7 @@ async def test_an_http_error_from_the_upstream_is_an_upstream_error(upstream: Ll
 # -- rsb generator --upstream, end to end ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cancel_aborts_the_upstream_request(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_upstream: LlamaServer) -> None:
     s = stack_factory(redis_server.url)
@@ -390,6 +394,7 @@ def test_cancel_aborts_the_upstream_request(
     slow_upstream.assert_free()
 
 
+@pytest.mark.slow
 def test_concurrency_two_runs_two_generations_at_once(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_upstream: LlamaServer) -> None:
     s = stack_factory(redis_server.url)
@@ -411,6 +416,7 @@ def test_concurrency_two_runs_two_generations_at_once(
         assert read.text == answer
 
 
+@pytest.mark.slow
 def test_an_unreachable_upstream_ends_the_stream_with_error(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     s = stack_factory(redis_server.url)

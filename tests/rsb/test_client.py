@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import Stack, StackFactory
-from helpers import read_sse, wait_status
+from helpers import eventually, read_sse, wait_status
+from servers import SharedStack, StackFactory
 
 from broker.redis.server import RedisServer, free_port
 from rsb import (
@@ -49,13 +49,13 @@ def _assert_one_clean_stream(events: list[Event], max_tokens: int) -> None:
     assert events[-1].data["usage"]["completion_tokens"] == max_tokens
 
 
-def test_stream_yields_the_whole_answer(stack: Stack) -> None:
-    with Client(stack.base_url) as rsb:
+def test_stream_yields_the_whole_answer(shared_stack: SharedStack) -> None:
+    with Client(shared_stack.base_url) as rsb:
         info = rsb.create(prompt="Hello", max_tokens=40)
         assert info.created and info.status == "queued" and uuid.UUID(info.id)
         events = list(rsb.stream(info.id))
         _assert_one_clean_stream(events, 40)
-        with stack.client() as c:
+        with shared_stack.client() as c:
             raw = read_sse(c, f"/v1/streams/{info.id}/events")
         assert [(e.id, e.type, e.data) for e in events] == [(e.id, e.event, e.data) for e in raw.events]
         assert "".join(e.text for e in events) == raw.text
@@ -103,8 +103,8 @@ def test_cancel_ends_the_stream_with_cancelled(stack_factory: StackFactory, redi
         assert rsb.status(info.id).status == "cancelled"
 
 
-async def test_the_async_client_does_the_same(stack: Stack) -> None:
-    async with AsyncClient(stack.base_url) as rsb:
+async def test_the_async_client_does_the_same(shared_stack: SharedStack) -> None:
+    async with AsyncClient(shared_stack.base_url) as rsb:
         info = await rsb.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=30)
         events = [e async for e in rsb.stream(info.id)]
         _assert_one_clean_stream(events, 30)
@@ -181,15 +181,16 @@ def test_expired_streams_raise_expired(stack_factory: StackFactory, redis_server
     with Client(url) as rsb:
         info = rsb.create(prompt="Hello", max_tokens=4)
         assert list(rsb.stream(info.id))[-1].type == "done"
-        deadline = time.monotonic() + 10
-        while True:
+
+        def expired() -> ExpiredError | None:
             try:
                 rsb.status(info.id)
             except ExpiredError as e:
-                assert e.status_code == 410 and e.code == "expired"
-                break
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+                return e
+            return None
+
+        gone = eventually(expired, 10, "the stream expiring (retention 1 s)", interval_s=0.2)
+        assert gone.status_code == 410 and gone.code == "expired"
         with pytest.raises(ExpiredError):
             list(rsb.stream(info.id))
 
@@ -217,45 +218,45 @@ def _rsb(*args: str, env: dict[str, str] | None = None, timeout_s: float = 60) -
                           capture_output=True, timeout=timeout_s)
 
 
-def test_rsb_chat_tail_and_status_print_the_answer(stack: Stack) -> None:
-    chat = _rsb("chat", "Tell me a story", "--url", stack.base_url, "--max-tokens", "25")
+def test_rsb_chat_tail_and_status_print_the_answer(shared_stack: SharedStack) -> None:
+    chat = _rsb("chat", "Tell me a story", "--url", shared_stack.base_url, "--max-tokens", "25")
     assert chat.returncode == 0, chat.stderr.decode()
     err = chat.stderr.decode()
     sid = err.split("rsb: stream ", 1)[1].split()[0]
     assert f"rsb tail {sid}" in err
-    with Client(stack.base_url) as rsb:
+    with Client(shared_stack.base_url) as rsb:
         answer, end = rsb.text(sid)
     assert end is not None and end.type == "done" and end.data["usage"]["completion_tokens"] == 25
     assert chat.stdout.decode() == answer + "\n"
 
-    tail = _rsb("tail", sid, env={"RSB_URL": stack.base_url})  # the flag's environment twin
+    tail = _rsb("tail", sid, env={"RSB_URL": shared_stack.base_url})  # the flag's environment twin
     assert tail.returncode == 0, tail.stderr.decode()
     assert tail.stdout.decode() == answer + "\n"
 
-    events = [json.loads(line) for line in _rsb("tail", sid, "--url", stack.base_url, "--json").stdout.splitlines()]
+    events = [json.loads(line) for line in _rsb("tail", sid, "--url", shared_stack.base_url, "--json").stdout.splitlines()]
     assert [e["type"] for e in events][-1] == "done"
     deltas = [e for e in events if e["type"] == "delta"]
     assert len(deltas) >= 2
     half = len(deltas) // 2
-    rest = _rsb("tail", sid, "--url", stack.base_url, "--from", deltas[half - 1]["id"])
+    rest = _rsb("tail", sid, "--url", shared_stack.base_url, "--from", deltas[half - 1]["id"])
     assert rest.stdout.decode() == "".join(e["data"]["text"] for e in deltas[half:]) + "\n"
 
-    status = _rsb("status", sid, "--url", stack.base_url)
+    status = _rsb("status", sid, "--url", shared_stack.base_url)
     assert status.returncode == 0
     body = json.loads(status.stdout)
     assert body["id"] == sid and body["status"] == "done" and body["usage"]["completion_tokens"] == 25
 
-    missing = _rsb("status", str(uuid.uuid4()), "--url", stack.base_url)
+    missing = _rsb("status", str(uuid.uuid4()), "--url", shared_stack.base_url)
     assert missing.returncode == 2 and b"no stream" in missing.stderr
 
 
-def test_rsb_chat_with_an_id_replays_instead_of_generating_twice(stack: Stack) -> None:
+def test_rsb_chat_with_an_id_replays_instead_of_generating_twice(shared_stack: SharedStack) -> None:
     sid = str(uuid.uuid4())
-    first = _rsb("chat", "Hi", "--url", stack.base_url, "--max-tokens", "10", "--id", sid)
-    second = _rsb("chat", "Hi", "--url", stack.base_url, "--max-tokens", "10", "--id", sid)
+    first = _rsb("chat", "Hi", "--url", shared_stack.base_url, "--max-tokens", "10", "--id", sid)
+    second = _rsb("chat", "Hi", "--url", shared_stack.base_url, "--max-tokens", "10", "--id", sid)
     assert first.returncode == second.returncode == 0
     assert first.stdout == second.stdout
-    with stack.client() as c:
+    with shared_stack.client() as c:
         assert wait_status(c, sid, {"done"})["usage"]["completion_tokens"] == 10
 
 

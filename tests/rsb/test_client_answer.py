@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 import redis
-from conftest import StackFactory
+from servers import StackFactory
 from typed_streams import StandInGenerator
 
 from broker.redis.server import RedisServer

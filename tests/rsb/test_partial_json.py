@@ -24,6 +24,7 @@ def _shown(p: PartialJSON) -> Any:
     return copy.deepcopy(p.value) if p.started else ABSENT
 
 
+@pytest.mark.slow  # 200 documents, every prefix of each: seconds
 @settings(max_examples=200, deadline=None)
 @given(json_values, st.randoms(use_true_random=False))
 def test_every_prefix_shows_what_the_document_holds_so_far(value: Any, rng: random.Random) -> None:

