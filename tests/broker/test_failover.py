@@ -351,7 +351,7 @@ def test_a_live_reshard_loses_nothing(ha_cluster: RedisClusterServers, stack_fac
 # succeed there) for at least PAUSE_MIN_S and at most PAUSE_MAX_S, then rejoins as a replica.
 PAUSE_MIN_S = 12.0  # past the default 10 s lease: a parked generation that stopped renewing it would be taken over
 PAUSE_MAX_S = 20.0
-VICTIM_TOKENS = 2500
+VICTIM_TOKENS = 1200
 HEALTHY_TOKENS = 400
 
 
