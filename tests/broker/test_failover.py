@@ -351,6 +351,8 @@ def test_a_live_reshard_loses_nothing(ha_cluster: RedisClusterServers, stack_fac
 # succeed there) for at least PAUSE_MIN_S and at most PAUSE_MAX_S, then rejoins as a replica.
 PAUSE_MIN_S = 12.0  # past the default 10 s lease: a parked generation that stopped renewing it would be taken over
 PAUSE_MAX_S = 20.0
+# How the victim goes down: SIGKILL, then restarted (the suite's way), or RSB_SHARD_FAULT=stop: SIGSTOP, then SIGCONT.
+SHARD_FAULT = os.environ.get("RSB_SHARD_FAULT", "kill")
 VICTIM_TOKENS = 1200
 HEALTHY_TOKENS = 400
 
@@ -406,7 +408,10 @@ def test_streams_on_healthy_shards_end_while_a_shard_has_no_replica(
             assert create(c, id=sid, max_tokens=HEALTHY_TOKENS).status_code == 201
             followers[sid] = Follower(urls, sid)
     killed_at = time.monotonic()
-    victim.kill()
+    if SHARD_FAULT == "stop":
+        os.kill(_pid(victim), signal.SIGSTOP)
+    else:
+        victim.kill()
     try:
         while True:
             elapsed = time.monotonic() - killed_at
@@ -419,12 +424,16 @@ def test_streams_on_healthy_shards_end_while_a_shard_has_no_replica(
                              default=None)
         paused_ended = sum(sid in ended for sid in paused)
     finally:
-        victim.start()  # it rejoins as the promoted replica's replica: the paused streams go on
+        # It rejoins as the promoted replica's replica: the paused streams go on.
+        if SHARD_FAULT == "stop":
+            os.kill(_pid(victim), signal.SIGCONT)
+        else:
+            victim.start()
     back_at = time.monotonic()
     for f in followers.values():
         f.thread.join(max(1.0, back_at + 90 - time.monotonic()))
     back_s = time.monotonic() - back_at
-    print(f"\nshard without a replica for {back_at - killed_at:.1f} s: {healthy_ended} of {len(healthy)} streams on "
+    print(f"\n{SHARD_FAULT}: shard without a replica for {back_at - killed_at:.1f} s: {healthy_ended} of {len(healthy)} streams on "
           f"the healthy shards ended meanwhile (the last {last_healthy_s} s after the kill), {paused_ended} of "
           f"{len(paused)} on the victim's; the victim's all ended {back_s:.1f} s after it rejoined")
     assert healthy_ended == len(healthy), f"only {healthy_ended} of {len(healthy)} healthy-shard streams ended " \
