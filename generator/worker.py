@@ -121,6 +121,13 @@ class Worker:
                     # back to the queue for the next poll (this worker's or another's).
                     await self.poller.hand_back([job])
                     job = None
+                if job is not None and job.stream_id in self.runner.running:
+                    # Delivered again while this worker runs it (parked, say): a poll answered by a primary that
+                    # had just lost a failover it had not heard of yet. Claiming it again would fence out our own
+                    # run; the run acknowledges the entry when it ends.
+                    log.info("a job this worker is running came again: dropped",
+                             extra={"stream_id": str(job.stream_id)})
+                    job = None
                 if job is None:
                     slots.release()
                     continue

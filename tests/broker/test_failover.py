@@ -407,6 +407,7 @@ def test_streams_on_healthy_shards_end_while_a_shard_has_no_replica(
         for sid in healthy:
             assert create(c, id=sid, max_tokens=HEALTHY_TOKENS).status_code == 201
             followers[sid] = Follower(urls, sid)
+    running = {sid for sid in paused if followers[sid].events and followers[sid].events[-1].event == "delta"}
     killed_at = time.monotonic()
     if SHARD_FAULT == "stop":
         os.kill(_pid(victim), signal.SIGSTOP)
@@ -449,4 +450,8 @@ def test_streams_on_healthy_shards_end_while_a_shard_has_no_replica(
         # Nothing a reader saw is lost, nothing came twice, no reset: exactly the stream's events, in order.
         assert [e.id for e in f.events] == [eid for eid, _, _ in stream], sid
         assert f.text() == "".join(d["text"] for _, t, d in stream if t == "delta")
-        assert _meta_field(ha_cluster, sid, "attempts") == "1", sid  # the lease was kept all along
+        # The lease was kept all along, parked time included. (A stopped primary, resumed, may answer a poll it had
+        # been sent before it hears of its failover: a queued stream of its shard is then claimed twice at that
+        # moment, and the fence leaves one owner.)
+        twice = SHARD_FAULT == "stop" and sid in paused and sid not in running
+        assert _meta_field(ha_cluster, sid, "attempts") in (("1", "2") if twice else ("1",)), sid
