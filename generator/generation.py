@@ -168,7 +168,7 @@ class JobRunner:
         """Generate until the terminal event: one segment, or several when the generation parks (generator.slots)
         and continues, each from what the stream holds; the lease is kept all along."""
         s = self.settings
-        progress = _Progress(seq=run.claim.seq, t_start=time.monotonic())
+        progress = _Progress(seq=run.claim.seq, t_start=time.monotonic(), tokens=run.claim.seq)
         renewer = asyncio.create_task(keep_lease(run, self.store, self.worker_id, s.lease_s, s.disconnect_grace_s))
         try:
             while await self._segment(run, progress):
