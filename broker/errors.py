@@ -107,6 +107,13 @@ class Starting(RetryLater):
     code = "starting"
 
 
+class ShuttingDown(RetryLater):
+    """This pod is shutting down (SIGTERM) and could not finish the request within its grace period: another pod,
+    or this one restarted, answers the retry."""
+
+    code = "draining"
+
+
 class Unavailable(RetryLater):
     """Redis is unreachable (or loading): every Redis error reaching the HTTP boundary becomes this."""
 

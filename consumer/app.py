@@ -16,7 +16,7 @@ from broker.durable.store import DurableStore
 from broker.redis.connection import connect, connect_blocking, is_unavailable
 from broker.streams.store import Store
 from consumer.edge.auth import ApiKeys
-from consumer.edge.errors import HANDLERS
+from consumer.edge.errors import HANDLERS, ShutdownBoundary
 from consumer.edge.front import FrontDoor
 from consumer.edge.limits import ConnectionLimiter
 from consumer.edge.middleware import AuthMiddleware
@@ -108,4 +108,5 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
                            allow_methods=list(durable_protocol.METHODS),
                            allow_headers=sorted({"Last-Event-ID", *durable_protocol.REQUEST_HEADERS}),
                            expose_headers=list(durable_protocol.RESPONSE_HEADERS), max_age=600)
-    return FrontDoor(app, stream_events, api_keys, cors=bool(settings.cors_origins))
+    # Outermost: past the drain's grace period, a request uvicorn cancels answers 503, not 500.
+    return ShutdownBoundary(FrontDoor(app, stream_events, api_keys, cors=bool(settings.cors_origins)), drain)

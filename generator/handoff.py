@@ -199,9 +199,15 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
                 gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial)
                 started(gen)
                 assert gen.apieces is not None, "an on_loop engine fills apieces"
-                async for piece in gen.apieces:
-                    if not await handoff.aput(piece):
-                        break
+                apieces = gen.apieces
+                try:
+                    async for piece in apieces:
+                        if not await handoff.aput(piece):
+                            break
+                finally:
+                    aclose = getattr(apieces, "aclose", None)
+                    if aclose is not None:  # its upstream response, closed now rather than when collected
+                        await aclose()
                 handoff.close()
             except asyncio.CancelledError:
                 handoff.close()
@@ -225,9 +231,17 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
         try:
             gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial)
             started(gen)
-            for piece in gen.pieces:
-                if not handoff.put(piece):
-                    break
+            pieces = gen.pieces
+            try:
+                for piece in pieces:
+                    if not handoff.put(piece):
+                        break
+            finally:
+                # Left suspended (the loop stopped reading), a generation would hold what it holds (llama.cpp's one
+                # context, behind the engine's lock) until collected: the next generation would wait for it.
+                close = getattr(pieces, "close", None)
+                if close is not None:
+                    close()
             handoff.close()
         except BaseException as e:  # handed to the loop, which ends the stream with `error`
             handoff.close(e)

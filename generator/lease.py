@@ -24,6 +24,7 @@ from broker.streams.keys import control_channel
 from broker.streams.records import Claim
 from broker.streams.store import Store
 from generator.handoff import StopSignal
+from generator.slots import StallWatch
 
 log = logging.getLogger("rsb.generator")
 
@@ -42,6 +43,13 @@ class Run:
     #: A bug met while keeping the lease (a failing script, WRONGTYPE): the generation stops and its stream
     #: ends with ``error`` (generator.generation), never a lease renewed by retrying the bug in silence.
     failure: BaseException | None = None
+    #: Parks the run while one of its writes stalls (generator.slots); by default it never does.
+    watch: StallWatch = field(default_factory=StallWatch.never)
+
+    @property
+    def stopping(self) -> bool:
+        """Whatever the generation does next, it makes no more tokens."""
+        return bool(self.cancel_reason or self.fenced_out or self.handing_over or self.failure is not None)
 
     def cancel(self, reason: str) -> None:
         if reason and not self.cancel_reason:

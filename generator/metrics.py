@@ -31,6 +31,8 @@ class GeneratorMetrics:
         self.tokens_wasted = Counter("rsb_generator_tokens_wasted_total",
                                      "tokens generated for answers that were then aborted", registry=r)
         self.running = Gauge("rsb_generator_running", "generations in flight on this worker", registry=r)
+        self.parked = Gauge("rsb_generator_parked", "generations of this worker parked without a slot while a write "
+                            "waits (no replica acknowledged it, or its shard is down: generator.slots)", registry=r)
         self.ttft = Histogram("rsb_generator_ttft_ms", "time from claim to first token, in ms", registry=r,
                               buckets=TTFT_BUCKETS_MS)
         self.tpot = Histogram("rsb_generator_tpot_ms", "time per output token after the first, in ms", registry=r,

@@ -28,6 +28,7 @@ from generator.jobs import JobPoller
 from generator.lease import check_cancel, listen_for_cancels
 from generator.metrics import GeneratorMetrics
 from generator.settings import GeneratorSettings
+from generator.slots import Seat, Slots
 
 log = logging.getLogger("rsb.generator")
 
@@ -52,6 +53,7 @@ class Worker:
         self._background: set[asyncio.Task[Any]] = set()
         self.poller = JobPoller(store, blocking, self.worker_id, settings.lease_s, self._spawn)
         self._stopping = asyncio.Event()
+        self.slots: Slots | None = None  # while running
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -92,16 +94,19 @@ class Worker:
             self._spawn(check_cancel(run, self.store, self.worker_id, self.settings.disconnect_grace_s))
 
     async def run(self) -> None:
-        """The poll loop: while fewer than ``concurrency`` jobs run, claim the next one."""
+        """The poll loop: while fewer than ``concurrency`` jobs run (parked ones aside: generator.slots), claim the
+        next one."""
         attempts = Attempts()
         control = asyncio.create_task(listen_for_cancels(self.blocking, self.store.partitions, self._on_cancel_notice),
                                       name="cancel-listener")
         announcer = asyncio.create_task(self._announce_model(), name="announce-model")
-        slots = asyncio.Semaphore(max(1, self.settings.concurrency))
+        slots = Slots(self.settings.concurrency, self.settings.max_parked)
+        self.slots = slots
+        self.metrics.parked.set_function(lambda: slots.parked)
         jobs: set[asyncio.Task[None]] = set()
         try:
             while not self._stopping.is_set():
-                await slots.acquire()
+                await slots.take()
                 try:
                     await self.store.ensure_groups()
                     job = await self._poll_unless_stopping()
@@ -111,15 +116,28 @@ class Worker:
                     log.warning("redis unavailable, retrying: %s", e)
                     await attempts.sleep()
                     continue
+                if job is not None and slots.resume_wanted:
+                    # A parked generation's write landed while this poll ran: the slot is its, the job goes
+                    # back to the queue for the next poll (this worker's or another's).
+                    await self.poller.hand_back([job])
+                    job = None
+                if job is not None and job.stream_id in self.runner.running:
+                    # Delivered again while this worker runs it (parked, say): a poll answered by a primary that
+                    # had just lost a failover it had not heard of yet. Claiming it again would fence out our own
+                    # run; the run acknowledges the entry when it ends.
+                    log.info("a job this worker is running came again: dropped",
+                             extra={"stream_id": str(job.stream_id)})
+                    job = None
                 if job is None:
                     slots.release()
                     continue
-                task = asyncio.create_task(self.runner.run(job))
+                seat = slots.seat()
+                task = asyncio.create_task(self.runner.run(job, seat))
                 jobs.add(task)
 
-                def done(t: asyncio.Task[None]) -> None:
+                def done(t: asyncio.Task[None], seat: Seat = seat) -> None:
                     jobs.discard(t)
-                    slots.release()
+                    seat.close()
                     if not t.cancelled() and t.exception() is not None:  # a bug the run could not even report
                         log.error("a job failed: %s", type(t.exception()).__name__, exc_info=t.exception())
 

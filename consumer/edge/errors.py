@@ -4,18 +4,22 @@ is ``Unavailable`` (503 + Retry-After)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from broker.errors import RetryLater, RsbError, Unavailable
+from broker.errors import RetryLater, RsbError, ShuttingDown, Unavailable
 from broker.redis.connection import UNAVAILABLE_ERRORS
 
 log = logging.getLogger("rsb.consumer")
 
 REDIS_RETRY_AFTER_S = 2
+# A drained request's retry goes to another pod (the balancer no longer sends it here): soon.
+DRAIN_RETRY_AFTER_S = 1
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_request", 413: "payload_too_large"}
 
 #: The HTTP status of each of rsb's error codes (broker.errors), here and nowhere else: 429 when the caller is
@@ -25,7 +29,7 @@ STATUS: dict[str, int] = {
     "expired": 410, "payload_too_large": 413, "too_many_streams": 429, "too_many_conversations": 429,
     "queue_full": 429, "too_many_connections": 429,
     "too_many_generations": 429, "rate_limited": 429, "internal": 500, "overloaded": 503, "starting": 503,
-    "unavailable": 503,
+    "unavailable": 503, "draining": 503,
 }
 
 
@@ -86,3 +90,31 @@ async def error_for(request: Request, exc: Exception) -> Response:
         if handler is not None:
             return await handler(request, exc)
     return await internal_error(request, exc)
+
+
+class ShutdownBoundary:
+    """The outermost ASGI layer. When a draining pod's grace period (``--shutdown-grace-s``) ends, uvicorn cancels
+    the requests still being answered (a create waiting for a replica, a read waiting on a Redis that does not
+    answer) and answers each one it finds unstarted with a bare 500 and a traceback in the log; here such a
+    request answers 503 ``draining`` with ``Retry-After`` instead: it is safe to retry (creates are idempotent),
+    elsewhere. A response already started (an SSE stream ends itself at an event boundary when the drain begins)
+    can only be cut: uvicorn closes its connection."""
+
+    def __init__(self, app: ASGIApp, draining: asyncio.Event) -> None:
+        self.app = app
+        self.draining = draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if scope["type"] != "http" or not self.draining.is_set() or task is None:
+                raise
+            task.uncancel()  # the task ends here, with its answer: nothing above waits for the cancellation
+            answer = refusal(ShuttingDown("this server is shutting down; retry", DRAIN_RETRY_AFTER_S))
+            try:
+                await answer(scope, receive, send)
+            except RuntimeError:  # the response had started: nothing more can be said on it
+                log.info("a response still being sent was cut at the end of the drain",
+                         extra={"path": scope.get("path", "")})
