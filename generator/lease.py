@@ -24,6 +24,7 @@ from broker.streams.keys import control_channel
 from broker.streams.records import Claim
 from broker.streams.store import Store
 from generator.handoff import StopSignal
+from generator.retry import OUT_OF_MEMORY, is_transient
 
 log = logging.getLogger("rsb.generator")
 
@@ -75,6 +76,9 @@ async def keep_lease(run: Run, store: Store, worker_id: str, lease_s: float, dis
                 raise asyncio.CancelledError from None
             continue
         except Exception as e:  # a bug: retrying it would renew nothing, for ever
+            if is_transient(e):  # Redis full (RENEW's first write, XCLAIM, is allowed even then: rarely here)
+                OUT_OF_MEMORY.refused("lease renewal")
+                continue
             run.fail(e)
             return
         if not res.ok:
@@ -90,7 +94,8 @@ async def check_cancel(run: Run, store: Store, worker_id: str, disconnect_grace_
     except UNAVAILABLE_ERRORS:
         return  # the renewal loop asks again within lease_s / 3
     except Exception as e:
-        run.fail(e)
+        if not is_transient(e):
+            run.fail(e)
         return
     run.cancel(res.cancel_reason)
 

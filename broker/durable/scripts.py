@@ -28,7 +28,9 @@ byte by byte (``Stream-Seq`` is specified as byte-wise lexicographic); ids compa
 
 from __future__ import annotations
 
-_HELPERS = """
+from broker.redis.connection import REFUSE_WHEN_FULL
+
+_HELPERS = REFUSE_WHEN_FULL + """
 local function cmp_bytes(a, b)
   local n = math.min(#a, #b)
   for i = 1, n do
@@ -107,6 +109,7 @@ if redis.call('EXISTS', m) == 1 then
   return {'conflict', from}
 end
 if ARGV[15] == '1' then return {'absent'} end
+refuse_when_full(m)  -- the ZREMRANGEBYSCORE below would let every write after it past a full Redis
 local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', '(' .. string.format('%d', now))
 local max = tonumber(ARGV[16])

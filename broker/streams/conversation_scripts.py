@@ -16,6 +16,8 @@ the conversation's score in its owner's set (which itself lives as long as its l
 
 from __future__ import annotations
 
+from broker.redis.connection import REFUSE_WHEN_FULL
+
 # Shared Lua: the sliding expiry and the owner's count, refreshed on every use.
 _TOUCH = """
 local function now_ms()
@@ -38,8 +40,9 @@ end
 # Shared Lua: a new conversation, counted against its owner's limit in the same step (a count read in one
 # round trip and incremented in another would let a flood of creates through past it). Expired members are
 # dropped from the owner's set first: their keys expired by themselves.
-_OPEN = """
+_OPEN = REFUSE_WHEN_FULL + """
 local function open(meta, turns, owner, digest, ttl, max_count, created_at, metadata)
+  refuse_when_full(meta)  -- ZREMRANGEBYSCORE first would let the writes after it past a full Redis
   local now = now_ms()
   redis.call('ZREMRANGEBYSCORE', owner, '-inf', now)
   if max_count > 0 and redis.call('ZCARD', owner) >= max_count then return false end

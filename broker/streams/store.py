@@ -25,6 +25,7 @@ from broker.redis.connection import (
     ensure_group,
     evalsha_many,
     is_cluster,
+    is_out_of_memory,
     register_script,
     reply_text,
     xrange_raw,
@@ -62,7 +63,6 @@ TOUCH_BATCH = 500
 APPEND_MANY_STREAMS = 256
 # Claims whose APPEND_MANY arguments are kept encoded (a worker's generations in flight, with room to spare).
 APPEND_HEADS = 4096
-
 
 
 class Store:
@@ -257,7 +257,11 @@ class Store:
             by_partition.setdefault(k.partition, []).append(k.meta)
         for metas in by_partition.values():
             for i in range(0, len(metas), TOUCH_BATCH):
-                await self._touch(keys=metas[i:i + TOUCH_BATCH], args=[now])
+                try:  # Redis full: a mark is advisory (the next round makes it), and readers must go on reading
+                    await self._touch(keys=metas[i:i + TOUCH_BATCH], args=[now])
+                except Exception as e:
+                    if not is_out_of_memory(e):
+                        raise
 
     async def cancel(self, stream_id: uuid.UUID, reason: str) -> str | None:
         """Request a cancel. Returns the status after the request (None: unknown stream)."""
