@@ -1,7 +1,8 @@
 """The Lua scripts behind every multi-step change to a stream. Each runs atomically inside Redis.
 
 Meta hash fields (``StreamKeys.meta``): ``status`` (queued|running|done|cancelled|error), ``rh``
-(request hash), ``req`` (canonical request JSON), ``model``, ``max_tokens``, ``created_at``, ``jid``
+(request hash), ``req`` (canonical request JSON: dropped when the stream ends unless ``keep`` is 1, i.e. a view
+reads it back: a conversation's turn, a Responses response), ``model``, ``max_tokens``, ``created_at``, ``jid``
 (job entry id), ``fence`` (claim counter), ``attempts``, ``worker``, ``claimed_at``, ``seq`` (tokens
 appended), ``cancel`` (reason of a pending cancel), ``last_id`` (terminal event id), ``usage`` (JSON),
 ``finished_at``, ``key_id``, ``retention_s``, ``abandon_s``, ``cod`` (cancel_on_disconnect),
@@ -102,6 +103,9 @@ local function close_stream(meta, events, tomb, channel, etype, data, status, us
   end
   local eid = append_event(events, channel, etype, data)
   redis.call('HSET', meta, 'status', status, 'usage', usage, 'last_id', eid, 'finished_at', now)
+  -- The request body was for the generation, which is over: its digest (``rh``) answers the create rule (200
+  -- for the same request, 409 for another). Kept only when a view reads it back after the end (``keep``).
+  if redis.call('HGET', meta, 'keep') ~= '1' then redis.call('HDEL', meta, 'req') end
   redis.call('HDEL', meta, 'worker')
   redis.call('EXPIRE', meta, retention)
   redis.call('EXPIRE', events, retention)
@@ -126,7 +130,7 @@ end
 CREATE = PRELUDE + _APPEND_EVENT + """
 -- KEYS: meta, events, jobs, qstats, tombstone, tenant
 -- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s, abandon_s, cod,
---       max_active, burst, interval_ms, max_wait_s
+--       max_active, burst, interval_ms, max_wait_s, keep (1: the body is read back after the end)
 --   max_queue, max_active, burst: this partition's share (0: no bound); interval_ms: the caller's time per
 --   create in this partition (0: no rate limit); max_wait_s: bound on the estimated wait (0: none)
 -- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'rate_limited', early_ms, ema, busy}
@@ -167,7 +171,8 @@ end
 local jid = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'rh', ARGV[2], 'req', ARGV[3], 'created_at', ARGV[4],
   'model', ARGV[6], 'max_tokens', ARGV[7], 'jid', jid, 'fence', 0, 'attempts', 0, 'key_id', ARGV[9],
-  'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0, 'tenant', KEYS[6])
+  'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0, 'tenant', KEYS[6],
+  'keep', ARGV[17])
 redis.call('HINCRBY', KEYS[6], 'active', 1)
 if interval > 0 then redis.call('HSET', KEYS[6], 'tat', string.format('%.0f', tat + interval)) end
 redis.call('PERSIST', KEYS[6])  -- it had an expiry while the caller had nothing unfinished

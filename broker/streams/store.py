@@ -134,7 +134,8 @@ class Store:
             [str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
                   queue_share, request.model or default_model, request.max_tokens, k.channel, key_id,
                   retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
-                  max_queue_wait_s], lambda r: "" if reply_text(r[0]) == "created" else None)
+                  max_queue_wait_s, int(request.history is not None)],
+            lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
             return Created(True, "queued")
@@ -185,7 +186,7 @@ class Store:
         )
 
     async def request_of(self, stream_id: uuid.UUID) -> GenerationRequest | None:
-        """The request as stored at create (None: no such stream)."""
+        """The request as stored at create (None: no such stream, or one that ended and kept only its digest)."""
         raw = await self.redis.hget(self.keys(stream_id).meta, "req")
         if raw is None:
             return None
