@@ -4,6 +4,8 @@ Every change to a stream (create, claim, append, finish, cancel, renew, release,
 script of broker.streams.scripts, so each is atomic. Reads (status, events, the stored request) and the job
 queue's consumer-group commands (XREADGROUP, XAUTOCLAIM, XCLAIM: atomic single commands) are plain
 commands, made here too, so that no other module names a Redis key or a command.
+
+Long because it is that one module: every script's call and the reading of its reply, and every read.
 """
 
 from __future__ import annotations
