@@ -121,7 +121,7 @@ class StorageFull(RetryLater):
     code = "storage_full"
 
 
-class StorageQuota(RsbError):
+class OverStorageQuota(RsbError):
     """A caller (an API key, or without keys an address group) holds as many bytes in Redis as it may
     (``--storage-quota-bytes``; counted in Redis, in the step that writes them)."""
 

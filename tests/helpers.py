@@ -334,4 +334,4 @@ def parse_bytes(size: str) -> int:
     """A Redis, compose or Kubernetes memory size (``1gb``, ``2g``, ``512mb``, ``1Gi``) in bytes."""
     m = re.fullmatch(r"(\d+)\s*([kmg]?)(i?b?)", size.strip().lower())
     assert m, f"bad size {size!r}"
-    return int(m.group(1)) * 1024 ** " kmg".index(m.group(2) or " ")
+    return int(m.group(1)) * int(1024 ** " kmg".index(m.group(2) or " "))

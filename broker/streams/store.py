@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from broker.errors import Conflict, Expired, QueueFull, RateLimited, TooManyGenerations
+from broker.errors import Conflict, Expired, OverStorageQuota, QueueFull, RateLimited, TooManyGenerations
 from broker.events import Event, EventPage, EventType, encode_data
 from broker.redis.batching import CommandBatcher
 from broker.redis.connection import (
@@ -32,6 +32,7 @@ from broker.redis.connection import (
     reply_text,
     xrange_raw,
 )
+from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.request import GenerationRequest
 from broker.streams import replication, scripts
 from broker.streams.keys import (
@@ -121,6 +122,7 @@ class Store:
         key_id: str = "",
         quota: Quota = NO_QUOTA,
         max_queue_wait_s: float = 0.0,
+        storage: StorageQuota = NO_STORAGE_QUOTA,
     ) -> Created:
         """Create the stream and enqueue its job, or recognise a retry of the same request (which no limit
         refuses). Raises Conflict (same id, other request), Expired, RateLimited, TooManyGenerations (the
@@ -130,13 +132,14 @@ class Store:
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
+        who = quota.principal or principal(key_id, "")
         res = await self._call(
-            k, self._create, [k.meta, k.events, k.jobs, k.queue_stats, k.tombstone,
-                              k.tenant(quota.principal or principal(key_id, ""))],
+            k, self._create, [k.meta, k.events, k.jobs, k.queue_stats, k.tombstone, k.tenant(who),
+                              storage_key(k.partition, k.partitions, storage.principal or who)],
             [str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
                   queue_share, request.model or default_model, request.max_tokens, k.channel, key_id,
                   retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
-                  max_queue_wait_s, int(request.history is not None)],
+                  max_queue_wait_s, int(request.history is not None), storage.share(self.partitions)],
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
@@ -147,6 +150,8 @@ class Store:
             raise Conflict("a stream with this id exists with a different request")
         if tag == "expired":
             raise Expired("a stream with this id existed and expired; use a new id")
+        if tag == "storage_quota":
+            raise OverStorageQuota(storage.quota_bytes, self.partitions)
         ema_raw, busy = reply_text(res[2]), int(res[3] or 0)
         ema = float(ema_raw) if ema_raw else None
         if tag == "rate_limited":
