@@ -70,7 +70,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         # Standalone: the hub's one pub/sub connection comes from here. Cluster: the hub opens one per master
         # itself and uses this client only for the slot map.
         blocking = connect_blocking(b.url, cluster=b.cluster)
-        hub = LiveHub(blocking)
+        hub = LiveHub(blocking, max_buffered=settings.live_buffer_events)
         await hub.start()
         metrics = Metrics()
         OUT_OF_MEMORY.on_refused = metrics.storage_full.inc  # this process's refusals, whichever route wrote

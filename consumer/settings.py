@@ -46,6 +46,10 @@ class ConsumerSettings(Settings):
     shutdown_grace_s: float = setting(5.0, "seconds to drain connections on SIGTERM")
     send_timeout_s: float = setting(
         30.0, "a reader whose connection accepts no event for this long is dropped (it can resume)")
+    live_buffer_events: int = setting(
+        256, "events one SSE reader's live feed holds while its client reads slower than the stream is written; "
+        "past it they are dropped and the reader re-reads them from Redis (with --send-timeout-s and "
+        "--max-connections, what bounds the memory unread responses pin in a pod: docs/security.md)")
     default_model: str | None = setting(
         None, "model name recorded for requests that name none (default: the model the generators serve)")
     api_keys_file: str | None = setting(

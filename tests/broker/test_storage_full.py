@@ -66,6 +66,9 @@ def test_out_of_memory_mid_answer_pauses_and_continues(full_redis: tuple[RedisSe
     assert create(c, id=sid, max_tokens=ANSWER_TOKENS).status_code == 201
     queued = str(uuid.uuid4())  # waits behind the first (one worker): its cancel meets the full Redis
     assert create(c, id=queued, max_tokens=4).status_code == 201
+    text = {"Content-Type": "text/plain"}
+    assert c.put("/v1/stream/kept", content=b"before", headers=text).status_code == 201
+    assert c.put("/v1/stream/dropped", content=b"before", headers=text).status_code == 201
 
     live: list[SSERead] = []
     reader = threading.Thread(target=lambda: live.append(read_sse(stack.client(), f"/v1/streams/{sid}/events",
@@ -81,15 +84,24 @@ def test_out_of_memory_mid_answer_pauses_and_continues(full_redis: tuple[RedisSe
     refusals = {
         "create": create(c, max_tokens=4),
         "cancel": c.post(f"/v1/streams/{queued}/cancel"),
-        "durable put": c.put("/v1/stream/oom-test", content=b"hello", headers={"Content-Type": "text/plain"}),
+        "conversation turn": create(c, max_tokens=4, conversation=str(uuid.uuid4()),
+                                    messages=[{"role": "user", "content": "hi"}]),
+        "durable put": c.put("/v1/stream/oom-test", content=b"hello", headers=text),
+        "durable append": c.post("/v1/stream/kept", content=b"more", headers=text),
         "chat completion": c.post("/v1/chat/completions", json={
             "model": "x", "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        "responses": c.post("/v1/responses", json={"model": "x", "input": "hi"}),
+        "openai conversation": c.post("/v1/conversations", json={}),
+        "ai sdk chat": c.post("/api/chat", json={"id": str(uuid.uuid4()), "trigger": "submit-message", "messages": [
+            {"id": "m1", "role": "user", "parts": [{"type": "text", "text": "hi"}]}]}),
     }
     for route, resp in refusals.items():
         assert resp.status_code == 507, (route, resp.status_code, resp.text)
         assert int(resp.headers["Retry-After"]) >= 1, route
         code = resp.json()["error"]["code"]
         assert code == "storage_full", (route, resp.text)
+    # Deleting frees memory, so it is never refused: it is how an operator or a client makes room.
+    assert c.delete("/v1/stream/dropped").status_code == 204
     # Reads still work while Redis is full.
     assert c.get(f"/v1/streams/{sid}").json()["status"] == "running"
     time.sleep(3.0)  # paused: at most the append in flight when Redis filled landed
@@ -121,6 +133,7 @@ def test_out_of_memory_mid_answer_pauses_and_continues(full_redis: tuple[RedisSe
 
     # The queued stream was never cancelled (its cancel was refused): it runs once memory is back.
     assert wait_status(c, queued, {"done", "cancelled", "error"}, 60)["status"] == "done"
+    assert c.get("/v1/stream/kept").content == b"before"  # the refused append left nothing behind
     assert create(c, max_tokens=4).status_code == 201
 
     # One log line when the pause began and one when it ended, however many retries; the refusals counted.
@@ -128,5 +141,5 @@ def test_out_of_memory_mid_answer_pauses_and_continues(full_redis: tuple[RedisSe
     ends = [line for line in gen.output().splitlines() if '"storage_full":"end"' in line]
     assert len(starts) == 1 and len(ends) == 1, gen.output()[-3000:]
     assert metric(httpx.get(f"{stack.base_url}/metrics").text, "rsb_storage_full_total") >= len(refusals)
-    print(f"paused {freed_at - filled_at:.1f} s at token {seq_paused}; resumed {resumed_in:.1f} s after the filler "
+    print(f"paused {freed_at - filled_at:.1f} s at token {seq_paused}; the answer ended {resumed_in:.1f} s after the filler "
           f"was freed; {len(paused)} heartbeats meanwhile; end: {ends[0]}")
