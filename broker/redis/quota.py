@@ -2,9 +2,9 @@
 broker.streams.keys.principal) holds in Redis, bounded by ``--storage-quota-bytes``.
 
 What is counted: the data of the Durable Streams a caller created (every append, a fork at its full size: a fork
-is a copy), and the request bodies of its rsb streams while Redis holds them (until the stream ends, or for the
-retention when a view reads it back). Conversations have their own bounds (``--max-conversations`` and the
-history's); answers are bounded by ``max_tokens`` and the create rate.
+is a copy), the request bodies of its rsb streams while Redis holds them (until the stream ends, or for the
+retention when a view reads it back), and its conversations' histories (kept equal to their ``bytes``).
+Answers are bounded by ``max_tokens`` and the create rate.
 
 How: one hash per caller and partition (``storage_key``, in the partition's slot, so the script that writes the
 data checks and counts it in the same step, on Redis Cluster too: each partition holds its share of the quota),

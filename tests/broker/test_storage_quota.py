@@ -126,3 +126,29 @@ def test_a_streams_request_counts_while_it_is_held(capped: tuple[RedisServer, re
     assert 150_000 < _held(r, FLOODER) < 160_000
     assert c.post(f"/v1/streams/{sid}/cancel", headers=who).status_code == 202
     assert _held(r, FLOODER) == 0  # the body went with the cancel; only its digest stays
+
+
+def test_a_conversations_history_counts_in_its_owners_quota(capped: tuple[RedisServer, redis.Redis],
+                                                            stack_factory: StackFactory) -> None:
+    server, r = capped
+    stack = stack_factory(server.url)
+    stack.consumer("--storage-quota-bytes", "400000", "--forwarded-allow-ips", "127.0.0.1")
+    c = stack.client()
+    who = _as(c, FLOODER)
+
+    def items(n: int) -> list[dict[str, object]]:
+        return [{"type": "message", "role": "user", "content": "w" * n}]
+
+    made = c.post("/v1/conversations", json={"items": items(150_000)}, headers=who)
+    assert made.status_code == 200, made.text
+    conv = made.json()["id"]
+    assert 150_000 < _held(r, FLOODER) < 155_000
+    assert c.post(f"/v1/conversations/{conv}/items", json={"items": items(150_000)}, headers=who).status_code == 200
+    assert 300_000 < _held(r, FLOODER) < 310_000
+    full = c.post(f"/v1/conversations/{conv}/items", json={"items": items(150_000)}, headers=who)
+    assert full.status_code == 429 and full.json()["error"]["code"] == "storage_quota", full.text
+    assert full.headers["x-should-retry"] == "false"
+    assert c.post("/v1/conversations", json={"items": items(150_000)}, headers=who).status_code == 429
+    assert c.post("/v1/conversations", json={"items": items(1000)}, headers=_as(c, OTHER)).status_code == 200
+    assert c.delete(f"/v1/conversations/{conv}", headers=who).status_code == 200
+    assert _held(r, FLOODER) == 0

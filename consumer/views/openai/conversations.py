@@ -217,7 +217,8 @@ async def add_items(request: Request) -> ASGIApp:
         if snap.pending_id is not None:
             raise Conflict(f"a response of this conversation is running (stream {snap.pending_id}); add items once "
                            "it has ended")
-        outcome = await convs.conversations.append(snap.conversation, [turn])
+        outcome = await convs.conversations.append(snap.conversation, [turn],
+                                                   convs.limits(caller).storage_quota_bytes)
         if outcome is Begin.GONE:
             raise _NOT_FOUND
         if outcome is Begin.RESERVED:
