@@ -60,7 +60,7 @@ def test_out_of_memory_mid_answer_pauses_and_continues(full_redis: tuple[RedisSe
     server, r = full_redis
     stack = stack_factory(server.url)
     gen = stack.generator(model=slow_model)
-    stack.consumer("--heartbeat-s", "1")
+    api, _ = stack.consumer("--heartbeat-s", "1")
     c = stack.client()
     sid = str(uuid.uuid4())
     assert create(c, id=sid, max_tokens=ANSWER_TOKENS).status_code == 201
@@ -104,7 +104,7 @@ def test_out_of_memory_mid_answer_pauses_and_continues(full_redis: tuple[RedisSe
     assert c.delete("/v1/stream/dropped").status_code == 204
     # Reads still work while Redis is full.
     assert c.get(f"/v1/streams/{sid}").json()["status"] == "running"
-    time.sleep(3.0)  # paused: at most the append in flight when Redis filled landed
+    time.sleep(1.5)  # paused: at most the append in flight when Redis filled landed
     held = int(r.hget(_meta(sid), "seq") or 0)
     time.sleep(1.0)
     assert int(r.hget(_meta(sid), "seq") or 0) == held, "appends went on while Redis refused writes"
@@ -141,5 +141,6 @@ def test_out_of_memory_mid_answer_pauses_and_continues(full_redis: tuple[RedisSe
     ends = [line for line in gen.output().splitlines() if '"storage_full":"end"' in line]
     assert len(starts) == 1 and len(ends) == 1, gen.output()[-3000:]
     assert metric(httpx.get(f"{stack.base_url}/metrics").text, "rsb_storage_full_total") >= len(refusals)
+    assert api.output().count('"storage_full":"start"') == 1, api.output()[-3000:]
     print(f"paused {freed_at - filled_at:.1f} s at token {seq_paused}; the answer ended {resumed_in:.1f} s after the filler "
           f"was freed; {len(paused)} heartbeats meanwhile; end: {ends[0]}")
