@@ -75,11 +75,12 @@ async def keep_lease(run: Run, store: Store, worker_id: str, lease_s: float, dis
             if run.generation_over or (task is not None and task.cancelling()):
                 raise asyncio.CancelledError from None
             continue
-        except Exception as e:  # a bug: retrying it would renew nothing, for ever
-            if is_transient(e):  # Redis full (RENEW's first write, XCLAIM, is allowed even then: rarely here)
+        except Exception as e:
+            # Redis full: RENEW's first write (XCLAIM) is one a full Redis allows, so this is rare; waited out.
+            if is_transient(e):
                 OUT_OF_MEMORY.refused("lease renewal")
                 continue
-            run.fail(e)
+            run.fail(e)  # a bug: retrying it would renew nothing, for ever
             return
         if not res.ok:
             run.fence_out()

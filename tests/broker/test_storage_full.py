@@ -144,3 +144,49 @@ def test_out_of_memory_mid_answer_pauses_and_continues(full_redis: tuple[RedisSe
     assert api.output().count('"storage_full":"start"') == 1, api.output()[-3000:]
     print(f"paused {freed_at - filled_at:.1f} s at token {seq_paused}; the answer ended {resumed_in:.1f} s after the filler "
           f"was freed; {len(paused)} heartbeats meanwhile; end: {ends[0]}")
+
+
+async def test_which_steps_a_full_redis_refuses(full_redis: tuple[RedisServer, redis.Redis]) -> None:
+    """Step by step against a full Redis: every write that adds data is refused whole (nothing half-written),
+    while what a paused generation and its readers need still works: the lease renewal, reads, the readers'
+    marks (refused quietly), and deletes."""
+    from broker.events import EventType, encode_data
+    from broker.redis.connection import connect, is_out_of_memory
+    from broker.request import GenerationRequest
+    from broker.streams.records import Claim
+    from broker.streams.store import Store
+
+    server, r = full_redis
+    client = connect(server.url)
+    store = Store(client)
+    await store.ensure_groups()
+    req = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
+    sid, waiting = uuid.uuid4(), uuid.uuid4()
+    for s in (sid, waiting):
+        assert (await store.create(s, req, default_model="m", max_queue=0, retention_s=60)).created
+    claim = await store.claim(sid, "w1")
+    assert isinstance(claim, Claim)
+    delta = (EventType.DELTA, encode_data({"text": "x"}))
+    assert (await store.append(claim, 0, 1, [delta])).ok
+    fillers = _fill(r)
+    try:
+        before = r.hgetall(_meta(str(sid)))
+        for step in (store.append(claim, 1, 2, [delta]), store.create(uuid.uuid4(), req, default_model="m",
+                                                                      max_queue=0, retention_s=60),
+                     store.cancel(waiting, "client"), store.claim(waiting, "w1"),
+                     store.finish(claim, EventType.DONE, {"finish_reason": "stop"}, status="done", usage={})):
+            with pytest.raises(Exception) as refused:
+                await step
+            assert is_out_of_memory(refused.value), refused.value
+        assert r.hgetall(_meta(str(sid))) == before, "a refused script wrote part of its work"
+        assert (await store.renew(claim, "w1", 5.0)).ok  # the lease is kept while the generation waits
+        await store.touch([sid, waiting])  # a reader's mark: refused, quietly
+        assert [e.type for e in await store.read(sid, None)] == ["queued", "delta"]
+        assert (await store.status(sid)) is not None
+        r.delete(fillers.pop())  # deletes are never refused
+    finally:
+        r.delete(*fillers)
+        r.config_set("maxmemory", str(MAXMEMORY))
+    assert (await store.append(claim, 1, 2, [delta])).ok
+    assert await store.finish(claim, EventType.DONE, {"finish_reason": "stop"}, status="done", usage={})
+    await client.aclose()
