@@ -42,7 +42,8 @@ class Metrics:
         self.storage_full = counter(
             "rsb_storage_full_total", "writes Redis refused for lack of memory (maxmemory), answered 507 storage_full")
         self.storage_quota = counter(
-            "rsb_storage_quota_rejected_total", "writes refused because the caller holds its storage quota (429)")
+            "rsb_storage_quota_rejected_total",
+            "writes refused because the caller holds its storage quota (429 storage_quota)")
         self.cancels = counter("rsb_cancels_total", "cancel requests")
         self.reads = counter("rsb_reads_total", "event reads (SSE) started")
         self.resumes = counter("rsb_resumes_total", "event reads that resumed after an event id")

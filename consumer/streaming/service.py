@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import cast
@@ -123,6 +123,16 @@ class StreamService:
         key = self.api_keys.get(caller.key_id)
         return int(key.limits.get(name, 0)) if key is not None else 0
 
+    @contextlib.contextmanager
+    def quota_counted(self) -> Iterator[None]:
+        """Around a write charged to a caller's storage quota: a refusal is counted
+        (``rsb_storage_quota_rejected_total``)."""
+        try:
+            yield
+        except OverStorageQuota:
+            self.metrics.storage_quota.inc()
+            raise
+
     def storage_quota(self, caller: Caller) -> StorageQuota:
         """The bytes the caller may hold in Redis (broker.redis.quota), charged to its API key or address group
         like ``quota``; a key's ``limits.storage_quota_bytes`` overrides the pod's default (0 there: no bound)."""
@@ -162,14 +172,12 @@ class StreamService:
         QueueFull, TooManyGenerations or RateLimited."""
         s = self.settings
         try:
-            res = await self.store.create(stream_id, request, default_model=await self.default_model(),
-                                          max_queue=s.max_queue, max_queue_wait_s=s.max_queue_wait_s,
-                                          retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
-                                          key_id=caller.key_id, quota=self.quota(caller),
-                                          storage=self.storage_quota(caller))
-        except OverStorageQuota:
-            self.metrics.storage_quota.inc()
-            raise
+            with self.quota_counted():
+                res = await self.store.create(stream_id, request, default_model=await self.default_model(),
+                                              max_queue=s.max_queue, max_queue_wait_s=s.max_queue_wait_s,
+                                              retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
+                                              key_id=caller.key_id, quota=self.quota(caller),
+                                              storage=self.storage_quota(caller))
         except RetryLater:
             self.metrics.creates_rejected.inc()
             raise
