@@ -51,6 +51,14 @@ def test_allkeys_is_refused_by_consumer_and_generator(servers: list[RedisServer]
         assert "noeviction" in lines[0] and "volatile-" in lines[0]
 
 
+def test_rsb_up_refuses_an_allkeys_redis(servers: list[RedisServer], demo_model: Path) -> None:
+    url = _redis(servers, "--maxmemory-policy", "allkeys-lfu").url
+    done = _rsb("up", "--redis-url", url, "--model", str(demo_model), "--port", str(free_port()))
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    refusal = [line for line in done.stderr.splitlines() if line.startswith("rsb up: ")]
+    assert len(refusal) == 1 and "maxmemory-policy allkeys-lfu" in refusal[0] and "noeviction" in refusal[0]
+
+
 def test_volatile_warns_and_starts(servers: list[RedisServer], stack_factory: StackFactory) -> None:
     stack = stack_factory(_redis(servers, "--maxmemory-policy", "volatile-lru").url)
     gen = stack.generator()
