@@ -16,7 +16,7 @@ from broker.durable.store import DurableStore
 from broker.redis.connection import connect, connect_blocking, is_unavailable
 from broker.streams.store import Store
 from consumer.edge.auth import ApiKeys
-from consumer.edge.errors import HANDLERS, ShutdownBoundary
+from consumer.edge.errors import HANDLERS, OUT_OF_MEMORY, ShutdownBoundary
 from consumer.edge.front import FrontDoor
 from consumer.edge.limits import ConnectionLimiter
 from consumer.edge.middleware import AuthMiddleware
@@ -70,9 +70,10 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         # Standalone: the hub's one pub/sub connection comes from here. Cluster: the hub opens one per master
         # itself and uses this client only for the slot map.
         blocking = connect_blocking(b.url, cluster=b.cluster)
-        hub = LiveHub(blocking)
+        hub = LiveHub(blocking, max_buffered=settings.live_buffer_events)
         await hub.start()
         metrics = Metrics()
+        OUT_OF_MEMORY.on_refused = metrics.storage_full.inc  # this process's refusals, whichever route wrote
         metrics.gauge("rsb_connected_readers", lambda: hub.readers, "SSE readers tailing a stream on this pod")
         metrics.gauge("rsb_live_channels", lambda: hub.channels, "streams this pod is subscribed to")
         metrics.gauge("rsb_live_hub_reconnects", lambda: hub.reconnects, "pub/sub reconnects since start")

@@ -46,6 +46,10 @@ class ConsumerSettings(Settings):
     shutdown_grace_s: float = setting(5.0, "seconds to drain connections on SIGTERM")
     send_timeout_s: float = setting(
         30.0, "a reader whose connection accepts no event for this long is dropped (it can resume)")
+    live_buffer_events: int = setting(
+        256, "events one SSE reader's live feed holds while its client reads slower than the stream is written; "
+        "past it they are dropped and the reader re-reads them from Redis (with --send-timeout-s and "
+        "--max-connections, what bounds the memory unread responses pin in a pod: docs/security.md)")
     default_model: str | None = setting(
         None, "model name recorded for requests that name none (default: the model the generators serve)")
     api_keys_file: str | None = setting(
@@ -91,6 +95,10 @@ class ConsumerSettings(Settings):
     max_conversations: int = setting(
         1000, "conversations one caller (as for --max-active) may hold; more get 429 too_many_conversations (0 = "
         "no bound; a key's limits.max_conversations overrides)")
+    storage_quota_bytes: int = setting(
+        256 * 1024 * 1024, "bytes one caller (as for --max-active) may hold in Redis: its Durable Streams' data "
+        "(forks at their full size) and its streams' request bodies while they are kept; writes past it get 429 "
+        "storage_quota (0 = no bound; a key's limits.storage_quota_bytes overrides)")
     # Durable Streams at /v1/stream/ (consumer/views/durable, docs/protocol.md).
     ds_long_poll_timeout_s: float = setting(
         20.0, "Durable Streams: how long a long-poll waits for data before its 204 (keep it under every proxy's "

@@ -122,7 +122,7 @@ class JobRunner:
         """Run ``job`` in ``seat`` (its worker slot: given back while a write stalls, when the worker parks: see
         generator.slots)."""
         seat = seat or Seat(Slots(1, 0))
-        claim = await until_done(lambda: self.store.claim(job.stream_id, self.worker_id))
+        claim = await until_done(lambda: self.store.claim(job.stream_id, self.worker_id), "claim failed")
         if isinstance(claim, Unclaimable):  # gone or already finished: nothing to do but drop the job
             await self._ack(job)
             return
@@ -150,7 +150,7 @@ class JobRunner:
             await self._ack(job)
 
     async def _ack(self, job: Job) -> None:
-        await until_done(lambda: self.store.ack(job.partition, job.entry_id))
+        await until_done(lambda: self.store.ack(job.partition, job.entry_id), "ack failed")
 
     async def _answer_so_far(self, claim: Claim) -> AnswerSoFar:
         """The answer an earlier attempt appended (text, reasoning, tool calls), and whether it sent
@@ -308,7 +308,7 @@ class JobRunner:
         return parked and not run.stopping
 
     async def _hand_over(self, run: Run) -> None:
-        released = await until_done(lambda: self.store.release(run.claim, self.worker_id))
+        released = await until_done(lambda: self.store.release(run.claim, self.worker_id), "release failed")
         log.info("handed the job over", extra={"stream_id": str(run.claim.stream_id), "released": released})
         run.fenced_out = True  # not ours to acknowledge any more
 
@@ -321,6 +321,8 @@ class JobRunner:
         try:  # once directly (the path of every token), then by the retry policy, which logs and classifies
             res = await op()
         except Exception:  # an append is safe to make twice (its seq check answers a landed one)
+            # Redis away or full: the generation pauses here (its lease kept by the renewer, its readers sent
+            # heartbeats), and goes on where it stopped once Redis takes writes again.
             res = await until_done(op, "append failed")
         if res.ok:
             run.cancel_reason = run.cancel_reason or res.cancel_reason
@@ -347,7 +349,7 @@ class JobRunner:
         with run.watch:  # stalled (no replica, its shard down): it needs no slot meanwhile
             eid = await until_done(lambda: self.store.finish(
                 run.claim, etype, data, status=status, usage=usage, model=self.engine.name, reason=reason,
-                compute_s=compute_s))
+                compute_s=compute_s), "finish failed")
         if eid is None:
             run.fenced_out = True
         else:

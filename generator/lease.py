@@ -24,6 +24,7 @@ from broker.streams.keys import control_channel
 from broker.streams.records import Claim
 from broker.streams.store import Store
 from generator.handoff import StopSignal
+from generator.retry import OUT_OF_MEMORY, is_transient
 from generator.slots import StallWatch
 
 log = logging.getLogger("rsb.generator")
@@ -82,8 +83,12 @@ async def keep_lease(run: Run, store: Store, worker_id: str, lease_s: float, dis
             if run.generation_over or (task is not None and task.cancelling()):
                 raise asyncio.CancelledError from None
             continue
-        except Exception as e:  # a bug: retrying it would renew nothing, for ever
-            run.fail(e)
+        except Exception as e:
+            # Redis full: RENEW's first write (XCLAIM) is one a full Redis allows, so this is rare; waited out.
+            if is_transient(e):
+                OUT_OF_MEMORY.refused("lease renewal")
+                continue
+            run.fail(e)  # a bug: retrying it would renew nothing, for ever
             return
         if not res.ok:
             run.fence_out()
@@ -98,7 +103,8 @@ async def check_cancel(run: Run, store: Store, worker_id: str, disconnect_grace_
     except UNAVAILABLE_ERRORS:
         return  # the renewal loop asks again within lease_s / 3
     except Exception as e:
-        run.fail(e)
+        if not is_transient(e):
+            run.fail(e)
         return
     run.cancel(res.cancel_reason)
 

@@ -30,6 +30,9 @@ class GeneratorMetrics:
         self.tokens_generated = Counter("rsb_generator_tokens_total", "tokens this worker generated", registry=r)
         self.tokens_wasted = Counter("rsb_generator_tokens_wasted_total",
                                      "tokens generated for answers that were then aborted", registry=r)
+        self.storage_full = Counter(
+            "rsb_generator_storage_full_total",
+            "writes Redis refused for lack of memory (maxmemory), each retried until it succeeded", registry=r)
         self.running = Gauge("rsb_generator_running", "generations in flight on this worker", registry=r)
         self.parked = Gauge("rsb_generator_parked", "generations of this worker parked without a slot while a write "
                             "waits (no replica acknowledged it, or its shard is down: generator.slots)", registry=r)

@@ -27,6 +27,7 @@ from generator.generation import Appender, JobRunner
 from generator.jobs import JobPoller
 from generator.lease import check_cancel, listen_for_cancels
 from generator.metrics import GeneratorMetrics
+from generator.retry import OUT_OF_MEMORY, is_transient
 from generator.settings import GeneratorSettings
 from generator.slots import Seat, Slots
 
@@ -45,6 +46,7 @@ class Worker:
         self.blocking = blocking  # XREADGROUP BLOCK and pub/sub: no socket timeout
         self.worker_id = settings.worker_id or default_worker_id()
         self.metrics = GeneratorMetrics()
+        OUT_OF_MEMORY.on_refused = self.metrics.storage_full.inc
         # Many generations at once: their appends share pipelines. (Cluster pipelines would split by
         # node anyway; there each append goes on its own. At ``replicated`` each append waits for its replica.)
         batch = settings.concurrency > 1 and not store.cluster and store.gate is None
@@ -85,7 +87,10 @@ class Worker:
             except UNAVAILABLE_ERRORS as e:
                 log.warning("could not announce the model, retrying: %s", e)
             except Exception as e:  # a bug (the key holds another type): said, and tried again, never in silence
-                log.error("could not announce the model: %s", type(e).__name__, exc_info=e)
+                if is_transient(e):  # Redis full: counted in the process's episode, tried again
+                    OUT_OF_MEMORY.refused("model announcement")
+                else:
+                    log.error("could not announce the model: %s", type(e).__name__, exc_info=e)
             await asyncio.sleep(ANNOUNCE_INTERVAL_S)
 
     def _on_cancel_notice(self, stream_id: uuid.UUID) -> None:
@@ -114,6 +119,13 @@ class Worker:
                 except UNAVAILABLE_ERRORS as e:
                     slots.release()
                     log.warning("redis unavailable, retrying: %s", e)
+                    await attempts.sleep()
+                    continue
+                except Exception as e:  # Redis full (XGROUP CREATE is refused too): wait, as for an outage
+                    slots.release()
+                    if not is_transient(e):
+                        raise
+                    OUT_OF_MEMORY.refused("poll for jobs")
                     await attempts.sleep()
                     continue
                 if job is not None and slots.resume_wanted:

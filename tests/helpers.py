@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -327,3 +328,10 @@ def read_resuming(base_url: str, sid: str, *, max_connections: int = 10, timeout
             out.errors.append(repr(e))
             time.sleep(0.05)
     return out
+
+
+def parse_bytes(size: str) -> int:
+    """A Redis, compose or Kubernetes memory size (``1gb``, ``2g``, ``512mb``, ``1Gi``) in bytes."""
+    m = re.fullmatch(r"(\d+)\s*([kmg]?)(i?b?)", size.strip().lower())
+    assert m, f"bad size {size!r}"
+    return int(m.group(1)) * int(1024 ** " kmg".index(m.group(2) or " "))

@@ -1,6 +1,7 @@
 """The one boundary where errors become HTTP: every error is JSON with a code, never a traceback. Foreign
 errors are mapped to rsb's family here, once: Redis being away (broker.redis.connection.UNAVAILABLE_ERRORS)
-is ``Unavailable`` (503 + Retry-After)."""
+is ``Unavailable`` (503 + Retry-After); Redis refusing a write for lack of memory
+(broker.redis.connection.is_out_of_memory) is ``StorageFull`` (507 + Retry-After), whichever route wrote."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from broker.errors import RetryLater, RsbError, ShuttingDown, Unavailable
-from broker.redis.connection import UNAVAILABLE_ERRORS
+from broker.errors import RetryLater, RsbError, ShuttingDown, StorageFull, Unavailable
+from broker.redis.connection import RESPONSE_ERRORS, UNAVAILABLE_ERRORS, is_out_of_memory
+from broker.storage import STORAGE_FULL_RETRY_AFTER_S, OutOfMemoryEpisodes
 
 log = logging.getLogger("rsb.consumer")
 
@@ -22,14 +24,19 @@ REDIS_RETRY_AFTER_S = 2
 DRAIN_RETRY_AFTER_S = 1
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_request", 413: "payload_too_large"}
 
+#: This process's episodes of a full Redis: one log line each, every refusal counted (consumer.app wires the
+#: metric ``rsb_storage_full_total`` in).
+OUT_OF_MEMORY = OutOfMemoryEpisodes(log, "the consumer")
+
 #: The HTTP status of each of rsb's error codes (broker.errors), here and nowhere else: 429 when the caller is
-#: over one of its own limits, 503 when this pod or Redis cannot serve now (another pod, or later, may).
+#: over one of its own limits, 503 when this pod or Redis cannot serve now (another pod, or later, may), 507 when
+#: Redis is out of memory (no pod can write until memory is freed; reads still work).
 STATUS: dict[str, int] = {
     "invalid_request": 400, "unauthorized": 401, "not_found": 404, "conflict": 409, "conversation_full": 409,
     "expired": 410, "payload_too_large": 413, "too_many_streams": 429, "too_many_conversations": 429,
     "queue_full": 429, "too_many_connections": 429,
     "too_many_generations": 429, "rate_limited": 429, "internal": 500, "overloaded": 503, "starting": 503,
-    "unavailable": 503, "draining": 503,
+    "unavailable": 503, "draining": 503, "storage_full": 507, "storage_quota": 429,
 }
 
 
@@ -55,6 +62,10 @@ def as_rsb_error(exc: Exception) -> RsbError | None:
     if isinstance(exc, UNAVAILABLE_ERRORS):
         log.warning("redis unavailable: %s", type(exc).__name__)
         return Unavailable("the stream store is unreachable; retry shortly", REDIS_RETRY_AFTER_S)
+    if is_out_of_memory(exc):
+        OUT_OF_MEMORY.refused(type(exc).__name__)
+        return StorageFull("the stream store is out of memory and refuses writes; retry shortly",
+                           STORAGE_FULL_RETRY_AFTER_S)
     return None
 
 
@@ -78,8 +89,10 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal", "internal error")
 
 
+# Redis's error replies go through rsb_error too: out of memory is one of them (as_rsb_error says which); any
+# other is a bug, answered by internal_error from there.
 HANDLERS = {RsbError: rsb_error, HTTPException: http_error, **dict.fromkeys(UNAVAILABLE_ERRORS, rsb_error),
-            Exception: internal_error}
+            **dict.fromkeys(RESPONSE_ERRORS, rsb_error), Exception: internal_error}
 
 
 async def error_for(request: Request, exc: Exception) -> Response:

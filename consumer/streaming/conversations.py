@@ -87,7 +87,8 @@ class ConversationService:
     def limits(self, caller: Caller) -> Limits:
         s = self.service.settings
         return Limits(s.conversation_ttl_s,
-                      self.service.key_limit(caller, "max_conversations") or s.max_conversations)
+                      self.service.key_limit(caller, "max_conversations") or s.max_conversations,
+                      self.service.storage_quota(caller).quota_bytes)
 
     def owner(self, caller: Caller) -> str:
         return principal(caller.key_id, caller.ip)

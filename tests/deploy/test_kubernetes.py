@@ -37,7 +37,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from helpers import CliCommand, cli_command, eventually, read_sse, wait_status
+from helpers import CliCommand, cli_command, eventually, parse_bytes, read_sse, wait_status
 
 from broker.redis.server import RedisServer, free_port
 from broker.streams.keys import jobs_key
@@ -415,6 +415,24 @@ def test_promql_metric_names() -> None:
     assert promql_metric_names("max(rsb_q) > 0 unless on() (count(rsb_r) > 0)") == {"rsb_q", "rsb_r"}
     assert promql_metric_names("clamp_min(sum(rsb_c), 1e-3) and absent(rsb_d{reason=\"a b\"})") == {"rsb_c", "rsb_d"}
     assert promql_metric_names("histogram_quantile(0.95, sum without (instance) (rate(x:y[5m])))") == {"x:y"}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_redis_refuses_writes_before_its_pod_is_killed(variant: str) -> None:
+    """A Redis the manifests run has a maxmemory below its container's memory limit, and noeviction: full, it
+    refuses writes (rsb answers 507 storage_full) instead of being OOM-killed or evicting unfinished streams."""
+    servers = 0
+    for sts in render(variant).all("StatefulSet"):
+        for c in sts["spec"]["template"]["spec"]["containers"]:
+            args = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
+            if "redis-server" not in args:
+                continue
+            assert args[args.index("--maxmemory-policy") + 1] == "noeviction", variant
+            limit = parse_bytes(c["resources"]["limits"]["memory"])
+            assert 0 < parse_bytes(args[args.index("--maxmemory") + 1]) <= limit * 3 // 4, variant
+            servers += 1
+    assert servers == (0 if variant.startswith("redis-cluster") else 1), variant  # the cluster is the operator's
 
 
 @needs_kubectl

@@ -138,8 +138,9 @@ async def create_conversation(request: Request) -> ASGIApp:
     now = time.time()
     turns = [items_turn(as_messages(items), now)] if items else []
     name = str(uuid.uuid4())
-    await convs.conversations.create(caller.key_id, name, convs.owner(caller), convs.limits(caller),
-                                     created_at=now, metadata=metadata, turns=turns)
+    with convs.service.quota_counted():
+        await convs.conversations.create(caller.key_id, name, convs.owner(caller), convs.limits(caller),
+                                         created_at=now, metadata=metadata, turns=turns)
     snap = await convs.get(caller, name)
     return JSONResponse(conversation_object(snap.conversation))
 
@@ -217,7 +218,9 @@ async def add_items(request: Request) -> ASGIApp:
         if snap.pending_id is not None:
             raise Conflict(f"a response of this conversation is running (stream {snap.pending_id}); add items once "
                            "it has ended")
-        outcome = await convs.conversations.append(snap.conversation, [turn])
+        with convs.service.quota_counted():
+            outcome = await convs.conversations.append(snap.conversation, [turn],
+                                                       convs.limits(caller).storage_quota_bytes)
         if outcome is Begin.GONE:
             raise _NOT_FOUND
         if outcome is Begin.RESERVED:
