@@ -14,10 +14,12 @@ from starlette.types import ASGIApp
 
 from broker.durable.store import DurableStore
 from broker.redis.connection import connect, connect_blocking, is_unavailable
+from broker.streams.read_token_secret import shared_read_token_secret
 from broker.streams.store import Store
 from consumer.edge.auth import ApiKeys
 from consumer.edge.errors import HANDLERS
 from consumer.edge.front import FrontDoor
+from consumer.edge.hosts import HostCheck, allowed_names
 from consumer.edge.limits import ConnectionLimiter
 from consumer.edge.middleware import AuthMiddleware
 from consumer.metrics import Metrics
@@ -81,6 +83,8 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         # replicated: a create or cancel that no replica acknowledges in time answers 503 (it is idempotent).
         store = Store(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms,
                       replica_patience_s=REPLICA_PATIENCE_S)
+        if api_keys.enabled and not settings.read_token_secret:
+            api_keys.set_secret_source(lambda: shared_read_token_secret(redis))
         service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, conversations=ConversationService(service, service.conversations),
@@ -101,11 +105,15 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
             await blocking.aclose()
 
     app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
-    app.add_middleware(AuthMiddleware, keys=api_keys)
+    app.add_middleware(AuthMiddleware, keys=api_keys, metrics_token=settings.metrics_token)
     if settings.cors_origins:  # outermost, so preflights and 401s carry the CORS headers too
         # The Durable Streams view (consumer/views/durable) adds its methods and its Stream-*/Producer-* headers.
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                            allow_methods=list(durable_protocol.METHODS),
                            allow_headers=sorted({"Last-Event-ID", *durable_protocol.REQUEST_HEADERS}),
                            expose_headers=list(durable_protocol.RESPONSE_HEADERS), max_age=600)
-    return FrontDoor(app, stream_events, api_keys, cors=bool(settings.cors_origins))
+    front = FrontDoor(app, stream_events, api_keys, cors=bool(settings.cors_origins))
+    if api_keys.enabled:
+        return front
+    # Open API: only the names it is legitimately reached by (DNS rebinding; consumer.edge.hosts).
+    return HostCheck(front, allowed_names(settings.host, settings.allowed_hosts))
