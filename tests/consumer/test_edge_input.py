@@ -133,9 +133,11 @@ def test_digits_that_are_not_ascii_are_refused_with_a_code(consumers: Consumers)
         sid = str(uuid.uuid4())
         assert c.post("/v1/streams", json={"id": sid, "prompt": "x", "max_tokens": 4}).status_code == 201
         events = f"/v1/streams/{sid}/events"
-        for headers, params in (({"Last-Event-ID": ARABIC_ID.encode()}, {}),
-                                ({}, {"last_event_id": ARABIC_ID}), ({}, {"last_event_id": "²-0"}),
-                                ({}, {"last_event_id": "1" * 5000 + "-0"})):
+        no_headers: dict[bytes, bytes] = {}
+        for headers, params in (({b"Last-Event-ID": ARABIC_ID.encode()}, {}),
+                                (no_headers, {"last_event_id": ARABIC_ID}),
+                                (no_headers, {"last_event_id": "²-0"}),
+                                (no_headers, {"last_event_id": "1" * 5000 + "-0"})):
             r = c.get(events, headers=headers, params=params)
             assert r.status_code == 400 and error_code(r) == "invalid_request", (headers, params, r.text)
         # A stream id spelled with other digits (or dashes elsewhere) names no stream: never an alias of one.
@@ -157,10 +159,10 @@ def test_digits_that_are_not_ascii_are_refused_with_a_code(consumers: Consumers)
         r = c.get(path, params={"offset": "-1", "live": "long-poll", "cursor": "١٢٣"})
         assert r.status_code == 200 and r.headers["stream-cursor"].isascii()
         for name, value in (("Stream-TTL", "١٠"), ("Stream-TTL", "²")):
-            r = c.put(f"/v1/stream/digits-{uuid.uuid4().hex}", headers={name: value.encode()})
+            r = c.put(f"/v1/stream/digits-{uuid.uuid4().hex}", headers={name.encode(): value.encode()})
             assert r.status_code == 400 and error_code(r) == "invalid_request", (name, value)
-        producer = {"Producer-Id": "p", "Producer-Epoch": "١".encode(), "Producer-Seq": "0"}
-        r = c.post(path, content=b"y", headers={"Content-Type": "text/plain", **producer})
+        producer = {b"Producer-Id": b"p", b"Producer-Epoch": "١".encode(), b"Producer-Seq": b"0", b"Content-Type": b"text/plain"}
+        r = c.post(path, content=b"y", headers=producer)
         assert r.status_code == 400 and error_code(r) == "invalid_request"
 
     with httpx.Client(base_url=consumers.keyed_url, timeout=10) as c:
@@ -192,7 +194,7 @@ def test_pods_share_a_random_read_token_secret_and_refuse_one_derived_from_the_k
             assert r.status_code == 200
         # The secret is random, in Redis, once: not derived from anything the keys file holds.
         secret = consumers.redis.get(read_token_secret_key())
-        assert secret is not None and len(secret) == 64
+        assert isinstance(secret, bytes) and len(secret) == 64
         entry = orjson.loads(consumers.keys_file.read_bytes())["keys"][0]
         derived = hashlib.sha256(b"rsb-read-token|" + entry["id"].encode() + bytes.fromhex(entry["sha256"])).digest()
         exp = int(time.time()) + 600
