@@ -267,7 +267,8 @@ class BrokerSettings(Settings):
     redis_url: str | None = setting(
         None, "Redis URL: redis://host:6379/0, rediss://user:pass@host:6380/0, redis+cluster://node:6379 "
         "for a Redis Cluster (any one node), or redis+sentinel://host:26379[,host:26379]/service[/db] for "
-        "Redis Sentinel")
+        "Redis Sentinel (a secret: it may carry a password, so rsb passes it to its children by environment)",
+        secret=True)
     partitions: int = setting(
         1, "job/key partitions; fixed per deployment (1 = strict FIFO on one server; on a Redis Cluster a few "
         "per master: their hash slots are spread evenly over all masters)")
