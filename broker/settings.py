@@ -25,7 +25,7 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 _SPEC = "rsb.setting"
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -282,9 +282,22 @@ class BrokerSettings(Settings):
         1000, "replicated: how long one WAIT waits for a replica's acknowledgement; with none, the generation "
         "pauses (readers get heartbeats) and WAIT is retried")
 
+    redis_password: str | None = setting(
+        None, "password for Redis, added to --redis-url when the URL carries none (so the URL can be plain "
+        "configuration and the password a secret of its own, e.g. a Kubernetes Secret)", secret=True)
+
     @property
     def url(self) -> str:
-        return self.redis_url or DEFAULT_REDIS_URL
+        """The Redis URL every role connects to: --redis-url with --redis-password in it (if it has none)."""
+        url = self.redis_url or DEFAULT_REDIS_URL
+        if not self.redis_password:
+            return url
+        parts = urlsplit(url)
+        if parts.password is not None:  # the URL's own password wins: it names its user too
+            return url
+        user = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
+        hosts = parts.netloc.rpartition("@")[2]
+        return urlunsplit(parts._replace(netloc=f"{user}:{quote(self.redis_password, safe='')}@{hosts}"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from starlette.types import ASGIApp
 
 from broker.durable.store import DurableStore
 from broker.redis.connection import connect, connect_blocking, is_unavailable
+from broker.scrape import serve_scrapes
 from broker.streams.read_token_secret import shared_read_token_secret
 from broker.streams.store import Store
 from consumer.edge.auth import ApiKeys
@@ -32,6 +33,7 @@ from consumer.streaming.sse import Drain
 from consumer.views import ROUTES
 from consumer.views.durable import protocol as durable_protocol
 from consumer.views.native import stream_events
+from consumer.views.ops import render_metrics
 
 log = logging.getLogger("rsb.consumer")
 
@@ -93,9 +95,13 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)
         toucher = asyncio.create_task(_touch_readers(store, hub, interval_s), name="touch-readers")
+        scrapes = (await serve_scrapes(lambda: render_metrics(state), settings.scrape_host, settings.scrape_port)
+                   if settings.scrape_port else None)
         try:
             yield {STATE_KEY: state}
         finally:
+            if scrapes is not None:
+                scrapes.close()
             drain.set()
             toucher.cancel()
             await asyncio.gather(toucher, return_exceptions=True)

@@ -82,6 +82,10 @@ class ConsumerSettings(Settings):
         (), "without API keys, the Host names requests may carry besides the loopback ones (localhost, 127.0.0.1, "
         "[::1]) and --host; others get 421 host_not_allowed, so a web page cannot reach an open API by DNS "
         "rebinding (comma-separated; '*' allows any; /healthz and /readyz answer any Host)")
+    scrape_port: int = setting(
+        0, "also serve /metrics, without any key, on this port of its own (open it to the monitoring network only; "
+        "0 = off)")
+    scrape_host: str = setting("127.0.0.1", "address of the --scrape-port endpoint")
     metrics_token: str | None = setting(
         None, "with API keys, /metrics needs 'Authorization: Bearer' with any valid API key or this token (for "
         "Prometheus: docs/security.md)", secret=True)

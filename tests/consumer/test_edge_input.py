@@ -17,7 +17,8 @@ import pytest
 import redis
 from servers import Stack, needs_chromium
 
-from broker.redis.server import RedisServer
+from broker.redis.server import RedisServer, free_port
+from broker.settings import BrokerSettings
 from broker.streams.keys import read_token_secret_key
 from consumer.edge.auth import ApiKeys, new_key
 
@@ -43,7 +44,8 @@ class Consumers:
         self.stack = Stack(server.url, NO_MODEL, tmp)
         _, self.open_url = self.stack.consumer("--ds-long-poll-timeout-s", "1", "--ds-sse-max-s", "1")
         keyed = ("--api-keys", str(self.keys_file), "--metrics-token", METRICS_TOKEN)
-        _, self.keyed_url = self.stack.consumer(*keyed)
+        self.scrape_port = free_port()
+        _, self.keyed_url = self.stack.consumer(*keyed, "--scrape-port", str(self.scrape_port))
         _, self.keyed_url_b = self.stack.consumer(*keyed)
 
 
@@ -252,5 +254,34 @@ def test_metrics_need_a_key_when_keys_are_set(consumers: Consumers) -> None:
             r = c.get("/metrics", headers=headers)
             assert r.status_code == 200 and "rsb_queue_waiting" in r.text
         assert c.get("/healthz").status_code == 200 and c.get("/readyz").status_code == 200
+    # Or on a port of its own, which serves nothing else (for Prometheus, which cannot send a key by annotation).
+    scrape = f"http://127.0.0.1:{consumers.scrape_port}"
+    r = httpx.get(f"{scrape}/metrics", timeout=10)
+    assert r.status_code == 200 and "rsb_queue_waiting" in r.text and "rsb_connected_readers" in r.text
+    assert httpx.get(f"{scrape}/v1/models", timeout=10).status_code == 404
     with httpx.Client(base_url=consumers.open_url, timeout=10) as c:
         assert c.get("/metrics").status_code == 200  # open mode: open, on loopback names only
+
+
+# -- 6. a Redis password of its own (RSB_REDIS_PASSWORD, e.g. from a Kubernetes Secret) -----------------------
+
+
+def test_the_redis_password_setting_reaches_a_redis_that_requires_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    server = RedisServer(password="s3cret/:@ pw").start()
+    stack = Stack(f"redis://127.0.0.1:{server.port}/0", NO_MODEL, tmp_path)
+    try:
+        plain = BrokerSettings(redis_url=f"redis://127.0.0.1:{server.port}/0")
+        assert BrokerSettings(redis_url=plain.redis_url, redis_password="s3cret/:@ pw").url == server.url
+        # The URL's own password wins over the setting.
+        assert BrokerSettings(redis_url=server.url, redis_password="other").url == server.url
+        with monkeypatch.context() as m:
+            m.setenv("RSB_REDIS_PASSWORD", "s3cret/:@ pw")
+            _, url = stack.consumer()
+        assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+        _, refused = stack.consumer()  # no password: Redis refuses it, the pod is not ready
+        r = httpx.get(f"{refused}/readyz", timeout=10)
+        assert r.status_code >= 500 and error_code(r)
+    finally:
+        stack.close()
+        server.cleanup()
