@@ -12,7 +12,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from servers import Stack
 
@@ -107,7 +107,7 @@ def values(t: Targets) -> st.SearchStrategy[str]:
 
 
 def header_value(raw: str) -> bytes:
-    # What a client can put on the wire: no CR, LF or NUL (h11 refuses to send them); UTF-8 bytes otherwise.
+    # CR, LF and NUL would end or break the header itself; UTF-8 bytes otherwise (h11 refuses to send some others).
     return raw.translate({0: None, 10: None, 13: None}).strip().encode()
 
 
@@ -136,6 +136,8 @@ def test_unicode_in_every_parameter_and_header_is_never_a_500_or_a_hang(targets:
     request = c.build_request(method, base + path, params=query, headers=headers)
     try:
         r = c.send(request, stream=True)
+    except httpx.LocalProtocolError:
+        reject()  # a header value h11 will not put on the wire (most C0 controls): no client can send it either
     except httpx.TimeoutException:
         pytest.fail(f"no response head in {HEAD_TIMEOUT_S} s: {method} {request.url} {headers}")
     try:
