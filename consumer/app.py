@@ -86,7 +86,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         store = Store(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms,
                       replica_patience_s=REPLICA_PATIENCE_S)
         if api_keys.enabled and not settings.read_token_secret:
-            api_keys.set_secret_source(lambda: shared_read_token_secret(redis))
+            api_keys.set_secret_source(lambda: shared_read_token_secret(redis), settings.read_token_key_refresh_s)
         service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, conversations=ConversationService(service, service.conversations),

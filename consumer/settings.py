@@ -55,6 +55,9 @@ class ConsumerSettings(Settings):
         None, "secret signing read tokens, the same on every pod (default: a random one made once and kept in "
         "Redis, shared by every pod; docs/security.md says how to rotate either)", secret=True)
     read_token_ttl_s: int = setting(900, "lifetime of the read tokens issued at create")
+    read_token_key_refresh_s: float = setting(
+        30.0, "without --read-token-secret: how often a pod re-reads the read-token key kept in Redis (a rotation "
+        "reaches every pod within this)")
     max_messages: int = setting(1024, "most messages one request may carry")
     max_prompt_chars: int = setting(200_000, "longest prompt (or messages' content in all)")
     max_streams_per_ip: int = setting(

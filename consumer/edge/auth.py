@@ -26,6 +26,7 @@ import orjson
 
 from broker.ascii import decimal
 from broker.errors import NotFound, Unauthorized
+from broker.redis.connection import is_unavailable
 
 ANONYMOUS = ""
 _KEY_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
@@ -45,17 +46,33 @@ class ApiKeys:
         # in Redis. Never derived from the keys file: it holds only hashes and is not meant to be secret.
         self._token_secret = token_secret
         self._secret_source: Callable[[], Awaitable[bytes]] | None = None
+        self._refresh_s = 0.0
+        self._read_at = 0.0  # monotonic time of the source's last read
 
-    def set_secret_source(self, source: Callable[[], Awaitable[bytes]]) -> None:
-        """Where the signing key comes from when none is configured (read once, on first use, then kept)."""
+    def set_secret_source(self, source: Callable[[], Awaitable[bytes]], refresh_s: float) -> None:
+        """Where the signing key comes from when none is configured: read on first use, then again every
+        ``refresh_s`` (so a rotation, or a Redis that lost its data, reaches every pod within that)."""
         self._secret_source = source
+        self._refresh_s = refresh_s
 
     async def token_secret(self) -> bytes:
-        """The read-token signing key. Raises what its source raises (Redis away: the caller's 503)."""
-        if not self._token_secret:
-            if self._secret_source is None:
+        """The read-token signing key. Raises what its source raises when there is no key yet (Redis away: the
+        caller's 503); once there is one, a failed re-read keeps it until the next try."""
+        source = self._secret_source
+        if source is None:
+            if not self._token_secret:
                 raise RuntimeError("read tokens need a --read-token-secret or a secret source")
-            self._token_secret = await self._secret_source()
+            return self._token_secret
+        now = time.monotonic()
+        if self._token_secret and now - self._read_at < self._refresh_s:
+            return self._token_secret
+        self._read_at = now  # one re-read at a time, not one per concurrent request
+        try:
+            self._token_secret = await source()
+        except Exception as e:
+            if not self._token_secret or not is_unavailable(e):
+                self._read_at = 0.0
+                raise
         return self._token_secret
 
     @property

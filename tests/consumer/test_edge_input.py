@@ -15,6 +15,7 @@ import httpx
 import orjson
 import pytest
 import redis
+from helpers import eventually
 from servers import Stack, needs_chromium
 
 from broker.redis.server import RedisServer, free_port
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.slow
 # The consumers here never generate: no generator, and no model.
 NO_MODEL = Path("/nonexistent/model.gguf")
 METRICS_TOKEN = "prometheus-scrape-token-0123456789"
+KEY_REFRESH_S = 1.0
 
 
 class Consumers:
@@ -43,7 +45,8 @@ class Consumers:
         self.auth = {"Authorization": f"Bearer {self.token}"}
         self.stack = Stack(server.url, NO_MODEL, tmp)
         _, self.open_url = self.stack.consumer("--ds-long-poll-timeout-s", "1", "--ds-sse-max-s", "1")
-        keyed = ("--api-keys", str(self.keys_file), "--metrics-token", METRICS_TOKEN)
+        keyed = ("--api-keys", str(self.keys_file), "--metrics-token", METRICS_TOKEN,
+                 "--read-token-key-refresh-s", str(KEY_REFRESH_S))
         self.scrape_port = free_port()
         _, self.keyed_url = self.stack.consumer(*keyed, "--scrape-port", str(self.scrape_port))
         _, self.keyed_url_b = self.stack.consumer(*keyed)
@@ -207,6 +210,31 @@ def test_pods_share_a_random_read_token_secret_and_refuse_one_derived_from_the_k
         # The same signature with the stored secret is accepted: the forgery fails for its key alone.
         genuine = f"{exp}.alice.{ApiKeys.sign(secret, uuid.UUID(sid), 'alice', exp)}"
         assert b.get(f"/v1/streams/{sid}", params={"token": genuine}).status_code == 200
+
+
+def test_a_rotated_read_token_key_reaches_every_pod_and_old_tokens_are_refused(consumers: Consumers) -> None:
+    sid = str(uuid.uuid4())
+    body = {"id": sid, "prompt": "x", "max_tokens": 4}
+    # Token reads carry no Authorization header (as EventSource): clients of both pods without the key.
+    with httpx.Client(base_url=consumers.keyed_url, timeout=10) as a, \
+            httpx.Client(base_url=consumers.keyed_url_b, timeout=10) as b:
+        old = a.post("/v1/streams", json=body, headers=consumers.auth).json()["read_token"]
+        assert b.get(f"/v1/streams/{sid}", params={"token": old}).status_code == 200
+        consumers.redis.delete(read_token_secret_key())  # the rotation docs/security.md gives
+
+        def rotated() -> bool:
+            for c in (a, b):
+                r = c.get(f"/v1/streams/{sid}", params={"token": old})
+                assert r.status_code == 401, "a token signed with the old key is still accepted"
+            return True
+
+        eventually(rotated, 10 * KEY_REFRESH_S, "the old key to be dropped by both pods")
+        new_key_value = consumers.redis.get(read_token_secret_key())
+        assert isinstance(new_key_value, bytes) and len(new_key_value) == 64  # made again, by one pod, for both
+        fresh = b.post("/v1/streams", json=body, headers=consumers.auth)  # a retry: 200, a fresh token
+        assert fresh.status_code == 200 and fresh.json()["read_token"] != old
+        for c in (a, b):
+            assert c.get(f"/v1/streams/{sid}", params={"token": fresh.json()["read_token"]}).status_code == 200
 
 
 # -- 4. the Host check of an open API ----------------------------------------------------------------------
