@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -46,6 +47,10 @@ def setting(default: Any, help: str, *, flag: str | None = None, secret: bool = 
             choices: tuple[str, ...] | None = None) -> Any:
     """A settings field: its default, the help text its flag shows, and how it is named on the command line."""
     return field(default=default, metadata={_SPEC: Spec(help, flag, secret, choices)})
+
+
+_INTEGER = re.compile(r"\A[+-]?[0-9]{1,18}\Z")
+_NUMBER = re.compile(r"\A[+-]?([0-9]{1,18}(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]{1,3})?\Z")
 
 
 def parse_bool(raw: str) -> bool:
@@ -98,6 +103,10 @@ class Option:
             return parse_bool(raw)
         if self.kind is tuple:
             return parse_list(raw)
+        # ASCII only, and finite: int() and float() take other scripts' digits, float() "nan" and "inf".
+        pattern = _INTEGER if self.kind is int else _NUMBER if self.kind is float else None
+        if pattern is not None and not pattern.match(raw.strip()):
+            raise ValueError(f"--{self.flag}: expected a{'n integer' if self.kind is int else ' number'}, got {raw!r}")
         value = self.kind(raw)
         if self.spec.choices is not None and value not in self.spec.choices:
             raise ValueError(f"{self.env}: expected one of {', '.join(self.spec.choices)}, got {raw!r}")
