@@ -95,9 +95,11 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)
         toucher = asyncio.create_task(_touch_readers(store, hub, interval_s), name="touch-readers")
-        scrapes = (await serve_scrapes(lambda: render_metrics(state), settings.scrape_host, settings.scrape_port)
-                   if settings.scrape_port else None)
+        scrapes = None
         try:
+            if settings.scrape_port:  # in the try: a port in use stops the start with everything closed
+                scrapes = await serve_scrapes(lambda: render_metrics(state), settings.scrape_host,
+                                              settings.scrape_port)
             yield {STATE_KEY: state}
         finally:
             if scrapes is not None:
