@@ -35,6 +35,17 @@ class Unauthorized(RsbError):
     code = "unauthorized"
 
 
+class HostNotAllowed(RsbError):
+    """An open API (no API keys) was reached by a Host name it does not answer (consumer.edge.hosts): DNS
+    rebinding, or a name the operator has not listed in --allowed-hosts."""
+
+    code = "host_not_allowed"
+
+    def __init__(self) -> None:
+        super().__init__("this server does not answer this Host name; its operator can allow it with "
+                         "--allowed-hosts (RSB_ALLOWED_HOSTS)")
+
+
 class Conflict(RsbError):
     code = "conflict"
 

@@ -56,8 +56,12 @@ class ConsumerSettings(Settings):
         None, "JSON file of API keys; when set, every /v1 and /api route needs 'Authorization: Bearer'",
         flag="api-keys")
     read_token_secret: str | None = setting(
-        None, "secret signing read tokens (default: derived from the API keys file)", secret=True)
+        None, "secret signing read tokens, the same on every pod (default: a random one made once and kept in "
+        "Redis, shared by every pod; docs/security.md says how to rotate either)", secret=True)
     read_token_ttl_s: int = setting(900, "lifetime of the read tokens issued at create")
+    read_token_key_refresh_s: float = setting(
+        30.0, "without --read-token-secret: how often a pod re-reads the read-token key kept in Redis (a rotation "
+        "reaches every pod within this)")
     max_messages: int = setting(1024, "most messages one request may carry")
     max_prompt_chars: int = setting(200_000, "longest prompt (or messages' content in all)")
     max_streams_per_ip: int = setting(
@@ -81,6 +85,17 @@ class ConsumerSettings(Settings):
         ("127.0.0.1", "::1"), "comma-separated proxy addresses or networks (CIDR; '*' for any) whose "
         "X-Forwarded-For names the client: its address for every per-address limit. Only a proxy that "
         "overwrites the header (deploy/nginx.conf) may be trusted")
+    allowed_hosts: tuple[str, ...] = setting(
+        (), "without API keys, the Host names requests may carry besides the loopback ones (localhost, 127.0.0.1, "
+        "[::1]) and --host; others get 421 host_not_allowed, so a web page cannot reach an open API by DNS "
+        "rebinding (comma-separated; '*' allows any; /healthz and /readyz answer any Host)")
+    scrape_port: int = setting(
+        0, "also serve /metrics, without any key, on this port of its own (open it to the monitoring network only; "
+        "0 = off)")
+    scrape_host: str = setting("127.0.0.1", "address of the --scrape-port endpoint")
+    metrics_token: str | None = setting(
+        None, "with API keys, /metrics needs 'Authorization: Bearer' with any valid API key or this token (for "
+        "Prometheus: docs/security.md)", secret=True)
     cors_origins: tuple[str, ...] = setting(
         (), "comma-separated origins allowed by CORS (default: none; '*' for any)")
     log_content: bool = setting(False, "log prompts at create (off by default: users' data)")

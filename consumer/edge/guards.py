@@ -42,10 +42,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
-from broker.errors import Overloaded, TooManyConnections
-from consumer.edge.errors import refusal
+import orjson
+
+from broker.errors import InvalidRequest, Overloaded, TooManyConnections
+from consumer.edge.errors import STATUS, refusal
 from consumer.edge.limits import TrustedProxies, address_group
 
 log = logging.getLogger("rsb.consumer")
@@ -102,6 +105,14 @@ class _Warner:
             self.last[kind] = now
             log.warning(message, extra={**extra, "since_last_warning": self.count[kind]})
             self.count[kind] = 0
+
+
+def malformed_request_response(msg: str) -> bytes:
+    """The whole HTTP/1.1 response to a request that cannot be parsed: 400 invalid_request, JSON, closing."""
+    status = STATUS[InvalidRequest.code]
+    body = orjson.dumps({"error": {"code": InvalidRequest.code, "message": f"malformed HTTP request: {msg}"}})
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
 
 
 def guarded(base: type[asyncio.Protocol], guards: Guards) -> type[asyncio.Protocol]:
@@ -189,6 +200,13 @@ def guarded(base: type[asyncio.Protocol], guards: Guards) -> type[asyncio.Protoc
             super().connection_lost(exc)
             if on_lost is not None:
                 on_lost()
+
+        def send_400_response(self, msg: str) -> None:
+            """A request uvicorn's parser refuses (a control character in a header, a malformed request line)
+            is answered as every error is, JSON with a code, not uvicorn's text/plain; then closed, as uvicorn
+            does (the parser's state is lost)."""
+            self.transport.write(malformed_request_response(msg))
+            self.transport.close()
 
         def _guard_reading_head(self) -> bool:
             """Whether the next bytes are a request head: no request yet, or the last one answered and

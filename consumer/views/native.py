@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from broker.ascii import parse_uuid
 from broker.errors import InvalidRequest, NotFound
 from broker.events import TERMINAL_TYPES, Event, EventPage, parse_event_id
 from broker.request import parse_json_object, validate_create_body
@@ -26,13 +27,10 @@ from consumer.streaming.sse import SSEResponse
 
 
 def path_stream_id(request: Request) -> uuid.UUID:
-    raw = request.path_params["stream_id"]
-    try:
-        if len(raw) != 36:
-            raise ValueError
-        return uuid.UUID(raw)
-    except ValueError:
-        raise NotFound("no stream with this id") from None  # could never have existed
+    parsed = parse_uuid(request.path_params["stream_id"])
+    if parsed is None:
+        raise NotFound("no stream with this id")  # could never have existed
+    return parsed
 
 
 def status_body(stream_id: uuid.UUID, st: StreamStatus) -> dict[str, object]:
@@ -65,7 +63,7 @@ async def create_stream(request: Request) -> Response:
     if conversation is not None:
         body["conversation"] = conversation
     if state.api_keys.enabled:  # for EventSource, which cannot send an Authorization header
-        token = state.api_keys.issue_read_token(stream_id, caller.key_id, state.settings.read_token_ttl_s)
+        token = await state.api_keys.issue_read_token(stream_id, caller.key_id, state.settings.read_token_ttl_s)
         body["read_token"] = token
         body["events_url"] = f"/v1/streams/{stream_id}/events?token={token}"
     return JSONResponse(body, status_code=201 if res.created else 200)

@@ -135,3 +135,16 @@ def test_redis_refuses_writes_before_its_container_is_killed() -> None:
     assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
     assert 0 < maxmemory <= parse_bytes(str(redis["mem_limit"])) * 3 // 4
 
+
+def test_redis_has_a_password_and_no_default_one() -> None:
+    """Redis requires a password that compose takes from RSB_REDIS_PASSWORD, with no default (``:?``: compose
+    refuses to start without one), and every rsb service's URL carries that same password."""
+    required = re.compile(r"\$\{RSB_REDIS_PASSWORD:\?[^}]+\}")
+    redis_svc = compose()["services"]["redis"]
+    cmd = [str(c) for c in redis_svc["command"]]
+    assert "--requirepass" in cmd and required.fullmatch(cmd[cmd.index("--requirepass") + 1]), cmd
+    assert required.fullmatch(str(redis_svc["environment"]["REDISCLI_AUTH"]))  # the healthcheck authenticates
+    for name, svc in rsb_services().items():
+        url = environment_of(svc)["RSB_REDIS_URL"]
+        assert re.fullmatch(r"redis://:" + required.pattern + r"@redis:6379/0", url), (name, url)
+    assert "${RSB_REDIS_PASSWORD}" not in COMPOSE.read_text() and "RSB_REDIS_PASSWORD:-" not in COMPOSE.read_text()

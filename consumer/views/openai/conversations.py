@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
+from broker.ascii import decimal
 from broker.errors import Conflict, NotFound
 from broker.request import ToolCall
 from broker.streams.conversations import Begin, Conversation
@@ -175,10 +176,9 @@ async def list_items(request: Request) -> ASGIApp:
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid("'order' must be asc or desc", "order")
-    raw_limit = q.get("limit", str(LIST_LIMIT_DEFAULT))
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= LIST_LIMIT_MAX:
+    limit = decimal(q.get("limit", str(LIST_LIMIT_DEFAULT)), max_digits=6)
+    if limit is None or not 1 <= limit <= LIST_LIMIT_MAX:
         raise invalid(f"'limit' must be an integer from 1 to {LIST_LIMIT_MAX}", "limit")
-    limit = int(raw_limit)
     snap = await state_of(request).conversations.get(caller_of(request), path_name(request))
     items = all_items(snap.conversation)
     if order == "desc":
