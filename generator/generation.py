@@ -64,6 +64,7 @@ class Usage:
     t_start: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    cached_tokens: int = 0  # of prompt_tokens, served from the engine's prompt cache
 
     def as_dict(self) -> dict[str, Any]:
         first, last = self.first_token_at, self.last_token_at
@@ -72,7 +73,7 @@ class Usage:
         if first is not None and last is not None and self.completion_tokens > 1 and last > first:
             tpot_ms = round((last - first) * 1000 / (self.completion_tokens - 1), 3)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
+                "cached_tokens": self.cached_tokens, "ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
 
 
 class JobRunner:
@@ -209,7 +210,8 @@ class JobRunner:
             return
         compute_s = time.monotonic() - t_start
         gen = gen_holder[0] if gen_holder else None
-        usage = Usage(gen.prompt_tokens if gen else 0, tokens, t_start, first_token_at, last_token_at)
+        usage = Usage(gen.prompt_tokens if gen else 0, tokens, t_start, first_token_at, last_token_at,
+                      gen.cached_tokens if gen else 0)
         if run.failure is not None:
             await self._finish_error(run, INTERNAL, _describe(run.failure), usage, compute_s)
         elif run.cancel_reason and not answer.stopped:

@@ -106,4 +106,4 @@ class AppendResult:
 
 
 def empty_usage() -> dict[str, Any]:
-    return {"prompt_tokens": 0, "completion_tokens": 0, "ttft_ms": None, "tpot_ms": None}
+    return {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "ttft_ms": None, "tpot_ms": None}

@@ -30,7 +30,8 @@ from consumer.views.openai.schema import openai_paths
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens"],
           "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
-                         "ttft_ms": {"type": ["number", "null"]}, "tpot_ms": {"type": ["number", "null"]}}}
+                         "cached_tokens": {"type": "integer"}, "ttft_ms": {"type": ["number", "null"]},
+                         "tpot_ms": {"type": ["number", "null"]}}}
 # One server-sent event: an opaque increasing id, a type, and one line of JSON whose shape depends on the
 # type (docs/protocol.md lists them).
 _EVENT = {

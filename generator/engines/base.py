@@ -61,6 +61,8 @@ class Generation:
     prompt_tokens: int
     pieces: Iterator[Piece]
     finish_reason: str = "length"
+    #: Leading prompt tokens served from a prompt cache instead of evaluated (known once the prefill ran).
+    cached_tokens: int = 0
     #: Set by the worker before iterating: engines that process a long prompt in steps call it with
     #: (prompt tokens processed, prompt tokens) between steps, from the inference thread.
     on_progress: Callable[[int, int], None] | None = None

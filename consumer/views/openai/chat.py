@@ -36,6 +36,7 @@ from consumer.views.openai.common import (
     DeferredResponse,
     Only,
     boolean,
+    cached_tokens,
     check_only,
     check_results_answer_calls,
     create_stream,
@@ -166,9 +167,10 @@ class _Chat:
                 "system_fingerprint": None,
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
-    def usage(self, usage: dict[str, Any] | None) -> dict[str, int]:
+    def usage(self, usage: dict[str, Any] | None) -> dict[str, Any]:
         prompt, completion = usage_tokens(usage)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens(usage)}}
 
 
 def _terminal_error(ev: Event) -> dict[str, Any]:
