@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from broker.errors import RsbError
 from broker.events import EventType, FinishReason, encode_data
+from broker.redis.connection import UNAVAILABLE_ERRORS
 from broker.streams.conversations import ConversationStore
 from broker.streams.records import AppendResult, Claim, Job, Unclaimable
 from broker.streams.store import Store, started_event
@@ -38,6 +39,9 @@ from generator.settings import GeneratorSettings
 
 log = logging.getLogger("rsb.generator")
 
+# How long a worker stays the one a chat's next turn waits for (chat-affine claiming) after its last turn
+# began: past it, its prompt cache has likely moved on.
+AFFINITY_TTL_S = 1800
 # How long a finished generation waits for its lease renewer to stop (it is mid-command at worst).
 RENEWER_STOP_S = 1.0
 # The ``error`` code of a generation ended by a bug of rsb's own (not the engine's): broker.errors' base code.
@@ -98,6 +102,11 @@ class JobRunner:
             return
         run = Run(claim)
         log.info("claimed", extra={"stream_id": str(job.stream_id), "attempt": claim.attempts})
+        if self.engine.caches_prompts:
+            try:  # a hint for the next turn's routing: never worth delaying or failing this one
+                await self.store.note_affinity(claim.request.affinity(), self.worker_id, AFFINITY_TTL_S)
+            except UNAVAILABLE_ERRORS as e:
+                log.warning("could not note the chat's worker: %s", type(e).__name__)
         nothing = Usage(0, claim.seq)
         if claim.attempts > self.settings.max_attempts:
             await self._finish_error(run, "worker_lost", f"gave up after {claim.attempts - 1} attempts", nothing)

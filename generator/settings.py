@@ -61,6 +61,10 @@ class GeneratorSettings(Settings):
         5.0, "with --concurrency above 1: the appends of a worker's generations go to Redis together, at most "
         "once per this many ms (fewer round trips per token; adds at most this to delivery; 0 = as soon as the "
         "previous batch returns)")
+    affinity_wait_s: float = setting(
+        2.0, "chat-affine claiming: a chat's next turn waits up to this long (from its creation) for the worker "
+        "that ran its last turn, whose prompt cache holds its history, before any worker takes it (0 = off; "
+        "at most lease_s)")
     metrics_port: int = setting(0, "serve this worker's Prometheus /metrics on this port (0 = off)")
     metrics_host: str = setting("127.0.0.1", "address of the worker's /metrics endpoint")
     disconnect_grace_s: float = setting(

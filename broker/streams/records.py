@@ -65,6 +65,8 @@ class Job:
     partition: int
     entry_id: str
     stream_id: uuid.UUID
+    affinity: str = ""  # GenerationRequest.affinity of its request
+    inbox_entry: str = ""  # delivered through this worker's inbox (chat-affine claiming): that entry's id
 
 
 @dataclass(frozen=True, slots=True)

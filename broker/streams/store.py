@@ -37,6 +37,8 @@ from broker.streams.keys import (
     JOBS_GROUP,
     META_SUFFIX,
     StreamKeys,
+    affinity_key,
+    inbox_prefix,
     jobs_key,
     principal,
     queue_stats_key,
@@ -98,6 +100,8 @@ class Store:
         self._release = register(scripts.RELEASE)
         self._touch = register(scripts.TOUCH)
         self._ack = register(scripts.ACK)
+        self._defer = register(scripts.DEFER)
+        self._take = register(scripts.TAKE)
 
     def jobs_key(self, partition: int) -> str:
         return jobs_key(partition, self.partitions)
@@ -134,7 +138,7 @@ class Store:
             [str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
                   queue_share, request.model or default_model, request.max_tokens, k.channel, key_id,
                   retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
-                  max_queue_wait_s], lambda r: "" if reply_text(r[0]) == "created" else None)
+                  max_queue_wait_s, request.affinity()], lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
             return Created(True, "queued")
@@ -294,7 +298,7 @@ class Store:
                                                min_idle_time=min_idle_ms, start_id="0-0", count=1)
         for entry_id, fields in res[1]:
             if fields:  # an entry deleted meanwhile comes back without fields
-                return Job(partition, reply_text(entry_id), uuid.UUID(reply_text(fields[b"sid"])))
+                return _job(partition, entry_id, fields)
         return None
 
     async def read_new_jobs(self, blocking: RedisClient, keys: dict[str, int], worker_id: str,
@@ -304,8 +308,48 @@ class Store:
         timeout (the call blocks up to ``block_ms``)."""
         streams: dict[Any, Any] = dict.fromkeys(keys, ">")
         res: Any = await blocking.xreadgroup(JOBS_GROUP, worker_id, streams, count=1, block=block_ms)
-        return [Job(keys[reply_text(key)], reply_text(entry_id), uuid.UUID(reply_text(fields[b"sid"])))
-                for key, entries in res or [] for entry_id, fields in entries]
+        return [_job(keys[reply_text(key)], entry_id, fields, inbox=reply_text(key).startswith(self.inbox_prefix(
+            keys[reply_text(key)]))) for key, entries in res or [] for entry_id, fields in entries if fields]
+
+    # -- chat-affine claiming (broker.streams.scripts.DEFER) -----------------------------------------
+
+    def inbox_prefix(self, partition: int) -> str:
+        return inbox_prefix(partition, self.partitions)
+
+    def inbox_key(self, partition: int, worker_id: str) -> str:
+        """The stream of jobs other workers left for ``worker_id`` (read with the job streams)."""
+        return self.inbox_prefix(partition) + worker_id
+
+    async def ensure_inbox(self, partition: int, worker_id: str) -> None:
+        await ensure_group(self.redis, self.inbox_key(partition, worker_id), JOBS_GROUP)
+
+    async def note_affinity(self, affinity: str, worker_id: str, ttl_s: int) -> None:
+        """``worker_id`` holds this chat's prefix now: its next turns wait for it (a hint: last writer wins).
+        In every partition, since the next turn's stream may be in any."""
+        for p in range(self.partitions):
+            await self.redis.set(affinity_key(p, self.partitions, affinity), worker_id, ex=ttl_s)
+
+    async def defer(self, job: Job, worker_id: str, wait_ms: int, lease_ms: int) -> bool:
+        """Leave ``job`` (delivered to this worker) for the worker that holds its chat, if another does and
+        the job is younger than ``wait_ms``: True if it was left."""
+        if not job.affinity or wait_ms <= 0:
+            return False
+        k = self.keys(job.stream_id)
+        res = await self._defer(keys=[k.jobs, affinity_key(job.partition, self.partitions, job.affinity), k.meta],
+                                args=[JOBS_GROUP, worker_id, job.entry_id, wait_ms, lease_ms,
+                                      self.inbox_prefix(job.partition), str(job.stream_id)])
+        return reply_text(res) == "deferred"
+
+    async def take(self, job: Job, worker_id: str) -> Job | None:
+        """The job an inbox entry names, now this worker's; None if another worker claimed it meanwhile."""
+        k = self.keys(job.stream_id)
+        got = await self._take(keys=[k.jobs, self.inbox_key(job.partition, worker_id), k.meta],
+                               args=[JOBS_GROUP, worker_id, job.entry_id, job.inbox_entry])
+        return Job(job.partition, job.entry_id, job.stream_id, job.affinity) if int(got) else None
+
+    async def drop_inbox_entry(self, job: Job, worker_id: str) -> None:
+        """An inbox entry this worker will not act on: its job goes to any worker once its wait is over."""
+        await self._ack(keys=[self.inbox_key(job.partition, worker_id)], args=[JOBS_GROUP, job.inbox_entry])
 
     async def hand_back(self, job: Job, worker_id: str) -> None:
         """Make a delivered, unstarted job look idle for longer than any lease: the next XAUTOCLAIM (any
@@ -432,6 +476,15 @@ class Store:
         k = claim.keys
         return bool(await self._release(keys=[k.meta, k.jobs], args=[claim.fence, JOBS_GROUP, worker_id,
                                                                      claim.job_id, scripts.HAND_BACK_IDLE_MS]))
+
+
+def _job(partition: int, entry_id: Any, fields: dict[bytes, Any], inbox: bool = False) -> Job:
+    """A job entry (or an inbox entry naming one) as a Job."""
+    sid = uuid.UUID(reply_text(fields[b"sid"]))
+    aff = reply_text(fields.get(b"aff") or b"")
+    if inbox:
+        return Job(partition, reply_text(fields[b"jid"]), sid, aff, inbox_entry=reply_text(entry_id))
+    return Job(partition, reply_text(entry_id), sid, aff)
 
 
 def retry_after_s(behind: int, ema_job_s: float | None, busy: int) -> int:

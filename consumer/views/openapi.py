@@ -19,6 +19,7 @@ from broker.request import (
     MAX_TOOL_DESCRIPTION_CHARS,
     MAX_TOOLS,
     MODEL_MAX_CHARS,
+    PROMPT_CACHE_KEY_MAX_CHARS,
     TOOL_CHOICES,
     TOOL_NAME,
     RequestLimits,
@@ -95,6 +96,9 @@ def generation_properties(limits: RequestLimits) -> dict[str, Any]:
             {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
             {"type": "array", "maxItems": MAX_STOP_SEQUENCES,
              "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}}]}),
+        "prompt_cache_key": nullable({"type": "string", "minLength": 1, "maxLength": PROMPT_CACHE_KEY_MAX_CHARS,
+                                      "description": "requests sharing it go to the generator that holds their "
+                                                     "prompt's prefix (OpenAI's prompt_cache_key)"}),
     }
 
 

@@ -71,13 +71,17 @@ class Generation:
 
 
 class Engine(Protocol):
-    """An engine class either subclasses this (and inherits ``on_loop = False``) or declares ``on_loop``."""
+    """An engine class either subclasses this (and inherits ``on_loop = False``, ``caches_prompts = False``)
+    or declares both."""
 
     #: The model's name, as reported in ``started`` events and the status route.
     name: str
     #: False: each generation runs in an inference thread of its own (generator.handoff.produce); True: on the
     #: event loop (``start`` is called there and fills ``Generation.apieces``).
     on_loop: bool = False
+    #: The engine keeps recent prompts' state (generator.engines.prompt_cache): a chat's next turn is worth
+    #: sending to the worker that ran its last one (chat-affine claiming, generator.jobs).
+    caches_prompts: bool = False
 
     def start(
         self,

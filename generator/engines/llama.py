@@ -66,6 +66,8 @@ class LlamaEngine(Engine):
     generation (``stop`` set) ends without touching ``finish_reason``: the caller knows why it stopped.
     ``ignore_eos`` masks every end-of-generation token, so answers run to ``max_tokens``."""
 
+    caches_prompts = True
+
     def __init__(
         self,
         model_path: str,

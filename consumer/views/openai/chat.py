@@ -91,7 +91,7 @@ RESTRICTIONS = (
 TOKEN_LIMITS = ("max_completion_tokens", "max_tokens")
 #: Passed to rsb's own validation as they are: the generation settings (their schema is the native create
 #: body's) and typed output's fields (OpenAI's shapes are rsb's).
-GENERATION = ("model", "temperature", "top_p", "seed", "stop")
+GENERATION = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache_key")
 TYPED = ("tools", "tool_choice", "response_format")
 PASSED_THROUGH = GENERATION + TYPED
 #: A chat request's roles, as rsb's: OpenAI's (``developer`` is its newer name for ``system``) and tool results.
