@@ -26,7 +26,8 @@ class EngineSettings(Settings):
     ignore_eos: bool = setting(False, "never stop at end-of-sequence (benchmarks, tests)")
     prompt_cache_mib: int = setting(
         256, "RAM for the in-process llama.cpp prompt cache, in MiB: the KV state of recent prompts, so a "
-        "follow-up turn evaluates only what is new (0 = only the prompt the context holds)")
+        "follow-up turn evaluates only what is new (0 = off: every prompt is evaluated in full, and chat-affine "
+        "claiming is off too)")
     upstream_api: str | None = setting(
         None, "protocol of --upstream: 'openai' (/v1/chat/completions, /v1/completions: vLLM, llama.cpp "
         "server, Ollama's /v1) or 'ollama' (native /api/chat, /api/generate); default: ollama when the URL "

@@ -66,8 +66,6 @@ class LlamaEngine(Engine):
     generation (``stop`` set) ends without touching ``finish_reason``: the caller knows why it stopped.
     ``ignore_eos`` masks every end-of-generation token, so answers run to ``max_tokens``."""
 
-    caches_prompts = True
-
     def __init__(
         self,
         model_path: str,
@@ -111,6 +109,7 @@ class LlamaEngine(Engine):
         # and the states of earlier prompts.
         self._live: list[int] = []
         self._cache = PromptCache(max(0, prompt_cache_mib) * _MIB)
+        self.caches_prompts = prompt_cache_mib > 0
         self._active: Iterator[Piece] | None = None
         self._byte_tokens: dict[int, int] | None = None
         self._invalid_utf8: list[int] | None = None
@@ -287,7 +286,7 @@ class LlamaEngine(Engine):
         reports progress between blocks, and a cancel stops it there (False) instead of after the whole
         prefill."""
         llm = self._llm
-        limit = reusable(tokens)
+        limit = reusable(tokens) if self.caches_prompts else 0  # off: every prompt evaluated in full
         reused = shared_blocks(self._live, tokens, limit)
         entry, from_entry = self._cache.best(tokens, limit)
         if entry is not None and from_entry > reused:
