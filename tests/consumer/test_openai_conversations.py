@@ -295,7 +295,7 @@ def test_the_upstream_gets_a_prompt_cache_key_stable_over_a_conversation(rsb: Up
     is passed on; a conversation's turns (and a chat's, by its leading messages) share one of rsb's."""
     client = rsb.client()
     client.responses.create(model="m", input="hi", prompt_cache_key="my-key")
-    client.chat.completions.create(model="m", messages=[user("hi")], prompt_cache_key="other-key")
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], prompt_cache_key="other-key")
     assert [b["prompt_cache_key"] for b in rsb.up.bodies()] == ["my-key", "other-key"]
     conv = client.conversations.create()
     for text_ in ("one", "two"):
