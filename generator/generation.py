@@ -104,7 +104,7 @@ class JobRunner:
         log.info("claimed", extra={"stream_id": str(job.stream_id), "attempt": claim.attempts})
         if self.engine.caches_prompts:
             try:  # a hint for the next turn's routing: never worth delaying or failing this one
-                await self.store.note_affinity(claim.request.affinity(), self.worker_id, AFFINITY_TTL_S)
+                await self.store.affinity.note(claim.request.affinity(), self.worker_id, AFFINITY_TTL_S)
             except UNAVAILABLE_ERRORS as e:
                 log.warning("could not note the chat's worker: %s", type(e).__name__)
         nothing = Usage(0, claim.seq)

@@ -64,15 +64,15 @@ class JobPoller:
             keys = by_slot.setdefault(partition_slot(p, n) if self.store.cluster else 0, {})
             keys[self.store.jobs_key(p)] = p
             if self.affinity_wait_ms > 0:
-                keys[self.store.inbox_key(p, self.worker_id)] = p
+                keys[self.store.affinity.inbox_key(p, self.worker_id)] = p
         return [_PollGroup(keys) for keys in by_slot.values()]
 
     async def _accept(self, job: Job) -> Job | None:
         """The job to run, or None: left for the worker that holds its chat, or (from the inbox) already
         claimed by another."""
         if job.inbox_entry:
-            return await self.store.take(job, self.worker_id)
-        if await self.store.defer(job, self.worker_id, self.affinity_wait_ms, self.lease_ms):
+            return await self.store.affinity.take(job, self.worker_id)
+        if await self.store.affinity.defer(job, self.worker_id, self.affinity_wait_ms, self.lease_ms):
             return None
         return job
 
@@ -81,7 +81,8 @@ class JobPoller:
         timed out with nothing)."""
         for p in range(self.store.partitions):
             if self.affinity_wait_ms > 0:
-                await self.store.ensure_inbox(p, self.worker_id)  # its group (the inbox expires when unused)
+                # Its group: the inbox expires when unused.
+                await self.store.affinity.ensure_inbox(p, self.worker_id)
             job = await self.store.reclaim_stale_job(p, self.worker_id, self.lease_ms)
             if job is not None and (job := await self._accept(job)) is not None:
                 return job
@@ -140,7 +141,7 @@ class JobPoller:
         for job in jobs:
             try:
                 if job.inbox_entry:  # its job goes to any worker once its wait is over
-                    await self.store.drop_inbox_entry(job, self.worker_id)
+                    await self.store.affinity.drop_inbox_entry(job, self.worker_id)
                 else:
                     await self.store.hand_back(job, self.worker_id)
             except UNAVAILABLE_ERRORS as e:  # it is still pending: taken over after lease_s

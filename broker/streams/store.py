@@ -4,6 +4,9 @@ Every change to a stream (create, claim, append, finish, cancel, renew, release,
 script of broker.streams.scripts, so each is atomic. Reads (status, events, the stored request) and the job
 queue's consumer-group commands (XREADGROUP, XAUTOCLAIM, XCLAIM: atomic single commands) are plain
 commands, made here too, so that no other module names a Redis key or a command.
+
+Long because it is that one place for every operation on a stream and its job (the chat-affine claiming
+ones are apart, in broker.streams.affinity); splitting it would split the schema it keeps consistent.
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ from broker.redis.connection import (
 )
 from broker.request import GenerationRequest
 from broker.streams import replication, scripts
+from broker.streams.affinity import ChatAffinity
 from broker.streams.keys import (
     CHANNEL_SUFFIX,
     EVENTS_SUFFIX,
     JOBS_GROUP,
     META_SUFFIX,
     StreamKeys,
-    affinity_key,
     inbox_prefix,
     jobs_key,
     principal,
@@ -100,8 +103,7 @@ class Store:
         self._release = register(scripts.RELEASE)
         self._touch = register(scripts.TOUCH)
         self._ack = register(scripts.ACK)
-        self._defer = register(scripts.DEFER)
-        self._take = register(scripts.TAKE)
+        self.affinity = ChatAffinity(redis, partitions, register)
 
     def jobs_key(self, partition: int) -> str:
         return jobs_key(partition, self.partitions)
@@ -308,48 +310,9 @@ class Store:
         timeout (the call blocks up to ``block_ms``)."""
         streams: dict[Any, Any] = dict.fromkeys(keys, ">")
         res: Any = await blocking.xreadgroup(JOBS_GROUP, worker_id, streams, count=1, block=block_ms)
-        return [_job(keys[reply_text(key)], entry_id, fields, inbox=reply_text(key).startswith(self.inbox_prefix(
-            keys[reply_text(key)]))) for key, entries in res or [] for entry_id, fields in entries if fields]
-
-    # -- chat-affine claiming (broker.streams.scripts.DEFER) -----------------------------------------
-
-    def inbox_prefix(self, partition: int) -> str:
-        return inbox_prefix(partition, self.partitions)
-
-    def inbox_key(self, partition: int, worker_id: str) -> str:
-        """The stream of jobs other workers left for ``worker_id`` (read with the job streams)."""
-        return self.inbox_prefix(partition) + worker_id
-
-    async def ensure_inbox(self, partition: int, worker_id: str) -> None:
-        await ensure_group(self.redis, self.inbox_key(partition, worker_id), JOBS_GROUP)
-
-    async def note_affinity(self, affinity: str, worker_id: str, ttl_s: int) -> None:
-        """``worker_id`` holds this chat's prefix now: its next turns wait for it (a hint: last writer wins).
-        In every partition, since the next turn's stream may be in any."""
-        for p in range(self.partitions):
-            await self.redis.set(affinity_key(p, self.partitions, affinity), worker_id, ex=ttl_s)
-
-    async def defer(self, job: Job, worker_id: str, wait_ms: int, lease_ms: int) -> bool:
-        """Leave ``job`` (delivered to this worker) for the worker that holds its chat, if another does and
-        the job is younger than ``wait_ms``: True if it was left."""
-        if not job.affinity or wait_ms <= 0:
-            return False
-        k = self.keys(job.stream_id)
-        res = await self._defer(keys=[k.jobs, affinity_key(job.partition, self.partitions, job.affinity), k.meta],
-                                args=[JOBS_GROUP, worker_id, job.entry_id, wait_ms, lease_ms,
-                                      self.inbox_prefix(job.partition), str(job.stream_id)])
-        return reply_text(res) == "deferred"
-
-    async def take(self, job: Job, worker_id: str) -> Job | None:
-        """The job an inbox entry names, now this worker's; None if another worker claimed it meanwhile."""
-        k = self.keys(job.stream_id)
-        got = await self._take(keys=[k.jobs, self.inbox_key(job.partition, worker_id), k.meta],
-                               args=[JOBS_GROUP, worker_id, job.entry_id, job.inbox_entry])
-        return Job(job.partition, job.entry_id, job.stream_id, job.affinity) if int(got) else None
-
-    async def drop_inbox_entry(self, job: Job, worker_id: str) -> None:
-        """An inbox entry this worker will not act on: its job goes to any worker once its wait is over."""
-        await self._ack(keys=[self.inbox_key(job.partition, worker_id)], args=[JOBS_GROUP, job.inbox_entry])
+        return [_job(keys[reply_text(key)], entry_id, fields,
+                     inbox=reply_text(key).startswith(inbox_prefix(keys[reply_text(key)], self.partitions)))
+                for key, entries in res or [] for entry_id, fields in entries if fields]
 
     async def hand_back(self, job: Job, worker_id: str) -> None:
         """Make a delivered, unstarted job look idle for longer than any lease: the next XAUTOCLAIM (any
