@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from broker.request import GenerationRequest
 from generator.engines.base import Engine, Generation
 from generator.engines.pieces import PartialAnswer, Piece
+
+log = logging.getLogger("rsb.generator")
 
 
 class StopSignal(threading.Event):
@@ -225,10 +228,23 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
         try:
             gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial)
             started(gen)
+            text: list[str] | None = [] if gen.after is not None else None
+            ended = True
             for piece in gen.pieces:
+                if text is not None:
+                    if type(piece) is str:
+                        text.append(piece)
+                    else:  # typed output (a call, reasoning): not a plain answer to prepare a turn from
+                        text = None
                 if not handoff.put(piece):
+                    ended = False
                     break
             handoff.close()
+            if gen.after is not None and text is not None and ended and not stop.is_set():
+                try:
+                    gen.after(prefix_text + "".join(text))
+                except Exception:  # only a cache's preparation: the answer is delivered already
+                    log.exception("preparing the next turn failed")
         except BaseException as e:  # handed to the loop, which ends the stream with `error`
             handoff.close(e)
         finally:

@@ -68,6 +68,9 @@ class Generation:
     on_progress: Callable[[int, int], None] | None = None
     #: A loop engine's pieces (see ``on_loop``), instead of ``pieces``.
     apieces: AsyncIterator[Piece] | None = None
+    #: Called by the inference thread with the answer's text once a plain-text answer ended and its end was
+    #: handed on (so nothing waits for it): an engine with a prompt cache prepares the chat's next turn.
+    after: Callable[[str], None] | None = None
 
 
 class Engine(Protocol):

@@ -15,6 +15,7 @@ import os
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import llama_cpp
@@ -22,13 +23,13 @@ import numpy as np
 import numpy.typing as npt
 
 from broker.events import FinishReason
-from broker.request import GenerationRequest
+from broker.request import GenerationRequest, Message
 from generator.engines.base import Engine, EngineError, Generation, PromptTooLong
 from generator.engines.chat import ChatTemplate
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 from generator.engines.grammar import answer_grammar
 from generator.engines.pieces import PartialAnswer, Piece
-from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, blocks, reusable, shared_blocks
+from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, blocks, reusable, shared_blocks, whole_blocks
 from generator.engines.sampler import GrammarError, Sampler, utf8_masks
 from generator.engines.tool_syntax import ToolCallSyntax, replay_text
 from generator.settings import EngineSettings
@@ -105,6 +106,8 @@ class LlamaEngine(Engine):
                                  eos_token=self._token_text(llm.token_eos()))
 
         self._lock = threading.Lock()
+        self._waiting = 0  # threads waiting for the context
+        self._waiting_lock = threading.Lock()
         # The prompt cache (generator.engines.prompt_cache): the whole prefill blocks the context's KV holds,
         # and the states of earlier prompts.
         self._live: list[int] = []
@@ -174,7 +177,41 @@ class LlamaEngine(Engine):
             raise PromptTooLong(len(tokens), max_tokens, self.n_ctx)
         generation = Generation(prompt_tokens=len(tokens), pieces=iter(()))
         generation.pieces = self._run(generation, request, tokens, max_tokens, stop, grammar, written)
+        if self.caches_prompts and request.messages is not None and not request.offers_tools and grammar is None:
+            def after(answer: str) -> None:
+                self._prepare_next_turn(request, answer)
+
+            generation.after = after
         return generation
+
+    def _prepare_next_turn(self, request: GenerationRequest, answer: str) -> None:
+        """After a chat's answer, while nothing else wants the context: prefill the whole blocks of what the
+        chat's next turn will start with (its messages, this answer, the next user message's opening), so that
+        turn evaluates only its new message, not also the tail of this prompt and this answer. Exact like any
+        prefill block (generator.engines.prompt_cache); stopped between blocks as soon as a generation waits
+        for the context, and skipped if one holds it."""
+        assert request.messages is not None
+        messages = (*request.messages, Message("assistant", answer), Message("user", ""))
+        try:
+            tokens = self.tokenize_prompt(replace(request, messages=messages))
+        except EngineError:  # the template refuses an empty message: nothing to prepare
+            return
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._closed or self._waiting:
+                return
+            reused = shared_blocks(self._live, tokens, len(tokens))
+            if reused < len(self._live):
+                return  # the context holds another prompt now
+            self._llm.n_tokens = reused
+            for start, end in blocks(reused, whole_blocks(tokens)):
+                if self._waiting:
+                    break
+                self._llm.eval(tokens[start:end])
+                self._live = tokens[:end]
+        finally:
+            self._lock.release()
 
     def _take_context(self) -> None:
         prev = self._active
@@ -184,7 +221,13 @@ class LlamaEngine(Engine):
             close = getattr(prev, "close", None)
             if close is not None:
                 close()
-        self._lock.acquire()
+        with self._waiting_lock:
+            self._waiting += 1  # a next turn's preparation gives way (between blocks)
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
 
     def _run(
         self,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,26 @@ def test_answer_tokens_are_never_reused(default_gguf: Path) -> None:
         assert 0 < cont.cached_tokens <= len(eng.tokenize_prompt(req))
     finally:
         eng.close()
+
+
+def test_a_prepared_next_turn_reuses_the_last_answer_too(cached: LlamaEngine, fresh: LlamaEngine) -> None:
+    """After an answer (the worker's inference thread calls ``after``: generator.handoff), the engine prefills
+    the whole blocks the chat's next turn starts with, the answer included, so that turn evaluates little more
+    than its new message; its seeded text is what a fresh evaluation gives."""
+    turns, answers = [text(70, 90), text(71, 90), text(72, 90)], list[str]()
+    for t in range(len(turns)):
+        req = replace(chat_request(turns[:t + 1], answers), max_tokens=100)
+        assert req.messages is not None
+        gen = cached.start(req, prefix_text="", max_tokens=req.max_tokens, stop=threading.Event())
+        out = "".join(str(p) for p in gen.pieces)
+        assert out == reference(fresh, req)
+        if t > 0:
+            # Every whole block the next turn shares with the last prompt and its answer came from the cache.
+            tokens = cached.tokenize_prompt(req)
+            before = cached.tokenize_prompt(replace(req, messages=(*req.messages[:-1], Message("user", ""))))
+            common = next(i for i, (a, b) in enumerate(zip(tokens, before, strict=False)) if a != b)
+            last_prompt = len(cached.tokenize_prompt(chat_request(turns[:t], answers[:t - 1])))
+            assert gen.cached_tokens == common // BLOCK_TOKENS * BLOCK_TOKENS > last_prompt
+        assert gen.after is not None
+        gen.after(out)
+        answers.append(out)
