@@ -225,6 +225,7 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
     finished: asyncio.Future[None] = loop.create_future()
 
     def in_thread() -> None:
+        after: Callable[[], None] | None = None
         try:
             gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial)
             started(gen)
@@ -240,16 +241,22 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
                     ended = False
                     break
             handoff.close()
-            if gen.after is not None and text is not None and ended and not stop.is_set():
-                try:
-                    gen.after(prefix_text + "".join(text))
-                except Exception:  # only a cache's preparation: the answer is delivered already
-                    log.exception("preparing the next turn failed")
+            prepare = gen.after
+            if prepare is not None and text is not None and ended and not stop.is_set():
+                answer = prefix_text + "".join(text)
+
+                def after() -> None:
+                    prepare(answer)
         except BaseException as e:  # handed to the loop, which ends the stream with `error`
             handoff.close(e)
         finally:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for this any more
                 loop.call_soon_threadsafe(_resolve, finished)
+        if after is not None:  # once the job can end: nothing waits for this
+            try:
+                after()
+            except Exception:  # only a cache's preparation: the answer is delivered already
+                log.exception("preparing the next turn failed")
 
     # Not a daemon, like the executor's threads were: the interpreter lets a generation leave its C call
     # (the worker sets ``stop`` at shutdown) before it exits.
