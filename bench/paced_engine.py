@@ -42,6 +42,7 @@ class PacedEngine:
         self.name = name
         self.period_s = 1.0 / tokens_per_s
         self.on_loop = on_loop
+        self.caches_prompts = False
 
     def start(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int,
               stop: threading.Event, partial: PartialAnswer | None = None) -> Generation:

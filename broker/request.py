@@ -49,8 +49,13 @@ __all__ = ["JSON_FORMATS", "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_CALLS", "MA
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 _FIELDS = frozenset(
     {"id", "messages", "prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop",
-     "cancel_on_disconnect", "tools", "tool_choice", "response_format"}
+     "cancel_on_disconnect", "tools", "tool_choice", "response_format", "prompt_cache_key"}
 )
+PROMPT_CACHE_KEY_MAX_CHARS = 256
+# How much of a request's start names its chat when nothing else does: its messages up to the first user
+# message (the instructions and the opening question: every later turn starts with them), or the first
+# characters of a prompt.
+_LEADING_PROMPT_CHARS = 512
 MODEL_MAX_CHARS = 256
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 128
@@ -118,6 +123,24 @@ class GenerationRequest:
     tool_choice: ToolChoice | None = None  # None: OpenAI's default (auto with tools)
     response_format: ResponseFormat | None = None  # None: text
     history: History | None = None
+    #: OpenAI's ``prompt_cache_key``: requests sharing it go to the generator holding their prefix.
+    prompt_cache_key: str | None = None
+
+    def affinity(self) -> str:
+        """What routes this request to the generator that holds its prompt's prefix (chat-affine claiming):
+        a digest of its conversation, else of its ``prompt_cache_key``, else of its leading messages (or the
+        start of its prompt). A digest: nothing a client typed reaches a key name."""
+        h = self.history
+        if h is not None and h.conversation is not None:
+            source = f"c:{h.tenant}:{h.conversation}"
+        elif self.prompt_cache_key is not None:
+            source = f"k:{self.prompt_cache_key}"
+        elif self.messages is not None:
+            first_user = next((i for i, m in enumerate(self.messages) if m.role == "user"), len(self.messages) - 1)
+            source = "m:" + orjson.dumps([m.stored() for m in self.messages[:first_user + 1]]).decode()
+        else:
+            source = "p:" + (self.prompt or "")[:_LEADING_PROMPT_CHARS]
+        return hashlib.blake2b(source.encode(), digest_size=12).hexdigest()
 
     @property
     def forced_tools(self) -> tuple[Tool, ...]:
@@ -161,6 +184,8 @@ class GenerationRequest:
                 "schema": schema_fragment(rf.schema)}
         if self.history is not None:
             doc["history"] = self.history.as_json()
+        if self.prompt_cache_key is not None:
+            doc["prompt_cache_key"] = self.prompt_cache_key
         return orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
 
     def request_hash(self) -> str:
@@ -188,6 +213,7 @@ class GenerationRequest:
             response_format=None if rf is None else ResponseFormat(
                 rf["type"], rf["name"], rf["schema"], rf["strict"], rf["description"]),
             history=History.from_json(d["history"]) if d.get("history") is not None else None,
+            prompt_cache_key=d.get("prompt_cache_key"),
         )
 
 
@@ -306,6 +332,12 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
                 if tool.parameters is not None:
                     check_enforceable(tool.parameters, f"tools[{i}].function.parameters")
 
+    cache_key = body.get("prompt_cache_key")
+    if cache_key is not None and (not isinstance(cache_key, str)
+                                  or not 0 < len(cache_key) <= PROMPT_CACHE_KEY_MAX_CHARS):
+        raise InvalidRequest(f"'prompt_cache_key' must be a non-empty string of at most {PROMPT_CACHE_KEY_MAX_CHARS} "
+                             "characters")
+
     max_tokens = _integer(body, "max_tokens", 1, limits.max_tokens)
     return sid, GenerationRequest(
         messages=messages,
@@ -320,6 +352,7 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
         tools=tools,
         tool_choice=tool_choice,
         response_format=response_format,
+        prompt_cache_key=cache_key,
     )
 
 

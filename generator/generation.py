@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from broker.errors import RsbError
 from broker.events import EventType, FinishReason, encode_data
+from broker.redis.connection import UNAVAILABLE_ERRORS
 from broker.streams.conversations import ConversationStore
 from broker.streams.records import AppendResult, Claim, Job, Unclaimable
 from broker.streams.store import Store, started_event
@@ -39,6 +40,9 @@ from generator.slots import Seat, Slots, StallWatch
 
 log = logging.getLogger("rsb.generator")
 
+# How long a worker stays the one a chat's next turn waits for (chat-affine claiming) after its last turn
+# began: past it, its prompt cache has likely moved on.
+AFFINITY_TTL_S = 1800
 # How long a finished generation waits for its lease renewer to stop (it is mid-command at worst).
 RENEWER_STOP_S = 1.0
 # The ``error`` code of a generation ended by a bug of rsb's own (not the engine's): broker.errors' base code.
@@ -65,6 +69,7 @@ class Usage:
     t_start: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    cached_tokens: int = 0  # of prompt_tokens, served from the engine's prompt cache
 
     def as_dict(self) -> dict[str, Any]:
         first, last = self.first_token_at, self.last_token_at
@@ -73,7 +78,7 @@ class Usage:
         if first is not None and last is not None and self.completion_tokens > 1 and last > first:
             tpot_ms = round((last - first) * 1000 / (self.completion_tokens - 1), 3)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
+                "cached_tokens": self.cached_tokens, "ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
 
 
 @dataclass(slots=True)
@@ -86,13 +91,15 @@ class _Progress:
     first_token_at: float | None = None
     last_token_at: float | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int = 0  # of prompt_tokens, served from the engine's prompt cache
     compute_s: float = 0.0  # engine time, parked time left out
     error: BaseException | None = None
     stopped: bool = False  # a stop sequence ended it
     finish_reason: str | None = None
 
     def usage(self) -> Usage:
-        return Usage(self.prompt_tokens or 0, self.tokens, self.t_start, self.first_token_at, self.last_token_at)
+        return Usage(self.prompt_tokens or 0, self.tokens, self.t_start, self.first_token_at, self.last_token_at,
+                     self.cached_tokens)
 
 
 def _past(progress: _Progress, deadline_s: float) -> bool:
@@ -129,6 +136,11 @@ class JobRunner:
         run = Run(claim)
         run.watch = StallWatch(seat, self.park_after_s)
         log.info("claimed", extra={"stream_id": str(job.stream_id), "attempt": claim.attempts})
+        if self.engine.caches_prompts:
+            try:  # a hint for the next turn's routing: never worth delaying or failing this one
+                await self.store.affinity.note(claim.request.affinity(), self.worker_id, AFFINITY_TTL_S)
+            except UNAVAILABLE_ERRORS as e:
+                log.warning("could not note the chat's worker: %s", type(e).__name__)
         nothing = Usage(0, claim.seq)
         if claim.attempts > self.settings.max_attempts:
             await self._finish_error(run, "worker_lost", f"gave up after {claim.attempts - 1} attempts", nothing)
@@ -301,6 +313,7 @@ class JobRunner:
             progress.compute_s += time.monotonic() - t_segment
         if gen_holder and progress.prompt_tokens is None:
             progress.prompt_tokens = gen_holder[0].prompt_tokens  # the prompt's, not a continuation's
+            progress.cached_tokens = gen_holder[0].cached_tokens
         if gen_holder:
             progress.finish_reason = gen_holder[0].finish_reason
         progress.stopped = answer.stopped

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from broker.request import GenerationRequest
 from generator.engines.base import Engine, Generation
 from generator.engines.pieces import PartialAnswer, Piece
+
+log = logging.getLogger("rsb.generator")
 
 
 class StopSignal(threading.Event):
@@ -228,13 +231,22 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
     finished: asyncio.Future[None] = loop.create_future()
 
     def in_thread() -> None:
+        after: Callable[[], None] | None = None
         try:
             gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial)
             started(gen)
+            text: list[str] | None = [] if gen.after is not None else None
+            ended = True
             pieces = gen.pieces
             try:
                 for piece in pieces:
+                    if text is not None:
+                        if type(piece) is str:
+                            text.append(piece)
+                        else:  # typed output (a call, reasoning): not a plain answer to prepare a turn from
+                            text = None
                     if not handoff.put(piece):
+                        ended = False
                         break
             finally:
                 # Left suspended (the loop stopped reading), a generation would hold what it holds (llama.cpp's one
@@ -243,11 +255,22 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
                 if close is not None:
                     close()
             handoff.close()
+            prepare = gen.after
+            if prepare is not None and text is not None and ended and not stop.is_set():
+                answer = prefix_text + "".join(text)
+
+                def after() -> None:
+                    prepare(answer)
         except BaseException as e:  # handed to the loop, which ends the stream with `error`
             handoff.close(e)
         finally:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for this any more
                 loop.call_soon_threadsafe(_resolve, finished)
+        if after is not None:  # once the job can end: nothing waits for this
+            try:
+                after()
+            except Exception:  # only a cache's preparation: the answer is delivered already
+                log.exception("preparing the next turn failed")
 
     # Not a daemon, like the executor's threads were: the interpreter lets a generation leave its C call
     # (the worker sets ``stop`` at shutdown) before it exits.

@@ -6,6 +6,11 @@ call on a standalone server, one call per partition on Redis Cluster (a multi-ke
 one slot). The polls of a cluster run side by side and outlive one ``next_job`` call; an entry that a
 poll brings when this worker cannot start it is handed back at once (made look idle for longer than any
 lease), so the next XAUTOCLAIM, by any worker, takes it: a worker keeps no job it has not started.
+
+Chat-affine claiming: a job whose chat another worker ran last is left for that worker for at most
+``affinity_wait_s`` after its creation (broker.streams.scripts.DEFER: it goes to that worker's inbox, which
+that worker's polls read with the job streams), and the jobs a worker finds in its own inbox are its to take
+if nobody claimed them meanwhile.
 """
 
 from __future__ import annotations
@@ -40,30 +45,46 @@ class _PollGroup:
 
 
 class JobPoller:
-    def __init__(self, store: Store, blocking: RedisClient, worker_id: str, lease_s: float, spawn: Spawn) -> None:
+    def __init__(self, store: Store, blocking: RedisClient, worker_id: str, lease_s: float, spawn: Spawn,
+                 affinity_wait_s: float = 0.0) -> None:
         self.store = store
         self.blocking = blocking  # XREADGROUP BLOCK: no socket timeout
         self.worker_id = worker_id
         self.lease_ms = int(lease_s * 1000)
+        # Never past the lease: a left job is made look idle for (lease - what is left of the wait).
+        self.affinity_wait_ms = min(int(affinity_wait_s * 1000), self.lease_ms)
         self._spawn = spawn
         self._groups = self._poll_groups()
         self._polling = False  # a next_job call is waiting for the polls
 
     def _poll_groups(self) -> list[_PollGroup]:
         n = self.store.partitions
-        if not self.store.cluster:
-            return [_PollGroup({self.store.jobs_key(p): p for p in range(n)})]
         by_slot: dict[int, dict[str, int]] = {}
         for p in range(n):
-            by_slot.setdefault(partition_slot(p, n), {})[self.store.jobs_key(p)] = p
+            keys = by_slot.setdefault(partition_slot(p, n) if self.store.cluster else 0, {})
+            keys[self.store.jobs_key(p)] = p
+            if self.affinity_wait_ms > 0:
+                keys[self.store.affinity.inbox_key(p, self.worker_id)] = p
         return [_PollGroup(keys) for keys in by_slot.values()]
+
+    async def _accept(self, job: Job) -> Job | None:
+        """The job to run, or None: left for the worker that holds its chat, or (from the inbox) already
+        claimed by another."""
+        if job.inbox_entry:
+            return await self.store.affinity.take(job, self.worker_id)
+        if await self.store.affinity.defer(job, self.worker_id, self.affinity_wait_ms, self.lease_ms):
+            return None
+        return job
 
     async def next_job(self) -> Job | None:
         """A job to run: first any whose owner stopped renewing its lease, then a new one (None: the polls
         timed out with nothing)."""
         for p in range(self.store.partitions):
+            if self.affinity_wait_ms > 0:
+                # Its group: the inbox expires when unused.
+                await self.store.affinity.ensure_inbox(p, self.worker_id)
             job = await self.store.reclaim_stale_job(p, self.worker_id, self.lease_ms)
-            if job is not None:
+            if job is not None and (job := await self._accept(job)) is not None:
                 return job
         for group in self._groups:
             if group.task is None:
@@ -88,12 +109,14 @@ class JobPoller:
                 error = error or task.exception()
                 continue
             jobs.extend(task.result())
-        if jobs:
+        for i, job in enumerate(jobs):
             # A multi-key XREADGROUP COUNT 1 may bring one entry per stream, and polls of several slots
             # may end together: run one, hand the rest back.
-            if len(jobs) > 1:
-                self._spawn(self.hand_back(jobs[1:]))
-            return jobs[0]
+            accepted = await self._accept(job)
+            if accepted is not None:
+                if jobs[i + 1:]:
+                    self._spawn(self.hand_back(jobs[i + 1:]))
+                return accepted
         if error is not None:
             raise error
         return None
@@ -117,7 +140,10 @@ class JobPoller:
         one's included) takes them at once, instead of after a lease."""
         for job in jobs:
             try:
-                await self.store.hand_back(job, self.worker_id)
+                if job.inbox_entry:  # its job goes to any worker once its wait is over
+                    await self.store.affinity.drop_inbox_entry(job, self.worker_id)
+                else:
+                    await self.store.hand_back(job, self.worker_id)
             except UNAVAILABLE_ERRORS as e:  # it is still pending: taken over after lease_s
                 log.warning("could not hand a job back: %s", e)
 

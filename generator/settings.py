@@ -24,6 +24,10 @@ class EngineSettings(Settings):
     n_threads: int | None = setting(None, "llama.cpp threads (default: physical cores)")
     n_ctx: int = setting(4096, "llama.cpp context size in tokens")
     ignore_eos: bool = setting(False, "never stop at end-of-sequence (benchmarks, tests)")
+    prompt_cache_mib: int = setting(
+        256, "RAM for the in-process llama.cpp prompt cache, in MiB: the KV state of recent prompts, so a "
+        "follow-up turn evaluates only what is new (0 = off: every prompt is evaluated in full, and chat-affine "
+        "claiming is off too)")
     upstream_api: str | None = setting(
         None, "protocol of --upstream: 'openai' (/v1/chat/completions, /v1/completions: vLLM, llama.cpp "
         "server, Ollama's /v1) or 'ollama' (native /api/chat, /api/generate); default: ollama when the URL "
@@ -65,6 +69,10 @@ class GeneratorSettings(Settings):
         5.0, "with --concurrency above 1: the appends of a worker's generations go to Redis together, at most "
         "once per this many ms (fewer round trips per token; adds at most this to delivery; 0 = as soon as the "
         "previous batch returns)")
+    affinity_wait_s: float = setting(
+        2.0, "chat-affine claiming: a chat's next turn waits up to this long (from its creation) for the worker "
+        "that ran its last turn, whose prompt cache holds its history, before any worker takes it (0 = off; "
+        "at most lease_s)")
     metrics_port: int = setting(0, "serve this worker's Prometheus /metrics on this port (0 = off)")
     metrics_host: str = setting("127.0.0.1", "address of the worker's /metrics endpoint")
     disconnect_grace_s: float = setting(

@@ -53,7 +53,8 @@ class Worker:
         appender: Appender = AppendBatcher(store, interval_s=settings.append_batch_ms / 1000) if batch else store
         self.runner = JobRunner(settings, engine, store, appender, self.metrics, self.worker_id)
         self._background: set[asyncio.Task[Any]] = set()
-        self.poller = JobPoller(store, blocking, self.worker_id, settings.lease_s, self._spawn)
+        affinity_wait_s = settings.affinity_wait_s if engine.caches_prompts else 0.0
+        self.poller = JobPoller(store, blocking, self.worker_id, settings.lease_s, self._spawn, affinity_wait_s)
         self._stopping = asyncio.Event()
         self.slots: Slots | None = None  # while running
 

@@ -111,8 +111,21 @@ def principal(key_id: str, address: str) -> str:
 
 
 def jobs_key(partition: int, partitions: int) -> str:
-    """Redis Stream of job entries (field ``sid``), read by the ``generators`` consumer group."""
+    """Redis Stream of job entries (fields ``sid``, then ``aff``: GenerationRequest.affinity), read by the
+    ``generators`` consumer group."""
     return f"{tagged(partition, partitions)}:jobs"
+
+
+def affinity_key(partition: int, partitions: int, affinity: str) -> str:
+    """String: the worker that last ran a chat (``affinity``: a digest, GenerationRequest.affinity), so its
+    next turn goes there (chat-affine claiming, broker.streams.scripts.DEFER)."""
+    return f"{tagged(partition, partitions)}:aff:{affinity}"
+
+
+def inbox_prefix(partition: int, partitions: int) -> str:
+    """``<prefix><worker id>``: Redis Stream of the jobs other workers left for that worker, whose chats'
+    prefixes it holds (fields ``sid``, ``jid``: the job's entry in the partition's job stream)."""
+    return f"{tagged(partition, partitions)}:inbox:"
 
 
 def queue_stats_key(partition: int, partitions: int) -> str:

@@ -65,6 +65,8 @@ class Job:
     partition: int
     entry_id: str
     stream_id: uuid.UUID
+    affinity: str = ""  # GenerationRequest.affinity of its request
+    inbox_entry: str = ""  # delivered through this worker's inbox (chat-affine claiming): that entry's id
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,4 +108,4 @@ class AppendResult:
 
 
 def empty_usage() -> dict[str, Any]:
-    return {"prompt_tokens": 0, "completion_tokens": 0, "ttft_ms": None, "tpot_ms": None}
+    return {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "ttft_ms": None, "tpot_ms": None}

@@ -139,7 +139,7 @@ CREATE = PRELUDE + _APPEND_EVENT + QUOTA_LUA + """
 -- KEYS: meta, events, jobs, qstats, tombstone, tenant, storage (the caller's: broker.redis.quota)
 -- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s, abandon_s, cod,
 --       max_active, burst, interval_ms, max_wait_s, keep (1: the body is read back after the end), storage quota
---       (this partition's share of the caller's bytes; 0: none)
+--       (this partition's share of the caller's bytes; 0: none), affinity (the chat's key, for affine claiming)
 --   max_queue, max_active, burst: this partition's share (0: no bound); interval_ms: the caller's time per
 --   create in this partition (0: no rate limit); max_wait_s: bound on the estimated wait (0: none)
 -- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'storage_quota'}
@@ -180,7 +180,7 @@ local max_wait = tonumber(ARGV[16])
 if max_wait > 0 and q[2] and waiting * tonumber(q[2]) / math.max(1, tonumber(q[3] or '1')) > max_wait then
   return {'queue_full', tostring(waiting), q[2], q[3] or '0', 'wait'}
 end
-local jid = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1])
+local jid = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1], 'aff', ARGV[19])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'rh', ARGV[2], 'req', ARGV[3], 'created_at', ARGV[4],
   'model', ARGV[6], 'max_tokens', ARGV[7], 'jid', jid, 'fence', 0, 'attempts', 0, 'key_id', ARGV[9],
   'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0, 'tenant', KEYS[6],
@@ -393,6 +393,41 @@ for _, meta in ipairs(KEYS) do
   if redis.call('EXISTS', meta) == 1 then redis.call('HSET', meta, 'seen', ARGV[1], 'read', 1) end
 end
 return 0
+"""
+
+# Chat-affine claiming. A worker that got a new job whose chat another worker ran last (that worker holds
+# its prompt's prefix in its cache) leaves it for that worker, for at most wait_ms after the job was
+# created: the job goes to the owner's inbox (which the owner's poll reads, so an idle owner wakes at once),
+# and stays pending with this worker, made look idle for (lease_ms - what is left of the wait), so that
+# when the wait is over the next XAUTOCLAIM, any worker's, takes it. An owner that died, or is busy past the
+# bound, strands nothing. Only a queued job waits (a continuation after a crash runs anywhere, at once).
+# The job keeps its place: the claim script counts queue positions over undelivered entries, so the jobs
+# behind it are not told they wait for it.
+DEFER = """
+-- KEYS: jobs, affinity, meta ; ARGV: group, worker, entry_id, wait_ms, lease_ms, inbox_prefix, sid
+-- Reply: 'take' | 'deferred'
+local owner = redis.call('GET', KEYS[2])
+if not owner or owner == ARGV[2] then return 'take' end
+if redis.call('HGET', KEYS[3], 'status') ~= 'queued' then return 'take' end
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local left = tonumber(ARGV[4]) - (now_ms - tonumber(string.match(ARGV[3], '^(%d+)')))
+if left <= 0 then return 'take' end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', math.max(0, tonumber(ARGV[5]) - left), 'JUSTID')
+local inbox = ARGV[6] .. owner
+redis.call('XADD', inbox, 'MAXLEN', '~', 1000, '*', 'sid', ARGV[7], 'jid', ARGV[3])
+redis.call('EXPIRE', inbox, 86400)
+return 'deferred'
+"""
+
+# The owner takes a job left in its inbox, if it is still queued (no other worker claimed it: the wait
+# ended, or this entry is stale); XCLAIM moves the job's entry to it. The inbox entry goes either way.
+TAKE = """
+-- KEYS: jobs, inbox, meta ; ARGV: group, worker, jid, inbox_entry
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[4])
+redis.call('XDEL', KEYS[2], ARGV[4])
+if redis.call('HGET', KEYS[3], 'status') ~= 'queued' then return 0 end
+return #redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
 """
 
 # Drops a finished job from its queue: acknowledged and deleted in one step (a MULTI would do on one

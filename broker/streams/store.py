@@ -5,7 +5,9 @@ script of broker.streams.scripts, so each is atomic. Reads (status, events, the 
 queue's consumer-group commands (XREADGROUP, XAUTOCLAIM, XCLAIM: atomic single commands) are plain
 commands, made here too, so that no other module names a Redis key or a command.
 
-Long because it is that one module: every script's call and the reading of its reply, and every read.
+Long because it is that one place for every operation on a stream and its job, every script's call and the
+reading of its reply, and every read (the chat-affine claiming ones are apart, in broker.streams.affinity);
+splitting it would split the schema it keeps consistent.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from broker.redis.connection import (
 from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.request import GenerationRequest
 from broker.streams import replication, scripts
+from broker.streams.affinity import ChatAffinity
 from broker.streams.keys import (
     CHANNEL_SUFFIX,
     EVENTS_SUFFIX,
     JOBS_GROUP,
     META_SUFFIX,
     StreamKeys,
+    inbox_prefix,
     jobs_key,
     principal,
     queue_stats_key,
@@ -101,6 +105,7 @@ class Store:
         self._release = register(scripts.RELEASE)
         self._touch = register(scripts.TOUCH)
         self._ack = register(scripts.ACK)
+        self.affinity = ChatAffinity(redis, partitions, register)
 
     def jobs_key(self, partition: int) -> str:
         return jobs_key(partition, self.partitions)
@@ -139,7 +144,8 @@ class Store:
             [str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
                   queue_share, request.model or default_model, request.max_tokens, k.channel, key_id,
                   retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
-                  max_queue_wait_s, int(request.history is not None), storage.share(self.partitions)],
+                  max_queue_wait_s, int(request.history is not None), storage.share(self.partitions),
+                  request.affinity()],
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
@@ -306,7 +312,7 @@ class Store:
                                                min_idle_time=min_idle_ms, start_id="0-0", count=1)
         for entry_id, fields in res[1]:
             if fields:  # an entry deleted meanwhile comes back without fields
-                return Job(partition, reply_text(entry_id), uuid.UUID(reply_text(fields[b"sid"])))
+                return _job(partition, entry_id, fields)
         return None
 
     async def read_new_jobs(self, blocking: RedisClient, keys: dict[str, int], worker_id: str,
@@ -316,8 +322,9 @@ class Store:
         timeout (the call blocks up to ``block_ms``)."""
         streams: dict[Any, Any] = dict.fromkeys(keys, ">")
         res: Any = await blocking.xreadgroup(JOBS_GROUP, worker_id, streams, count=1, block=block_ms)
-        return [Job(keys[reply_text(key)], reply_text(entry_id), uuid.UUID(reply_text(fields[b"sid"])))
-                for key, entries in res or [] for entry_id, fields in entries]
+        return [_job(keys[reply_text(key)], entry_id, fields,
+                     inbox=reply_text(key).startswith(inbox_prefix(keys[reply_text(key)], self.partitions)))
+                for key, entries in res or [] for entry_id, fields in entries if fields]
 
     async def hand_back(self, job: Job, worker_id: str) -> None:
         """Make a delivered, unstarted job look idle for longer than any lease: the next XAUTOCLAIM (any
@@ -444,6 +451,15 @@ class Store:
         k = claim.keys
         return bool(await self._release(keys=[k.meta, k.jobs], args=[claim.fence, JOBS_GROUP, worker_id,
                                                                      claim.job_id, scripts.HAND_BACK_IDLE_MS]))
+
+
+def _job(partition: int, entry_id: Any, fields: dict[bytes, Any], inbox: bool = False) -> Job:
+    """A job entry (or an inbox entry naming one) as a Job."""
+    sid = uuid.UUID(reply_text(fields[b"sid"]))
+    aff = reply_text(fields.get(b"aff") or b"")
+    if inbox:
+        return Job(partition, reply_text(fields[b"jid"]), sid, aff, inbox_entry=reply_text(entry_id))
+    return Job(partition, reply_text(entry_id), sid, aff)
 
 
 def retry_after_s(behind: int, ema_job_s: float | None, busy: int) -> int:

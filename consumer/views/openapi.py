@@ -19,6 +19,7 @@ from broker.request import (
     MAX_TOOL_DESCRIPTION_CHARS,
     MAX_TOOLS,
     MODEL_MAX_CHARS,
+    PROMPT_CACHE_KEY_MAX_CHARS,
     TOOL_CHOICES,
     TOOL_NAME,
     RequestLimits,
@@ -30,7 +31,8 @@ from consumer.views.openai.schema import openai_paths
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens"],
           "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
-                         "ttft_ms": {"type": ["number", "null"]}, "tpot_ms": {"type": ["number", "null"]}}}
+                         "cached_tokens": {"type": "integer"}, "ttft_ms": {"type": ["number", "null"]},
+                         "tpot_ms": {"type": ["number", "null"]}}}
 # One server-sent event: an opaque increasing id, a type, and one line of JSON whose shape depends on the
 # type (docs/protocol.md lists them).
 _EVENT = {
@@ -94,6 +96,9 @@ def generation_properties(limits: RequestLimits) -> dict[str, Any]:
             {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
             {"type": "array", "maxItems": MAX_STOP_SEQUENCES,
              "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}}]}),
+        "prompt_cache_key": nullable({"type": "string", "minLength": 1, "maxLength": PROMPT_CACHE_KEY_MAX_CHARS,
+                                      "description": "requests sharing it go to the generator that holds their "
+                                                     "prompt's prefix (OpenAI's prompt_cache_key)"}),
     }
 
 

@@ -41,6 +41,7 @@ def build_engine(settings: EngineSettings) -> Engine:
         log.info("no --model: using the default model", extra={"model": model.name, "model_path": str(model.path)})
     try:
         return LlamaEngine(str(model.path), n_threads=settings.n_threads, n_ctx=settings.n_ctx,
-                           ignore_eos=settings.ignore_eos, name=model.name)
+                           ignore_eos=settings.ignore_eos, name=model.name,
+                           prompt_cache_mib=settings.prompt_cache_mib)
     except ValueError as e:  # llama-cpp-python's "Failed to load model from file" (a corrupt or unsupported GGUF)
         raise EngineUnavailable(f"llama.cpp cannot load {model.path}: {e}") from None

@@ -61,21 +61,30 @@ class Generation:
     prompt_tokens: int
     pieces: Iterator[Piece]
     finish_reason: str = "length"
+    #: Leading prompt tokens served from a prompt cache instead of evaluated (known once the prefill ran).
+    cached_tokens: int = 0
     #: Set by the worker before iterating: engines that process a long prompt in steps call it with
     #: (prompt tokens processed, prompt tokens) between steps, from the inference thread.
     on_progress: Callable[[int, int], None] | None = None
     #: A loop engine's pieces (see ``on_loop``), instead of ``pieces``.
     apieces: AsyncIterator[Piece] | None = None
+    #: Called by the inference thread with the answer's text once a plain-text answer ended and its end was
+    #: handed on (so nothing waits for it): an engine with a prompt cache prepares the chat's next turn.
+    after: Callable[[str], None] | None = None
 
 
 class Engine(Protocol):
-    """An engine class either subclasses this (and inherits ``on_loop = False``) or declares ``on_loop``."""
+    """An engine class either subclasses this (and inherits ``on_loop = False``, ``caches_prompts = False``)
+    or declares both."""
 
     #: The model's name, as reported in ``started`` events and the status route.
     name: str
     #: False: each generation runs in an inference thread of its own (generator.handoff.produce); True: on the
     #: event loop (``start`` is called there and fills ``Generation.apieces``).
     on_loop: bool = False
+    #: The engine keeps recent prompts' state (generator.engines.prompt_cache): a chat's next turn is worth
+    #: sending to the worker that ran its last one (chat-affine claiming, generator.jobs).
+    caches_prompts: bool = False
 
     def start(
         self,

@@ -10,10 +10,12 @@ mid-value: the final JSON is valid and nothing is written twice."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import llama_cpp
@@ -21,22 +23,27 @@ import numpy as np
 import numpy.typing as npt
 
 from broker.events import FinishReason
-from broker.request import GenerationRequest
+from broker.request import GenerationRequest, Message
 from generator.engines.base import Engine, EngineError, Generation, PromptTooLong
 from generator.engines.chat import ChatTemplate
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 from generator.engines.grammar import answer_grammar
 from generator.engines.pieces import PartialAnswer, Piece
+from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, blocks, reusable, shared_blocks, whole_blocks
 from generator.engines.sampler import GrammarError, Sampler, utf8_masks
 from generator.engines.tool_syntax import ToolCallSyntax, replay_text
+from generator.settings import EngineSettings
 
 # llama.cpp reads this seed as "pick a random one", so a request's seed must never be passed as it.
 _RANDOM_SEED = llama_cpp.LLAMA_DEFAULT_SEED
 
 
-# Prompts longer than this report their prefill progress, every PROGRESS_CHUNK_TOKENS tokens.
+# Prompts longer than this report their prefill progress, every PROGRESS_CHUNK_TOKENS tokens (a whole number
+# of prefill blocks).
 PROGRESS_MIN_TOKENS = 512
-PROGRESS_CHUNK_TOKENS = 256
+PROGRESS_CHUNK_TOKENS = 4 * BLOCK_TOKENS
+_DEFAULT_CACHE_MIB: int = EngineSettings().prompt_cache_mib
+_MIB = 1 << 20
 
 
 def physical_cores() -> int:
@@ -69,6 +76,7 @@ class LlamaEngine(Engine):
         ignore_eos: bool = False,
         name: str | None = None,
         top_k: int = 40,
+        prompt_cache_mib: int = _DEFAULT_CACHE_MIB,
     ) -> None:
         threads = n_threads or physical_cores()
         self._llm = llama_cpp.Llama(
@@ -98,6 +106,13 @@ class LlamaEngine(Engine):
                                  eos_token=self._token_text(llm.token_eos()))
 
         self._lock = threading.Lock()
+        self._waiting = 0  # threads waiting for the context
+        self._waiting_lock = threading.Lock()
+        # The prompt cache (generator.engines.prompt_cache): the whole prefill blocks the context's KV holds,
+        # and the states of earlier prompts.
+        self._live: list[int] = []
+        self._cache = PromptCache(max(0, prompt_cache_mib) * _MIB)
+        self.caches_prompts = prompt_cache_mib > 0
         self._active: Iterator[Piece] | None = None
         self._byte_tokens: dict[int, int] | None = None
         self._invalid_utf8: list[int] | None = None
@@ -162,7 +177,41 @@ class LlamaEngine(Engine):
             raise PromptTooLong(len(tokens), max_tokens, self.n_ctx)
         generation = Generation(prompt_tokens=len(tokens), pieces=iter(()))
         generation.pieces = self._run(generation, request, tokens, max_tokens, stop, grammar, written)
+        if self.caches_prompts and request.messages is not None and not request.offers_tools and grammar is None:
+            def after(answer: str) -> None:
+                self._prepare_next_turn(request, answer)
+
+            generation.after = after
         return generation
+
+    def _prepare_next_turn(self, request: GenerationRequest, answer: str) -> None:
+        """After a chat's answer, while nothing else wants the context: prefill the whole blocks of what the
+        chat's next turn will start with (its messages, this answer, the next user message's opening), so that
+        turn evaluates only its new message, not also the tail of this prompt and this answer. Exact like any
+        prefill block (generator.engines.prompt_cache); stopped between blocks as soon as a generation waits
+        for the context, and skipped if one holds it."""
+        assert request.messages is not None
+        messages = (*request.messages, Message("assistant", answer), Message("user", ""))
+        try:
+            tokens = self.tokenize_prompt(replace(request, messages=messages))
+        except EngineError:  # the template refuses an empty message: nothing to prepare
+            return
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._closed or self._waiting:
+                return
+            reused = shared_blocks(self._live, tokens, len(tokens))
+            if reused < len(self._live):
+                return  # the context holds another prompt now
+            self._llm.n_tokens = reused
+            for start, end in blocks(reused, whole_blocks(tokens)):
+                if self._waiting:
+                    break
+                self._llm.eval(tokens[start:end])
+                self._live = tokens[:end]
+        finally:
+            self._lock.release()
 
     def _take_context(self) -> None:
         prev = self._active
@@ -172,7 +221,13 @@ class LlamaEngine(Engine):
             close = getattr(prev, "close", None)
             if close is not None:
                 close()
-        self._lock.acquire()
+        with self._waiting_lock:
+            self._waiting += 1  # a next turn's preparation gives way (between blocks)
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
 
     def _run(
         self,
@@ -194,27 +249,13 @@ class LlamaEngine(Engine):
             self._active = generation.pieces
             self._active_thread = threading.get_ident()
             llm = self._llm
-            # A full reset, not generate()'s prefix reuse: re-evaluating the whole prompt every time keeps
-            # the arithmetic, and so a seeded answer, identical whatever ran before.
-            self._reset()
             seed = request.seed
             if seed is None:
                 seed = secrets.randbelow(_RANDOM_SEED)
             elif seed == _RANDOM_SEED:
                 seed -= 1
-            evaluated = 0
-            on_progress = generation.on_progress
-            if on_progress is not None and len(tokens) > PROGRESS_MIN_TOKENS:
-                # A long prompt is evaluated in steps (all but its last token), reporting progress between
-                # steps; a cancel stops it between steps instead of after the whole prefill.
-                end = len(tokens) - 1
-                for start in range(0, end, PROGRESS_CHUNK_TOKENS):
-                    if stop.is_set():
-                        return
-                    llm.eval(tokens[start:min(start + PROGRESS_CHUNK_TOKENS, end)])
-                    evaluated = min(start + PROGRESS_CHUNK_TOKENS, end)
-                    on_progress(evaluated, len(tokens))
-
+            if not self._prefill(generation, tokens, stop):
+                return
             detok = IncrementalDetokenizer(
                 self._pieces,
                 strip_leading_space=self._space_prefix
@@ -237,7 +278,6 @@ class LlamaEngine(Engine):
             if request.offers_tools:
                 syntax = ToolCallSyntax()
                 syntax.prime(written)
-            llm.eval(tokens[evaluated:])
             n = 0
             finish = "length"
             while True:
@@ -282,6 +322,71 @@ class LlamaEngine(Engine):
                 sampler.close()
             self._active = None
             self._lock.release()
+
+    def _prefill(self, generation: Generation, tokens: list[int], stop: threading.Event) -> bool:
+        """Evaluate ``tokens`` from the longest prefix of whole blocks the prompt cache holds, block by block
+        (generator.engines.prompt_cache: what keeps a seeded answer independent of the cache). A long prompt
+        reports progress between blocks, and a cancel stops it there (False) instead of after the whole
+        prefill."""
+        llm = self._llm
+        limit = reusable(tokens) if self.caches_prompts else 0  # off: every prompt evaluated in full
+        reused = shared_blocks(self._live, tokens, limit)
+        entry, from_entry = self._cache.best(tokens, limit)
+        if entry is not None and from_entry > reused:
+            self._stash_live()
+            self._live = []
+            reused = from_entry if self._load_state(entry.state) else 0
+        elif reused < len(self._live):
+            self._stash_live()
+        self._live = tokens[:reused]
+        llm.n_tokens = reused  # Llama.eval drops the KV past it before it decodes
+        generation.cached_tokens = reused
+        on_progress = generation.on_progress
+        report = on_progress is not None and len(tokens) > PROGRESS_MIN_TOKENS
+        for start, end in blocks(reused, len(tokens)):
+            if stop.is_set():
+                return False
+            if report and end == len(tokens) and end - start > 1:
+                # The last block in two steps, so the last report says all but the token that starts the
+                # answer. Not a whole-block batch any more: never kept (below).
+                llm.eval(tokens[start:end - 1])
+                assert on_progress is not None
+                on_progress(end - 1, len(tokens))
+                llm.eval(tokens[end - 1:end])
+                break
+            llm.eval(tokens[start:end])
+            if end - start == BLOCK_TOKENS:
+                self._live = tokens[:end]
+            if report and end % PROGRESS_CHUNK_TOKENS == 0 and end < len(tokens):
+                assert on_progress is not None
+                on_progress(end, len(tokens))
+        return True
+
+    def _stash_live(self) -> None:
+        """Copy the whole blocks the context holds into the prompt cache before another prompt overwrites
+        them (the answer after them is dropped first: never reused)."""
+        live = self._live
+        if not live or self._cache.budget_bytes == 0 or self._cache.holds(live):
+            return
+        ctx = self._llm.ctx
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), -1, len(live), -1)
+        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
+        if 0 < n <= size:
+            self._cache.put(live, bytes(memoryview(buf)[:n]))
+
+    def _load_state(self, state: bytes) -> bool:
+        """Replace the context's KV with a cached state; False (and an empty KV: evaluate from scratch) if
+        llama.cpp refuses it."""
+        ctx = self._llm.ctx
+        mem = llama_cpp.llama_get_memory(ctx)
+        llama_cpp.llama_memory_clear(mem, True)
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if llama_cpp.llama_state_seq_set_data(ctx, buf, len(state), 0) == len(state):
+            return True
+        llama_cpp.llama_memory_clear(mem, True)
+        return False
 
     def _utf8_masks(self) -> Sequence[npt.NDArray[np.bool_]]:
         if self._utf8 is None:

@@ -36,6 +36,7 @@ from consumer.views.openai.common import (
     DeferredResponse,
     Only,
     boolean,
+    cached_tokens,
     check_only,
     check_results_answer_calls,
     create_stream,
@@ -90,7 +91,7 @@ RESTRICTIONS = (
 TOKEN_LIMITS = ("max_completion_tokens", "max_tokens")
 #: Passed to rsb's own validation as they are: the generation settings (their schema is the native create
 #: body's) and typed output's fields (OpenAI's shapes are rsb's).
-GENERATION = ("model", "temperature", "top_p", "seed", "stop")
+GENERATION = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache_key")
 TYPED = ("tools", "tool_choice", "response_format")
 PASSED_THROUGH = GENERATION + TYPED
 #: A chat request's roles, as rsb's: OpenAI's (``developer`` is its newer name for ``system``) and tool results.
@@ -166,9 +167,10 @@ class _Chat:
                 "system_fingerprint": None,
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
-    def usage(self, usage: dict[str, Any] | None) -> dict[str, int]:
+    def usage(self, usage: dict[str, Any] | None) -> dict[str, Any]:
         prompt, completion = usage_tokens(usage)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens(usage)}}
 
 
 def _terminal_error(ev: Event) -> dict[str, Any]:

@@ -296,3 +296,8 @@ def usage_tokens(usage: Mapping[str, Any] | None) -> tuple[int, int]:
     if not usage:
         return 0, 0
     return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+
+
+def cached_tokens(usage: Mapping[str, Any] | None) -> int:
+    """Prompt tokens of an rsb usage object served from the generator's prompt cache."""
+    return int((usage or {}).get("cached_tokens") or 0)

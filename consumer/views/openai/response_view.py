@@ -38,7 +38,7 @@ from broker.events import Event, EventType, parse_event_id
 from broker.request import GenerationRequest
 from broker.streams.records import StreamStatus
 from consumer.streaming.conversations import openai_id
-from consumer.views.openai.common import usage_tokens
+from consumer.views.openai.common import cached_tokens, usage_tokens
 from consumer.views.openai.shapes import responses_tool_choice, responses_tools, text_config
 
 MESSAGE, REASONING, FUNCTION_CALL = "message", "reasoning", "function_call"
@@ -61,7 +61,8 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if usage is None:
         return None
     prompt, completion = usage_tokens(usage)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached_tokens(usage), "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 

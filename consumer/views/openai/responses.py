@@ -93,7 +93,7 @@ RESTRICTIONS = (
 )
 #: Passed to rsb's own validation as they are (seed and stop are not Responses parameters; accepted, as
 #: extra_body, because rsb has them).
-PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop")
+PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache_key")
 #: The input items rsb reads. ``reasoning`` items (the model's earlier reasoning, which clients pass back with
 #: the rest of a response's output) are dropped: models are not given their past reasoning, as chat templates
 #: drop it.

@@ -28,7 +28,9 @@ _STREAM_ID = {STREAM_ID_HEADER: {"schema": {"type": "string", "format": "uuid"},
                                                 "/v1/streams/{id}/events)"}}
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
           "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
-                         "total_tokens": {"type": "integer"}}}
+                         "total_tokens": {"type": "integer"},
+                         "prompt_tokens_details": {"type": "object",
+                                                   "properties": {"cached_tokens": {"type": "integer"}}}}}
 _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
     "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
     "model": {"type": "string"}, "usage": _USAGE,

@@ -4,10 +4,11 @@ OpenAI itself. ``messages`` requests go to ``POST /v1/chat/completions``, ``prom
 ``stream_options.include_usage`` so servers that can report usage do.
 
 Typed output passes through as OpenAI spells it: ``tools``, ``tool_choice``, ``response_format``, tool
-messages and assistant ``tool_calls`` on the way up; ``delta.tool_calls`` pieces, ``delta.reasoning_content``
-(vLLM before 0.10, DeepSeek, llama.cpp's server) or ``delta.reasoning`` (vLLM 0.10+, OpenRouter) on the way
-down. Whether the server enforces a ``response_format`` schema or a forced ``tool_choice`` is the server's
-affair (vLLM and llama.cpp's server do; a server that ignores them answers free text)."""
+messages and assistant ``tool_calls`` on the way up (and ``prompt_cache_key``, OpenAI's prompt cache
+routing); ``delta.tool_calls`` pieces, ``delta.reasoning_content`` (vLLM before 0.10, DeepSeek, llama.cpp's
+server) or ``delta.reasoning`` (vLLM 0.10+, OpenRouter) on the way down. Whether the server enforces a
+``response_format`` schema or a forced ``tool_choice`` is the server's affair (vLLM and llama.cpp's server
+do; a server that ignores them answers free text)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ class OpenAIProtocol(UpstreamProtocol):
             body["model"] = model
         if request.seed is not None:
             body["seed"] = request.seed
+        # OpenAI routes requests sharing a prompt_cache_key to the machine holding their prefix; vLLM and
+        # llama.cpp's servers ignore it. The client's own key, else the chat's (a digest of its conversation
+        # or leading messages: nothing of the prompt itself).
+        body["prompt_cache_key"] = request.prompt_cache_key or f"rsb-{request.affinity()}"
         if request.stop:
             body["stop"] = list(request.stop)
         if ignore_eos:  # a vLLM / llama.cpp server extension; other servers ignore unknown fields
