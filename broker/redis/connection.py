@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 import redis as redis_sync
 from redis._parsers.helpers import parse_stream_list
@@ -164,13 +164,18 @@ def _sentinel(url: str, *, max_connections: int, retries: int, socket_timeout: f
     db = int(path[1]) if len(path) > 1 else 0
     common: dict[str, Any] = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_keepalive": True}
     sentinel = Sentinel(hosts, sentinel_kwargs={**common, "socket_timeout": COMMAND_TIMEOUT_S}, **common)
-    auth: dict[str, Any] = {}
-    if parts.password is not None:
-        auth = {"username": parts.username or None, "password": parts.password}
     client: Redis = sentinel.master_for(
         path[0], db=db, socket_timeout=socket_timeout, max_connections=max_connections, retry=_retry(retries),
-        ssl=SENTINEL_SCHEMES[parts.scheme] == "rediss", **auth)
+        ssl=SENTINEL_SCHEMES[parts.scheme] == "rediss", **sentinel_auth(parts))
     return client
+
+
+def sentinel_auth(parts: SplitResult) -> dict[str, Any]:
+    """The primary's credentials in a sentinel URL, percent-decoded as redis-py decodes them in a redis:// URL
+    (a password with ``@``, ``:`` or ``/`` is written quoted; --redis-password is added quoted)."""
+    if parts.password is None:
+        return {}
+    return {"username": unquote(parts.username) if parts.username else None, "password": unquote(parts.password)}
 
 
 def is_cluster_url(url: str) -> bool:
