@@ -80,7 +80,7 @@ def build_create_body(*, messages: Sequence[Mapping[str, Any]] | None, prompt: s
 
 class _Calls:
     """The retry loop of one API call: every call here is idempotent, so connection failures and
-    502/503/504 are retried; anything else is raised at once."""
+    502/503/504/507 (rsb._exceptions.RETRIED_STATUSES) are retried; anything else is raised at once."""
 
     def __init__(self, method: str, path: str, retry: RetryPolicy) -> None:
         self.method, self.path, self.retry = method, path, retry

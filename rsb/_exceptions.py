@@ -56,7 +56,8 @@ class RateLimitedError(RsbClientError):
 
 
 class UnavailableError(RsbClientError):
-    """The server could not be reached or answered 502/503/504, through every retry."""
+    """The server could not be reached or answered 502/503/504, or 507 (its Redis is out of memory: code
+    ``storage_full``, which frees by itself), through every retry."""
 
     def __init__(self, message: str, *, retry_after: float | None = None, status_code: int | None = None,
                  code: str | None = None) -> None:
@@ -102,6 +103,10 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+#: Answers a retry may fix: a proxy or pod away (502/503/504), or Redis full (507 storage_full, with Retry-After).
+RETRIED_STATUSES = frozenset({502, 503, 504, 507})
+
+
 def error_from_response(status_code: int, headers: Mapping[str, str], body: bytes) -> RsbClientError:
     """The typed exception for an error response (``{"error": {"code", "message"}}`` by the contract)."""
     code: str | None = None
@@ -116,7 +121,7 @@ def error_from_response(status_code: int, headers: Mapping[str, str], body: byte
     retry_after = parse_retry_after(headers.get("retry-after"))
     if status_code == 429:
         return RateLimitedError(message, retry_after=retry_after, code=code)
-    if status_code in (502, 503, 504):
+    if status_code in RETRIED_STATUSES:
         return UnavailableError(message, retry_after=retry_after, status_code=status_code, code=code)
     cls = _BY_STATUS.get(status_code, RsbClientError)
     return cls(message, status_code=status_code, code=code)

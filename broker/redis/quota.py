@@ -13,6 +13,7 @@ sorted set (the same name + ``:exp``) of the items by expiry (ms; ``inf`` for no
 by itself, without telling anyone: every script that charges first sweeps the caller's items whose expiry passed
 (``quota_sweep``) and takes their bytes off, so the count is exact once swept (a write meets at most the items
 that expired and were not swept yet, up to SWEEP_MAX a call). A deleted item is released in the deleting step.
+The caller's own two keys expire with its longest-lived item (they persist while one has no expiry).
 An item is charged to the caller that created it, whoever writes to it later (without API keys, any address may
 append to a Durable Stream whose path it knows): an item's charge lives in one place and leaves with it.
 """
@@ -55,9 +56,18 @@ local function quota_now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function quota_drop_if_empty(s)
-  if tonumber(redis.call('HGET', s, 'bytes') or '0') <= 0 and redis.call('ZCARD', s .. ':exp') == 0 then
-    redis.call('DEL', s, s .. ':exp')
+-- The caller's two keys live as long as its longest-lived item (then they count nothing): the counts of the
+-- many callers seen once do not pile up in Redis.
+local function quota_keep(s)
+  local top = redis.call('ZRANGE', s .. ':exp', -1, -1, 'WITHSCORES')
+  if #top == 0 then return end
+  if tonumber(top[2]) == math.huge then
+    redis.call('PERSIST', s)
+    redis.call('PERSIST', s .. ':exp')
+  else
+    local at = string.format('%d', tonumber(top[2]) + 1000)
+    redis.call('PEXPIREAT', s, at)
+    redis.call('PEXPIREAT', s .. ':exp', at)
   end
 end
 local function quota_release(s, item)
@@ -65,7 +75,11 @@ local function quota_release(s, item)
   if b ~= 0 then redis.call('HINCRBY', s, 'bytes', -b) end
   redis.call('HDEL', s, item)
   redis.call('ZREM', s .. ':exp', item)
-  quota_drop_if_empty(s)
+  if tonumber(redis.call('HGET', s, 'bytes') or '0') <= 0 and redis.call('ZCARD', s .. ':exp') == 0 then
+    redis.call('DEL', s, s .. ':exp')
+  else
+    quota_keep(s)
+  end
 end
 -- The caller's items whose keys expired, taken off its total. A full Redis refuses the whole script here.
 local function quota_sweep(s)
@@ -83,9 +97,10 @@ local function quota_charge(s, item, charge)
   redis.call('HINCRBY', s, item, charge)
   redis.call('HINCRBY', s, 'bytes', charge)
   redis.call('ZADD', s .. ':exp', 'NX', 'inf', item)
+  quota_keep(s)
 end
 -- ``item``'s keys expire at ``at_ms`` ('inf': never): swept then.
 local function quota_expire(s, item, at_ms)
-  redis.call('ZADD', s .. ':exp', 'XX', at_ms, item)
+  if redis.call('ZADD', s .. ':exp', 'XX', 'CH', at_ms, item) == 1 then quota_keep(s) end
 end
 """

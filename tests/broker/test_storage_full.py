@@ -18,6 +18,7 @@ from servers import StackFactory
 
 from broker.redis.server import RedisServer
 from broker.streams.keys import StreamKeys
+from rsb import Client
 
 pytestmark = pytest.mark.slow
 
@@ -102,6 +103,11 @@ def test_out_of_memory_mid_answer_pauses_and_continues(full_redis: tuple[RedisSe
         assert code == "storage_full", (route, resp.text)
     # Deleting frees memory, so it is never refused: it is how an operator or a client makes room.
     assert c.delete("/v1/stream/dropped").status_code == 204
+    # The public client takes 507 storage_full as a retry-later, like a 503: its create waits for memory.
+    later: list[str] = []
+    waiting_client = threading.Thread(target=lambda: later.append(
+        Client(stack.base_url).create(prompt="Hello", max_tokens=4).status))
+    waiting_client.start()
     # Reads still work while Redis is full.
     assert c.get(f"/v1/streams/{sid}").json()["status"] == "running"
     time.sleep(1.5)  # paused: at most the append in flight when Redis filled landed
@@ -113,6 +119,8 @@ def test_out_of_memory_mid_answer_pauses_and_continues(full_redis: tuple[RedisSe
     r.config_set("maxmemory", str(MAXMEMORY))
     freed_at = time.monotonic()
 
+    waiting_client.join(30)
+    assert later == ["queued"], "the client's create did not go through once memory was back"
     done = wait_status(c, sid, {"done", "cancelled", "error"}, 120)
     resumed_in = time.monotonic() - freed_at
     assert done["status"] == "done", done

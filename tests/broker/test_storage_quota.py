@@ -109,8 +109,12 @@ def test_one_address_fills_its_quota_and_another_still_creates(capped: tuple[Red
     assert _held(r, FLOODER) > len(MIB)
     time.sleep(1.2)
     eventually(lambda: c.head("/v1/stream/brief", headers=flood).status_code == 404, 5, "the stream expired")
-    assert c.put("/v1/stream/next", content=b"hi", headers={**flood, "Content-Type": "text/plain"}).status_code == 201
+    assert c.put("/v1/stream/next", content=b"hi", headers={**flood, "Content-Type": "text/plain", "Stream-TTL": "60"}
+                 ).status_code == 201
     assert _held(r, FLOODER) < 1024
+    # The caller's count lives as long as its longest-lived item, then leaves Redis with it.
+    key = storage_key(0, 1, principal("", FLOODER))
+    assert 59_000 < r.pttl(key) <= 61_000 and 59_000 < r.pttl(key + ":exp") <= 61_000
     # Refused: 1 append, 1 fork, 1 new stream, 1 create; and the third fork.
     assert metric(httpx.get(f"{stack.base_url}/metrics").text, "rsb_storage_quota_rejected_total") == 5
 

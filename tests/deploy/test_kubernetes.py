@@ -22,6 +22,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -425,7 +426,8 @@ def test_redis_refuses_writes_before_its_pod_is_killed(variant: str) -> None:
     servers = 0
     for sts in render(variant).all("StatefulSet"):
         for c in sts["spec"]["template"]["spec"]["containers"]:
-            args = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
+            # The words of its command line, a `sh -c` script's included (it checks the password first).
+            args = [w for a in (c.get("command") or []) + (c.get("args") or []) for w in shlex.split(str(a))]
             if "redis-server" not in args:
                 continue
             assert args[args.index("--maxmemory-policy") + 1] == "noeviction", variant
