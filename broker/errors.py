@@ -35,6 +35,17 @@ class Unauthorized(RsbError):
     code = "unauthorized"
 
 
+class HostNotAllowed(RsbError):
+    """An open API (no API keys) was reached by a Host name it does not answer (consumer.edge.hosts): DNS
+    rebinding, or a name the operator has not listed in --allowed-hosts."""
+
+    code = "host_not_allowed"
+
+    def __init__(self) -> None:
+        super().__init__("this server does not answer this Host name; its operator can allow it with "
+                         "--allowed-hosts (RSB_ALLOWED_HOSTS)")
+
+
 class Conflict(RsbError):
     code = "conflict"
 
@@ -107,7 +118,34 @@ class Starting(RetryLater):
     code = "starting"
 
 
+class ShuttingDown(RetryLater):
+    """This pod is shutting down (SIGTERM) and could not finish the request within its grace period: another pod,
+    or this one restarted, answers the retry."""
+
+    code = "draining"
+
+
 class Unavailable(RetryLater):
     """Redis is unreachable (or loading): every Redis error reaching the HTTP boundary becomes this."""
 
     code = "unavailable"
+
+
+class StorageFull(RetryLater):
+    """Redis refuses writes for lack of memory (at ``maxmemory`` under ``noeviction``:
+    broker.redis.connection.is_out_of_memory). Nothing the caller did: it frees when data expires or an operator
+    adds memory, so it is answered with a Retry-After, like Unavailable, under its own code."""
+
+    code = "storage_full"
+
+
+class OverStorageQuota(RsbError):
+    """A caller (an API key, or without keys an address group) holds as many bytes in Redis as it may
+    (``--storage-quota-bytes``; counted in Redis, in the step that writes them)."""
+
+    code = "storage_quota"
+
+    def __init__(self, quota_bytes: int, partitions: int = 1) -> None:
+        share = f" ({-(-quota_bytes // partitions)} bytes in each of {partitions} partitions)" if partitions > 1 else ""
+        super().__init__(f"this caller holds as much data as it may ({quota_bytes} bytes{share}, "
+                         "--storage-quota-bytes); delete streams, or let them expire")

@@ -58,7 +58,7 @@ PAYLOAD_SEPARATOR = b"\n"
 TERMINAL_TYPES: frozenset[str] = frozenset({EventType.DONE, EventType.CANCELLED, EventType.ERROR})
 
 # Redis Stream ids: "<ms>-<seq>", both unsigned 64-bit. Anything else is not an id we issued.
-_EVENT_ID = re.compile(r"\A(\d{1,20})-(\d{1,20})\Z")
+_EVENT_ID = re.compile(r"\A([0-9]{1,20})-([0-9]{1,20})\Z")  # ASCII digits only (broker.ascii)
 _U64_MAX = 2**64 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from broker.ascii import parse_uuid
 from broker.errors import InvalidRequest
 from broker.history import History
 from broker.json_schema import check_enforceable
@@ -242,12 +243,10 @@ def check_integer(v: object, name: str, lo: int, hi: int) -> int | None:
 
 def parse_stream_id(raw: object) -> uuid.UUID:
     """A stream id is a UUID in its canonical text form (any case); anything else is refused."""
-    if not isinstance(raw, str) or len(raw) != 36:
+    parsed = parse_uuid(raw)
+    if parsed is None:
         raise InvalidRequest("'id' must be a UUID like 123e4567-e89b-12d3-a456-426614174000")
-    try:
-        return uuid.UUID(raw)
-    except ValueError:
-        raise InvalidRequest("'id' must be a UUID like 123e4567-e89b-12d3-a456-426614174000") from None
+    return parsed
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

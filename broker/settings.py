@@ -20,12 +20,13 @@ import argparse
 import dataclasses
 import functools
 import os
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 _SPEC = "rsb.setting"
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -46,6 +47,10 @@ def setting(default: Any, help: str, *, flag: str | None = None, secret: bool = 
             choices: tuple[str, ...] | None = None) -> Any:
     """A settings field: its default, the help text its flag shows, and how it is named on the command line."""
     return field(default=default, metadata={_SPEC: Spec(help, flag, secret, choices)})
+
+
+_INTEGER = re.compile(r"\A[+-]?[0-9]{1,18}\Z")
+_NUMBER = re.compile(r"\A[+-]?([0-9]{1,18}(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]{1,3})?\Z")
 
 
 def parse_bool(raw: str) -> bool:
@@ -98,6 +103,10 @@ class Option:
             return parse_bool(raw)
         if self.kind is tuple:
             return parse_list(raw)
+        # ASCII only, and finite: int() and float() take other scripts' digits, float() "nan" and "inf".
+        pattern = _INTEGER if self.kind is int else _NUMBER if self.kind is float else None
+        if pattern is not None and not pattern.match(raw.strip()):
+            raise ValueError(f"--{self.flag}: expected a{'n integer' if self.kind is int else ' number'}, got {raw!r}")
         value = self.kind(raw)
         if self.spec.choices is not None and value not in self.spec.choices:
             raise ValueError(f"{self.env}: expected one of {', '.join(self.spec.choices)}, got {raw!r}")
@@ -267,7 +276,8 @@ class BrokerSettings(Settings):
     redis_url: str | None = setting(
         None, "Redis URL: redis://host:6379/0, rediss://user:pass@host:6380/0, redis+cluster://node:6379 "
         "for a Redis Cluster (any one node), or redis+sentinel://host:26379[,host:26379]/service[/db] for "
-        "Redis Sentinel")
+        "Redis Sentinel (a secret: it may carry a password, so rsb passes it to its children by environment)",
+        secret=True)
     partitions: int = setting(
         1, "job/key partitions; fixed per deployment (1 = strict FIFO on one server; on a Redis Cluster a few "
         "per master: their hash slots are spread evenly over all masters)")
@@ -281,9 +291,22 @@ class BrokerSettings(Settings):
         1000, "replicated: how long one WAIT waits for a replica's acknowledgement; with none, the generation "
         "pauses (readers get heartbeats) and WAIT is retried")
 
+    redis_password: str | None = setting(
+        None, "password for Redis, added to --redis-url when the URL carries none (so the URL can be plain "
+        "configuration and the password a secret of its own, e.g. a Kubernetes Secret)", secret=True)
+
     @property
     def url(self) -> str:
-        return self.redis_url or DEFAULT_REDIS_URL
+        """The Redis URL every role connects to: --redis-url with --redis-password in it (if it has none)."""
+        url = self.redis_url or DEFAULT_REDIS_URL
+        if not self.redis_password:
+            return url
+        parts = urlsplit(url)
+        if parts.password is not None:  # the URL's own password wins: it names its user too
+            return url
+        user = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
+        hosts = parts.netloc.rpartition("@")[2]
+        return urlunsplit(parts._replace(netloc=f"{user}:{quote(self.redis_password, safe='')}@{hosts}"))
 
 
 @dataclass(frozen=True, slots=True)

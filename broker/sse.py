@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from broker.ascii import is_decimal
+
 HEARTBEAT = b": keep-alive\n\n"
 
 
@@ -91,7 +93,7 @@ class Block:
         elif name == "id":
             if "\0" not in value:
                 self.id = value
-        elif name == "retry" and value.isdigit():
+        elif name == "retry" and is_decimal(value):
             self.retry = int(value)
 
 

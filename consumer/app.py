@@ -14,10 +14,13 @@ from starlette.types import ASGIApp
 
 from broker.durable.store import DurableStore
 from broker.redis.connection import connect, connect_blocking, is_unavailable
+from broker.scrape import serve_scrapes
+from broker.streams.read_token_secret import shared_read_token_secret
 from broker.streams.store import Store
 from consumer.edge.auth import ApiKeys
-from consumer.edge.errors import HANDLERS
+from consumer.edge.errors import HANDLERS, OUT_OF_MEMORY, ShutdownBoundary
 from consumer.edge.front import FrontDoor
+from consumer.edge.hosts import HostCheck, allowed_names
 from consumer.edge.limits import ConnectionLimiter
 from consumer.edge.middleware import AuthMiddleware
 from consumer.metrics import Metrics
@@ -30,6 +33,7 @@ from consumer.streaming.sse import Drain
 from consumer.views import ROUTES
 from consumer.views.durable import protocol as durable_protocol
 from consumer.views.native import stream_events
+from consumer.views.ops import render_metrics
 
 log = logging.getLogger("rsb.consumer")
 
@@ -70,9 +74,10 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         # Standalone: the hub's one pub/sub connection comes from here. Cluster: the hub opens one per master
         # itself and uses this client only for the slot map.
         blocking = connect_blocking(b.url, cluster=b.cluster)
-        hub = LiveHub(blocking)
+        hub = LiveHub(blocking, max_buffered=settings.live_buffer_events)
         await hub.start()
         metrics = Metrics()
+        OUT_OF_MEMORY.on_refused = metrics.storage_full.inc  # this process's refusals, whichever route wrote
         metrics.gauge("rsb_connected_readers", lambda: hub.readers, "SSE readers tailing a stream on this pod")
         metrics.gauge("rsb_live_channels", lambda: hub.channels, "streams this pod is subscribed to")
         metrics.gauge("rsb_live_hub_reconnects", lambda: hub.reconnects, "pub/sub reconnects since start")
@@ -81,6 +86,8 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         # replicated: a create or cancel that no replica acknowledges in time answers 503 (it is idempotent).
         store = Store(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms,
                       replica_patience_s=REPLICA_PATIENCE_S)
+        if api_keys.enabled and not settings.read_token_secret:
+            api_keys.set_secret_source(lambda: shared_read_token_secret(redis), settings.read_token_key_refresh_s)
         service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, conversations=ConversationService(service, service.conversations),
@@ -89,9 +96,15 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)
         toucher = asyncio.create_task(_touch_readers(store, hub, interval_s), name="touch-readers")
+        scrapes = None
         try:
+            if settings.scrape_port:  # in the try: a port in use stops the start with everything closed
+                scrapes = await serve_scrapes(lambda: render_metrics(state), settings.scrape_host,
+                                              settings.scrape_port)
             yield {STATE_KEY: state}
         finally:
+            if scrapes is not None:
+                scrapes.close()
             drain.set()
             toucher.cancel()
             await asyncio.gather(toucher, return_exceptions=True)
@@ -101,11 +114,16 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
             await blocking.aclose()
 
     app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
-    app.add_middleware(AuthMiddleware, keys=api_keys)
+    app.add_middleware(AuthMiddleware, keys=api_keys, metrics_token=settings.metrics_token)
     if settings.cors_origins:  # outermost, so preflights and 401s carry the CORS headers too
         # The Durable Streams view (consumer/views/durable) adds its methods and its Stream-*/Producer-* headers.
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                            allow_methods=list(durable_protocol.METHODS),
                            allow_headers=sorted({"Last-Event-ID", *durable_protocol.REQUEST_HEADERS}),
                            expose_headers=list(durable_protocol.RESPONSE_HEADERS), max_age=600)
-    return FrontDoor(app, stream_events, api_keys, cors=bool(settings.cors_origins))
+    front: ASGIApp = FrontDoor(app, stream_events, api_keys, cors=bool(settings.cors_origins))
+    if not api_keys.enabled:
+        # Open API: only the names it is legitimately reached by (DNS rebinding; consumer.edge.hosts).
+        front = HostCheck(front, allowed_names(settings.host, settings.allowed_hosts))
+    # Outermost: past the drain's grace period, a request uvicorn cancels answers 503, not 500.
+    return ShutdownBoundary(front, drain)

@@ -39,6 +39,11 @@ class Metrics:
             "rsb_creates_replayed_total", "creates of an existing id with an identical request (nothing enqueued)")
         self.creates_rejected = counter(
             "rsb_creates_rejected_total", "creates refused with 429 (queue full, a caller's share or create rate)")
+        self.storage_full = counter(
+            "rsb_storage_full_total", "writes Redis refused for lack of memory (maxmemory), answered 507 storage_full")
+        self.storage_quota = counter(
+            "rsb_storage_quota_rejected_total",
+            "writes refused because the caller holds its storage quota (429 storage_quota)")
         self.cancels = counter("rsb_cancels_total", "cancel requests")
         self.reads = counter("rsb_reads_total", "event reads (SSE) started")
         self.resumes = counter("rsb_resumes_total", "event reads that resumed after an event id")

@@ -1,10 +1,9 @@
-"""Running the consumer under uvicorn, with a shutdown that does not wait on open SSE streams, a write-stall
-guard that drops connections whose client stopped reading, and the connection guards of consumer.edge.guards
-(head and body timeouts, connections per address and per pod)."""
+"""Running the consumer under uvicorn, with a shutdown that does not wait on open SSE streams and the
+connection guards of consumer.edge.guards (head and body timeouts, connections per address and per pod, the
+write-stall guard that drops connections whose client stopped reading)."""
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 from types import FrameType
@@ -14,8 +13,9 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from broker import runtime
+from broker.redis.eviction import check_eviction_policy
 from consumer.app import create_app
-from consumer.edge.guards import Guards, guarded, open_file_limit
+from consumer.edge.guards import Guards, guarded, open_file_limit, stall_guarded
 from consumer.settings import ConsumerSettings
 from consumer.streaming.sse import Drain
 
@@ -38,48 +38,6 @@ class ConsumerServer(uvicorn.Server):
         # uvicorn re-raises captured signals after shutdown, which kills the process before `rsb up`
         # can stop its generators and Redis server. A drained exit is a clean exit: status 0.
         self._captured_signals.clear()
-
-
-def stall_guarded(base: type[asyncio.Protocol], stall_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol with a write-stall guard.
-
-    uvicorn already applies flow control: once a connection's transport buffer passes asyncio's high-water
-    mark (64 KiB) it pauses, and the app's next ``send`` waits for the client to read. That bounds what
-    a pod buffers per connection, but a client that never reads again (a frozen tab, a stalled proxy)
-    would keep the connection, its buffer and its reader forever: closing it politely (``close()``)
-    waits for the buffer to flush, which never happens. This guard aborts the connection once writing
-    has been paused for ``stall_timeout_s`` without the client taking anything; the app sees a
-    disconnect, frees the reader, and the client resumes from its last event id when it comes back."""
-
-    class StallGuarded(base):  # type: ignore[valid-type,misc]
-        _stall_timer: asyncio.TimerHandle | None = None
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._stall_timer is None:
-                self._stall_timer = self.loop.call_later(stall_timeout_s, self._abort_stalled)
-
-        def resume_writing(self) -> None:
-            self._disarm()
-            super().resume_writing()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _disarm(self) -> None:
-            if self._stall_timer is not None:
-                self._stall_timer.cancel()
-                self._stall_timer = None
-
-        def _abort_stalled(self) -> None:
-            self._stall_timer = None
-            log.info("dropping a reader that accepted nothing for %.1fs", stall_timeout_s,
-                     extra={"client": f"{self.client[0]}:{self.client[1]}" if self.client else ""})
-            self.transport.abort()  # connection_lost follows: the app sees http.disconnect
-
-    StallGuarded.__name__ = StallGuarded.__qualname__ = f"StallGuarded{base.__name__}"
-    return StallGuarded
 
 
 def who_can_reach(host: str, port: int) -> str:
@@ -129,6 +87,8 @@ def build_server(settings: ConsumerSettings, *, expect_model: bool = False, **uv
 
 
 def run_consumer(settings: ConsumerSettings) -> None:
+    # allkeys-* could evict unfinished streams: refused before serving (EvictionPolicyRefused, said by rsb.cli).
+    check_eviction_policy(settings.broker.url, cluster=settings.broker.cluster, role="rsb consumer")
     server = build_server(settings)
     runtime.tune_gc()
     log.info("consumer listening", extra={"url": f"http://{settings.host}:{settings.port}", "stack": runtime.stack()})

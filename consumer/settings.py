@@ -46,14 +46,22 @@ class ConsumerSettings(Settings):
     shutdown_grace_s: float = setting(5.0, "seconds to drain connections on SIGTERM")
     send_timeout_s: float = setting(
         30.0, "a reader whose connection accepts no event for this long is dropped (it can resume)")
+    live_buffer_events: int = setting(
+        256, "events one SSE reader's live feed holds while its client reads slower than the stream is written; "
+        "past it they are dropped and the reader re-reads them from Redis (with --send-timeout-s and "
+        "--max-connections, what bounds the memory unread responses pin in a pod: docs/security.md)")
     default_model: str | None = setting(
         None, "model name recorded for requests that name none (default: the model the generators serve)")
     api_keys_file: str | None = setting(
         None, "JSON file of API keys; when set, every /v1 and /api route needs 'Authorization: Bearer'",
         flag="api-keys")
     read_token_secret: str | None = setting(
-        None, "secret signing read tokens (default: derived from the API keys file)", secret=True)
+        None, "secret signing read tokens, the same on every pod (default: a random one made once and kept in "
+        "Redis, shared by every pod; docs/security.md says how to rotate either)", secret=True)
     read_token_ttl_s: int = setting(900, "lifetime of the read tokens issued at create")
+    read_token_key_refresh_s: float = setting(
+        30.0, "without --read-token-secret: how often a pod re-reads the read-token key kept in Redis (a rotation "
+        "reaches every pod within this)")
     max_messages: int = setting(1024, "most messages one request may carry")
     max_prompt_chars: int = setting(200_000, "longest prompt (or messages' content in all)")
     max_streams_per_ip: int = setting(
@@ -77,6 +85,17 @@ class ConsumerSettings(Settings):
         ("127.0.0.1", "::1"), "comma-separated proxy addresses or networks (CIDR; '*' for any) whose "
         "X-Forwarded-For names the client: its address for every per-address limit. Only a proxy that "
         "overwrites the header (deploy/nginx.conf) may be trusted")
+    allowed_hosts: tuple[str, ...] = setting(
+        (), "without API keys, the Host names requests may carry besides the loopback ones (localhost, 127.0.0.1, "
+        "[::1]) and --host; others get 421 host_not_allowed, so a web page cannot reach an open API by DNS "
+        "rebinding (comma-separated; '*' allows any; /healthz and /readyz answer any Host)")
+    scrape_port: int = setting(
+        0, "also serve /metrics, without any key, on this port of its own (open it to the monitoring network only; "
+        "0 = off)")
+    scrape_host: str = setting("127.0.0.1", "address of the --scrape-port endpoint")
+    metrics_token: str | None = setting(
+        None, "with API keys, /metrics needs 'Authorization: Bearer' with any valid API key or this token (for "
+        "Prometheus: docs/security.md)", secret=True)
     cors_origins: tuple[str, ...] = setting(
         (), "comma-separated origins allowed by CORS (default: none; '*' for any)")
     log_content: bool = setting(False, "log prompts at create (off by default: users' data)")
@@ -91,6 +110,10 @@ class ConsumerSettings(Settings):
     max_conversations: int = setting(
         1000, "conversations one caller (as for --max-active) may hold; more get 429 too_many_conversations (0 = "
         "no bound; a key's limits.max_conversations overrides)")
+    storage_quota_bytes: int = setting(
+        256 * 1024 * 1024, "bytes one caller (as for --max-active) may hold in Redis: its Durable Streams' data "
+        "(forks at their full size) and its streams' request bodies while they are kept; writes past it get 429 "
+        "storage_quota (0 = no bound; a key's limits.storage_quota_bytes overrides)")
     # Durable Streams at /v1/stream/ (consumer/views/durable, docs/protocol.md).
     ds_long_poll_timeout_s: float = setting(
         20.0, "Durable Streams: how long a long-poll waits for data before its 204 (keep it under every proxy's "

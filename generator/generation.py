@@ -31,11 +31,12 @@ from broker.streams.store import Store, started_event
 from generator.answer import AnswerEvents, AnswerSoFar
 from generator.engines import Engine, Generation, error_code
 from generator.engines.pieces import PartialAnswer
-from generator.handoff import TokenHandoff, produce
+from generator.handoff import StopSignal, TokenHandoff, produce
 from generator.lease import Run, keep_lease
 from generator.metrics import GeneratorMetrics
 from generator.retry import until_done
 from generator.settings import GeneratorSettings
+from generator.slots import Seat, Slots, StallWatch
 
 log = logging.getLogger("rsb.generator")
 
@@ -80,6 +81,31 @@ class Usage:
                 "cached_tokens": self.cached_tokens, "ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
 
 
+@dataclass(slots=True)
+class _Progress:
+    """A generation's progress across its segments (one, unless it parked: generator.slots)."""
+
+    seq: int  # tokens counted in Redis
+    t_start: float
+    tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int = 0  # of prompt_tokens, served from the engine's prompt cache
+    compute_s: float = 0.0  # engine time, parked time left out
+    error: BaseException | None = None
+    stopped: bool = False  # a stop sequence ended it
+    finish_reason: str | None = None
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens or 0, self.tokens, self.t_start, self.first_token_at, self.last_token_at,
+                     self.cached_tokens)
+
+
+def _past(progress: _Progress, deadline_s: float) -> bool:
+    return deadline_s > 0 and time.monotonic() - progress.t_start >= deadline_s
+
+
 class JobRunner:
     """Runs claimed jobs for one worker. ``running`` maps the stream id of each generation in flight to its
     Run (the worker's cancel listener and hand-over reach them there)."""
@@ -94,13 +120,21 @@ class JobRunner:
         self.worker_id = worker_id
         self.running: dict[uuid.UUID, Run] = {}
         self.conversations = ConversationStore(store)
+        # Parking (generator.slots) helps only where one stream's writes can stall while others' go through: a
+        # replica gate, or a cluster's shards. None: a stalled write keeps its slot.
+        parks = (store.gate is not None or store.cluster) and settings.max_parked > 0
+        self.park_after_s: float | None = settings.park_after_s if parks else None
 
-    async def run(self, job: Job) -> None:
-        claim = await until_done(lambda: self.store.claim(job.stream_id, self.worker_id))
+    async def run(self, job: Job, seat: Seat | None = None) -> None:
+        """Run ``job`` in ``seat`` (its worker slot: given back while a write stalls, when the worker parks: see
+        generator.slots)."""
+        seat = seat or Seat(Slots(1, 0))
+        claim = await until_done(lambda: self.store.claim(job.stream_id, self.worker_id), "claim failed")
         if isinstance(claim, Unclaimable):  # gone or already finished: nothing to do but drop the job
             await self._ack(job)
             return
         run = Run(claim)
+        run.watch = StallWatch(seat, self.park_after_s)
         log.info("claimed", extra={"stream_id": str(job.stream_id), "attempt": claim.attempts})
         if self.engine.caches_prompts:
             try:  # a hint for the next turn's routing: never worth delaying or failing this one
@@ -116,7 +150,7 @@ class JobRunner:
             self.running[job.stream_id] = run
             self.metrics.running.inc()
             try:
-                await self._generate(run)
+                await self._generate(run, seat)
             except Exception as e:  # a bug of the store (a failing script, WRONGTYPE): not retried, surfaced
                 log.error("generation failed: %s", type(e).__name__, exc_info=e,
                           extra={"stream_id": str(job.stream_id)})
@@ -128,7 +162,7 @@ class JobRunner:
             await self._ack(job)
 
     async def _ack(self, job: Job) -> None:
-        await until_done(lambda: self.store.ack(job.partition, job.entry_id))
+        await until_done(lambda: self.store.ack(job.partition, job.entry_id), "ack failed")
 
     async def _answer_so_far(self, claim: Claim) -> AnswerSoFar:
         """The answer an earlier attempt appended (text, reasoning, tool calls), and whether it sent
@@ -142,88 +176,43 @@ class JobRunner:
             so_far.add_all((ev.type, ev.data) for ev in events)
             after = events[-1].id
 
-    async def _generate(self, run: Run) -> None:
-        claim = run.claim
-        req = claim.request
-        so_far = await until_done(lambda: self._answer_so_far(claim))
-        prefix, started, partial = so_far.text, so_far.started, so_far.partial
-        if not started:
-            if not await self._append(run, claim.seq, claim.seq, [started_event(self.engine.name)]):
-                if run.handing_over:
-                    await self._hand_over(run)
-                return
-        loop = asyncio.get_running_loop()
-        handoff = TokenHandoff(loop, self.settings.handoff_tokens)
-        remaining = max(0, req.max_tokens - claim.seq)
-        t_start = time.monotonic()
-        gen_holder: list[Generation] = []
-        producer = produce(self.engine, req, handoff, prefix_text=prefix, max_tokens=remaining, stop=run.stop,
-                           on_start=gen_holder.append, partial=partial if partial.typed else None)
+    async def _generate(self, run: Run, seat: Seat) -> None:
+        """Generate until the terminal event: one segment, or several when the generation parks (generator.slots)
+        and continues, each from what the stream holds; the lease is kept all along."""
         s = self.settings
+        progress = _Progress(seq=run.claim.seq, t_start=time.monotonic(), tokens=run.claim.seq)
         renewer = asyncio.create_task(keep_lease(run, self.store, self.worker_id, s.lease_s, s.disconnect_grace_s))
-        answer = AnswerEvents(req.stop, partial if partial.typed else PartialAnswer())
-        seq = claim.seq  # tokens counted in Redis (all attempts)
-        tokens = claim.seq  # tokens generated (all attempts)
-        first_token_at: float | None = None
-        last_token_at: float | None = None
-        deadline = s.max_generation_s
-        error: BaseException | None = None
         try:
-            while True:
-                timeout = None
-                if deadline > 0:
-                    timeout = max(0.0, t_start + deadline - time.monotonic())
-                batch = await handoff.get(timeout_s=timeout if timeout is not None else 1.0)
-                now = time.monotonic()
-                if batch.progress is not None and not batch.pieces and not run.fenced_out:
-                    processed, total = batch.progress
-                    progress = [(EventType.PROGRESS, encode_data({"processed": processed, "prompt_tokens": total}))]
-                    if not await self._append(run, seq, seq, progress):
-                        break
-                if batch.pieces:
-                    if first_token_at is None:
-                        first_token_at = now
-                    last_token_at = now
-                    tokens += batch.tokens
-                events = answer.feed(batch.pieces, batch.markers)
-                if answer.stopped:
-                    run.stop.set()
-                if batch.closed:
-                    error = batch.error
-                    if error is None and not run.stop.is_set():
-                        events += answer.flush()
-                if events and not run.fenced_out:
-                    if not await self._append(run, seq, tokens, events):
-                        break
-                    seq = tokens
-                if run.cancel_reason or run.fenced_out:
-                    run.stop.set()
-                if deadline > 0 and now - t_start >= deadline and not batch.closed:
+            while await self._segment(run, progress):
+                # Parked, and the write it waited for has landed: go on, unless the stream ended meanwhile.
+                if _past(progress, s.max_generation_s):
                     run.deadline_hit = True
-                    run.stop.set()
-                if batch.closed:
+                if run.stopping or run.deadline_hit:
                     break
+                await seat.resume()
+                if run.stopping:  # handed over (a shutdown) while it waited for a slot
+                    break
+                log.info("resuming after a parked write", extra={"stream_id": str(run.claim.stream_id),
+                                                                   "seq": progress.seq})
+                run.stop = StopSignal()  # the parked segment's was set to stop its engine
         finally:
-            handoff.abandon()
-            if self.engine.on_loop:
-                producer.cancel()  # a loop producer may be asleep until its next token
             run.generation_over = True  # the renewer's own stop flag: cancellation alone can be swallowed
             renewer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
             await asyncio.wait({renewer}, timeout=RENEWER_STOP_S)
+        claim = run.claim
         if run.fenced_out:
             log.warning("lost the lease; another worker owns the stream", extra={"stream_id": str(claim.stream_id)})
             return
         if run.handing_over:
             await self._hand_over(run)
             return
-        compute_s = time.monotonic() - t_start
-        gen = gen_holder[0] if gen_holder else None
-        usage = Usage(gen.prompt_tokens if gen else 0, tokens, t_start, first_token_at, last_token_at,
-                      gen.cached_tokens if gen else 0)
+        compute_s = progress.compute_s
+        usage = progress.usage()
+        deadline = s.max_generation_s
+        error = progress.error
         if run.failure is not None:
             await self._finish_error(run, INTERNAL, _describe(run.failure), usage, compute_s)
-        elif run.cancel_reason and not answer.stopped:
+        elif run.cancel_reason and not progress.stopped:
             await self._finish_cancelled(run, run.cancel_reason, usage, compute_s)
         elif run.deadline_hit:
             await self._finish_error(run, "deadline", f"generation exceeded {deadline:g} s", usage, compute_s)
@@ -231,12 +220,108 @@ class JobRunner:
             log.error("engine failed: %s", type(error).__name__, extra={"stream_id": str(claim.stream_id)})
             await self._finish_error(run, error_code(error), str(error) or type(error).__name__, usage, compute_s)
         else:
-            reason = FinishReason.STOP if answer.stopped else (gen.finish_reason if gen else FinishReason.STOP)
+            reason = FinishReason.STOP if progress.stopped else (progress.finish_reason or FinishReason.STOP)
             u = usage.as_dict()
             await self._finish(run, EventType.DONE, {"finish_reason": reason, "usage": u}, "done", u)
 
+    async def _segment(self, run: Run, progress: _Progress) -> bool:
+        """Run the engine from what the stream holds until the generation ends, or parks: True when it parked
+        its engine (its last write has landed since) and must go on in a new segment."""
+        claim = run.claim
+        req = claim.request
+        watch = run.watch
+        so_far = await until_done(lambda: self._answer_so_far(claim))
+        prefix, started, partial = so_far.text, so_far.started, so_far.partial
+        if not started:
+            with watch:  # stalled: nothing runs yet, so the slot goes back at once
+                if not await self._append(run, progress.seq, progress.seq, [started_event(self.engine.name)]):
+                    return False
+            if watch.seat.parked:
+                return not run.stopping
+        loop = asyncio.get_running_loop()
+        handoff = TokenHandoff(loop, self.settings.handoff_tokens)
+        remaining = max(0, req.max_tokens - progress.seq)
+        t_segment = time.monotonic()
+        gen_holder: list[Generation] = []
+        producer = produce(self.engine, req, handoff, prefix_text=prefix, max_tokens=remaining, stop=run.stop,
+                           on_start=gen_holder.append, partial=partial if partial.typed else None)
+        answer = AnswerEvents(req.stop, partial if partial.typed else PartialAnswer())
+        seq = tokens = progress.seq  # tokens counted in Redis (all attempts); tokens generated (all attempts)
+        deadline = self.settings.max_generation_s
+        parked = closed = False
+
+        def park() -> asyncio.Future[None] | None:
+            """The write in flight stalled: stop the engine (the future: its end), unless it has ended anyway."""
+            nonlocal parked
+            if closed or run.stop.is_set():
+                return None  # only its last writes are left, which need no slot
+            parked = True
+            run.stop.set()
+            handoff.abandon()  # what it made past the stalled write is dropped: the next segment makes it again
+            log.info("parked: a write waits (no replica acknowledged it, or its shard is down)",
+                     extra={"stream_id": str(claim.stream_id), "seq": seq})
+            return producer
+
+        watch.on_park = park
+        try:
+            while True:
+                timeout = None
+                if deadline > 0:
+                    timeout = max(0.0, progress.t_start + deadline - time.monotonic())
+                batch = await handoff.get(timeout_s=timeout if timeout is not None else 1.0)
+                now = time.monotonic()
+                if batch.progress is not None and not batch.pieces and not run.fenced_out:
+                    processed, total = batch.progress
+                    note = [(EventType.PROGRESS, encode_data({"processed": processed, "prompt_tokens": total}))]
+                    with watch:
+                        if not await self._append(run, seq, seq, note) or parked:
+                            break
+                if batch.pieces:
+                    if progress.first_token_at is None:
+                        progress.first_token_at = now
+                    progress.last_token_at = now
+                    tokens += batch.tokens
+                events = answer.feed(batch.pieces, batch.markers)
+                if answer.stopped:
+                    run.stop.set()
+                if batch.closed:
+                    closed = True
+                    progress.error = batch.error
+                    if batch.error is None and not run.stop.is_set():
+                        events += answer.flush()
+                if events and not run.fenced_out:
+                    with watch:
+                        if not await self._append(run, seq, tokens, events):
+                            break
+                    seq = tokens
+                    if parked:
+                        break
+                if run.cancel_reason or run.fenced_out:
+                    run.stop.set()
+                if deadline > 0 and now - progress.t_start >= deadline and not batch.closed:
+                    run.deadline_hit = True
+                    run.stop.set()
+                if batch.closed:
+                    break
+        finally:
+            watch.on_park = None
+            handoff.abandon()
+            if self.engine.on_loop:
+                producer.cancel()  # a loop producer may be asleep until its next token
+            await asyncio.gather(producer, return_exceptions=True)
+            progress.seq = seq
+            progress.compute_s += time.monotonic() - t_segment
+        if gen_holder and progress.prompt_tokens is None:
+            progress.prompt_tokens = gen_holder[0].prompt_tokens  # the prompt's, not a continuation's
+            progress.cached_tokens = gen_holder[0].cached_tokens
+        if gen_holder:
+            progress.finish_reason = gen_holder[0].finish_reason
+        progress.stopped = answer.stopped
+        progress.tokens = tokens
+        return parked and not run.stopping
+
     async def _hand_over(self, run: Run) -> None:
-        released = await until_done(lambda: self.store.release(run.claim, self.worker_id))
+        released = await until_done(lambda: self.store.release(run.claim, self.worker_id), "release failed")
         log.info("handed the job over", extra={"stream_id": str(run.claim.stream_id), "released": released})
         run.fenced_out = True  # not ours to acknowledge any more
 
@@ -249,6 +334,8 @@ class JobRunner:
         try:  # once directly (the path of every token), then by the retry policy, which logs and classifies
             res = await op()
         except Exception:  # an append is safe to make twice (its seq check answers a landed one)
+            # Redis away or full: the generation pauses here (its lease kept by the renewer, its readers sent
+            # heartbeats), and goes on where it stopped once Redis takes writes again.
             res = await until_done(op, "append failed")
         if res.ok:
             run.cancel_reason = run.cancel_reason or res.cancel_reason
@@ -272,9 +359,10 @@ class JobRunner:
 
     async def _finish(self, run: Run, etype: str, data: dict[str, Any], status: str, usage: dict[str, Any],
                       reason: str = "", compute_s: float = 0.0) -> None:
-        eid = await until_done(lambda: self.store.finish(
-            run.claim, etype, data, status=status, usage=usage, model=self.engine.name, reason=reason,
-            compute_s=compute_s))
+        with run.watch:  # stalled (no replica, its shard down): it needs no slot meanwhile
+            eid = await until_done(lambda: self.store.finish(
+                run.claim, etype, data, status=status, usage=usage, model=self.engine.name, reason=reason,
+                compute_s=compute_s), "finish failed")
         if eid is None:
             run.fenced_out = True
         else:

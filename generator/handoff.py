@@ -202,9 +202,15 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
                 gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial)
                 started(gen)
                 assert gen.apieces is not None, "an on_loop engine fills apieces"
-                async for piece in gen.apieces:
-                    if not await handoff.aput(piece):
-                        break
+                apieces = gen.apieces
+                try:
+                    async for piece in apieces:
+                        if not await handoff.aput(piece):
+                            break
+                finally:
+                    aclose = getattr(apieces, "aclose", None)
+                    if aclose is not None:  # its upstream response, closed now rather than when collected
+                        await aclose()
                 handoff.close()
             except asyncio.CancelledError:
                 handoff.close()
@@ -231,15 +237,23 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
             started(gen)
             text: list[str] | None = [] if gen.after is not None else None
             ended = True
-            for piece in gen.pieces:
-                if text is not None:
-                    if type(piece) is str:
-                        text.append(piece)
-                    else:  # typed output (a call, reasoning): not a plain answer to prepare a turn from
-                        text = None
-                if not handoff.put(piece):
-                    ended = False
-                    break
+            pieces = gen.pieces
+            try:
+                for piece in pieces:
+                    if text is not None:
+                        if type(piece) is str:
+                            text.append(piece)
+                        else:  # typed output (a call, reasoning): not a plain answer to prepare a turn from
+                            text = None
+                    if not handoff.put(piece):
+                        ended = False
+                        break
+            finally:
+                # Left suspended (the loop stopped reading), a generation would hold what it holds (llama.cpp's one
+                # context, behind the engine's lock) until collected: the next generation would wait for it.
+                close = getattr(pieces, "close", None)
+                if close is not None:
+                    close()
             handoff.close()
             prepare = gen.after
             if prepare is not None and text is not None and ended and not stop.is_set():

@@ -24,6 +24,8 @@ from broker.streams.keys import control_channel
 from broker.streams.records import Claim
 from broker.streams.store import Store
 from generator.handoff import StopSignal
+from generator.retry import OUT_OF_MEMORY, is_transient
+from generator.slots import StallWatch
 
 log = logging.getLogger("rsb.generator")
 
@@ -42,6 +44,13 @@ class Run:
     #: A bug met while keeping the lease (a failing script, WRONGTYPE): the generation stops and its stream
     #: ends with ``error`` (generator.generation), never a lease renewed by retrying the bug in silence.
     failure: BaseException | None = None
+    #: Parks the run while one of its writes stalls (generator.slots); by default it never does.
+    watch: StallWatch = field(default_factory=StallWatch.never)
+
+    @property
+    def stopping(self) -> bool:
+        """Whatever the generation does next, it makes no more tokens."""
+        return bool(self.cancel_reason or self.fenced_out or self.handing_over or self.failure is not None)
 
     def cancel(self, reason: str) -> None:
         if reason and not self.cancel_reason:
@@ -74,8 +83,12 @@ async def keep_lease(run: Run, store: Store, worker_id: str, lease_s: float, dis
             if run.generation_over or (task is not None and task.cancelling()):
                 raise asyncio.CancelledError from None
             continue
-        except Exception as e:  # a bug: retrying it would renew nothing, for ever
-            run.fail(e)
+        except Exception as e:
+            # Redis full: RENEW's first write (XCLAIM) is one a full Redis allows, so this is rare; waited out.
+            if is_transient(e):
+                OUT_OF_MEMORY.refused("lease renewal")
+                continue
+            run.fail(e)  # a bug: retrying it would renew nothing, for ever
             return
         if not res.ok:
             run.fence_out()
@@ -90,7 +103,8 @@ async def check_cancel(run: Run, store: Store, worker_id: str, disconnect_grace_
     except UNAVAILABLE_ERRORS:
         return  # the renewal loop asks again within lease_s / 3
     except Exception as e:
-        run.fail(e)
+        if not is_transient(e):
+            run.fail(e)
         return
     run.cancel(res.cancel_reason)
 

@@ -10,6 +10,7 @@ import sys
 
 from broker import runtime
 from broker.redis.connection import connect, connect_blocking
+from broker.redis.eviction import check_eviction_policy
 from broker.streams.store import Store
 from generator.engines import Engine, build_engine
 from generator.metrics import serve_metrics
@@ -67,6 +68,8 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def run_generator(settings: GeneratorSettings) -> None:
+    # allkeys-* could evict the job queues and unfinished streams: refused before any model loads.
+    check_eviction_policy(settings.broker.url, cluster=settings.broker.cluster, role="rsb generator")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine = build_engine(settings.engine)
     runtime.tune_gc()

@@ -8,17 +8,17 @@ event loop, not from prometheus_client's server thread: it is the generators' st
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from broker.scrape import serve_scrapes
 
 # No ``<name>_created`` series beside each counter and histogram: nothing reads them.
 disable_created_metrics()
 
 TTFT_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 TPOT_BUCKETS_MS = (0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500)
-CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 class GeneratorMetrics:
@@ -30,7 +30,12 @@ class GeneratorMetrics:
         self.tokens_generated = Counter("rsb_generator_tokens_total", "tokens this worker generated", registry=r)
         self.tokens_wasted = Counter("rsb_generator_tokens_wasted_total",
                                      "tokens generated for answers that were then aborted", registry=r)
+        self.storage_full = Counter(
+            "rsb_generator_storage_full_total",
+            "writes Redis refused for lack of memory (maxmemory), each retried until it succeeded", registry=r)
         self.running = Gauge("rsb_generator_running", "generations in flight on this worker", registry=r)
+        self.parked = Gauge("rsb_generator_parked", "generations of this worker parked without a slot while a write "
+                            "waits (no replica acknowledged it, or its shard is down: generator.slots)", registry=r)
         self.ttft = Histogram("rsb_generator_ttft_ms", "time from claim to first token, in ms", registry=r,
                               buckets=TTFT_BUCKETS_MS)
         self.tpot = Histogram("rsb_generator_tpot_ms", "time per output token after the first, in ms", registry=r,
@@ -52,22 +57,9 @@ class GeneratorMetrics:
 
 
 async def serve_metrics(metrics: GeneratorMetrics, host: str, port: int) -> asyncio.Server:
-    """GET /metrics over plain HTTP/1.0; anything else is a 404. Enough for a Prometheus scraper."""
+    """GET /metrics on a port of its own (broker.scrape), from this worker's loop."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(Exception):
-            request_line = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass  # headers: not needed
-            parts = request_line.split()
-            if len(parts) >= 2 and parts[0] == b"GET" and parts[1].split(b"?")[0] == b"/metrics":
-                body, status, ctype = metrics.render(), b"200 OK", CONTENT_TYPE
-            else:
-                body, status, ctype = b'{"error":{"code":"not_found","message":"try /metrics"}}', b"404 Not Found", \
-                    b"application/json"
-            writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
-            await writer.drain()
-        writer.close()
+    async def render() -> bytes:
+        return metrics.render()
 
-    return await asyncio.start_server(handle, host, port)
+    return await serve_scrapes(render, host, port)

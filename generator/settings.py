@@ -58,6 +58,13 @@ class GeneratorSettings(Settings):
         256, "tokens the inference thread may run ahead of Redis before it waits (the bounded hand-off)")
     concurrency: int = setting(
         1, "generations one worker runs at once (in-process llama.cpp: 1; an --upstream server: more)")
+    max_parked: int = setting(
+        16, "durability replicated or Redis Cluster: generations a worker holds parked at once (their write waits for "
+        "a replica, or for their shard's primary) after giving their slot back to streams that can go on; past "
+        "it a stalled generation keeps its slot (0 = never park)")
+    park_after_s: float = setting(
+        2.0, "a generation whose write has waited this long parks: its engine stops, its slot goes to another job, "
+        "and it continues from the stream once the write lands (see --max-parked)")
     append_batch_ms: float = setting(
         5.0, "with --concurrency above 1: the appends of a worker's generations go to Redis together, at most "
         "once per this many ms (fewer round trips per token; adds at most this to delivery; 0 = as soon as the "

@@ -27,7 +27,9 @@ from generator.generation import Appender, JobRunner
 from generator.jobs import JobPoller
 from generator.lease import check_cancel, listen_for_cancels
 from generator.metrics import GeneratorMetrics
+from generator.retry import OUT_OF_MEMORY, is_transient
 from generator.settings import GeneratorSettings
+from generator.slots import Seat, Slots
 
 log = logging.getLogger("rsb.generator")
 
@@ -44,6 +46,7 @@ class Worker:
         self.blocking = blocking  # XREADGROUP BLOCK and pub/sub: no socket timeout
         self.worker_id = settings.worker_id or default_worker_id()
         self.metrics = GeneratorMetrics()
+        OUT_OF_MEMORY.on_refused = self.metrics.storage_full.inc
         # Many generations at once: their appends share pipelines. (Cluster pipelines would split by
         # node anyway; there each append goes on its own. At ``replicated`` each append waits for its replica.)
         batch = settings.concurrency > 1 and not store.cluster and store.gate is None
@@ -53,6 +56,7 @@ class Worker:
         affinity_wait_s = settings.affinity_wait_s if engine.caches_prompts else 0.0
         self.poller = JobPoller(store, blocking, self.worker_id, settings.lease_s, self._spawn, affinity_wait_s)
         self._stopping = asyncio.Event()
+        self.slots: Slots | None = None  # while running
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -84,7 +88,10 @@ class Worker:
             except UNAVAILABLE_ERRORS as e:
                 log.warning("could not announce the model, retrying: %s", e)
             except Exception as e:  # a bug (the key holds another type): said, and tried again, never in silence
-                log.error("could not announce the model: %s", type(e).__name__, exc_info=e)
+                if is_transient(e):  # Redis full: counted in the process's episode, tried again
+                    OUT_OF_MEMORY.refused("model announcement")
+                else:
+                    log.error("could not announce the model: %s", type(e).__name__, exc_info=e)
             await asyncio.sleep(ANNOUNCE_INTERVAL_S)
 
     def _on_cancel_notice(self, stream_id: uuid.UUID) -> None:
@@ -93,16 +100,19 @@ class Worker:
             self._spawn(check_cancel(run, self.store, self.worker_id, self.settings.disconnect_grace_s))
 
     async def run(self) -> None:
-        """The poll loop: while fewer than ``concurrency`` jobs run, claim the next one."""
+        """The poll loop: while fewer than ``concurrency`` jobs run (parked ones aside: generator.slots), claim the
+        next one."""
         attempts = Attempts()
         control = asyncio.create_task(listen_for_cancels(self.blocking, self.store.partitions, self._on_cancel_notice),
                                       name="cancel-listener")
         announcer = asyncio.create_task(self._announce_model(), name="announce-model")
-        slots = asyncio.Semaphore(max(1, self.settings.concurrency))
+        slots = Slots(self.settings.concurrency, self.settings.max_parked)
+        self.slots = slots
+        self.metrics.parked.set_function(lambda: slots.parked)
         jobs: set[asyncio.Task[None]] = set()
         try:
             while not self._stopping.is_set():
-                await slots.acquire()
+                await slots.take()
                 try:
                     await self.store.ensure_groups()
                     job = await self._poll_unless_stopping()
@@ -112,15 +122,35 @@ class Worker:
                     log.warning("redis unavailable, retrying: %s", e)
                     await attempts.sleep()
                     continue
+                except Exception as e:  # Redis full (XGROUP CREATE is refused too): wait, as for an outage
+                    slots.release()
+                    if not is_transient(e):
+                        raise
+                    OUT_OF_MEMORY.refused("poll for jobs")
+                    await attempts.sleep()
+                    continue
+                if job is not None and slots.resume_wanted:
+                    # A parked generation's write landed while this poll ran: the slot is its, the job goes
+                    # back to the queue for the next poll (this worker's or another's).
+                    await self.poller.hand_back([job])
+                    job = None
+                if job is not None and job.stream_id in self.runner.running:
+                    # Delivered again while this worker runs it (parked, say): a poll answered by a primary that
+                    # had just lost a failover it had not heard of yet. Claiming it again would fence out our own
+                    # run; the run acknowledges the entry when it ends.
+                    log.info("a job this worker is running came again: dropped",
+                             extra={"stream_id": str(job.stream_id)})
+                    job = None
                 if job is None:
                     slots.release()
                     continue
-                task = asyncio.create_task(self.runner.run(job))
+                seat = slots.seat()
+                task = asyncio.create_task(self.runner.run(job, seat))
                 jobs.add(task)
 
-                def done(t: asyncio.Task[None]) -> None:
+                def done(t: asyncio.Task[None], seat: Seat = seat) -> None:
                     jobs.discard(t)
-                    slots.release()
+                    seat.close()
                     if not t.cancelled() and t.exception() is not None:  # a bug the run could not even report
                         log.error("a job failed: %s", type(t.exception()).__name__, exc_info=t.exception())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import re
 import time
 from collections.abc import Mapping
 
@@ -82,14 +83,18 @@ _BY_STATUS: dict[int, type[RsbClientError]] = {
 }
 
 
+_SECONDS = re.compile(r"\A[0-9]{1,9}(\.[0-9]{1,6})?\Z")
+
+
 def parse_retry_after(value: str | None) -> float | None:
     """``Retry-After`` in seconds: a number, or an HTTP date."""
     if not value:
         return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
+    seconds = value.strip()
+    # ASCII digits only (float() takes other scripts' digits, "inf" and "nan": a hostile proxy's "inf" would
+    # make the client wait for ever).
+    if _SECONDS.match(seconds):
+        return float(seconds)
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):

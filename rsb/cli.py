@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from broker.logs import setup_logging
+from broker.redis.eviction import EvictionPolicyRefused
 from broker.settings import Settings
 from consumer.settings import ConsumerSettings
 from generator.settings import GeneratorSettings
@@ -37,7 +38,11 @@ def _run_consumer(args: argparse.Namespace) -> int:
 
     settings = ConsumerSettings.from_namespace(args)
     setup_logging(settings.log.log_level)
-    run_consumer(settings)
+    try:
+        run_consumer(settings)
+    except EvictionPolicyRefused as e:
+        print(f"rsb consumer: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -49,7 +54,7 @@ def _run_generator(args: argparse.Namespace) -> int:
     setup_logging(settings.log.log_level)
     try:
         run_generator(settings)
-    except EngineUnavailable as e:
+    except (EngineUnavailable, EvictionPolicyRefused) as e:
         print(f"rsb generator: {e}", file=sys.stderr)
         return 2
     return 0

@@ -17,7 +17,8 @@ from broker.errors import RsbError
 from broker.redis.connection import connect
 from broker.settings import BrokerSettings, Settings, setting
 from broker.streams.report import GROUP_BYS, aborted_report, parse_time, render_csv, render_table
-from rsb import DEFAULT_URL, Client, Event, RetryPolicy, RsbClientError, StreamInterrupted, UnavailableError
+from rsb import DEFAULT_URL, Answer, Client, Event, RetryPolicy, RsbClientError, StreamInterrupted, UnavailableError
+from rsb._terminal import TerminalText, escape_c1, json_line, strip_controls
 
 # Exit statuses: the answer ended with `done` (0), with `error`/`cancelled` (1), the API refused the call
 # (2), the server stayed unreachable (3), the user interrupted (130, the shell's Ctrl-C convention).
@@ -70,7 +71,7 @@ class ReportSettings(Settings):
 
 
 def _fail(command: str, err: RsbClientError) -> int:
-    print(f"rsb {command}: {err.message}", file=sys.stderr)
+    print(f"rsb {command}: {strip_controls(err.message)}", file=sys.stderr)  # the message may quote the server
     if isinstance(err, StreamInterrupted) and err.last_event_id:
         print(f"rsb {command}: resume after event {err.last_event_id} with --from", file=sys.stderr)
     return EXIT_UNREACHABLE if isinstance(err, UnavailableError) or err.status_code is None else EXIT_REFUSED
@@ -117,21 +118,37 @@ def status(args: argparse.Namespace) -> int:
             st = client.status(args.id)
         except RsbClientError as e:
             return _fail("status", e)
-    print(json.dumps(st.raw, indent=2, ensure_ascii=False))
+    print(escape_c1(json.dumps(st.raw, indent=2, ensure_ascii=False)))
     return 0
 
 
 def _follow(client: Client, stream_id: str, last_event_id: str | None, as_json: bool, command: str = "tail") -> int:
+    """Prints the stream as it comes: the answer's text, or (``as_json``) every event, the ``reset`` ones included
+    (a consumer of the lines applies them). Model text never reaches the terminal raw (rsb._terminal)."""
     out: TextIO = sys.stdout
     end: Event | None = None
     wrote_text = False
+    answer = Answer()  # the answer so far, with resets applied: the truth the printed text follows
+    printed = 0  # how much of answer.text is on the screen
+    safe = TerminalText()
     try:
         for event in client.stream(stream_id, last_event_id):
             if as_json:
-                out.write(json.dumps({"id": event.id, "type": event.type, "data": event.data},
-                                     ensure_ascii=False) + "\n")
+                out.write(json_line({"id": event.id, "type": event.type, "data": event.data}) + "\n")
+            elif event.type == "reset":
+                answer.feed(event)
+                if len(answer.text) < printed:  # a failover took back text that is on the screen: say so, show the rest
+                    safe.reset()
+                    out.write("\n")
+                    out.flush()
+                    print(f"rsb: the server lost the end of this answer (a Redis failover); it goes on from "
+                          f"event {strip_controls(event.id)}, the answer so far again:", file=sys.stderr, flush=True)
+                    out.write(safe.feed(answer.text))
+                    printed = len(answer.text)
             elif event.text:
-                out.write(event.text)
+                answer.feed(event)
+                out.write(safe.feed(event.text))
+                printed += len(event.text)
                 wrote_text = True
             out.flush()  # the point is to watch the answer appear
             if event.terminal:
@@ -152,10 +169,11 @@ def _follow(client: Client, stream_id: str, last_event_id: str | None, as_json: 
         return 0
     data = end.data if isinstance(end.data, dict) else {}
     if end.type == "cancelled":
-        print(f"rsb {command}: stream cancelled ({data.get('reason', 'unknown reason')})", file=sys.stderr)
-    else:
-        print(f"rsb {command}: stream failed: {data.get('code', 'error')}: {data.get('message', '')}",
+        print(f"rsb {command}: stream cancelled ({strip_controls(str(data.get('reason', 'unknown reason')))})",
               file=sys.stderr)
+    else:
+        print(f"rsb {command}: stream failed: {strip_controls(str(data.get('code', 'error')))}: "
+              f"{strip_controls(str(data.get('message', '')))}", file=sys.stderr)
     return EXIT_FAILED
 
 

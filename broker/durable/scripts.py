@@ -28,7 +28,11 @@ byte by byte (``Stream-Seq`` is specified as byte-wise lexicographic); ids compa
 
 from __future__ import annotations
 
-_HELPERS = """
+from broker.redis.quota import QUOTA_LUA
+
+# QUOTA_LUA: the owner's storage quota (broker.redis.quota), charged in the step that stores the data; a stream's
+# meta field ``qs`` names the hash of the caller that created it (who is charged for it, whoever appends).
+_HELPERS = QUOTA_LUA + """
 local function cmp_bytes(a, b)
   local n = math.min(#a, #b)
   for i = 1, n do
@@ -75,11 +79,12 @@ end
 -- the tenant's set; Stream-Expires-At is a fixed deadline, also applied to keys created since (data,
 -- producers, forks). HEAD does not come here.
 local function refresh(meta, keys, tenant)
-  local e = redis.call('HMGET', meta, 'ttl', 'expms')
+  local e = redis.call('HMGET', meta, 'ttl', 'expms', 'qs')
   if e[1] then
     local ms = tonumber(e[1]) * 1000
     for _, k in ipairs(keys) do redis.call('PEXPIRE', k, string.format('%d', ms)) end
     redis.call('ZADD', tenant, 'XX', string.format('%d', now_ms() + ms), meta)
+    if e[3] then quota_expire(e[3], meta, string.format('%d', now_ms() + ms)) end
   elseif e[2] then
     for _, k in ipairs(keys) do redis.call('PEXPIREAT', k, e[2]) end
   end
@@ -89,11 +94,12 @@ end
 # Closes: two PUTs of one name racing (one creates, the other sees it and compares configurations), a create
 # racing the per-key stream count, and a stream visible before its initial data or fork copy is in place.
 CREATE = _HELPERS + """
--- KEYS: meta, data, producers, forks, tenant
+-- KEYS: meta, data, producers, forks, tenant, storage (the creating caller's: broker.redis.quota)
 -- ARGV: 1 name, 2 ct, 3 ctn, 4 ctn to compare ('' = any: a fork inheriting its source's), 5 ttl, 6 exp,
 --       7 expms, 8 inherit (1: a fork that asked for no expiry: TTL/Expires-At not compared), 9 closed,
 --       10 from, 11 fork offset, 12 fork offset given, 13 sub-offset, 14 gen, 15 probe, 16 max streams,
---       17 size, 18 json; then (id or '' to mint, bytes) per entry, in order
+--       17 size, 18 json, 19 storage quota (this partition's share; 0: none); then (id or '' to mint, bytes)
+--       per entry, in order
 local m = KEYS[1]
 if redis.call('EXISTS', m) == 1 then
   local e = redis.call('HMGET', m, 'soft', 'ctn', 'ttl', 'exp', 'closed', 'from', 'fo', 'fso', 'tail', 'ct')
@@ -107,15 +113,17 @@ if redis.call('EXISTS', m) == 1 then
   return {'conflict', from}
 end
 if ARGV[15] == '1' then return {'absent'} end
+quota_sweep(KEYS[6])  -- first: a full Redis refuses the script here, before the writes below
 local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', '(' .. string.format('%d', now))
 local max = tonumber(ARGV[16])
 if max > 0 and redis.call('ZCARD', KEYS[5]) >= max then return {'limit'} end
+if not quota_room(KEYS[6], tonumber(ARGV[17]), tonumber(ARGV[19])) then return {'quota', ''} end
 -- Whatever an expired incarnation of this name left behind (its keys expire together, but not atomically).
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
 local tail = '0-0'
 if ARGV[11] ~= '' then tail = ARGV[11] end
-for i = 19, #ARGV, 2 do
+for i = 20, #ARGV, 2 do
   local id = ARGV[i]
   if id == '' then id = mint(tail) end
   redis.call('XADD', KEYS[2], id, 'b', ARGV[i + 1])
@@ -133,6 +141,11 @@ elseif ARGV[7] ~= '' then
 end
 if ARGV[10] ~= '' then redis.call('HSET', m, 'from', ARGV[10], 'fo', ARGV[11], 'fso', ARGV[13]) end
 redis.call('ZADD', KEYS[5], score, m)
+-- Charged to this caller: a charge left by an earlier incarnation of this name (expired, not swept yet) goes.
+redis.call('HSET', m, 'qs', KEYS[6])
+quota_release(KEYS[6], m)
+quota_charge(KEYS[6], m, tonumber(ARGV[17]))
+quota_expire(KEYS[6], m, score)
 refresh(m, {m, KEYS[2]}, KEYS[5])
 return {'created', tail}
 """
@@ -145,9 +158,9 @@ APPEND = _HELPERS + """
 -- KEYS: meta, data, producers, forks, tenant
 -- ARGV: 1 channel, 2 body (stored form; '' for close-only), 3 ctn, 4 close, 5 Stream-Seq ('' none),
 --       6 producer id ('' none), 7 epoch, 8 seq, 9 body valid (0: invalid JSON), 10 max size (0: none),
---       11 charge (size this append adds)
+--       11 charge (size this append adds), 12 storage quota (this partition's share; 0: none)
 local m = KEYS[1]
-local e = redis.call('HMGET', m, 'soft', 'closed', 'tail', 'cby', 'ctn', 'lseq', 'size')
+local e = redis.call('HMGET', m, 'soft', 'closed', 'tail', 'cby', 'ctn', 'lseq', 'size', 'qs')
 if not e[3] then return {'notfound'} end
 if e[1] == '1' then return {'gone'} end
 local keys = {m, KEYS[2], KEYS[3], KEYS[4]}
@@ -184,9 +197,14 @@ local tail = e[3]
 if body ~= '' then
   local size = tonumber(e[7] or '0') + tonumber(ARGV[11])
   if tonumber(ARGV[10]) > 0 and size > tonumber(ARGV[10]) then return {'too_big'} end
+  if e[8] then  -- the creator's quota (streams made before quotas have none)
+    quota_sweep(e[8])
+    if not quota_room(e[8], tonumber(ARGV[11]), tonumber(ARGV[12])) then return {'quota'} end
+  end
   tail = mint(tail)
   redis.call('XADD', KEYS[2], tail, 'b', body)
   redis.call('HSET', m, 'tail', tail, 'size', string.format('%d', size))
+  if e[8] then quota_charge(e[8], m, tonumber(ARGV[11])) end
 end
 if ARGV[5] ~= '' then redis.call('HSET', m, 'lseq', ARGV[5]) end
 if pid ~= '' then redis.call('HSET', KEYS[3], pid, ARGV[7] .. ' ' .. ARGV[8]) end
@@ -232,10 +250,10 @@ return out
 
 # Closes: a delete racing a fork of the same stream (the fork's reference is either counted, and the
 # stream is only soft-deleted, or the fork finds it gone), and live readers missing the delete.
-DELETE = """
+DELETE = QUOTA_LUA + """
 -- KEYS: meta, data, producers, forks, tenant ; ARGV: channel
 local m = KEYS[1]
-local e = redis.call('HMGET', m, 'soft', 'from', 'tail')
+local e = redis.call('HMGET', m, 'soft', 'from', 'tail', 'qs')
 if not e[3] then return {'notfound'} end
 if e[1] == '1' then return {'gone'} end
 redis.call('PUBLISH', ARGV[1], e[3] .. '\\nx\\n')
@@ -247,18 +265,20 @@ if redis.call('SCARD', KEYS[4]) > 0 then
 end
 redis.call('DEL', m, KEYS[2], KEYS[3], KEYS[4])
 redis.call('ZREM', KEYS[5], m)
+if e[4] then quota_release(e[4], m) end
 return {'deleted', e[2] or ''}
 """
 
 # Closes: the last fork going away while its source is being deleted (the source is collected exactly once:
 # whichever of the two steps comes second sees no reference and a soft-deleted stream).
-UNREF = """
+UNREF = QUOTA_LUA + """
 -- KEYS: meta, data, producers, forks, tenant ; ARGV: fork name
 redis.call('SREM', KEYS[4], ARGV[1])
-local e = redis.call('HMGET', KEYS[1], 'soft', 'from')
+local e = redis.call('HMGET', KEYS[1], 'soft', 'from', 'qs')
 if e[1] == '1' and redis.call('SCARD', KEYS[4]) == 0 then
   redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
   redis.call('ZREM', KEYS[5], KEYS[1])
+  if e[3] then quota_release(e[3], KEYS[1]) end
   return {'collected', e[2] or ''}
 end
 return {'kept'}

@@ -20,8 +20,9 @@ from typing import Any
 from broker.durable import scripts
 from broker.durable.format import JSON_TYPE, ZERO_ID, encode_json, json_array, normalize_content_type
 from broker.durable.keys import DurableKeys
-from broker.errors import Conflict, Expired, InvalidRequest, NotFound, PayloadTooLarge, TooManyStreams
+from broker.errors import Conflict, Expired, InvalidRequest, NotFound, OverStorageQuota, PayloadTooLarge, TooManyStreams
 from broker.redis.connection import RedisClient, register_script, reply_text
+from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 
 #: What each stored message costs against a stream's size cap besides its bytes (Redis's bookkeeping per entry).
 ENTRY_CHARGE = 64
@@ -154,20 +155,22 @@ class DurableStore:
     # -- create ---------------------------------------------------------------------------------------
 
     async def create(self, keys: DurableKeys, spec: StreamSpec, body: bytes, *, fork: ForkSpec | None = None,
-                     max_streams: int = 0, max_bytes: int = 0) -> DurableCreated:
-        """Create the stream (or recognise the same PUT again). Raises Conflict (another configuration, a
-        soft-deleted path or source, a fork's type mismatch), NotFound (fork source), InvalidRequest (body, fork
-        offsets), PayloadTooLarge, TooManyStreams."""
+                     max_streams: int = 0, max_bytes: int = 0,
+                     quota: StorageQuota = NO_STORAGE_QUOTA) -> DurableCreated:
+        """Create the stream (or recognise the same PUT again), charged to ``quota``'s caller (a fork at its full
+        size). Raises Conflict (another configuration, a soft-deleted path or source, a fork's type mismatch),
+        NotFound (fork source), InvalidRequest (body, fork offsets), PayloadTooLarge, TooManyStreams,
+        StorageQuota."""
         if fork is not None:
-            return await self._fork(keys, spec, body, fork, max_streams, max_bytes)
+            return await self._fork(keys, spec, body, fork, max_streams, max_bytes, quota)
         ctn = normalize_content_type(spec.content_type)
         stored = self._initial(body, ctn == JSON_TYPE)
         size = len(stored) + ENTRY_CHARGE if stored else 0
         if max_bytes and size > max_bytes:
             raise PayloadTooLarge(f"the initial data exceeds the stream size limit ({max_bytes} bytes)")
         entries = [("", stored)] if stored else []
-        res = await self._create_call(keys, spec, ctn, ctn, entries, size=size, max_streams=max_streams)
-        return self._created(res, spec)
+        res = await self._create_call(keys, spec, ctn, ctn, entries, size=size, max_streams=max_streams, quota=quota)
+        return self._created(res, spec, quota, self.partitions)
 
     @staticmethod
     def _initial(body: bytes, is_json: bool) -> bytes:
@@ -182,7 +185,8 @@ class DurableStore:
                            entries: Sequence[tuple[str, bytes]], *, size: int = 0, max_streams: int = 0,
                            fork: ForkSpec | None = None, fork_offset: str = "", inherit: bool = False,
                            ttl_s: int | None = None, expires: tuple[str, str] = ("", ""),
-                           content_type: str | None = None, probe: bool = False) -> list[Any]:
+                           content_type: str | None = None, probe: bool = False,
+                           quota: StorageQuota = NO_STORAGE_QUOTA) -> list[Any]:
         ttl = spec.ttl_s if ttl_s is None else ttl_s
         exp, expms = (spec.expires_at or "", str(spec.expires_ms or "")) if not expires[0] else expires
         args: list[Any] = [
@@ -190,14 +194,16 @@ class DurableStore:
             "" if ttl is None else str(ttl), exp, expms, int(inherit), int(spec.closed),
             fork.source.name if fork else "", fork_offset, int(bool(fork and fork.offset)),
             fork.sub_offset if fork else 0, secrets.token_hex(6), int(probe), max_streams, size,
-            int(ctn == JSON_TYPE)]
+            int(ctn == JSON_TYPE), quota.share(self.partitions)]
         for entry_id, data in entries:
             args += [entry_id, data]
-        res: list[Any] = await self._create(keys=keys.all, args=args)
+        storage = storage_key(keys.partition, self.partitions, quota.principal)
+        res: list[Any] = await self._create(keys=[*keys.all, storage], args=args)
         return res
 
     @staticmethod
-    def _created(res: list[Any], spec: StreamSpec) -> DurableCreated:
+    def _created(res: list[Any], spec: StreamSpec, quota: StorageQuota = NO_STORAGE_QUOTA,
+                 partitions: int = 1) -> DurableCreated:
         tag = reply_text(res[0])
         if tag == "created":
             return DurableCreated(True, reply_text(res[1]), spec.content_type, spec.closed)
@@ -207,16 +213,18 @@ class DurableStore:
             raise Conflict("this stream was deleted but forks still reference it: the path cannot be reused yet")
         if tag == "limit":
             raise TooManyStreams("this API key holds as many durable streams as it may")
+        if tag == "quota":
+            raise OverStorageQuota(quota.quota_bytes, partitions)
         raise Conflict("a stream exists at this path with a different configuration")
 
     async def _fork(self, keys: DurableKeys, spec: StreamSpec, body: bytes, fork: ForkSpec, max_streams: int,
-                    max_bytes: int) -> DurableCreated:
+                    max_bytes: int, quota: StorageQuota) -> DurableCreated:
         ctn_given = normalize_content_type(spec.content_type) if spec.content_type else ""
         inherit = spec.ttl_s is None and spec.expires_at is None
         fork_offset = fork.offset or ""
         # The same PUT again is answered without touching the source (and without taking a reference).
         probe = await self._create_call(keys, spec, ctn_given, ctn_given, [], fork=fork, fork_offset=fork_offset,
-                                        inherit=inherit, probe=True)
+                                        inherit=inherit, probe=True, quota=quota)
         if reply_text(probe[0]) != "absent":
             return self._created(probe, spec)
         src = fork.source
@@ -253,7 +261,7 @@ class DurableStore:
                 keys, spec, ctn, ctn_given, entries, size=size, max_streams=max_streams, fork=fork,
                 fork_offset=offset, inherit=inherit, content_type=spec.content_type or ct,
                 ttl_s=spec.ttl_s if own else (int(ttl) if ttl else None),
-                expires=("", "") if own or ttl else (exp, expms))
+                expires=("", "") if own or ttl else (exp, expms), quota=quota)
         except BaseException:
             await self._release(src, keys.name)
             raise
@@ -261,7 +269,7 @@ class DurableStore:
         if reply_text(res[0]) != "created" and reply_text(res[1]) != src.name:
             await self._release(src, keys.name)
         return self._created(res, StreamSpec(spec.content_type or ct, spec.ttl_s, spec.expires_at,
-                                             spec.expires_ms, spec.closed))
+                                             spec.expires_ms, spec.closed), quota, self.partitions)
 
     async def _copy(self, src: DurableKeys, upto: str, gen: str, max_bytes: int) -> tuple[list[tuple[str, bytes]], int]:
         """The source's entries up to ``upto``. History up to an offset never changes while the stream lives, so
@@ -298,8 +306,10 @@ class DurableStore:
     # -- append, close ----------------------------------------------------------------------------------
 
     async def append(self, keys: DurableKeys, body: bytes, content_type: str, *, close: bool = False,
-                     stream_seq: str = "", producer: Producer | None = None, max_bytes: int = 0) -> Appended:
-        """Append ``body`` (empty: close-only) and/or close. Raises NotFound, Expired (soft-deleted)."""
+                     stream_seq: str = "", producer: Producer | None = None, max_bytes: int = 0,
+                     quota: StorageQuota = NO_STORAGE_QUOTA) -> Appended:
+        """Append ``body`` (empty: close-only) and/or close, charged to the stream's creator with ``quota``'s bound.
+        Raises NotFound, Expired (soft-deleted), StorageQuota."""
         ctn = normalize_content_type(content_type)
         stored, valid = body, True
         if body and ctn == JSON_TYPE:
@@ -308,10 +318,12 @@ class DurableStore:
         res = await self._append(keys=keys.all, args=[
             keys.channel, stored, ctn, int(close), stream_seq, producer.id if producer else "",
             producer.epoch if producer else 0, producer.seq if producer else 0, int(valid), max_bytes,
-            len(stored) + ENTRY_CHARGE])
+            len(stored) + ENTRY_CHARGE, quota.share(self.partitions)])
         tag = reply_text(res[0])
         if tag == "notfound":
             raise NotFound("no stream at this path")
+        if tag == "quota":
+            raise OverStorageQuota(quota.quota_bytes, self.partitions)
         if tag == "gone":
             raise await self._gone(keys)
         outcome = Outcome(tag)

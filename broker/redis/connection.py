@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 import redis as redis_sync
 from redis._parsers.helpers import parse_stream_list
@@ -30,6 +30,7 @@ from redis.exceptions import (
     ClusterError,
     MasterDownError,
     NoScriptError,
+    OutOfMemoryError,
     ReadOnlyError,
     ResponseError,
     SlotNotCoveredError,
@@ -54,6 +55,10 @@ UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
     RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, ClusterError, MasterDownError,
     ReadOnlyError, SlotNotCoveredError, TryAgainError, ConnectionError, OSError)
 
+#: The errors Redis answers a command with (redis-py's ResponseError): out of memory is one (``is_out_of_memory``);
+#: the HTTP boundary maps them through that predicate, and answers any other as a bug.
+RESPONSE_ERRORS: tuple[type[Exception], ...] = (ResponseError,)
+
 # Either kind of client: the commands rsb uses have the same signatures on both.
 RedisClient = Redis | RedisCluster
 #: A registered Lua script (``register_script``): called with ``keys=``, ``args=`` and optionally ``client=`` (a
@@ -65,6 +70,29 @@ def is_unavailable(exc: BaseException) -> bool:
     """The one predicate for "Redis is away": whether ``exc`` is one of UNAVAILABLE_ERRORS. Everything else a
     Redis command raises (a script error, NOSCRIPT, WRONGTYPE) is a bug, surfaced, never retried in silence."""
     return isinstance(exc, UNAVAILABLE_ERRORS)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """The one predicate for "Redis is full": Redis at ``maxmemory`` under ``noeviction`` (or ``volatile-*`` with
+    nothing left to evict) refuses every write that could grow memory with ``OOM command not allowed when used
+    memory > 'maxmemory'`` (redis-py's OutOfMemoryError, a ResponseError; from a script too, whose first write it
+    refuses before anything is written). Transient like ``is_unavailable``, but not the same: the server is up
+    and reads work; writes succeed again once memory is freed. Workers wait and retry; the HTTP boundary answers
+    ``storage_full`` with a Retry-After (broker.errors.StorageFull)."""
+    if isinstance(exc, OutOfMemoryError):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).startswith("OOM ")
+
+
+#: Lua for scripts whose first write Redis would let through when out of memory. Redis refuses a script's write
+#: for lack of memory only while the script has written nothing (it cannot stop a script midway), and only for
+#: commands that may grow memory (HSET, XADD, SADD...), not for ZREMRANGEBYSCORE, EXPIRE, DEL or XCLAIM: a
+#: script that starts with one of those would then write everything else past ``maxmemory``. Such a script calls
+#: ``refuse_when_full(key)`` first: a SETRANGE of nothing on a key that never exists (``key`` .. ':oom', in
+#: ``key``'s slot) changes nothing, but is refused when Redis is full, so the whole script is, before it wrote.
+REFUSE_WHEN_FULL = """
+local function refuse_when_full(key) redis.call('SETRANGE', key .. ':oom', 0, '') end
+"""
 
 
 def is_cluster(client: RedisClient) -> bool:
@@ -136,13 +164,18 @@ def _sentinel(url: str, *, max_connections: int, retries: int, socket_timeout: f
     db = int(path[1]) if len(path) > 1 else 0
     common: dict[str, Any] = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_keepalive": True}
     sentinel = Sentinel(hosts, sentinel_kwargs={**common, "socket_timeout": COMMAND_TIMEOUT_S}, **common)
-    auth: dict[str, Any] = {}
-    if parts.password is not None:
-        auth = {"username": parts.username or None, "password": parts.password}
     client: Redis = sentinel.master_for(
         path[0], db=db, socket_timeout=socket_timeout, max_connections=max_connections, retry=_retry(retries),
-        ssl=SENTINEL_SCHEMES[parts.scheme] == "rediss", **auth)
+        ssl=SENTINEL_SCHEMES[parts.scheme] == "rediss", **sentinel_auth(parts))
     return client
+
+
+def sentinel_auth(parts: SplitResult) -> dict[str, Any]:
+    """The primary's credentials in a sentinel URL, percent-decoded as redis-py decodes them in a redis:// URL
+    (a password with ``@``, ``:`` or ``/`` is written quoted; --redis-password is added quoted)."""
+    if parts.password is None:
+        return {}
+    return {"username": unquote(parts.username) if parts.username else None, "password": unquote(parts.password)}
 
 
 def is_cluster_url(url: str) -> bool:

@@ -95,10 +95,17 @@ class RedisServer:
             listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
                       "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca_cert),
                       "--tls-auth-clients", "no"]
+        config: list[str] = []
         if self.password:
-            listen += ["--requirepass", self.password]
+            # In a file only its owner reads, not on the command line, which every local user can read (ps).
+            conf = self.data_dir / "auth.conf"
+            conf.touch(mode=0o600)
+            conf.chmod(0o600)
+            quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            conf.write_text(f'requirepass "{quoted}"\n')
+            config = [str(conf)]
         args = [
-            self.binary, *listen, "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+            self.binary, *config, *listen, "--bind", "127.0.0.1", "--dir", str(self.data_dir),
             "--save", "", "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", "everysec", "--protected-mode", "no", "--daemonize", "no",
             "--maxclients", "20000", *self.extra_args,

@@ -16,15 +16,24 @@ the conversation's score in its owner's set (which itself lives as long as its l
 
 from __future__ import annotations
 
-# Shared Lua: the sliding expiry and the owner's count, refreshed on every use.
-_TOUCH = """
+from broker.redis.quota import QUOTA_LUA
+
+# Shared Lua: the sliding expiry and the owner's count, refreshed on every use; and the conversation's charge
+# against its owner's storage quota (broker.redis.quota: meta ``qs``), kept equal to its ``bytes`` and expiring
+# with it.
+_TOUCH = QUOTA_LUA + """
 local function now_ms()
   local t = redis.call('TIME')
   return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 local function touch(meta, turns, digest)
-  local m = redis.call('HMGET', meta, 'ttl_s', 'owner')
+  local m = redis.call('HMGET', meta, 'ttl_s', 'owner', 'qs', 'bytes')
   local ttl = tonumber(m[1] or '0')
+  if m[3] then
+    local delta = tonumber(m[4] or '0') - tonumber(redis.call('HGET', m[3], meta) or '0')
+    if delta ~= 0 then quota_charge(m[3], meta, delta) end
+    if ttl > 0 then quota_expire(m[3], meta, string.format('%d', now_ms() + ttl * 1000)) end
+  end
   if ttl <= 0 then return end
   redis.call('EXPIRE', meta, ttl)
   if redis.call('EXISTS', turns) == 1 then redis.call('EXPIRE', turns, ttl) end
@@ -39,12 +48,13 @@ end
 # round trip and incremented in another would let a flood of creates through past it). Expired members are
 # dropped from the owner's set first: their keys expired by themselves.
 _OPEN = """
-local function open(meta, turns, owner, digest, ttl, max_count, created_at, metadata)
+local function open(meta, turns, owner, digest, ttl, max_count, created_at, metadata, storage)
+  quota_sweep(storage)  -- first: a full Redis refuses the script here, before ZREMRANGEBYSCORE lets writes by
   local now = now_ms()
   redis.call('ZREMRANGEBYSCORE', owner, '-inf', now)
   if max_count > 0 and redis.call('ZCARD', owner) >= max_count then return false end
   redis.call('HSET', meta, 'created_at', created_at, 'ttl_s', ttl, 'version', 0, 'turns', 0, 'bytes', 0,
-    'pending', '', 'pending_at', 0, 'owner', owner, 'metadata', metadata)
+    'pending', '', 'pending_at', 0, 'owner', owner, 'metadata', metadata, 'qs', storage)
   return true
 end
 """
@@ -69,19 +79,21 @@ return out
 
 # Closes: two creates of one conversation id at once (OpenAI's POST /v1/conversations makes ids, but rsb's
 # native creates name their own). Initial turns (items) are stored with it. Reply: {'reserved'} (made),
-# {'exists'}, {'full'} (the owner holds as many as it may).
+# {'exists'}, {'full'} (the owner holds as many as it may), {'quota'} (the items do not fit the owner's storage quota).
 CREATE = _TOUCH + _OPEN + """
--- KEYS: meta, turns, owner ; ARGV: digest, ttl_s, max_conversations, created_at, metadata, turn records...
+-- KEYS: meta, turns, owner, storage ; ARGV: digest, ttl_s, max_conversations, created_at, metadata, storage quota
+--   (this partition's share; 0: none), turn records...
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists'} end
-if not open(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]) then
+local size = 0
+for i = 7, #ARGV do size = size + #ARGV[i] end
+quota_sweep(KEYS[4])
+if not quota_room(KEYS[4], size, tonumber(ARGV[6])) then return {'quota'} end
+if not open(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5],
+    KEYS[4]) then
   return {'full'}
 end
-local size = 0
-for i = 6, #ARGV do
-  redis.call('RPUSH', KEYS[2], ARGV[i])
-  size = size + #ARGV[i]
-end
-redis.call('HSET', KEYS[1], 'turns', #ARGV - 5, 'bytes', size)
+for i = 7, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+redis.call('HSET', KEYS[1], 'turns', #ARGV - 6, 'bytes', size)
 touch(KEYS[1], KEYS[2], ARGV[1])
 return {'reserved'}
 """
@@ -97,10 +109,12 @@ return {'reserved'}
 # {'busy', pending} (another turn is pending), {'changed'} (the history changed), {'gone'} (no such
 # conversation), {'full'} (the owner holds as many as it may).
 BEGIN = _TOUCH + _OPEN + """
--- KEYS: meta, turns, owner ; ARGV: digest, version, turns, sid, ttl_s, max_conversations, created_at, create
+-- KEYS: meta, turns, owner, storage ; ARGV: digest, version, turns, sid, ttl_s, max_conversations, created_at,
+--   create
 if redis.call('EXISTS', KEYS[1]) == 0 then
   if ARGV[8] ~= '1' or ARGV[2] ~= '0' or ARGV[3] ~= '0' then return {'gone'} end
-  if not open(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], '{}') then
+  if not open(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], '{}',
+      KEYS[4]) then
     return {'full'}
   end
 end
@@ -163,19 +177,21 @@ return {'reserved', version}
 
 # Closes: items appended while a turn runs (they would land between that turn's input and its output) or on
 # a history that changed since the request read it.
-# Reply: {'reserved'}, {'busy', pending}, {'changed'}, {'gone'}.
+# Reply: {'reserved'}, {'busy', pending}, {'changed'}, {'gone'}, {'quota'} (past the owner's storage quota).
 APPEND = _TOUCH + """
--- KEYS: meta, turns ; ARGV: digest, version, turns, turn records...
+-- KEYS: meta, turns ; ARGV: digest, version, turns, storage quota (this partition's share; 0: none), turn records...
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'gone'} end
-local m = redis.call('HMGET', KEYS[1], 'pending', 'version', 'turns')
+local m = redis.call('HMGET', KEYS[1], 'pending', 'version', 'turns', 'qs')
 if m[1] and m[1] ~= '' then return {'busy', m[1]} end
 if m[2] ~= ARGV[2] or m[3] ~= ARGV[3] then return {'changed'} end
 local size = 0
-for i = 4, #ARGV do
-  redis.call('RPUSH', KEYS[2], ARGV[i])
-  size = size + #ARGV[i]
+for i = 5, #ARGV do size = size + #ARGV[i] end
+if m[4] then
+  quota_sweep(m[4])
+  if not quota_room(m[4], size, tonumber(ARGV[4])) then return {'quota'} end
 end
-redis.call('HINCRBY', KEYS[1], 'turns', #ARGV - 3)
+for i = 5, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+redis.call('HINCRBY', KEYS[1], 'turns', #ARGV - 4)
 redis.call('HINCRBY', KEYS[1], 'bytes', size)
 touch(KEYS[1], KEYS[2], ARGV[1])
 return {'reserved'}
@@ -192,12 +208,13 @@ return 1
 
 # Deletes a conversation and its place in its owner's count, in one step. A turn still running goes on and
 # folds into nothing (FOLD never creates a conversation).
-DELETE = """
+DELETE = QUOTA_LUA + """
 -- KEYS: meta, turns ; ARGV: digest
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner then redis.call('ZREM', owner, ARGV[1]) end
+local m = redis.call('HMGET', KEYS[1], 'owner', 'qs')
+if m[1] then redis.call('ZREM', m[1], ARGV[1]) end
 redis.call('DEL', KEYS[1], KEYS[2])
+if m[2] then quota_release(m[2], KEYS[1]) end
 return 1
 """
 

@@ -42,9 +42,10 @@ from typing import Any
 
 import orjson
 
-from broker.errors import TooManyConversations
+from broker.errors import OverStorageQuota, TooManyConversations
 from broker.events import Event
 from broker.redis.connection import register_script, reply_text
+from broker.redis.quota import StorageQuota, storage_key
 from broker.request import GenerationRequest
 from broker.streams import conversation_scripts as scripts
 from broker.streams.keys import ConversationKeys
@@ -119,6 +120,7 @@ class Begin(enum.Enum):
     GONE = "gone"  # no such conversation (deleted meanwhile)
     FULL = "full"  # the owner holds as many conversations as it may
     EXISTS = "exists"  # CREATE: a conversation of this name exists
+    QUOTA = "quota"  # CREATE, APPEND: the items do not fit the owner's storage quota (raised as OverStorageQuota)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,9 @@ class Limits:
 
     ttl_s: int
     max_conversations: int = 0
+    #: The owner's storage quota in bytes (broker.redis.quota; 0: no bound): a conversation's history counts in
+    #: it; items added to it past it are refused (a turn's output folds in regardless: the turn has ended).
+    storage_quota_bytes: int = 0
 
 
 class ConversationStore:
@@ -156,6 +161,9 @@ class ConversationStore:
         n = limits.max_conversations
         return -(-n // self.partitions) if n > 0 else 0
 
+    def _storage(self, k: ConversationKeys, owner: str) -> str:
+        return storage_key(k.partition, k.partitions, owner)
+
     async def read(self, key_id: str, name: str, *, with_turns: bool = True) -> Conversation | None:
         k = self.keys(key_id, name)
         raw = await self._read(keys=[k.meta, k.turns], args=[k.digest, int(with_turns)])
@@ -171,12 +179,14 @@ class ConversationStore:
         """Make a conversation with these first turns (items). False: one of this name exists. Raises
         TooManyConversations."""
         k = self.keys(key_id, name)
-        res = await self._create(keys=[k.meta, k.turns, k.owner(owner)], args=[
+        res = await self._create(keys=[k.meta, k.turns, k.owner(owner), self._storage(k, owner)], args=[
             k.digest, limits.ttl_s, self._share(limits), f"{created_at:.6f}", orjson.dumps(metadata),
-            *(t.to_json() for t in turns)])
+            StorageQuota(owner, limits.storage_quota_bytes).share(self.partitions), *(t.to_json() for t in turns)])
         outcome = Begin(reply_text(res[0]))
         if outcome is Begin.FULL:
             raise TooManyConversations(limits.max_conversations)
+        if outcome is Begin.QUOTA:
+            raise OverStorageQuota(limits.storage_quota_bytes, self.partitions)
         return outcome is Begin.RESERVED
 
     async def begin(self, conv: Conversation, stream_id: uuid.UUID, owner: str, limits: Limits, *,
@@ -184,7 +194,7 @@ class ConversationStore:
         """Reserve the conversation's next turn for ``stream_id`` on the history ``conv`` holds (``create``:
         make the conversation if ``conv`` is ``absent``). The pending stream id comes back with BUSY."""
         k = self.keys(conv.key_id, conv.name)
-        res = await self._begin(keys=[k.meta, k.turns, k.owner(owner)], args=[
+        res = await self._begin(keys=[k.meta, k.turns, k.owner(owner), self._storage(k, owner)], args=[
             k.digest, conv.version, conv.count, str(stream_id), limits.ttl_s, self._share(limits),
             f"{created_at:.6f}", int(create)])
         outcome = Begin(reply_text(res[0]))
@@ -208,12 +218,17 @@ class ConversationStore:
         outcome = Begin(reply_text(res[0]))
         return outcome, int(res[1]) if outcome is Begin.RESERVED else conv.version
 
-    async def append(self, conv: Conversation, turns: Sequence[Turn]) -> Begin:
-        """Append turns of items to the history ``conv`` holds: RESERVED, or BUSY / CHANGED / GONE."""
+    async def append(self, conv: Conversation, turns: Sequence[Turn], storage_quota_bytes: int = 0) -> Begin:
+        """Append turns of items to the history ``conv`` holds: RESERVED, or BUSY / CHANGED / GONE. Raises
+        OverStorageQuota past its owner's ``storage_quota_bytes``."""
         k = self.keys(conv.key_id, conv.name)
-        res = await self._append(keys=[k.meta, k.turns], args=[k.digest, conv.version, conv.count,
+        share = StorageQuota("", storage_quota_bytes).share(self.partitions)
+        res = await self._append(keys=[k.meta, k.turns], args=[k.digest, conv.version, conv.count, share,
                                                                *(t.to_json() for t in turns)])
-        return Begin(reply_text(res[0]))
+        outcome = Begin(reply_text(res[0]))
+        if outcome is Begin.QUOTA:
+            raise OverStorageQuota(storage_quota_bytes, self.partitions)
+        return outcome
 
     async def update(self, key_id: str, name: str, metadata: dict[str, Any]) -> bool:
         k = self.keys(key_id, name)

@@ -203,3 +203,10 @@ def served_models_key() -> str:
     """Sorted set: the name of each model a generator serves, scored by when (Unix ms) one last said so.
     One key for the deployment, outside every partition: only single-key commands touch it."""
     return f"{PREFIX}:models"
+
+
+def read_token_secret_key() -> str:
+    """String: the random key that signs read tokens when no ``--read-token-secret`` is configured (made once, by
+    the first pod that needs it: broker.streams.read_token_secret). One key for the deployment, outside every
+    partition."""
+    return f"{PREFIX}:read-token-secret"

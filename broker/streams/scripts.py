@@ -1,7 +1,8 @@
 """The Lua scripts behind every multi-step change to a stream. Each runs atomically inside Redis.
 
 Meta hash fields (``StreamKeys.meta``): ``status`` (queued|running|done|cancelled|error), ``rh``
-(request hash), ``req`` (canonical request JSON), ``model``, ``max_tokens``, ``created_at``, ``jid``
+(request hash), ``req`` (canonical request JSON: dropped when the stream ends unless ``keep`` is 1, i.e. a view
+reads it back: a conversation's turn, a Responses response), ``model``, ``max_tokens``, ``created_at``, ``jid``
 (job entry id), ``fence`` (claim counter), ``attempts``, ``worker``, ``claimed_at``, ``seq`` (tokens
 appended), ``cancel`` (reason of a pending cancel), ``last_id`` (terminal event id), ``usage`` (JSON),
 ``finished_at``, ``key_id``, ``retention_s``, ``abandon_s``, ``cod`` (cancel_on_disconnect),
@@ -33,6 +34,7 @@ broker.durable.scripts.
 from __future__ import annotations
 
 from broker.events import DATA_FIELD, PAYLOAD_SEPARATOR, TERMINAL_TYPES, TYPE_FIELD
+from broker.redis.quota import QUOTA_LUA
 
 
 def lua_string(value: bytes | str) -> str:
@@ -89,7 +91,7 @@ end
 
 # Shared Lua: close a stream: terminal event, status, expiry of the stream and a tombstone that outlives
 # it (so an expired id answers 410, not 404, for another retention period, then vanishes too).
-_CLOSE = """
+_CLOSE = QUOTA_LUA + """
 local function close_stream(meta, events, tomb, channel, etype, data, status, usage, now, retention)
   -- The creating caller's count of unfinished generations in this partition (same slot as the stream).
   -- With none left, its hash lives only while its rate limiter still remembers something (``tat`` ahead
@@ -102,6 +104,16 @@ local function close_stream(meta, events, tomb, channel, etype, data, status, us
   end
   local eid = append_event(events, channel, etype, data)
   redis.call('HSET', meta, 'status', status, 'usage', usage, 'last_id', eid, 'finished_at', now)
+  -- The request body was for the generation, which is over: its digest (``rh``) answers the create rule (200
+  -- for the same request, 409 for another). Kept only when a view reads it back after the end (``keep``).
+  -- Its bytes leave the creator's storage quota with it (broker.redis.quota), or when the stream expires.
+  local q = redis.call('HMGET', meta, 'keep', 'qs')
+  if q[1] ~= '1' then
+    redis.call('HDEL', meta, 'req')
+    if q[2] then quota_release(q[2], meta) end
+  elseif q[2] then
+    quota_expire(q[2], meta, string.format('%d', quota_now_ms() + retention * 1000))
+  end
   redis.call('HDEL', meta, 'worker')
   redis.call('EXPIRE', meta, retention)
   redis.call('EXPIRE', events, retention)
@@ -123,13 +135,15 @@ end
 # interval on. Time is the Redis server's (TIME), not a pod's clock: a pod whose clock runs ahead must not
 # lock callers out on every other pod. Only an accepted create counts; a retry of an accepted create (same
 # id, same body) is answered before any limit and costs nothing.
-CREATE = PRELUDE + _APPEND_EVENT + """
--- KEYS: meta, events, jobs, qstats, tombstone, tenant
+CREATE = PRELUDE + _APPEND_EVENT + QUOTA_LUA + """
+-- KEYS: meta, events, jobs, qstats, tombstone, tenant, storage (the caller's: broker.redis.quota)
 -- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s, abandon_s, cod,
---       max_active, burst, interval_ms, max_wait_s, affinity
+--       max_active, burst, interval_ms, max_wait_s, keep (1: the body is read back after the end), storage quota
+--       (this partition's share of the caller's bytes; 0: none), affinity (the chat's key, for affine claiming)
 --   max_queue, max_active, burst: this partition's share (0: no bound); interval_ms: the caller's time per
 --   create in this partition (0: no rate limit); max_wait_s: bound on the estimated wait (0: none)
--- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'rate_limited', early_ms, ema, busy}
+-- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'storage_quota'}
+--   | {'rate_limited', early_ms, ema, busy}
 --   | {'too_many_generations', max_active, ema, busy} | {'queue_full', waiting, ema, busy, 'count' | 'wait'}
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local m = redis.call('HMGET', KEYS[1], 'rh', 'status', 'key_id')
@@ -138,6 +152,8 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return {'conflict'}
 end
 if redis.call('EXISTS', KEYS[5]) == 1 then return {'expired'} end
+quota_sweep(KEYS[7])
+if not quota_room(KEYS[7], #ARGV[3], tonumber(ARGV[18])) then return {'storage_quota'} end
 local q = redis.call('HMGET', KEYS[4], 'waiting', 'ema_job_s', 'busy')
 local waiting = tonumber(q[1] or '0')
 -- The caller's own limits first: a flooding caller is told which of its limits it reached.
@@ -164,10 +180,12 @@ local max_wait = tonumber(ARGV[16])
 if max_wait > 0 and q[2] and waiting * tonumber(q[2]) / math.max(1, tonumber(q[3] or '1')) > max_wait then
   return {'queue_full', tostring(waiting), q[2], q[3] or '0', 'wait'}
 end
-local jid = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1], 'aff', ARGV[17])
+local jid = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1], 'aff', ARGV[19])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'rh', ARGV[2], 'req', ARGV[3], 'created_at', ARGV[4],
   'model', ARGV[6], 'max_tokens', ARGV[7], 'jid', jid, 'fence', 0, 'attempts', 0, 'key_id', ARGV[9],
-  'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0, 'tenant', KEYS[6])
+  'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0, 'tenant', KEYS[6],
+  'keep', ARGV[17], 'qs', KEYS[7])
+quota_charge(KEYS[7], KEYS[1], #ARGV[3])
 redis.call('HINCRBY', KEYS[6], 'active', 1)
 if interval > 0 then redis.call('HSET', KEYS[6], 'tat', string.format('%.0f', tat + interval)) end
 redis.call('PERSIST', KEYS[6])  -- it had an expiry while the caller had nothing unfinished

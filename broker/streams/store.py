@@ -5,8 +5,9 @@ script of broker.streams.scripts, so each is atomic. Reads (status, events, the 
 queue's consumer-group commands (XREADGROUP, XAUTOCLAIM, XCLAIM: atomic single commands) are plain
 commands, made here too, so that no other module names a Redis key or a command.
 
-Long because it is that one place for every operation on a stream and its job (the chat-affine claiming
-ones are apart, in broker.streams.affinity); splitting it would split the schema it keeps consistent.
+Long because it is that one place for every operation on a stream and its job, every script's call and the
+reading of its reply, and every read (the chat-affine claiming ones are apart, in broker.streams.affinity);
+splitting it would split the schema it keeps consistent.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from broker.errors import Conflict, Expired, QueueFull, RateLimited, TooManyGenerations
+from broker.errors import Conflict, Expired, OverStorageQuota, QueueFull, RateLimited, TooManyGenerations
 from broker.events import Event, EventPage, EventType, encode_data
 from broker.redis.batching import CommandBatcher
 from broker.redis.connection import (
@@ -28,10 +29,12 @@ from broker.redis.connection import (
     ensure_group,
     evalsha_many,
     is_cluster,
+    is_out_of_memory,
     register_script,
     reply_text,
     xrange_raw,
 )
+from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.request import GenerationRequest
 from broker.streams import replication, scripts
 from broker.streams.affinity import ChatAffinity
@@ -67,7 +70,6 @@ TOUCH_BATCH = 500
 APPEND_MANY_STREAMS = 256
 # Claims whose APPEND_MANY arguments are kept encoded (a worker's generations in flight, with room to spare).
 APPEND_HEADS = 4096
-
 
 
 class Store:
@@ -125,6 +127,7 @@ class Store:
         key_id: str = "",
         quota: Quota = NO_QUOTA,
         max_queue_wait_s: float = 0.0,
+        storage: StorageQuota = NO_STORAGE_QUOTA,
     ) -> Created:
         """Create the stream and enqueue its job, or recognise a retry of the same request (which no limit
         refuses). Raises Conflict (same id, other request), Expired, RateLimited, TooManyGenerations (the
@@ -134,13 +137,16 @@ class Store:
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
+        who = quota.principal or principal(key_id, "")
         res = await self._call(
-            k, self._create, [k.meta, k.events, k.jobs, k.queue_stats, k.tombstone,
-                              k.tenant(quota.principal or principal(key_id, ""))],
+            k, self._create, [k.meta, k.events, k.jobs, k.queue_stats, k.tombstone, k.tenant(who),
+                              storage_key(k.partition, k.partitions, storage.principal or who)],
             [str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
                   queue_share, request.model or default_model, request.max_tokens, k.channel, key_id,
                   retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
-                  max_queue_wait_s, request.affinity()], lambda r: "" if reply_text(r[0]) == "created" else None)
+                  max_queue_wait_s, int(request.history is not None), storage.share(self.partitions),
+                  request.affinity()],
+            lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
             return Created(True, "queued")
@@ -150,6 +156,8 @@ class Store:
             raise Conflict("a stream with this id exists with a different request")
         if tag == "expired":
             raise Expired("a stream with this id existed and expired; use a new id")
+        if tag == "storage_quota":
+            raise OverStorageQuota(storage.quota_bytes, self.partitions)
         ema_raw, busy = reply_text(res[2]), int(res[3] or 0)
         ema = float(ema_raw) if ema_raw else None
         if tag == "rate_limited":
@@ -191,7 +199,7 @@ class Store:
         )
 
     async def request_of(self, stream_id: uuid.UUID) -> GenerationRequest | None:
-        """The request as stored at create (None: no such stream)."""
+        """The request as stored at create (None: no such stream, or one that ended and kept only its digest)."""
         raw = await self.redis.hget(self.keys(stream_id).meta, "req")
         if raw is None:
             return None
@@ -263,7 +271,11 @@ class Store:
             by_partition.setdefault(k.partition, []).append(k.meta)
         for metas in by_partition.values():
             for i in range(0, len(metas), TOUCH_BATCH):
-                await self._touch(keys=metas[i:i + TOUCH_BATCH], args=[now])
+                try:  # Redis full: a mark is advisory (the next round makes it), and readers must go on reading
+                    await self._touch(keys=metas[i:i + TOUCH_BATCH], args=[now])
+                except Exception as e:
+                    if not is_out_of_memory(e):
+                        raise
 
     async def cancel(self, stream_id: uuid.UUID, reason: str) -> str | None:
         """Request a cancel. Returns the status after the request (None: unknown stream)."""

@@ -17,13 +17,16 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from broker.ascii import decimal
 from broker.errors import NotFound, Unauthorized
+from broker.redis.connection import is_unavailable
 
 ANONYMOUS = ""
 _KEY_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
@@ -39,9 +42,38 @@ class ApiKey:
 class ApiKeys:
     def __init__(self, keys: list[ApiKey], token_secret: bytes = b"") -> None:
         self._by_id = {k.id: k for k in keys}
-        # Signs read tokens. Pods that share the keys file share the secret unless one is configured.
-        self.token_secret = token_secret or hashlib.sha256(
-            b"rsb-read-token|" + b"|".join(k.id.encode() + k.sha256 for k in keys)).digest()
+        # Signs read tokens: the configured --read-token-secret, or (set_secret_source) the deployment's random one
+        # in Redis. Never derived from the keys file: it holds only hashes and is not meant to be secret.
+        self._token_secret = token_secret
+        self._secret_source: Callable[[], Awaitable[bytes]] | None = None
+        self._refresh_s = 0.0
+        self._read_at = 0.0  # monotonic time of the source's last read
+
+    def set_secret_source(self, source: Callable[[], Awaitable[bytes]], refresh_s: float) -> None:
+        """Where the signing key comes from when none is configured: read on first use, then again every
+        ``refresh_s`` (so a rotation, or a Redis that lost its data, reaches every pod within that)."""
+        self._secret_source = source
+        self._refresh_s = refresh_s
+
+    async def token_secret(self) -> bytes:
+        """The read-token signing key. Raises what its source raises when there is no key yet (Redis away: the
+        caller's 503); once there is one, a failed re-read keeps it until the next try."""
+        source = self._secret_source
+        if source is None:
+            if not self._token_secret:
+                raise RuntimeError("read tokens need a --read-token-secret or a secret source")
+            return self._token_secret
+        now = time.monotonic()
+        if self._token_secret and now - self._read_at < self._refresh_s:
+            return self._token_secret
+        self._read_at = now  # one re-read at a time, not one per concurrent request
+        try:
+            self._token_secret = await source()
+        except Exception as e:
+            if not self._token_secret or not is_unavailable(e):
+                self._read_at = 0.0
+                raise
+        return self._token_secret
 
     @property
     def enabled(self) -> bool:
@@ -87,22 +119,24 @@ class ApiKeys:
     # -- read tokens: EventSource cannot send headers, so a create answers a signed, short-lived token
     #    that reads (events, status) exactly one stream, for its owner only.
 
-    def _sign(self, stream_id: uuid.UUID, key_id: str, exp: int) -> str:
-        mac = hmac.new(self.token_secret, f"{stream_id}|{key_id}|{exp}".encode(), hashlib.sha256).digest()
+    @staticmethod
+    def sign(secret: bytes, stream_id: uuid.UUID, key_id: str, exp: int) -> str:
+        mac = hmac.new(secret, f"{stream_id}|{key_id}|{exp}".encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(mac[:24]).decode().rstrip("=")
 
-    def issue_read_token(self, stream_id: uuid.UUID, key_id: str, ttl_s: int) -> str:
+    async def issue_read_token(self, stream_id: uuid.UUID, key_id: str, ttl_s: int) -> str:
         exp = int(time.time()) + ttl_s
-        return f"{exp}.{key_id}.{self._sign(stream_id, key_id, exp)}"
+        return f"{exp}.{key_id}.{self.sign(await self.token_secret(), stream_id, key_id, exp)}"
 
-    def check_read_token(self, token: str, stream_id: uuid.UUID) -> str:
+    async def check_read_token(self, token: str, stream_id: uuid.UUID) -> str:
         """The key id the token was issued to, if it is valid for this stream now; else Unauthorized."""
         exp_raw, _, rest = token.partition(".")
         key_id, _, sig = rest.partition(".")
-        if not exp_raw.isdigit() or len(exp_raw) > 12 or self._by_id.get(key_id) is None:
+        exp = decimal(exp_raw, max_digits=12)
+        if exp is None or self._by_id.get(key_id) is None:
             raise Unauthorized("invalid read token")
-        exp = int(exp_raw)
-        if not hmac.compare_digest(sig.encode(), self._sign(stream_id, key_id, exp).encode()):
+        expected = self.sign(await self.token_secret(), stream_id, key_id, exp)
+        if not hmac.compare_digest(sig.encode(), expected.encode()):
             raise Unauthorized("invalid read token")
         if exp < time.time():
             raise Unauthorized("read token expired; create the stream again (same id and body) for a fresh one")

@@ -1,31 +1,43 @@
 """The one boundary where errors become HTTP: every error is JSON with a code, never a traceback. Foreign
 errors are mapped to rsb's family here, once: Redis being away (broker.redis.connection.UNAVAILABLE_ERRORS)
-is ``Unavailable`` (503 + Retry-After)."""
+is ``Unavailable`` (503 + Retry-After); Redis refusing a write for lack of memory
+(broker.redis.connection.is_out_of_memory) is ``StorageFull`` (507 + Retry-After), whichever route wrote."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from broker.errors import RetryLater, RsbError, Unavailable
-from broker.redis.connection import UNAVAILABLE_ERRORS
+from broker.errors import RetryLater, RsbError, ShuttingDown, StorageFull, Unavailable
+from broker.redis.connection import RESPONSE_ERRORS, UNAVAILABLE_ERRORS, is_out_of_memory
+from broker.storage import STORAGE_FULL_RETRY_AFTER_S, OutOfMemoryEpisodes
 
 log = logging.getLogger("rsb.consumer")
 
 REDIS_RETRY_AFTER_S = 2
+# A drained request's retry goes to another pod (the balancer no longer sends it here): soon.
+DRAIN_RETRY_AFTER_S = 1
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_request", 413: "payload_too_large"}
 
+#: This process's episodes of a full Redis: one log line each, every refusal counted (consumer.app wires the
+#: metric ``rsb_storage_full_total`` in).
+OUT_OF_MEMORY = OutOfMemoryEpisodes(log, "the consumer")
+
 #: The HTTP status of each of rsb's error codes (broker.errors), here and nowhere else: 429 when the caller is
-#: over one of its own limits, 503 when this pod or Redis cannot serve now (another pod, or later, may).
+#: over one of its own limits, 503 when this pod or Redis cannot serve now (another pod, or later, may), 507 when
+#: Redis is out of memory (no pod can write until memory is freed; reads still work).
 STATUS: dict[str, int] = {
     "invalid_request": 400, "unauthorized": 401, "not_found": 404, "conflict": 409, "conversation_full": 409,
     "expired": 410, "payload_too_large": 413, "too_many_streams": 429, "too_many_conversations": 429,
     "queue_full": 429, "too_many_connections": 429,
     "too_many_generations": 429, "rate_limited": 429, "internal": 500, "overloaded": 503, "starting": 503,
-    "unavailable": 503,
+    "unavailable": 503, "draining": 503, "storage_full": 507, "storage_quota": 429,
+    "host_not_allowed": 421,  # an open API reached by a name it does not answer (consumer.edge.hosts)
 }
 
 
@@ -51,6 +63,10 @@ def as_rsb_error(exc: Exception) -> RsbError | None:
     if isinstance(exc, UNAVAILABLE_ERRORS):
         log.warning("redis unavailable: %s", type(exc).__name__)
         return Unavailable("the stream store is unreachable; retry shortly", REDIS_RETRY_AFTER_S)
+    if is_out_of_memory(exc):
+        OUT_OF_MEMORY.refused(type(exc).__name__)
+        return StorageFull("the stream store is out of memory and refuses writes; retry shortly",
+                           STORAGE_FULL_RETRY_AFTER_S)
     return None
 
 
@@ -74,8 +90,10 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal", "internal error")
 
 
+# Redis's error replies go through rsb_error too: out of memory is one of them (as_rsb_error says which); any
+# other is a bug, answered by internal_error from there.
 HANDLERS = {RsbError: rsb_error, HTTPException: http_error, **dict.fromkeys(UNAVAILABLE_ERRORS, rsb_error),
-            Exception: internal_error}
+            **dict.fromkeys(RESPONSE_ERRORS, rsb_error), Exception: internal_error}
 
 
 async def error_for(request: Request, exc: Exception) -> Response:
@@ -86,3 +104,31 @@ async def error_for(request: Request, exc: Exception) -> Response:
         if handler is not None:
             return await handler(request, exc)
     return await internal_error(request, exc)
+
+
+class ShutdownBoundary:
+    """The outermost ASGI layer. When a draining pod's grace period (``--shutdown-grace-s``) ends, uvicorn cancels
+    the requests still being answered (a create waiting for a replica, a read waiting on a Redis that does not
+    answer) and answers each one it finds unstarted with a bare 500 and a traceback in the log; here such a
+    request answers 503 ``draining`` with ``Retry-After`` instead: it is safe to retry (creates are idempotent),
+    elsewhere. A response already started (an SSE stream ends itself at an event boundary when the drain begins)
+    can only be cut: uvicorn closes its connection."""
+
+    def __init__(self, app: ASGIApp, draining: asyncio.Event) -> None:
+        self.app = app
+        self.draining = draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if scope["type"] != "http" or not self.draining.is_set() or task is None:
+                raise
+            task.uncancel()  # the task ends here, with its answer: nothing above waits for the cancellation
+            answer = refusal(ShuttingDown("this server is shutting down; retry", DRAIN_RETRY_AFTER_S))
+            try:
+                await answer(scope, receive, send)
+            except RuntimeError:  # the response had started: nothing more can be said on it
+                log.info("a response still being sent was cut at the end of the drain",
+                         extra={"path": scope.get("path", "")})

@@ -49,7 +49,7 @@ class FrontDoor:
         try:
             if self.keys.enabled:
                 try:
-                    scope["rsb.key_id"] = authenticate(self.keys, scope)
+                    scope["rsb.key_id"] = await authenticate(self.keys, scope)
                 except Unauthorized as e:
                     await unauthorized(e)(scope, receive, send)
                     return

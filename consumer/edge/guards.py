@@ -26,6 +26,10 @@ using only what they share: ``self.cycle`` becomes a new request cycle when a he
 ``more_body`` turns False once the body is, ``response_complete`` once the response is; ``self.app`` is
 what a new cycle runs; ``on_response_complete`` is called after each response; ``self.connections`` is
 every open connection of the server.
+
+The **write-stall guard** (``stall_guarded``) drops a connection whose client stopped reading. And the
+protocol tells a response that its client left without a task waiting in ``receive`` (``watch_disconnect``):
+an open SSE reader otherwise holds a task, its coroutine and an event's waiter (~2 KiB) only to learn that.
 """
 
 from __future__ import annotations
@@ -36,12 +40,15 @@ import logging
 import resource
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
-from broker.errors import Overloaded, TooManyConnections
-from consumer.edge.errors import refusal
+import orjson
+
+from broker.errors import InvalidRequest, Overloaded, TooManyConnections
+from consumer.edge.errors import STATUS, refusal
 from consumer.edge.limits import TrustedProxies, address_group
 
 log = logging.getLogger("rsb.consumer")
@@ -100,6 +107,14 @@ class _Warner:
             self.count[kind] = 0
 
 
+def malformed_request_response(msg: str) -> bytes:
+    """The whole HTTP/1.1 response to a request that cannot be parsed: 400 invalid_request, JSON, closing."""
+    status = STATUS[InvalidRequest.code]
+    body = orjson.dumps({"error": {"code": InvalidRequest.code, "message": f"malformed HTTP request: {msg}"}})
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
 def guarded(base: type[asyncio.Protocol], guards: Guards) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol ``base`` with the guards of the module doc. Each call makes a class with its
     own per-address counts: one per server."""
@@ -119,14 +134,16 @@ def guarded(base: type[asyncio.Protocol], guards: Guards) -> type[asyncio.Protoc
     # are slots, not instance attributes: a few more keys in uvicorn's already large instance dict would
     # end its key sharing and cost every connection about 1 KiB.
     class Guarded(base):  # type: ignore[valid-type,misc]
-        __slots__ = ("_guard_cycle", "_guard_group", "_guard_head_bytes", "_guard_timer")
+        __slots__ = ("_guard_cycle", "_guard_group", "_guard_head_bytes", "_guard_on_lost", "_guard_timer")
         _guard_group: str | None
         _guard_timer: asyncio.TimerHandle | None
         _guard_cycle: object  # the request cycle whose body the timer waits for; None: a request head
         _guard_head_bytes: int
+        _guard_on_lost: Callable[[], None] | None  # watch_disconnect's callback for the running cycle
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             self._guard_group, self._guard_timer, self._guard_cycle, self._guard_head_bytes = None, None, None, 0
+            self._guard_on_lost = None
             super().connection_made(transport)
             host = self.client[0] if self.client else None
             app = None
@@ -179,7 +196,17 @@ def guarded(base: type[asyncio.Protocol], guards: Guards) -> type[asyncio.Protoc
                 if by_group[self._guard_group] <= 0:
                     del by_group[self._guard_group]
                 self._guard_group = None
+            on_lost, self._guard_on_lost = self._guard_on_lost, None
             super().connection_lost(exc)
+            if on_lost is not None:
+                on_lost()
+
+        def send_400_response(self, msg: str) -> None:
+            """A request uvicorn's parser refuses (a control character in a header, a malformed request line)
+            is answered as every error is, JSON with a code, not uvicorn's text/plain; then closed, as uvicorn
+            does (the parser's state is lost)."""
+            self.transport.write(malformed_request_response(msg))
+            self.transport.close()
 
         def _guard_reading_head(self) -> bool:
             """Whether the next bytes are a request head: no request yet, or the last one answered and
@@ -222,3 +249,89 @@ def guarded(base: type[asyncio.Protocol], guards: Guards) -> type[asyncio.Protoc
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
     return Guarded
+
+
+def stall_guarded(base: type[asyncio.Protocol], stall_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol with a write-stall guard.
+
+    uvicorn already applies flow control: once a connection's transport buffer passes asyncio's high-water
+    mark (64 KiB) it pauses, and the app's next ``send`` waits for the client to read. That bounds what
+    a pod buffers per connection, but a client that never reads again (a frozen tab, a stalled proxy)
+    would keep the connection, its buffer and its reader forever: closing it politely (``close()``)
+    waits for the buffer to flush, which never happens. This guard aborts the connection once writing
+    has been paused for ``stall_timeout_s`` without the client taking anything; the app sees a
+    disconnect, frees the reader, and the client resumes from its last event id when it comes back."""
+
+    class StallGuarded(base):  # type: ignore[valid-type,misc]
+        _stall_timer: asyncio.TimerHandle | None = None
+        stall_timeout_s: float
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stall_timer is None:
+                self._stall_timer = self.loop.call_later(stall_timeout_s, self._abort_stalled)
+
+        def resume_writing(self) -> None:
+            self._disarm()
+            super().resume_writing()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _disarm(self) -> None:
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
+
+        def _abort_stalled(self) -> None:
+            self._stall_timer = None
+            log.info("dropping a reader that accepted nothing for %.1fs", stall_timeout_s,
+                     extra={"client": f"{self.client[0]}:{self.client[1]}" if self.client else ""})
+            self.transport.abort()  # connection_lost follows: the app sees http.disconnect
+
+    StallGuarded.stall_timeout_s = stall_timeout_s
+    StallGuarded.__name__ = StallGuarded.__qualname__ = f"StallGuarded{base.__name__}"
+    return StallGuarded
+
+
+def _protocol_of(receive: Callable[..., Any]) -> Any:
+    """The connection protocol whose request cycle ``receive`` belongs to, or None (a middleware wrapped it)."""
+    cycle = getattr(receive, "__self__", None)
+    transport: asyncio.BaseTransport | None = getattr(cycle, "transport", None)
+    if transport is None:
+        return None
+    protocol: Any = transport.get_protocol()
+    return protocol if getattr(protocol, "cycle", None) is cycle else None
+
+
+def guards_stalls(receive: Callable[..., Any], timeout_s: float) -> bool:
+    """Whether the connection of ``receive`` is dropped by ``stall_guarded`` once its client accepted nothing for
+    ``timeout_s`` or less: a response there needs no timer of its own for the same rule."""
+    protocol = _protocol_of(receive)
+    limit = getattr(type(protocol), "stall_timeout_s", None)
+    return limit is not None and limit <= timeout_s
+
+
+def watch_disconnect(receive: Callable[..., Any], on_lost: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``on_lost`` when the client of the request whose ASGI ``receive`` this is goes away; returns what
+    stops watching, or None when this connection cannot be watched so (not a guarded protocol's own cycle: a
+    middleware wrapped ``receive``): the caller then waits in ``receive`` as usual. ``on_lost`` runs at once
+    (soon) if the client is gone already.
+
+    Only a response that reads no body may use it: nothing else consumes the request's messages. A client
+    that pipelined a second request has its connection's reading paused (uvicorn's flow control, until this
+    response ends), so its leaving is learnt at the next write instead: a heartbeat at the latest."""
+    protocol = _protocol_of(receive)
+    if protocol is None or not hasattr(type(protocol), "_guard_on_lost"):
+        return None
+    if protocol.cycle.disconnected or protocol.transport.is_closing():
+        asyncio.get_running_loop().call_soon(on_lost)
+        return lambda: None
+    protocol._guard_on_lost = on_lost
+
+    def stop() -> None:
+        if protocol._guard_on_lost is on_lost:
+            protocol._guard_on_lost = None
+
+    return stop

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from starlette.requests import ClientDisconnect, Request
 
+from broker.ascii import decimal
 from broker.errors import InvalidRequest, PayloadTooLarge
 
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused (413) as soon as it passes ``limit`` bytes, declared or not."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if (n := decimal(declared)) is not None and n > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     body = bytearray()
     try:

@@ -3,35 +3,48 @@ before any handler runs."""
 
 from __future__ import annotations
 
+import hmac
 import re
-import uuid
 from urllib.parse import parse_qs
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from broker.ascii import parse_uuid
 from broker.errors import Unauthorized
 from consumer.edge.auth import ApiKeys
+from consumer.edge.errors import error_for
 
 # The paths that need an API key when keys are configured (the page, its assets and the probes do not).
 _API_PREFIXES = ("/v1/", "/api/")
+# With keys, the metrics too: they count every tenant's streams and aborted work (docs/security.md).
+METRICS_PATH = "/metrics"
 # The routes a read token opens (EventSource and a status poll): GET only, one stream.
 _READABLE = re.compile(r"\A/v1/streams/([0-9a-fA-F-]{36})(/events)?\Z")
 
 
 class AuthMiddleware:
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys, metrics_token: str | None = None) -> None:
         self.app = app
         self.keys = keys
+        self.metrics_token = metrics_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys.enabled or not scope["path"].startswith(_API_PREFIXES):
+        if scope["type"] != "http" or not self.keys.enabled or not (
+                scope["path"].startswith(_API_PREFIXES) or scope["path"] == METRICS_PATH):
             await self.app(scope, receive, send)
             return
         try:
-            scope["rsb.key_id"] = authenticate(self.keys, scope)
+            if scope["path"] == METRICS_PATH:
+                authenticate_metrics(self.keys, self.metrics_token, scope)
+            else:
+                scope["rsb.key_id"] = await authenticate(self.keys, scope)
         except Unauthorized as e:
             await unauthorized(e)(scope, receive, send)
+            return
+        except Exception as exc:  # the read-token key's first read found Redis away: 503, as any route would
+            await (await error_for(Request(scope, receive), exc))(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -43,7 +56,7 @@ def unauthorized(e: Unauthorized) -> JSONResponse:
     return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
-def authenticate(keys: ApiKeys, scope: Scope) -> str:
+async def authenticate(keys: ApiKeys, scope: Scope) -> str:
     """The caller's key id, from the Authorization header or a read token; raises Unauthorized."""
     authorization = None
     for name, value in scope["headers"]:
@@ -54,9 +67,17 @@ def authenticate(keys: ApiKeys, scope: Scope) -> str:
         m = _READABLE.match(scope["path"])
         token = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
         if m is not None and token:
-            try:
-                stream_id = uuid.UUID(m.group(1))
-            except ValueError:
-                raise Unauthorized("invalid read token") from None
-            return keys.check_read_token(token[0], stream_id)
+            stream_id = parse_uuid(m.group(1))
+            if stream_id is None:
+                raise Unauthorized("invalid read token")
+            return await keys.check_read_token(token[0], stream_id)
     return keys.authenticate(authorization)
+
+
+def authenticate_metrics(keys: ApiKeys, metrics_token: str | None, scope: Scope) -> None:
+    """/metrics with keys: any valid API key, or ``Bearer <--metrics-token>``; raises Unauthorized otherwise."""
+    authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+    if metrics_token and authorization and authorization.startswith("Bearer ") and hmac.compare_digest(
+            authorization[len("Bearer "):].strip().encode(), metrics_token.encode()):
+        return
+    keys.authenticate(authorization)

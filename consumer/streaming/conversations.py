@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from broker.ascii import parse_uuid, parse_uuid_hex
 from broker.errors import (
     Conflict,
     ConversationFull,
@@ -38,13 +39,10 @@ _UUID_CHARS = 36
 def conversation_name(raw: object, error: Exception | None = None) -> str:
     """A conversation id as a client sent it (a UUID, or ``conv_<hex>``) as the name it is stored under: the
     UUID's canonical text. Anything else raises ``error`` (default: a 400 naming the field)."""
-    try:
-        if isinstance(raw, str) and raw.startswith(OPENAI_PREFIX) and len(raw) == len(OPENAI_PREFIX) + 32:
-            return str(uuid.UUID(hex=raw[len(OPENAI_PREFIX):]))
-        if isinstance(raw, str) and len(raw) == _UUID_CHARS:
-            return str(uuid.UUID(raw))
-    except ValueError:
-        pass
+    parsed = (parse_uuid_hex(raw[len(OPENAI_PREFIX):]) if isinstance(raw, str) and raw.startswith(OPENAI_PREFIX)
+              else parse_uuid(raw))
+    if parsed is not None:
+        return str(parsed)
     raise error or InvalidRequest("'conversation' must be a UUID like 123e4567-e89b-12d3-a456-426614174000 "
                                   "(or OpenAI's conv_<32 hex digits>)")
 
@@ -87,7 +85,8 @@ class ConversationService:
     def limits(self, caller: Caller) -> Limits:
         s = self.service.settings
         return Limits(s.conversation_ttl_s,
-                      self.service.key_limit(caller, "max_conversations") or s.max_conversations)
+                      self.service.key_limit(caller, "max_conversations") or s.max_conversations,
+                      self.service.storage_quota(caller).quota_bytes)
 
     def owner(self, caller: Caller) -> str:
         return principal(caller.key_id, caller.ip)

@@ -11,13 +11,14 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import cast
 
-from broker.errors import Expired, NotFound, RetryLater, Starting
+from broker.errors import Expired, NotFound, OverStorageQuota, RetryLater, Starting
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
+from broker.redis.quota import StorageQuota
 from broker.request import GenerationRequest, RequestLimits
 from broker.streams.conversations import ConversationStore
 from broker.streams.keys import principal
@@ -122,6 +123,26 @@ class StreamService:
         key = self.api_keys.get(caller.key_id)
         return int(key.limits.get(name, 0)) if key is not None else 0
 
+    @contextlib.contextmanager
+    def quota_counted(self) -> Iterator[None]:
+        """Around a write charged to a caller's storage quota: a refusal is counted
+        (``rsb_storage_quota_rejected_total``)."""
+        try:
+            yield
+        except OverStorageQuota:
+            self.metrics.storage_quota.inc()
+            raise
+
+    def storage_quota(self, caller: Caller) -> StorageQuota:
+        """The bytes the caller may hold in Redis (broker.redis.quota), charged to its API key or address group
+        like ``quota``; a key's ``limits.storage_quota_bytes`` overrides the pod's default (0 there: no bound)."""
+        limits = {}
+        if self.api_keys.enabled:
+            key = self.api_keys.get(caller.key_id)
+            limits = key.limits if key is not None else {}
+        bound = int(limits.get("storage_quota_bytes", self.settings.storage_quota_bytes))
+        return StorageQuota(principal(caller.key_id, caller.ip), bound)
+
     def quota(self, caller: Caller) -> Quota:
         """What the caller may have queued or running, and how fast it may create: charged to its API key
         (whose ``limits`` override the pod's defaults; 0 there = no limit), or without keys to its address
@@ -151,10 +172,12 @@ class StreamService:
         QueueFull, TooManyGenerations or RateLimited."""
         s = self.settings
         try:
-            res = await self.store.create(stream_id, request, default_model=await self.default_model(),
-                                          max_queue=s.max_queue, max_queue_wait_s=s.max_queue_wait_s,
-                                          retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
-                                          key_id=caller.key_id, quota=self.quota(caller))
+            with self.quota_counted():
+                res = await self.store.create(stream_id, request, default_model=await self.default_model(),
+                                              max_queue=s.max_queue, max_queue_wait_s=s.max_queue_wait_s,
+                                              retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
+                                              key_id=caller.key_id, quota=self.quota(caller),
+                                              storage=self.storage_quota(caller))
         except RetryLater:
             self.metrics.creates_rejected.inc()
             raise

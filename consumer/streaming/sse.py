@@ -5,8 +5,9 @@ Views only decide what bytes each event becomes (``frames``); everything about t
 
 Memory per reader stays bounded whatever the client does: frames are pulled from the view one batch at a
 time and each ``send`` waits while uvicorn's transport buffer is full (flow control), so nothing piles up
-here; a reader that accepts nothing for ``send_timeout_s`` is dropped (consumer.server aborts the
-connection; the timeout below is the same rule seen from the app) and resumes from its last event id.
+here; a reader that accepts nothing for ``send_timeout_s`` is dropped (consumer.edge.guards.stall_guarded
+aborts the connection; under a server without it, a timer of the response applies the same rule) and resumes
+from its last event id.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 from broker.errors import RsbError
 from broker.redis.connection import is_unavailable
 from broker.sse import HEARTBEAT, retry_hint
+from consumer.edge.guards import guards_stalls, watch_disconnect
 
 log = logging.getLogger("rsb.consumer")
 
@@ -109,6 +111,9 @@ class _Race:
         if not fut.cancelled() and fut.exception() is None:
             self.interrupt(Gone)
 
+    def on_lost(self) -> None:
+        self.interrupt(Gone)
+
     def on_drain(self) -> None:
         self.interrupt(Draining)
 
@@ -117,8 +122,9 @@ async def race(work: Awaitable[T], receive: Receive, shutdown: Drain) -> T:
     """``work``'s result, unless the client disconnects (Gone) or the pod drains (Draining) first.
 
     ``work`` runs in the calling task, which is cancelled (and the cancellation turned into Gone or Draining)
-    when the other side wins; the only other task is the one that waits for the client's disconnect, because
-    only a pending ``receive`` learns of it. The drain comes through a callback (Drain.on_set)."""
+    when the other side wins. The disconnect comes through a callback from the connection's protocol where it
+    can (consumer.edge.guards.watch_disconnect: no task per reader), else from a task waiting in ``receive``
+    (a middleware wrapped it); the drain comes through a callback (Drain.on_set)."""
     if shutdown.is_set():
         if inspect.iscoroutine(work):
             work.close()
@@ -126,8 +132,11 @@ async def race(work: Awaitable[T], receive: Receive, shutdown: Drain) -> T:
     task = asyncio.current_task()
     assert task is not None
     state = _Race(task)
-    gone = asyncio.ensure_future(wait_disconnect(receive))
-    gone.add_done_callback(state.on_gone)
+    unwatch = watch_disconnect(receive, state.on_lost)
+    gone = None
+    if unwatch is None:
+        gone = asyncio.ensure_future(wait_disconnect(receive))
+        gone.add_done_callback(state.on_gone)
     off = shutdown.on_set(state.on_drain)
     try:
         return await work
@@ -137,8 +146,11 @@ async def race(work: Awaitable[T], receive: Receive, shutdown: Drain) -> T:
         raise
     finally:
         off()
-        gone.remove_done_callback(state.on_gone)
-        await cancel_all(gone)
+        if unwatch is not None:
+            unwatch()
+        if gone is not None:
+            gone.remove_done_callback(state.on_gone)
+            await cancel_all(gone)
 
 
 def _default_raw_headers() -> list[tuple[bytes, bytes]]:
@@ -151,13 +163,16 @@ _DEFAULT_RAW_HEADERS = _default_raw_headers()
 
 class SSEResponse(Response):
     """``frames`` yields bytes (one or more whole frames, written in one send: per-send costs, a loop
-    iteration and a syscall, dominate per-event costs) or None when a heartbeat is due. On shutdown the
+    iteration and a syscall, dominate per-event costs) or None when a heartbeat is due; or, with ``encode``,
+    items that ``encode`` turns into those bytes (a view that frames each batch alone needs no generator of
+    its own wrapping the reader's: a suspended generator per open reader less). On shutdown the
     client gets ``shutdown_frame`` (default: a reconnect hint) before the body ends at a frame boundary.
     ``on_close`` runs when the response is over, however it ended (connection accounting)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, frames: AsyncIterator[bytes | None], *, shutdown: Drain, send_timeout_s: float,
+    def __init__(self, frames: AsyncIterator[Any], *, shutdown: Drain, send_timeout_s: float,
+                 encode: Callable[[Any], bytes] | None = None,
                  headers: Mapping[str, str] | None = None, shutdown_frame: bytes = RECONNECT_HINT,
                  on_close: Callable[[], None] | None = None) -> None:
         # As StreamingResponse does: no body attribute, so no Content-Length (the body is chunked).
@@ -169,6 +184,7 @@ class SSEResponse(Response):
             # otherwise). Nothing mutates a response's headers once it is built.
             self.raw_headers = _DEFAULT_RAW_HEADERS
         self.frames = frames
+        self.encode = encode
         self.shutdown = shutdown
         self.send_timeout_s = send_timeout_s
         self.shutdown_frame = shutdown_frame
@@ -180,7 +196,8 @@ class SSEResponse(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             try:
-                await race(self._stream(send), receive, self.shutdown)
+                await race(self._stream(send, watchdog=not guards_stalls(receive, self.send_timeout_s)), receive,
+                           self.shutdown)
             except Gone:
                 return  # nobody to send the end of the body to
             except TimeoutError:
@@ -215,11 +232,18 @@ class SSEResponse(Response):
     async def _send(send: Send, chunk: bytes) -> None:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
-    async def _stream(self, send: Send) -> None:
+    async def _stream(self, send: Send, *, watchdog: bool) -> None:
+        encode = self.encode
+        if not watchdog:
+            # The connection's protocol drops a client that accepts nothing for send_timeout_s
+            # (consumer.edge.guards.stall_guarded): the race sees it leave. No timer per reader here.
+            async for item in self.frames:
+                await self._send(send, HEARTBEAT if item is None else encode(item) if encode else item)
+            return
         # A reader that stops reading is dropped after send_timeout_s instead of pinning memory; it can resume
         # from its last event id. One watchdog timer per response, re-armed when it fires, instead of a timer
-        # set and cancelled around every send (consumer.server's stall guard applies the same rule to the
-        # transport; this is the rule seen from the app).
+        # set and cancelled around every send: the rule seen from the app, for a server whose transport does not
+        # apply it (consumer.edge.guards.stall_guarded).
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
@@ -227,7 +251,7 @@ class SSEResponse(Response):
         stalled = False
         handle: asyncio.TimerHandle
 
-        def watchdog() -> None:
+        def check() -> None:
             nonlocal handle, stalled
             stuck = sending_since is not None and loop.time() - sending_since >= self.send_timeout_s
             if stuck and not task.cancelling():  # not when the response is already being ended
@@ -235,13 +259,13 @@ class SSEResponse(Response):
                 task.cancel()
                 return
             due = self.send_timeout_s if sending_since is None else sending_since + self.send_timeout_s - loop.time()
-            handle = loop.call_later(due, watchdog)
+            handle = loop.call_later(due, check)
 
-        handle = loop.call_later(self.send_timeout_s, watchdog)
+        handle = loop.call_later(self.send_timeout_s, check)
         try:
-            async for chunk in self.frames:
+            async for item in self.frames:
                 sending_since = loop.time()
-                await self._send(send, HEARTBEAT if chunk is None else chunk)
+                await self._send(send, HEARTBEAT if item is None else encode(item) if encode else item)
                 sending_since = None
         except asyncio.CancelledError:
             if not stalled:

@@ -277,8 +277,9 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
     }
 
 
-def _operations_paths() -> dict[str, Any]:
-    """Probes, metrics, this document and the page: open to all, API keys or not (``security: []``)."""
+def _operations_paths(auth: bool) -> dict[str, Any]:
+    """Probes, this document and the page: open to all, API keys or not (``security: []``); metrics too, unless
+    keys are set (then any valid key, or --metrics-token; or --scrape-port, outside this API)."""
     text = {"type": "string"}
     paths: dict[str, Any] = {
         "/healthz": {"get": {"operationId": "healthz",
@@ -298,8 +299,11 @@ def _operations_paths() -> dict[str, Any]:
         "/": {"get": {"operationId": "chatPage", "summary": "the chat page", "responses": {
             "200": {"description": "HTML", "content": {"text/html": {"schema": text}}}}}},
     }
-    for item in paths.values():
+    for path, item in paths.items():
         for operation in item.values():
+            if path == "/metrics" and auth:
+                operation["responses"]["401"] = error_response("missing or invalid API key (or metrics token)")
+                continue
             operation["security"] = []
     return paths
 
@@ -310,7 +314,7 @@ def build_openapi(auth: bool, limits: RequestLimits) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "rsb", "version": "1", "description": "Resumable streams for LLM generation."},
-        "paths": {**_native_paths(limits, common), **_operations_paths(),
+        "paths": {**_native_paths(limits, common), **_operations_paths(auth),
                   **openai_paths(limits, generation_properties(limits), auth)},
     }
     if auth:

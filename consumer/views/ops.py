@@ -10,7 +10,7 @@ from starlette.routing import Route
 
 from broker.streams.report import COUNTERS, aborted_totals
 from consumer.metrics import CONTENT_TYPE
-from consumer.state import state_of
+from consumer.state import State, state_of
 from consumer.views.openapi import build_openapi
 
 
@@ -29,7 +29,11 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics_route(request: Request) -> Response:
-    state = state_of(request)
+    return Response(await render_metrics(state_of(request)), media_type=CONTENT_TYPE)
+
+
+async def render_metrics(state: State) -> bytes:
+    """The pod's metrics, and what Redis holds for every pod: /metrics here, or on --metrics-port."""
     # What Redis holds, read for this scrape: the same totals as the aborted-generation report, and the queue.
     totals = await aborted_totals(state.store.redis, state.settings.broker.partitions)
     scraped: list[Metric] = []
@@ -43,7 +47,7 @@ async def metrics_route(request: Request) -> Response:
         scraped.append(family)
     scraped.append(GaugeMetricFamily("rsb_queue_waiting", "streams enqueued and not yet claimed by a worker",
                                      value=await state.store.waiting()))
-    return Response(state.metrics.render(scraped), media_type=CONTENT_TYPE)
+    return state.metrics.render(scraped)
 
 
 ROUTES = [

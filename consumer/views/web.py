@@ -11,8 +11,9 @@ from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Mount, Route, request_response
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 
@@ -40,8 +41,21 @@ async def index(request: Request) -> Response:
     )
 
 
+class WithoutRanges:
+    """``app`` with the requests' ``Range`` headers dropped: the page and its assets are small files, always sent
+    whole, and Starlette's range parser answers a malformed one in text/plain, where every error is JSON."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"range"])
+        await self.app(scope, receive, send)
+
+
 ROUTES: list[BaseRoute] = [
-    Route("/", index, methods=["GET", "HEAD"]),
+    Route("/", WithoutRanges(request_response(index)), methods=["GET", "HEAD"]),
     # check_dir=False: a missing folder (a broken install) should fail the asset requests, not the app start.
-    Mount("/static", app=StaticFiles(directory=STATIC_DIR, check_dir=False), name="static"),
+    Mount("/static", app=WithoutRanges(StaticFiles(directory=STATIC_DIR, check_dir=False)), name="static"),
 ]

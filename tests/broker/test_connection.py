@@ -92,3 +92,16 @@ async def test_a_sentinel_url_follows_a_failover(sentinel: SentinelSetup) -> Non
             promoted.close()
     finally:
         await r.aclose()
+
+
+def test_a_sentinel_urls_credentials_are_percent_decoded() -> None:
+    from urllib.parse import quote, urlsplit
+
+    from broker.redis.connection import sentinel_auth
+
+    password = "p@ss:w/rd%"
+    parts = urlsplit(f"redis+sentinel://us%40er:{quote(password, safe='')}@h1:26379,h2:26379/mymaster/0")
+    assert sentinel_auth(parts) == {"username": "us@er", "password": password}
+    assert sentinel_auth(urlsplit("redis+sentinel://:secret@h1:26379/mymaster")) == {"username": None,
+                                                                                      "password": "secret"}
+    assert sentinel_auth(urlsplit("redis+sentinel://h1:26379/mymaster")) == {}

@@ -138,3 +138,94 @@ def test_a_generation_pauses_while_no_replica_answers(primary_replica: PrimaryRe
         client.close()
     assert ids == [eid for eid, _ in stored]  # every event once, in order: the reader's text is the stream's
     assert events[-1].data["usage"]["completion_tokens"] == 3000
+
+
+@pytest.mark.timeout(120)
+def test_paused_generations_give_their_slot_back_up_to_max_parked(primary_replica: PrimaryReplica,
+                                                                  stack_factory: StackFactory) -> None:
+    """One worker, one slot, --max-parked 2: with the replica stopped, the running generation parks and the worker
+    starts the next stream, which parks too; the third keeps the slot (the bound), the last two stay queued. With
+    the replica back, every stream ends with its whole answer, once, on its first attempt (the lease kept)."""
+    pair = primary_replica
+    assert pair.replica.proc is not None
+    stack = stack_factory(pair.primary.url)
+    flags = ("--durability", "replicated", "--replica-wait-ms", "100")
+    stack.generator(*flags, "--concurrency", "1", "--max-parked", "2", "--park-after-s", "0.5", "--lease-s", "2")
+    stack.consumer(*flags, "--heartbeat-s", "0.3")
+    max_tokens = 1500
+    with stack.client() as c:
+        sids = []
+        for _ in range(5):
+            r = create(c, max_tokens=max_tokens)
+            assert r.status_code == 201, r.text
+            sids.append(r.json()["id"])
+        os.kill(pair.replica.proc.pid, signal.SIGSTOP)
+        try:
+            def statuses() -> list[str]:
+                return [c.get(f"/v1/streams/{sid}").json()["status"] for sid in sids]
+
+            eventually(lambda: statuses() == ["running"] * 3 + ["queued"] * 2, 20,
+                       "two parked, one paused in the slot, two queued", interval_s=0.1)
+            time.sleep(3.0)  # deliberate: longer than the lease, with no replica: nothing may move or be taken over
+            assert statuses() == ["running"] * 3 + ["queued"] * 2
+        finally:
+            os.kill(pair.replica.proc.pid, signal.SIGCONT)
+        reads: list[list[tuple[float, SSE | bytes]]] = [[] for _ in sids]
+        readers = [threading.Thread(target=_follow, args=(stack.base_url, sid, got), daemon=True)
+                   for sid, got in zip(sids, reads, strict=True)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(60)
+    client = redis.Redis(port=pair.primary.port, decode_responses=True)
+    try:
+        for sid, got in zip(sids, reads, strict=True):
+            events = [x for _, x in got if isinstance(x, SSE)]
+            assert events and events[-1].event == "done", sid
+            assert events[-1].data["usage"]["completion_tokens"] == max_tokens
+            k = StreamKeys.of(uuid.UUID(sid), 1)
+            stored: Any = client.xrange(k.events)
+            assert [e.id for e in events] == [eid for eid, _ in stored]  # every event once, in order
+            assert [e.event for e in events].count("started") == 1
+            assert client.hget(k.meta, "attempts") == "1"  # never taken over: its lease was kept while parked
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_parked_generation_cancelled_meanwhile_ends_cancelled_once_the_replica_is_back(
+        primary_replica: PrimaryReplica, stack_factory: StackFactory) -> None:
+    pair = primary_replica
+    assert pair.replica.proc is not None
+    stack = stack_factory(pair.primary.url)
+    flags = ("--durability", "replicated", "--replica-wait-ms", "100")
+    gen = stack.generator(*flags, "--park-after-s", "0.5")
+    stack.consumer(*flags, "--heartbeat-s", "0.3")
+    with stack.client() as c:
+        r = create(c, max_tokens=3000)
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        got: list[tuple[float, SSE | bytes]] = []
+        reader = threading.Thread(target=_follow, args=(stack.base_url, sid, got), daemon=True)
+        reader.start()
+        eventually(lambda: any(isinstance(x, SSE) and x.event == "delta" for _, x in got), 30, "a delta")
+        os.kill(pair.replica.proc.pid, signal.SIGSTOP)
+        try:
+            gen.wait_for_line('"msg":"parked', 20)
+            # The cancel's own write waits for a replica too: 503 after the consumer's patience, or 202; either
+            # way the flag is on the primary, and the worker hears of it.
+            assert c.post(f"/v1/streams/{sid}/cancel").status_code in (202, 503)
+        finally:
+            os.kill(pair.replica.proc.pid, signal.SIGCONT)
+        reader.join(60)
+        assert not reader.is_alive(), "the stream did not end after the replica came back"
+    events = [x for _, x in got if isinstance(x, SSE)]
+    assert events[-1].event == "cancelled" and events[-1].data["reason"] == "client", events[-1]
+    assert events[-1].data["usage"]["completion_tokens"] < 3000
+    client = redis.Redis(port=pair.primary.port, decode_responses=True)
+    try:
+        stored: Any = client.xrange(StreamKeys.of(uuid.UUID(sid), 1).events)
+    finally:
+        client.close()
+    assert [e.id for e in events] == [eid for eid, _ in stored]  # every event once, in order, nothing after the end
+    assert "resuming after a parked write" not in gen.output()  # cancelled while parked: its engine never restarted

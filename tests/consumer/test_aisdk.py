@@ -204,9 +204,9 @@ def check_stopEndpoint(r: dict[str, Any], s: Streams, major: str) -> None:
     chat = r["chat"]
     assert r["stop"]["status"] == 202 and r["stop"]["json"]["messageId"] == chat["messageId"]
     text, end = s.read(chat["messageId"])
-    # The worker stopped: cancelled by the client, fewer tokens than asked for.
+    # The worker stopped: cancelled by the client, fewer tokens than asked for (5 * LONG: scenarios.mjs).
     assert end["type"] == "cancelled" and end["reason"] == "client"
-    assert end["usage"]["completion_tokens"] < LONG
+    assert end["usage"]["completion_tokens"] < 5 * LONG
     # The open stream ended by itself: every token generated before the stop, then `abort`.
     assert chat["status"] == "ready" and chat["error"] is None and chat["text"] == text
     assert chat["metadata"]["status"] == "cancelled" and chat["metadata"]["reason"] == "client"

@@ -4,10 +4,14 @@ through nginx the readers land on the other pod and end with every event exactly
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
 import threading
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -76,3 +80,53 @@ def test_sigterm_moves_every_reader_to_the_other_pod_without_loss(stack_factory:
         assert all(end == "clean" for end in r.ends[:-1]), (r.ends, r.errors)
         assert r.retry and set(r.retry) == {1000}, (r.retry, r.ends)
     assert all(w.events[-1].event == "done" for w in whole.values())
+
+
+def test_requests_still_in_flight_when_the_grace_period_ends_answer_503_not_500(
+        stack_factory: StackFactory, own_redis: RedisServer) -> None:
+    """A pod drains while its requests wait on a Redis that does not answer (stopped): past --shutdown-grace-s
+    uvicorn cancels them; each answers 503 with a JSON error code and Retry-After (never uvicorn's bare 500),
+    and the pod exits cleanly."""
+    s = stack_factory(own_redis.url)
+    proc, url = s.consumer("--shutdown-grace-s", "1", "--heartbeat-s", "1")
+    with s.client() as c:
+        sid = create(c, max_tokens=8).json()["id"]  # queued: no generator
+    fresh = str(uuid.uuid4())
+    requests: list[tuple[str, str, dict[str, Any] | None]] = [
+        ("POST", "/v1/streams", {"id": fresh, "prompt": "Hello", "max_tokens": 4}),
+        ("GET", f"/v1/streams/{sid}", None),
+        ("POST", f"/v1/streams/{sid}/cancel", None),
+        ("GET", f"/v1/streams/{sid}/events", None),
+        ("GET", "/readyz", None),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+        ("POST", "/api/chat", {"id": fresh, "trigger": "submit-message",
+                               "messages": [{"id": "u", "role": "user", "parts": [{"type": "text", "text": "hi"}]}]}),
+        ("PUT", f"/v1/stream/drain-{fresh}", None),
+    ]
+
+    async def in_flight() -> list[httpx.Response | BaseException]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as ac:
+            sent = [asyncio.ensure_future(ac.request(m, path, json=body)) for m, path, body in requests]
+            await asyncio.sleep(0.5)  # every request reached the pod and waits on Redis
+            assert not any(t.done() for t in sent), [t.result().status_code for t in sent if t.done()]
+            proc.signal(signal.SIGTERM)
+            return list(await asyncio.gather(*sent, return_exceptions=True))
+
+    assert own_redis.proc is not None
+    os.kill(own_redis.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        answers = asyncio.run(in_flight())
+        took = time.monotonic() - t0
+    finally:
+        os.kill(own_redis.proc.pid, signal.SIGCONT)
+    assert proc.wait(15) == 0
+    print(f"\n{len(answers)} requests answered {took:.2f}s after they were sent (grace 1 s):",
+          [(path, r.status_code if isinstance(r, httpx.Response) else r) for (_, path, _), r in zip(requests, answers,
+                                                                                                   strict=True)])
+    for (method, path, _), r in zip(requests, answers, strict=True):
+        assert isinstance(r, httpx.Response), (method, path, r)
+        assert r.status_code == 503, (method, path, r.status_code, r.text)
+        assert r.headers.get("retry-after") == "1", (method, path, r.headers)
+        assert r.json()["error"]["code"] == "draining", (method, path, r.text)
+    assert "Exception in ASGI application" not in proc.output()

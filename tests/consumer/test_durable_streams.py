@@ -253,7 +253,7 @@ def test_each_api_key_has_its_own_paths_and_its_own_limits(stack_factory: StackF
         # Long-polls count against the same per-address limit as SSE readers.
         tail = a.head("/v1/stream/z").headers["stream-next-offset"]
         polls = [pool.submit(a.get, "/v1/stream/z", params={"offset": tail, "live": "long-poll"}) for _ in range(2)]
-        wait_readers_sync(s.base_url, 2)
+        wait_readers_sync(s.base_url, 2, headers={"Authorization": f"Bearer {alice}"})
         third = b.get("/v1/stream/x", params={"offset": "now", "live": "sse"})
         assert third.status_code == 429 and third.json()["error"]["code"] == "too_many_connections"
         post(a, "/v1/stream/z", b"wake")

@@ -89,7 +89,7 @@ def test_half_open_connections_are_closed_after_the_header_timeout_and_others_ar
         watchers = [asyncio.create_task(_closed_after(r, t)) for r, _, t in conns]
         # An idle keep-alive connection (a whole request, then silence).
         r, w = await _connect(THIRD, port)
-        w.write(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        w.write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         idle_opened = time.monotonic()
         keep_alive = asyncio.create_task(_closed_after(r, idle_opened))
 
@@ -149,7 +149,7 @@ def test_the_timeouts_leave_legitimate_connections_alone(
 
     async def run() -> tuple[int, bytes, bytes]:
         reader, writer = await _connect(OTHER, _port(url))
-        writer.write(f"GET /v1/streams/{sid}/events HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        writer.write(f"GET /v1/streams/{sid}/events HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
         got = b""
         async with asyncio.timeout(10):
             t0 = time.monotonic()
@@ -157,10 +157,10 @@ def test_the_timeouts_leave_legitimate_connections_alone(
                 got += await reader.read(65536)
         writer.close()
         r2, w2 = await _connect(THIRD, _port(url))
-        w2.write(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        w2.write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         first = await _response(r2)
         await asyncio.sleep(1.5)  # deliberate pacing: past the head timeout, within keep-alive
-        w2.write(b"POST /v1/streams HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        w2.write(b"POST /v1/streams HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 16\r\n\r\n{\"prompt\"")
         await asyncio.sleep(0.6)  # deliberate pacing: a body in two parts, both within the body timeout
         w2.write(b": \"hi\"}")
@@ -168,11 +168,11 @@ def test_the_timeouts_leave_legitimate_connections_alone(
         # A body refused before it is in (413 from its Content-Length): the pod drains the rest of it and
         # the connection serves the next request (no reset: those bytes are not a request head).
         big = 2 * 1024 * 1024
-        w2.write(f"POST /v1/streams HTTP/1.1\r\nHost: t\r\nContent-Length: {big}\r\n\r\n".encode())
+        w2.write(f"POST /v1/streams HTTP/1.1\r\nHost: localhost\r\nContent-Length: {big}\r\n\r\n".encode())
         third = await _response(r2)
         w2.write(b"x" * big)
         await w2.drain()
-        w2.write(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        w2.write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         fourth = await _response(r2)
         w2.close()
         return got.count(b": keep-alive"), first, second + third + fourth
@@ -191,7 +191,7 @@ def test_a_body_that_stops_arriving_is_cut_after_the_body_timeout(
 
     async def run() -> float:
         reader, writer = await _connect(HOSTILE, _port(url))
-        writer.write(b"POST /v1/streams HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /v1/streams HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # 11 of 100 bytes, then nothing
         took, got = await _closed_after(reader, time.monotonic())
         assert got == b""  # no answer is owed: the request never arrived whole
@@ -354,7 +354,7 @@ def test_a_read_flood_is_refused_at_the_cap_and_nothing_is_lost_for_others(
 
     async def reader(local: str) -> tuple[int, bytes]:
         r, w = await _connect(local, port)
-        w.write(f"GET /v1/streams/{sid}/events HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode())
+        w.write(f"GET /v1/streams/{sid}/events HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
         got = b""
         with contextlib.suppress(ConnectionError):
             while chunk := await r.read(65536):

@@ -62,7 +62,7 @@ class RawReader:
         limit = 4096 if self.rcvbuf else 1 << 20
         self.reader, self.writer = await asyncio.open_connection(sock=sock, limit=limit)
         resume = f"Last-Event-ID: {self.last_event_id}\r\n" if self.last_event_id else ""
-        self.writer.write(f"GET /v1/streams/{self.sid}/events HTTP/1.1\r\nHost: t\r\n{resume}\r\n".encode())
+        self.writer.write(f"GET /v1/streams/{self.sid}/events HTTP/1.1\r\nHost: localhost\r\n{resume}\r\n".encode())
         head = await self.reader.readuntil(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), head
 

@@ -58,6 +58,7 @@ def test_read_from_scratch_then_resume_from_every_event_gives_the_same_events(sh
         # The header wins over the query parameter.
         both = read_sse(c, f"/v1/streams/{sid}/events", headers={"Last-Event-ID": ids[3]},
                         params={"last_event_id": ids[1]})
+        assert both.status == 200, (both.status, both.headers)
         assert both.events[0].id == ids[4]
         # Resuming at the terminal event: 204, so EventSource stops reconnecting.
         r = c.get(f"/v1/streams/{sid}/events", headers={"Last-Event-ID": ids[-1]})

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import CliCommand, cli_command, flag_values
+from helpers import CliCommand, cli_command, flag_values, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,3 +124,27 @@ def test_seconds(duration: str, expected: float) -> None:
 def test_compose_file_is_where_the_docs_say() -> None:
     assert Path(COMPOSE).exists()
     assert "docker compose up" in (ROOT / "docs" / "deployment.md").read_text()
+
+
+def test_redis_refuses_writes_before_its_container_is_killed() -> None:
+    """Redis has a maxmemory well below its container's memory limit, and noeviction: full, it refuses writes
+    (rsb answers 507 storage_full) instead of being OOM-killed or evicting unfinished streams."""
+    redis = compose()["services"]["redis"]
+    args = command_of(redis)
+    maxmemory = parse_bytes(args[args.index("--maxmemory") + 1])
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    assert 0 < maxmemory <= parse_bytes(str(redis["mem_limit"])) * 3 // 4
+
+
+def test_redis_has_a_password_and_no_default_one() -> None:
+    """Redis requires a password that compose takes from RSB_REDIS_PASSWORD, with no default (``:?``: compose
+    refuses to start without one), and every rsb service's URL carries that same password."""
+    required = re.compile(r"\$\{RSB_REDIS_PASSWORD:\?[^}]+\}")
+    redis_svc = compose()["services"]["redis"]
+    cmd = [str(c) for c in redis_svc["command"]]
+    assert "--requirepass" in cmd and required.fullmatch(cmd[cmd.index("--requirepass") + 1]), cmd
+    assert required.fullmatch(str(redis_svc["environment"]["REDISCLI_AUTH"]))  # the healthcheck authenticates
+    for name, svc in rsb_services().items():
+        url = environment_of(svc)["RSB_REDIS_URL"]
+        assert re.fullmatch(r"redis://:" + required.pattern + r"@redis:6379/0", url), (name, url)
+    assert "${RSB_REDIS_PASSWORD}" not in COMPOSE.read_text() and "RSB_REDIS_PASSWORD:-" not in COMPOSE.read_text()

@@ -37,7 +37,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from helpers import CliCommand, cli_command, eventually, read_sse, wait_status
+from helpers import CliCommand, cli_command, eventually, parse_bytes, read_sse, wait_status
 
 from broker.redis.server import RedisServer, free_port
 from broker.streams.keys import jobs_key
@@ -418,6 +418,24 @@ def test_promql_metric_names() -> None:
 
 
 @needs_kubectl
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_redis_refuses_writes_before_its_pod_is_killed(variant: str) -> None:
+    """A Redis the manifests run has a maxmemory below its container's memory limit, and noeviction: full, it
+    refuses writes (rsb answers 507 storage_full) instead of being OOM-killed or evicting unfinished streams."""
+    servers = 0
+    for sts in render(variant).all("StatefulSet"):
+        for c in sts["spec"]["template"]["spec"]["containers"]:
+            args = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
+            if "redis-server" not in args:
+                continue
+            assert args[args.index("--maxmemory-policy") + 1] == "noeviction", variant
+            limit = parse_bytes(c["resources"]["limits"]["memory"])
+            assert 0 < parse_bytes(args[args.index("--maxmemory") + 1]) <= limit * 3 // 4, variant
+            servers += 1
+    assert servers == (0 if variant.startswith("redis-cluster") else 1), variant  # the cluster is the operator's
+
+
+@needs_kubectl
 def test_the_validator_rejects_a_typo() -> None:
     """The schemas are strict: a misspelt field fails (else this test file would prove little)."""
     deployment = copy.deepcopy(render(OVERLAYS[0]).workload("consumer"))
@@ -510,8 +528,12 @@ def test_probes_ports_and_scrape_annotations(variant: str) -> None:
     for probe in p.values():
         assert named_port(c, probe["httpGet"]["port"]) == port
     annotations = consumer["spec"]["template"]["metadata"]["annotations"]
+    # With API keys the API port's /metrics needs a key: Prometheus scrapes the consumer's own metrics port.
+    consumer_metrics = int(setting(r, c, cli, "RSB_SCRAPE_PORT"))
+    assert consumer_metrics and consumer_metrics != port and setting(r, c, cli, "RSB_SCRAPE_HOST") == "0.0.0.0"
+    assert named_port(c, "metrics") == consumer_metrics
     assert (annotations["prometheus.io/scrape"], int(annotations["prometheus.io/port"]),
-            annotations["prometheus.io/path"]) == ("true", port, "/metrics")
+            annotations["prometheus.io/path"]) == ("true", consumer_metrics, "/metrics")
     service = r.get("Service", "rsb-consumer")
     assert service["spec"]["selector"].items() <= consumer["spec"]["template"]["metadata"]["labels"].items()
     assert service["spec"].get("sessionAffinity", "None") == "None", "any pod serves any stream: no affinity"
@@ -672,12 +694,37 @@ def test_ingress_is_set_for_sse(variant: str) -> None:
 @needs_kubectl
 def test_the_api_keys_placeholder_is_no_key() -> None:
     """The committed keys file is valid (a consumer starts with it) and accepts no secret: all zeros is no
-    SHA-256 anyone can produce. The read-token secret is empty: derived from the keys file. The live test checks
+    SHA-256 anyone can produce. The read-token secret is empty: a random one kept in Redis. The live test checks
     that the consumer answers 401."""
     r = render(OVERLAYS[0])
     keys = json.loads(r.secret_value(resolve_api_keys_secret(r), "keys.json"))
     assert [k["sha256"] for k in keys["keys"]] == ["0" * 64]
     assert r.secret_value(read_token_secret_name(r), "secret") == ""
+
+
+@needs_kubectl
+def test_the_in_namespace_redis_requires_the_password_rsb_and_keda_use_and_has_no_default() -> None:
+    """standalone-redis: Redis gets ``--requirepass`` from the rsb-redis Secret's ``password``, which its probe,
+    KEDA's trigger and every rsb pod (RSB_REDIS_PASSWORD) read too; the committed password is empty, and the
+    container's command, run for real, refuses to start Redis with it."""
+    r = render("standalone-redis")
+    [redis_set] = r.all("StatefulSet")
+    [c] = pod_spec(redis_set)["containers"]
+    [auth] = [e for e in c["env"] if e["name"] == "REDISCLI_AUTH"]
+    secret = auth["valueFrom"]["secretKeyRef"]
+    assert secret["key"] == "password"
+    script = c["args"][-1]
+    assert c["args"][:2] == ["sh", "-c"] and '--requirepass "$REDISCLI_AUTH"' in script
+    for component in ("consumer", "generator"):
+        [item] = [e for e in container(r.workload(component))["env"] if e["name"] == "RSB_REDIS_PASSWORD"]
+        assert item["valueFrom"]["secretKeyRef"] == {"name": secret["name"], "key": "password"}, component
+    keda = [t for t in r.all("TriggerAuthentication") for ref in t["spec"]["secretTargetRef"]
+            if ref["name"] == secret["name"] and ref["key"] == "password"]
+    assert keda, "KEDA's trigger reads the same password"
+    assert r.secret_value(secret["name"], "password") == ""
+    refused = subprocess.run(["sh", "-c", script], env={"PATH": os.environ["PATH"], "REDISCLI_AUTH": ""},
+                             capture_output=True, text=True, timeout=10)
+    assert refused.returncode == 1 and "set the rsb-redis Secret's password" in refused.stderr
 
 
 def resolve_api_keys_secret(r: Rendered) -> str:
@@ -768,14 +815,18 @@ def test_live_rsb_serves_what_the_deployment_files_name(
     with monkeypatch.context() as m:
         for k, v in consumer_env.items():
             m.setenv(k, v)
-        # As deployed: the placeholder keys. Every probe path answers; the API is closed.
-        _, sealed = stack.consumer("--host", "127.0.0.1", "--api-keys", str(placeholder))
+        # As deployed: the placeholder keys. Every probe path answers; the API is closed; /metrics is on its port.
+        sealed_metrics = free_port()
+        _, sealed = stack.consumer("--host", "127.0.0.1", "--api-keys", str(placeholder), "--scrape-port",
+                                   str(sealed_metrics))
         # Driving the API: a real key, and a queue bound of 1 to see a 429.
-        _, url = stack.consumer("--host", "127.0.0.1", "--api-keys", str(keys), "--max-queue", "1")
+        _, url = stack.consumer("--host", "127.0.0.1", "--api-keys", str(keys), "--max-queue", "1",
+                                "--scrape-port", "0")  # not the manifests' fixed port, on every interface
     c = container(r.workload("consumer"))
     for name, probe in probes(c).items():
         assert httpx.get(sealed + probe["httpGet"]["path"], timeout=5).status_code == 200, name
-    assert httpx.get(sealed + "/metrics", timeout=5).status_code == 200
+    assert httpx.get(sealed + "/metrics", timeout=5).status_code == 401  # the API port: keys only
+    assert httpx.get(f"http://127.0.0.1:{sealed_metrics}/metrics", timeout=5).status_code == 200
     body = {"prompt": "Hello", "max_tokens": 4}
     assert httpx.post(sealed + "/v1/streams", json=body, timeout=5).status_code == 401
     assert httpx.post(sealed + "/v1/streams", json=body, headers={"Authorization": "Bearer replace-me.x"},
@@ -785,7 +836,8 @@ def test_live_rsb_serves_what_the_deployment_files_name(
         return sum(int(redis_client.xlen(k)) for k in jobs)
 
     def waiting() -> float:
-        found = re.search(r"^rsb_queue_waiting (\S+)$", httpx.get(url + "/metrics", timeout=5).text, re.M)
+        found = re.search(r"^rsb_queue_waiting (\S+)$", httpx.get(url + "/metrics", headers=auth, timeout=5).text,
+                          re.M)
         assert found, "the consumer serves no rsb_queue_waiting"
         return float(found.group(1))
 
@@ -818,7 +870,7 @@ def test_live_rsb_serves_what_the_deployment_files_name(
 
     for name, probe in probes(container(r.workload("generator"))).items():
         assert httpx.get(gurl + probe["httpGet"]["path"], timeout=5).status_code == 200, name
-    served = exposition_names(httpx.get(url + "/metrics", timeout=5).text) | \
+    served = exposition_names(httpx.get(url + "/metrics", headers=auth, timeout=5).text) | \
         exposition_names(httpx.get(gurl + "/metrics", timeout=5).text)
     missing = {where: sorted(names - served) for where, names in named_metrics().items() if names - served}
     assert not missing, f"metrics named but not served by rsb: {missing}\nserved: {sorted(served)}"

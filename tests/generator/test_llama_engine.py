@@ -219,3 +219,42 @@ def test_generations_from_two_threads_are_serialized(engine: LlamaEngine) -> Non
     for t in threads:
         t.join(30)
     assert results == {0: "".join(solo), 1: "".join(solo)}
+
+
+async def test_a_generation_abandoned_while_its_hand_off_is_full_frees_the_engine_for_the_next(
+        engine: LlamaEngine) -> None:
+    """A worker stops reading a generation mid-answer (it parks, or ends it) while the inference thread waits for
+    room in the hand-off: the thread ends the generation, so llama.cpp's one context is free for the next one,
+    whichever thread runs it (a suspended generation held the engine's lock until collected, and the next
+    generation's thread waited for ever unless it happened to reuse the first one's identity)."""
+    import asyncio
+
+    from generator.handoff import StopSignal, TokenHandoff, produce
+
+    loop = asyncio.get_running_loop()
+    handoff = TokenHandoff(loop, 4)
+    stop = StopSignal()
+    first = produce(engine, request(), handoff, prefix_text="", max_tokens=1000, stop=stop)
+    await asyncio.sleep(0.3)  # deliberate: the thread fills the 4 places and waits for room
+    stop.set()
+    handoff.abandon()
+    await asyncio.wait_for(first, 10)
+    # Another thread now lives (a DNS lookup, a reconnect): the next generation's thread has a new identity.
+    hold = threading.Event()
+    other = threading.Thread(target=hold.wait)
+    other.start()
+    try:
+        nxt = TokenHandoff(loop, 64)
+        second = produce(engine, request(), nxt, prefix_text="", max_tokens=5, stop=StopSignal())
+        pieces: list[object] = []
+        async with asyncio.timeout(10):
+            while True:
+                batch = await nxt.get()
+                pieces += batch.pieces
+                if batch.closed:
+                    break
+        await second
+        assert len(pieces) == 5
+    finally:
+        hold.set()
+        other.join()

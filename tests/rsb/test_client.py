@@ -33,6 +33,7 @@ from rsb import (
     StreamInterrupted,
     UnavailableError,
 )
+from rsb._terminal import TerminalText
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 # Quick retries, so the tests do not wait out production backoffs; the cap is what is tested.
@@ -212,6 +213,12 @@ def test_the_api_key_is_sent_as_a_bearer_token(stack_factory: StackFactory, redi
 # -- the rsb chat / tail / status commands -------------------------------------------------------
 
 
+def shown(answer: str) -> str:
+    """What the commands print of an answer: the random-weight models' text holds control characters, which
+    never reach the terminal (rsb._terminal)."""
+    return TerminalText().feed(answer)
+
+
 def _rsb(*args: str, env: dict[str, str] | None = None, timeout_s: float = 60) -> subprocess.CompletedProcess[bytes]:
     full_env = dict(os.environ, PYTHONIOENCODING="utf-8", **(env or {}))
     return subprocess.run([sys.executable, "-m", "rsb", *args], cwd=ROOT, env=full_env,
@@ -227,11 +234,11 @@ def test_rsb_chat_tail_and_status_print_the_answer(shared_stack: SharedStack) ->
     with Client(shared_stack.base_url) as rsb:
         answer, end = rsb.text(sid)
     assert end is not None and end.type == "done" and end.data["usage"]["completion_tokens"] == 25
-    assert chat.stdout.decode() == answer + "\n"
+    assert chat.stdout.decode() == shown(answer) + "\n"
 
     tail = _rsb("tail", sid, env={"RSB_URL": shared_stack.base_url})  # the flag's environment twin
     assert tail.returncode == 0, tail.stderr.decode()
-    assert tail.stdout.decode() == answer + "\n"
+    assert tail.stdout.decode() == shown(answer) + "\n"
 
     events = [json.loads(line) for line in _rsb("tail", sid, "--url", shared_stack.base_url, "--json").stdout.splitlines()]
     assert [e["type"] for e in events][-1] == "done"
@@ -239,7 +246,7 @@ def test_rsb_chat_tail_and_status_print_the_answer(shared_stack: SharedStack) ->
     assert len(deltas) >= 2
     half = len(deltas) // 2
     rest = _rsb("tail", sid, "--url", shared_stack.base_url, "--from", deltas[half - 1]["id"])
-    assert rest.stdout.decode() == "".join(e["data"]["text"] for e in deltas[half:]) + "\n"
+    assert rest.stdout.decode() == shown("".join(e["data"]["text"] for e in deltas[half:])) + "\n"
 
     status = _rsb("status", sid, "--url", shared_stack.base_url)
     assert status.returncode == 0
@@ -274,7 +281,7 @@ def test_rsb_tail_follows_a_running_stream_and_rsb_chat_reports_an_unreachable_s
         answer, end = rsb.text(info.id)
     assert tail.returncode == 0, err.decode()
     assert end is not None and end.type == "done"
-    assert out.decode() == answer + "\n"
+    assert out.decode() == shown(answer) + "\n"
 
     dead = f"http://127.0.0.1:{free_port()}"
     gone = _rsb("chat", "Hello", "--url", dead, "--max-retries", "1")

@@ -129,6 +129,13 @@ def test_rsb_up_runs_the_whole_stack_and_stops_everything(tmp_path: Path, demo_m
             assert status["model"] == model and status["usage"]["completion_tokens"] == 12
         children = psutil.Process(up.pid).children(recursive=True)
         assert children
+        # The private Redis has a random password (no other local user, or page through a proxy, can use it),
+        # and it is on no command line (ps shows those to everyone): the generators get the URL by environment.
+        port = int(server_line.split('"port":')[1].split(",")[0])
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_connect_timeout=1).ping()
+        for child in children:
+            assert not any("redis://" in arg or "requirepass" in arg for arg in child.cmdline()), child.cmdline()
     finally:
         up.stop(30)
     assert up.proc.returncode == 0

@@ -19,6 +19,7 @@ from typing import cast
 from starlette.requests import Request
 from starlette.responses import Response
 
+from broker.ascii import parse_uuid
 from broker.durable.format import JSON_TYPE, ZERO_ID, id_key, offset_of
 from broker.durable.store import Page
 from broker.errors import InvalidRequest, NotFound
@@ -37,12 +38,10 @@ _GEN = "rsb"
 
 def generation_id(path: str) -> uuid.UUID:
     raw = path[len(PREFIX):] if path.startswith(PREFIX) else ""
-    try:
-        if len(raw) != 36:
-            raise ValueError
-        return uuid.UUID(raw)
-    except ValueError:
-        raise NotFound("no generation at this path: use /v1/stream/rsb/<stream id>") from None
+    parsed = parse_uuid(raw)
+    if parsed is None:
+        raise NotFound("no generation at this path: use /v1/stream/rsb/<stream id>")
+    return parsed
 
 
 def item(ev: Event) -> bytes:

@@ -14,6 +14,7 @@ from datetime import datetime
 from starlette.requests import Request
 from starlette.responses import Response
 
+from broker.ascii import decimal
 from broker.durable.format import DEFAULT_TYPE, entry_id_of
 from broker.durable.store import Producer
 from broker.errors import InvalidRequest, NotFound
@@ -45,12 +46,16 @@ RESPONSE_HEADERS = (NEXT_OFFSET, UP_TO_DATE, CLOSED, CURSOR, TTL, EXPIRES_AT, SS
 METHODS = ("GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS")
 
 # On every response, errors and SSE included. CORP only governs no-cors loads (an <img>, a <script>):
-# clients read streams with CORS fetches, which it does not affect.
-SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Cross-Origin-Resource-Policy": "same-origin"}
+# clients read streams with CORS fetches, which it does not affect. A stream's content type is the writer's
+# choice: text/html, image/svg+xml, XML or JavaScript opened by URL would run on rsb's origin, where the chat
+# page keeps its history and API key in localStorage. ``sandbox`` (no allow-scripts, no allow-same-origin) makes
+# any document served here an opaque origin that runs no script, whatever its type; nosniff stops a browser
+# from guessing an active type for an inactive one. Fetch and EventSource readers are not affected by either.
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Cross-Origin-Resource-Policy": "same-origin",
+                    "Content-Security-Policy": "sandbox"}
 
-_TTL = re.compile(r"\A(0|[1-9]\d{0,9})\Z")
-_SUB_OFFSET = re.compile(r"\A(0|[1-9]\d{0,15})\Z")
-_DIGITS = re.compile(r"\A\d{1,16}\Z")
+_TTL = re.compile(r"\A(0|[1-9][0-9]{0,9})\Z")  # ASCII digits only (broker.ascii)
+_SUB_OFFSET = re.compile(r"\A(0|[1-9][0-9]{0,15})\Z")
 _MEDIA_TYPE = re.compile(r"\A[\w-]+/[\w-]+")
 _PATH = re.compile(r"\A[\x21-\x7e]+\Z")  # the raw (percent-encoded) path: printable ASCII, no spaces
 _MAX_TTL_S = 2**31
@@ -161,18 +166,19 @@ def producer(request: Request) -> Producer | None:
         raise InvalidRequest("Producer-Id, Producer-Epoch and Producer-Seq go together")
     if not pid or len(pid) > MAX_PATH:
         raise InvalidRequest("Producer-Id must not be empty")
-    if not _DIGITS.match(epoch) or not _DIGITS.match(seq) or int(epoch) > MAX_SEQ or int(seq) > MAX_SEQ:
+    epoch_n, seq_n = decimal(epoch, max_digits=16), decimal(seq, max_digits=16)
+    if epoch_n is None or seq_n is None or epoch_n > MAX_SEQ or seq_n > MAX_SEQ:
         raise InvalidRequest("Producer-Epoch and Producer-Seq must be integers from 0 to 2^53-1")
-    return Producer(pid, int(epoch), int(seq))
+    return Producer(pid, epoch_n, seq_n)
 
 
 def cursor(request: Request) -> str:
     """The response cursor (spec 10.1): the current 20 s interval, or, when the client's ``cursor`` is not behind
     it, a jittered later one, so that cached long-poll responses cannot loop."""
     now = int((time.time() - _CURSOR_EPOCH_S) // _CURSOR_INTERVAL_S)
-    raw = request.query_params.get("cursor", "")
-    if raw.isdigit() and len(raw) <= 18 and int(raw) >= now:
-        return str(int(raw) + max(1, math.ceil(random.randint(1, 3600) / _CURSOR_INTERVAL_S)))
+    given = decimal(request.query_params.get("cursor"), max_digits=18)
+    if given is not None and given >= now:
+        return str(given + max(1, math.ceil(random.randint(1, 3600) / _CURSOR_INTERVAL_S)))
     return str(now)
 
 

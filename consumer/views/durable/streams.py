@@ -79,9 +79,11 @@ async def put(request: Request, path: str) -> Response:
                       is_true(request, CLOSED))
     body = await body_of(request, state.settings.ds_max_body_bytes)
     fork = ForkSpec(keys_of(request, state, source), fork_offset, sub_offset) if source is not None else None
-    res = await state.durable.create(keys_of(request, state, path), spec, body, fork=fork,
-                                     max_streams=max_streams(request, state),
-                                     max_bytes=state.settings.ds_max_stream_bytes)
+    with state.service.quota_counted():
+        res = await state.durable.create(keys_of(request, state, path), spec, body, fork=fork,
+                                         max_streams=max_streams(request, state),
+                                         max_bytes=state.settings.ds_max_stream_bytes,
+                                         quota=state.service.storage_quota(caller_of(request)))
     headers = {"content-type": res.content_type, NEXT_OFFSET: offset_of(res.tail)}
     if res.closed:
         headers[CLOSED] = "true"
@@ -100,9 +102,11 @@ async def post(request: Request, path: str) -> Response:
     ctype = request.headers.get("content-type")
     if body and not ctype:
         raise InvalidRequest("an append needs a Content-Type")
-    res = await state.durable.append(keys_of(request, state, path), body, ctype or "", close=close,
-                                     stream_seq=request.headers.get("stream-seq") or "", producer=prod,
-                                     max_bytes=state.settings.ds_max_stream_bytes)
+    with state.service.quota_counted():
+        res = await state.durable.append(keys_of(request, state, path), body, ctype or "", close=close,
+                                         stream_seq=request.headers.get("stream-seq") or "", producer=prod,
+                                         max_bytes=state.settings.ds_max_stream_bytes,
+                                         quota=state.service.storage_quota(caller_of(request)))
     echo = {PRODUCER_EPOCH: str(prod.epoch), PRODUCER_SEQ: str(prod.seq)} if prod else {}
     return _appended(res, echo, created_data=bool(body), closing=close)
 

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
+from broker.ascii import decimal
 from broker.errors import Conflict, NotFound
 from broker.request import ToolCall
 from broker.streams.conversations import Begin, Conversation
@@ -138,8 +139,9 @@ async def create_conversation(request: Request) -> ASGIApp:
     now = time.time()
     turns = [items_turn(as_messages(items), now)] if items else []
     name = str(uuid.uuid4())
-    await convs.conversations.create(caller.key_id, name, convs.owner(caller), convs.limits(caller),
-                                     created_at=now, metadata=metadata, turns=turns)
+    with convs.service.quota_counted():
+        await convs.conversations.create(caller.key_id, name, convs.owner(caller), convs.limits(caller),
+                                         created_at=now, metadata=metadata, turns=turns)
     snap = await convs.get(caller, name)
     return JSONResponse(conversation_object(snap.conversation))
 
@@ -174,10 +176,9 @@ async def list_items(request: Request) -> ASGIApp:
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid("'order' must be asc or desc", "order")
-    raw_limit = q.get("limit", str(LIST_LIMIT_DEFAULT))
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= LIST_LIMIT_MAX:
+    limit = decimal(q.get("limit", str(LIST_LIMIT_DEFAULT)), max_digits=6)
+    if limit is None or not 1 <= limit <= LIST_LIMIT_MAX:
         raise invalid(f"'limit' must be an integer from 1 to {LIST_LIMIT_MAX}", "limit")
-    limit = int(raw_limit)
     snap = await state_of(request).conversations.get(caller_of(request), path_name(request))
     items = all_items(snap.conversation)
     if order == "desc":
@@ -217,7 +218,9 @@ async def add_items(request: Request) -> ASGIApp:
         if snap.pending_id is not None:
             raise Conflict(f"a response of this conversation is running (stream {snap.pending_id}); add items once "
                            "it has ended")
-        outcome = await convs.conversations.append(snap.conversation, [turn])
+        with convs.service.quota_counted():
+            outcome = await convs.conversations.append(snap.conversation, [turn],
+                                                       convs.limits(caller).storage_quota_bytes)
         if outcome is Begin.GONE:
             raise _NOT_FOUND
         if outcome is Begin.RESERVED:

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
+from broker.ascii import decimal
 from broker.errors import NotFound
 from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
@@ -240,9 +241,10 @@ async def retrieve_response(request: Request) -> ASGIApp:
     raw_after = q.get("starting_after")
     after = -1
     if raw_after is not None:
-        if not raw_after.isdigit() or int(raw_after) > MAX_SEQUENCE_NUMBER:
+        given = decimal(raw_after)
+        if given is None or given > MAX_SEQUENCE_NUMBER:
             raise invalid("'starting_after' must be a sequence number (an integer from 0)", "starting_after")
-        after = int(raw_after)
+        after = given
     caller = caller_of(request)
     st = await service.status(caller, stream_id)
     if stream == "false":

@@ -93,9 +93,10 @@ export const SCENARIOS = {
     return { dropped, final: summary(h) };
   },
 
-  // rsb's stop endpoint mid-answer: the open stream ends by itself (abort), the turn is cancelled.
+  // rsb's stop endpoint mid-answer: the open stream ends by itself (abort), the turn is cancelled. A longer
+  // answer, so that it is still running when the stop arrives on a loaded machine.
   async stopEndpoint(ctx) {
-    const h = ctx.chat();
+    const h = ctx.chat({ maxTokens: 5 * ctx.long });
     const sending = h.send('stop me');
     await waitFor(() => midAnswer(h), 60000);
     const stop = await ctx.api('POST', `/api/chat/${encodeURIComponent(h.id)}/stop`);

@@ -1,0 +1,91 @@
+"""The per-caller storage quota: the bytes one caller (an API key, or without keys an address group:
+broker.streams.keys.principal) holds in Redis, bounded by ``--storage-quota-bytes``.
+
+What is counted: the data of the Durable Streams a caller created (every append, a fork at its full size: a fork
+is a copy), the request bodies of its rsb streams while Redis holds them (until the stream ends, or for the
+retention when a view reads it back), and its conversations' histories (kept equal to their ``bytes``).
+Answers are bounded by ``max_tokens`` and the create rate.
+
+How: one hash per caller and partition (``storage_key``, in the partition's slot, so the script that writes the
+data checks and counts it in the same step, on Redis Cluster too: each partition holds its share of the quota),
+field ``bytes`` the total and one field per item (a stream's meta key) with what that item holds; and beside it a
+sorted set (the same name + ``:exp``) of the items by expiry (ms; ``inf`` for none). Redis expires the items' keys
+by itself, without telling anyone: every script that charges first sweeps the caller's items whose expiry passed
+(``quota_sweep``) and takes their bytes off, so the count is exact once swept (a write meets at most the items
+that expired and were not swept yet, up to SWEEP_MAX a call). A deleted item is released in the deleting step.
+An item is charged to the caller that created it, whoever writes to it later (without API keys, any address may
+append to a Durable Stream whose path it knows): an item's charge lives in one place and leaves with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.redis.connection import REFUSE_WHEN_FULL
+from broker.redis.keyspace import tagged
+
+#: Expired items swept per charging call: bounds the call's time in Redis.
+SWEEP_MAX = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StorageQuota:
+    """Who is charged (``principal``) and how many bytes it may hold (0 = no bound)."""
+
+    principal: str = ""
+    quota_bytes: int = 0
+
+    def share(self, partitions: int) -> int:
+        """The bytes one partition allows (ceil(quota / P): exact with one partition, the default)."""
+        return -(-self.quota_bytes // partitions) if self.quota_bytes > 0 else 0
+
+
+NO_STORAGE_QUOTA = StorageQuota()
+
+
+def storage_key(partition: int, partitions: int, principal: str) -> str:
+    """Hash of one caller's stored bytes in one partition (and, + ``:exp``, its items by expiry)."""
+    return f"{tagged(partition, partitions)}:storage:{principal or '-'}"
+
+
+#: The Lua of the quota, for the scripts that write counted data (broker.streams.scripts, broker.durable.scripts).
+#: ``s`` is a caller's storage_key; ``item`` the key an item's charge is recorded under (its meta key).
+QUOTA_LUA = REFUSE_WHEN_FULL + f"""
+local function quota_now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function quota_drop_if_empty(s)
+  if tonumber(redis.call('HGET', s, 'bytes') or '0') <= 0 and redis.call('ZCARD', s .. ':exp') == 0 then
+    redis.call('DEL', s, s .. ':exp')
+  end
+end
+local function quota_release(s, item)
+  local b = tonumber(redis.call('HGET', s, item) or '0')
+  if b ~= 0 then redis.call('HINCRBY', s, 'bytes', -b) end
+  redis.call('HDEL', s, item)
+  redis.call('ZREM', s .. ':exp', item)
+  quota_drop_if_empty(s)
+end
+-- The caller's items whose keys expired, taken off its total. A full Redis refuses the whole script here.
+local function quota_sweep(s)
+  refuse_when_full(s)
+  local gone = redis.call('ZRANGEBYSCORE', s .. ':exp', '-inf', quota_now_ms(), 'LIMIT', 0, {SWEEP_MAX})
+  for _, item in ipairs(gone) do quota_release(s, item) end
+end
+-- Whether ``charge`` more bytes fit the caller's ``quota`` (0: no bound). Sweep first.
+local function quota_room(s, charge, quota)
+  return quota <= 0 or charge <= 0 or tonumber(redis.call('HGET', s, 'bytes') or '0') + charge <= quota
+end
+-- Count ``charge`` bytes more for ``item`` (recorded with no expiry until quota_expire says one).
+local function quota_charge(s, item, charge)
+  if charge == 0 then return end
+  redis.call('HINCRBY', s, item, charge)
+  redis.call('HINCRBY', s, 'bytes', charge)
+  redis.call('ZADD', s .. ':exp', 'NX', 'inf', item)
+end
+-- ``item``'s keys expire at ``at_ms`` ('inf': never): swept then.
+local function quota_expire(s, item, at_ms)
+  redis.call('ZADD', s .. ':exp', 'XX', at_ms, item)
+end
+"""

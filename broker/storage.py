@@ -1,0 +1,71 @@
+"""Redis refusing writes for lack of memory, as one process sees it: the *episode* (from the first refused write
+to the first write that succeeds again), so that a pause of any length makes one log line when it starts and one
+when it ends, never one per retry, and its refusals are counted for the metrics.
+
+Pure bookkeeping (no Redis): the predicate that says a Redis error is "out of memory" is
+broker.redis.connection.is_out_of_memory; the generator's retries (generator.retry) and the consumer's error
+boundary (consumer.edge.errors) report to an ``OutOfMemoryEpisodes`` each.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+#: When Redis says it is full: a client's Retry-After, and the longest a worker waits between two tries.
+STORAGE_FULL_RETRY_AFTER_S = 5
+#: The consumer sees no "it worked again" signal of its own: refusals further apart than this are two episodes.
+EPISODE_GAP_S = 30.0
+
+
+class OutOfMemoryEpisodes:
+    """Refused writes of one process, grouped into episodes. ``on_refused`` runs for every refusal (a metric)."""
+
+    def __init__(self, log: logging.Logger, role: str, on_refused: Callable[[], None] | None = None,
+                 gap_s: float = EPISODE_GAP_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.log = log
+        self.role = role
+        self.on_refused = on_refused
+        self.gap_s = gap_s
+        self.clock = clock
+        self.refusals = 0  # in this process, all episodes
+        self.episodes = 0
+        self._started_at: float | None = None
+        self._last_at = 0.0
+        self._in_episode = 0  # refusals of the current episode
+
+    @property
+    def active(self) -> bool:
+        return self._started_at is not None
+
+    def refused(self, what: str) -> None:
+        """A write was refused for lack of memory (``what``: which one, for the log line; never a prompt)."""
+        now = self.clock()
+        if self._started_at is not None and now - self._last_at > self.gap_s:
+            self._end(self._last_at)  # quiet for longer than a gap: that episode ended unseen
+        self.refusals += 1
+        self._last_at = now
+        if self.on_refused is not None:
+            self.on_refused()
+        if self._started_at is None:
+            self._started_at = now
+            self._in_episode = 0
+            self.episodes += 1
+            self.log.warning("redis is out of memory (maxmemory): writes are refused, %s waits and retries; "
+                             "free memory or raise maxmemory", self.role,
+                             extra={"storage_full": "start", "first_refused": what})
+        self._in_episode += 1
+
+    def recovered(self) -> None:
+        """A write succeeded: an episode in progress ends here."""
+        if self._started_at is not None:
+            self._end(self.clock())
+
+    def _end(self, at: float) -> None:
+        assert self._started_at is not None
+        self.log.info("redis accepts writes again after %.1f s out of memory (%d writes refused and retried)",
+                      at - self._started_at, self._in_episode,
+                      extra={"storage_full": "end", "paused_s": round(at - self._started_at, 3),
+                             "refused": self._in_episode})
+        self._started_at = None
