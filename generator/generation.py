@@ -24,7 +24,6 @@ from typing import Any, Protocol
 
 from broker.errors import RsbError
 from broker.events import EventType, FinishReason, encode_data
-from broker.redis.connection import UNAVAILABLE_ERRORS
 from broker.streams.conversations import ConversationStore
 from broker.streams.records import AppendResult, Claim, Job, Unclaimable
 from broker.streams.store import Store, started_event
@@ -34,7 +33,7 @@ from generator.engines.pieces import PartialAnswer
 from generator.handoff import StopSignal, TokenHandoff, produce
 from generator.lease import Run, keep_lease
 from generator.metrics import GeneratorMetrics
-from generator.retry import until_done
+from generator.retry import is_transient, until_done
 from generator.settings import GeneratorSettings
 from generator.slots import Seat, Slots, StallWatch
 
@@ -139,8 +138,11 @@ class JobRunner:
         if self.engine.caches_prompts:
             try:  # a hint for the next turn's routing: never worth delaying or failing this one
                 await self.store.affinity.note(claim.request.affinity(), self.worker_id, AFFINITY_TTL_S)
-            except UNAVAILABLE_ERRORS as e:
-                log.warning("could not note the chat's worker: %s", type(e).__name__)
+            except Exception as e:  # Redis away or full (or a bug, logged as one): the turn runs anyway
+                if is_transient(e):
+                    log.warning("could not note the chat's worker: %s", type(e).__name__)
+                else:
+                    log.exception("noting the chat's worker failed")
         nothing = Usage(0, claim.seq)
         if claim.attempts > self.settings.max_attempts:
             await self._finish_error(run, "worker_lost", f"gave up after {claim.attempts - 1} attempts", nothing)

@@ -413,10 +413,11 @@ local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local left = tonumber(ARGV[4]) - (now_ms - tonumber(string.match(ARGV[3], '^(%d+)')))
 if left <= 0 then return 'take' end
-redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', math.max(0, tonumber(ARGV[5]) - left), 'JUSTID')
+-- The XADD first: with Redis full it is refused before anything is written (XCLAIM would not be).
 local inbox = ARGV[6] .. owner
 redis.call('XADD', inbox, 'MAXLEN', '~', 1000, '*', 'sid', ARGV[7], 'jid', ARGV[3])
 redis.call('EXPIRE', inbox, 86400)
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', math.max(0, tonumber(ARGV[5]) - left), 'JUSTID')
 return 'deferred'
 """
 

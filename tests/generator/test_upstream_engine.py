@@ -180,7 +180,7 @@ def test_openai_requests_carry_every_field() -> None:
     assert path == "/v1/chat/completions"
     assert body == {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 100,
                     "temperature": 0.7, "top_p": 0.9, "model": "m", "seed": 42, "stop": ["\n\n", "END"],
-                    "messages": STORY}
+                    "messages": STORY, "prompt_cache_key": f"rsb-{req.affinity()}"}
     path, body = openai_request(_request(prompt="Once"), prefix_text=" upon", max_tokens=5, model=None)
     assert path == "/v1/completions"
     assert body["prompt"] == "Once upon" and "model" not in body and "seed" not in body and "stop" not in body
