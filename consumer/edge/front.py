@@ -43,17 +43,21 @@ class FrontDoor:
         if m is None or self.cors:
             await self.app(scope, receive, send)
             return
-        # One frame, not two: it stays suspended under every open reader.
-        scope["path_params"] = {"stream_id": m.group(1)}
+        # This frame stays suspended under every open reader for as long as it reads: it keeps only the
+        # response. The match, the Request and the handler's frame are gone by then (_respond returns).
+        response = await self._respond(scope, receive, m.group(1))
+        await response(scope, receive, send)
+
+    async def _respond(self, scope: Scope, receive: Receive, stream_id: str) -> Response:
+        """The route's response, or its error's (a 401 before anything else)."""
+        scope["path_params"] = {"stream_id": stream_id}
         request = Request(scope, receive)
         try:
             if self.keys.enabled:
                 try:
                     scope["rsb.key_id"] = await authenticate(self.keys, scope)
                 except Unauthorized as e:
-                    await unauthorized(e)(scope, receive, send)
-                    return
-            response = await self.events(request)
+                    return unauthorized(e)
+            return await self.events(request)
         except Exception as exc:  # the app's one error boundary, as its exception handlers answer
-            response = await error_for(request, exc)
-        await response(scope, receive, send)
+            return await error_for(request, exc)
