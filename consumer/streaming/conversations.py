@@ -139,6 +139,16 @@ class ConversationService:
                                    f"it would pass its bound of {s.conversation_max_bytes} "
                                    "(--conversation-max-bytes); start a new conversation")
 
+    def _check_bounds(self, caller: Caller, messages: Sequence[Message], lead: int, what: str, tail: str) -> None:
+        """``conversation_full`` when the assembled ``messages`` (history included) pass the caller's request
+        limits; the history is what made them too long. ``tail`` ends the message's bounds."""
+        limits = self.service.limits_for(caller)
+        chars = sum(len(m.content) for m in messages)
+        if len(messages) > limits.max_messages + lead or chars > limits.max_prompt_chars:
+            raise ConversationFull(
+                f"{what} make {len(messages)} messages of {chars} characters, past this server's bounds "
+                f"({limits.max_messages} messages, {limits.max_prompt_chars} characters{tail}")
+
     def assemble(self, caller: Caller, conv: Conversation, request: GenerationRequest, lead: int,
                  message_ids: Sequence[str], answer_id: str | None = None) -> GenerationRequest:
         """The request the engine gets: this request's instructions (``messages[:lead]``), the conversation's
@@ -149,13 +159,8 @@ class ConversationService:
         self._check_size(conv, request.messages[lead:])
         history = as_messages(history_messages(conv.turns))
         messages = (*request.messages[:lead], *history, *request.messages[lead:])
-        limits = self.service.limits_for(caller)
-        chars = sum(len(m.content) for m in messages)
-        if len(messages) > limits.max_messages + lead or chars > limits.max_prompt_chars:
-            raise ConversationFull(
-                f"this conversation's history and the new messages make {len(messages)} messages of {chars} "
-                f"characters, past this server's bounds ({limits.max_messages} messages, {limits.max_prompt_chars} "
-                "characters: --max-messages, --max-prompt-chars); start a new conversation")
+        self._check_bounds(caller, messages, lead, "this conversation's history and the new messages",
+                           ": --max-messages, --max-prompt-chars); start a new conversation")
         return dataclasses.replace(request, messages=messages, history=History(
             lead=lead, start=lead + len(history), conversation=conv.name, tenant=conv.key_id, version=conv.version,
             turn=conv.count, message_ids=tuple(message_ids), answer_id=answer_id))
@@ -235,11 +240,6 @@ class ConversationService:
         output, _, _ = output_of(await self.service.events_so_far(previous))
         history = [*prev.messages[prev_lead:], *([] if output.empty else as_messages([output.message()]))]
         messages = (*request.messages[:lead], *history, *request.messages[lead:])
-        limits = self.service.limits_for(caller)
-        chars = sum(len(m.content) for m in messages)
-        if len(messages) > limits.max_messages + lead or chars > limits.max_prompt_chars:
-            raise ConversationFull(
-                f"the previous responses and these messages make {len(messages)} messages of {chars} characters, "
-                f"past this server's bounds ({limits.max_messages} messages, {limits.max_prompt_chars} characters)")
+        self._check_bounds(caller, messages, lead, "the previous responses and these messages", ")")
         return dataclasses.replace(request, messages=messages,
                                    history=History(lead=lead, start=lead + len(history), previous=str(previous)))
