@@ -27,6 +27,7 @@ EVENTS_SUFFIX = ":events"
 CHANNEL_SUFFIX = ":live"
 # One channel for workers that want cancel requests without waiting for their next append.
 _CONTROL = "ctl"
+_TENANT_INFIX = ":tenant:"
 
 
 def partition_of(stream_id: uuid.UUID, partitions: int) -> int:
@@ -85,7 +86,12 @@ class StreamKeys:
     def tenant(self, principal: str) -> str:
         """Hash of one caller's counters in this partition: ``active`` (unfinished generations) and ``tat``
         (the create-rate limiter's theoretical arrival time, ms). ``principal`` comes from ``principal()``."""
-        return f"{self._tag}:tenant:{principal or '-'}"
+        return f"{self._tag}{_TENANT_INFIX}{principal or '-'}"
+
+    def principal_of(self, tenant_key: str) -> str:
+        """The principal a ``tenant()`` key names ('' for none)."""
+        _, found, name = tenant_key.rpartition(_TENANT_INFIX)
+        return name if found and name != "-" else ""
 
     @property
     def aborted(self) -> str:

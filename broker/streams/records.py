@@ -80,6 +80,9 @@ class Claim:
     model: str
     seq: int
     job_id: str
+    # Whom the stream is charged to (broker.streams.keys.principal: the API key id, or ``a:`` and a digest of
+    # the client's address): the scheduler's fair-share unit, and the scope of what a worker caches for it.
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)

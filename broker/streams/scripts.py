@@ -207,7 +207,7 @@ CLAIM = PRELUDE + _APPEND_EVENT + """
 -- KEYS: meta, qstats, jobs
 -- ARGV: worker, now_s, group, stream_key_prefix, position_updates, meta_suffix, events_suffix, channel_suffix
 --   (a waiting stream's keys: prefix .. id .. suffix, broker.streams.keys)
--- Reply: {'gone'} | {'finished'} | {'claimed', fence, attempts, req, cancel, model, seq, jid}
+-- Reply: {'gone'} | {'finished'} | {'claimed', fence, attempts, req, cancel, model, seq, jid, tenant key}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'gone'} end
 local st = redis.call('HGET', KEYS[1], 'status')
 if ended(st) then return {'finished'} end
@@ -245,8 +245,8 @@ if last then
     end
   end
 end
-local m = redis.call('HMGET', KEYS[1], 'req', 'cancel', 'model', 'seq', 'jid')
-return {'claimed', fence, attempts, m[1], m[2] or '', m[3] or '', m[4] or '0', m[5]}
+local m = redis.call('HMGET', KEYS[1], 'req', 'cancel', 'model', 'seq', 'jid', 'tenant')
+return {'claimed', fence, attempts, m[1], m[2] or '', m[3] or '', m[4] or '0', m[5], m[6] or ''}
 """
 
 # Closes: a zombie (a worker that lost its lease) appending after the new owner, and an append landing

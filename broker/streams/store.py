@@ -346,9 +346,10 @@ class Store:
         tag = reply_text(res[0])
         if tag != "claimed":
             return Unclaimable.GONE if tag == "gone" else Unclaimable.FINISHED
-        _, fence, attempts, req, cancel, model, seq, jid = res
+        _, fence, attempts, req, cancel, model, seq, jid, tenant = res
         return Claim(stream_id, k, int(fence), int(attempts), GenerationRequest.from_canonical(req),
-                     reply_text(cancel), reply_text(model), int(seq), reply_text(jid))
+                     reply_text(cancel), reply_text(model), int(seq), reply_text(jid),
+                     tenant=k.principal_of(reply_text(tenant)))
 
     async def append(self, claim: Claim, seq_before: int, seq_after: int,
                      events: Sequence[tuple[str, bytes]]) -> AppendResult:

@@ -17,6 +17,7 @@ from broker.events import EventType, encode_data
 from broker.redis.connection import connect
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
+from broker.streams.keys import principal
 from broker.streams.records import Claim, Quota, Unclaimable
 from broker.streams.store import Store
 
@@ -232,3 +233,12 @@ async def test_a_script_flush_is_not_an_error_every_script_is_loaded_again(store
     events = await store.read(sid, None)
     assert [e.type for e in events] == ["queued", "delta", "delta", "done"]
     assert [e.json()["text"] for e in events if e.type == "delta"] == ["a", "b"]
+
+
+async def test_a_claim_names_the_tenant_its_stream_is_charged_to(store: Store) -> None:
+    keyed, anonymous = uuid.uuid4(), uuid.uuid4()
+    await store.create(keyed, REQ, default_model="m", max_queue=0, retention_s=60, key_id="alice")
+    await store.create(anonymous, REQ, default_model="m", max_queue=0, retention_s=60,
+                       quota=Quota(principal=principal("", "10.0.0.7")))
+    assert (await _claimed(store, keyed)).tenant == "alice"
+    assert (await _claimed(store, anonymous)).tenant == principal("", "10.0.0.7")
