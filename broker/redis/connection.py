@@ -14,6 +14,7 @@ streams) is grouped per slot by the generator and per node by the consumer's liv
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
@@ -233,6 +234,26 @@ def _retry(retries: int) -> Retry:
                  supported_errors=(RedisConnectionError, RedisTimeoutError))
 
 
+# Where redis-py's own code lives: an AttributeError raised in there is a connection closed under a command.
+_REDIS_PY_DIR = os.path.dirname(redis_sync.__file__)
+
+
+def _closed_under_the_command(exc: BaseException) -> bool:
+    """Whether ``exc`` is redis-py's cluster client using a connection that another task has just closed.
+
+    redis-py 8's RedisCluster calls its own ``aclose()`` when a command meets CLUSTERDOWN or an uncovered slot
+    (and, unless ``reinitialize_steps=0``, after every fifth MOVED), which disconnects every connection of every
+    node, those that other commands are using at that instant included: a command between connecting and writing
+    then finds its writer gone (``'NoneType' object has no attribute 'writelines'``). It is the same event as a
+    dropped connection, so it is reported as one; an AttributeError raised anywhere else is a bug and stays one."""
+    if not isinstance(exc, AttributeError) or "NoneType" not in str(exc):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_REDIS_PY_DIR)
+
+
 class _GatedPipeline(ClusterPipeline):
     """A cluster pipeline that waits for the client's gate like a single command does."""
 
@@ -240,14 +261,27 @@ class _GatedPipeline(ClusterPipeline):
         client = self.cluster_client
         assert isinstance(client, BoundedRedisCluster)
         async with client.gate:
-            return await super().execute(raise_on_error, allow_redirections)
+            try:
+                return await super().execute(raise_on_error, allow_redirections)
+            except AttributeError as e:
+                if not _closed_under_the_command(e):
+                    raise
+                raise RedisConnectionError(f"connection closed under the pipeline ({e})") from e
 
 
 class BoundedRedisCluster(RedisCluster):
-    """redis-py's async cluster client raises MaxConnectionsError once a node's ``max_connections`` are
-    busy, where the standalone BlockingConnectionPool waits for one. A burst of requests must queue, not
-    fail: a semaphore of the same size gates every command and pipeline, so a node never needs more than
-    ``max_connections`` connections (each command uses one connection of one node at a time)."""
+    """redis-py's async cluster client, made safe for many concurrent callers.
+
+    - redis-py raises MaxConnectionsError once a node's ``max_connections`` are busy, where the standalone
+      BlockingConnectionPool waits for one. A burst of requests must queue, not fail: a semaphore of the same size
+      gates every command and pipeline, so a node never needs more than ``max_connections`` connections (each
+      command uses one connection of one node at a time).
+    - A command sent before the client has read the slot map is routed as if it had no key (redis-py decides the
+      route before it initializes): to one node, which answers MOVED. Many first commands at once made as many
+      MOVEDs, and redis-py's answer to every fifth (``reinitialize_steps``) closes every connection in use
+      (``_closed_under_the_command``). So the slot map is read before the first command is routed, and MOVED only
+      updates the slot it names (``reinitialize_steps=0``, set in ``_cluster``); a connection error, a failover
+      (READONLY) or CLUSTERDOWN still reads the whole map again."""
 
     gate: asyncio.Semaphore
     source_url: str
@@ -255,12 +289,18 @@ class BoundedRedisCluster(RedisCluster):
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self.gate:
             try:
+                if self._initialize:
+                    await self.initialize()
                 return await super().execute_command(*args, **kwargs)
             except (ReadOnlyError, MasterDownError):
                 # A node that was a master is a replica now (a failover redis-py has not seen yet): read the
                 # slot map again before the caller's retry, instead of retrying the same node.
                 self._initialize = True
                 raise
+            except AttributeError as e:
+                if not _closed_under_the_command(e):
+                    raise
+                raise RedisConnectionError(f"connection closed under the command ({e})") from e
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
         if shard_hint:
@@ -299,6 +339,7 @@ def _cluster(url: str, *, max_connections: int, retries: int, socket_timeout: fl
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_keepalive=True,
         retry=_retry(max(1, retries)),
+        reinitialize_steps=0,  # MOVED updates its slot only: see BoundedRedisCluster
     )
     assert isinstance(client, BoundedRedisCluster)
     client.gate = asyncio.Semaphore(max_connections)

@@ -1,18 +1,20 @@
 """broker.redis.connection against real servers: a redis+sentinel:// URL follows a primary failover that Redis
-Sentinel (``redis-server --sentinel``) carries out."""
+Sentinel (``redis-server --sentinel``) carries out; a fresh Redis Cluster client takes many concurrent first
+commands (redis-py alone failed some of them)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
-from servers import PrimaryReplica
+from servers import PrimaryReplica, RedisClusterServers
 
-from broker.redis.connection import connect, is_sentinel_url
+from broker.redis.connection import RedisClient, connect, is_sentinel_url, register_script
 from broker.redis.server import find_server_binary, free_port
 
 pytestmark = pytest.mark.slow
@@ -105,3 +107,33 @@ def test_a_sentinel_urls_credentials_are_percent_decoded() -> None:
     assert sentinel_auth(urlsplit("redis+sentinel://:secret@h1:26379/mymaster")) == {"username": None,
                                                                                       "password": "secret"}
     assert sentinel_auth(urlsplit("redis+sentinel://h1:26379/mymaster")) == {}
+
+
+async def _incr_in_one_pipeline(r: RedisClient, keys: list[str]) -> None:
+    async with r.pipeline(transaction=False) as pipe:
+        for k in keys:
+            pipe.incr(k)
+        assert all(isinstance(n, int) for n in await pipe.execute())
+
+
+async def test_many_concurrent_first_commands_of_a_cluster_client_all_succeed(
+        redis_cluster: RedisClusterServers, cluster_client: redis.RedisCluster) -> None:
+    """A pod or a worker starts and its first burst (readers attaching, creates, polls) meets a client that has no
+    slot map and no connection yet. redis-py 8.1 routed those first commands without their slot (MOVED), closed
+    every connection in use after five MOVEDs, and the commands caught mid-handshake died with
+    ``AttributeError: 'NoneType' object has no attribute 'writelines'`` (in about a quarter of these commands
+    here, every trial). Each trial is a fresh client: scripts, pipelines and plain commands over every master."""
+    keys = [f"{{p{i}}}first-use" for i in range(12)]  # twelve hash tags: every master owns some
+    for trial in range(15):
+        r = connect(redis_cluster.url, max_connections=8)
+        script = register_script(r, "return redis.call('INCR', KEYS[1])")
+        try:
+            calls: list[Awaitable[Any]] = [r.incr(keys[i % 12]) for i in range(20)]
+            calls += [script(keys=[keys[i % 12]], args=[]) for i in range(10)]
+            calls += [_incr_in_one_pipeline(r, [keys[(i + j) % 12] for j in range(3)]) for i in range(10)]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            failed = [repr(x) for x in results if isinstance(x, BaseException)]
+            assert not failed, (trial, failed)
+        finally:
+            await r.aclose()
+    assert sum(int(cluster_client.get(k) or 0) for k in keys) == 15 * (20 + 10 + 30)
