@@ -54,6 +54,9 @@ async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
                 log.error("touching the streams being read failed: %s", type(e).__name__, exc_info=e)
 
 
+# How long the start waits for Redis's maxmemory (the default storage quota) before going on without it.
+MAXMEMORY_READ_S = 3.0
+
 # How long a create or cancel waits for a replica (durability replicated) before answering 503.
 REPLICA_PATIENCE_S = 5.0
 
@@ -96,6 +99,10 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)
         toucher = asyncio.create_task(_touch_readers(store, hub, interval_s), name="touch-readers")
+        # Before the first create (a small Redis means a small quota); a Redis away at start is read later.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(service.read_storage_default(), MAXMEMORY_READ_S)
+        memory = asyncio.create_task(service.follow_maxmemory(), name="follow-maxmemory")
         scrapes = None
         try:
             if settings.scrape_port:  # in the try: a port in use stops the start with everything closed
@@ -107,7 +114,8 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
                 scrapes.close()
             drain.set()
             toucher.cancel()
-            await asyncio.gather(toucher, return_exceptions=True)
+            memory.cancel()
+            await asyncio.gather(toucher, memory, return_exceptions=True)
             await hub.stop()
             await store.aclose()
             await redis.aclose()

@@ -110,10 +110,11 @@ class ConsumerSettings(Settings):
     max_conversations: int = setting(
         1000, "conversations one caller (as for --max-active) may hold; more get 429 too_many_conversations (0 = "
         "no bound; a key's limits.max_conversations overrides)")
-    storage_quota_bytes: int = setting(
-        256 * 1024 * 1024, "bytes one caller (as for --max-active) may hold in Redis: its Durable Streams' data "
+    storage_quota_bytes: int | None = setting(
+        None, "bytes one caller (as for --max-active) may hold in Redis: its Durable Streams' data "
         "(forks at their full size) and its streams' request bodies while they are kept; writes past it get 429 "
-        "storage_quota (0 = no bound; a key's limits.storage_quota_bytes overrides)")
+        "storage_quota (default: an eighth of Redis's maxmemory, re-read every minute, at most 256 MiB; 256 MiB "
+        "without maxmemory; 0 = no bound; a key's limits.storage_quota_bytes overrides)")
     # Durable Streams at /v1/stream/ (consumer/views/durable, docs/protocol.md).
     ds_long_poll_timeout_s: float = setting(
         20.0, "Durable Streams: how long a long-poll waits for data before its 204 (keep it under every proxy's "

@@ -95,10 +95,19 @@ class _Progress:
     error: BaseException | None = None
     stopped: bool = False  # a stop sequence ended it
     finish_reason: str | None = None
+    lost_runs: int = 0  # earlier attempts that had started the generation and were lost (a crash, a lost lease)
+    claimed_seq: int = 0  # tokens the stream held when this attempt claimed it
 
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens or 0, self.tokens, self.t_start, self.first_token_at, self.last_token_at,
                      self.cached_tokens)
+
+    def wasted(self) -> int:
+        """What the lost attempts computed that is not kept, as this attempt knows it: each one's prefill of the
+        prompt (this attempt prefilled the prompt and the answer it continues from; less that answer, the prompt's
+        part). The answer tokens a lost attempt decoded and never appended are its own to report (Store.add_wasted:
+        a worker fenced out, or handing over) or, SIGKILLed, unknown: at most one append's worth."""
+        return self.lost_runs * max(0, (self.prompt_tokens or 0) - self.claimed_seq)
 
 
 def _past(progress: _Progress, deadline_s: float) -> bool:
@@ -182,7 +191,8 @@ class JobRunner:
         """Generate until the terminal event: one segment, or several when the generation parks (generator.slots)
         and continues, each from what the stream holds; the lease is kept all along."""
         s = self.settings
-        progress = _Progress(seq=run.claim.seq, t_start=time.monotonic(), tokens=run.claim.seq)
+        progress = _Progress(seq=run.claim.seq, t_start=time.monotonic(), tokens=run.claim.seq,
+                             claimed_seq=run.claim.seq)
         renewer = asyncio.create_task(keep_lease(run, self.store, self.worker_id, s.lease_s, s.disconnect_grace_s))
         try:
             while await self._segment(run, progress):
@@ -202,29 +212,34 @@ class JobRunner:
             renewer.cancel()
             await asyncio.wait({renewer}, timeout=RENEWER_STOP_S)
         claim = run.claim
+        if run.fenced_out or run.handing_over:
+            await self._report_wasted(run, progress.tokens - progress.seq)
         if run.fenced_out:
             log.warning("lost the lease; another worker owns the stream", extra={"stream_id": str(claim.stream_id)})
             return
         if run.handing_over:
             await self._hand_over(run)
             return
+        wasted = progress.wasted()
         compute_s = progress.compute_s
         usage = progress.usage()
         deadline = s.max_generation_s
         error = progress.error
         if run.failure is not None:
-            await self._finish_error(run, INTERNAL, _describe(run.failure), usage, compute_s)
+            await self._finish_error(run, INTERNAL, _describe(run.failure), usage, compute_s, wasted)
         elif run.cancel_reason and not progress.stopped:
-            await self._finish_cancelled(run, run.cancel_reason, usage, compute_s)
+            await self._finish_cancelled(run, run.cancel_reason, usage, compute_s, wasted)
         elif run.deadline_hit:
-            await self._finish_error(run, "deadline", f"generation exceeded {deadline:g} s", usage, compute_s)
+            await self._finish_error(run, "deadline", f"generation exceeded {deadline:g} s", usage, compute_s, wasted)
         elif error is not None:
             log.error("engine failed: %s", type(error).__name__, extra={"stream_id": str(claim.stream_id)})
-            await self._finish_error(run, error_code(error), str(error) or type(error).__name__, usage, compute_s)
+            await self._finish_error(run, error_code(error), str(error) or type(error).__name__, usage, compute_s,
+                                     wasted)
         else:
             reason = FinishReason.STOP if progress.stopped else (progress.finish_reason or FinishReason.STOP)
             u = usage.as_dict()
-            await self._finish(run, EventType.DONE, {"finish_reason": reason, "usage": u}, "done", u)
+            await self._finish(run, EventType.DONE, {"finish_reason": reason, "usage": u}, "done", u, reason,
+                               compute_s, wasted)
 
     async def _segment(self, run: Run, progress: _Progress) -> bool:
         """Run the engine from what the stream holds until the generation ends, or parks: True when it parked
@@ -234,6 +249,8 @@ class JobRunner:
         watch = run.watch
         so_far = await until_done(lambda: self._answer_so_far(claim))
         prefix, started, partial = so_far.text, so_far.started, so_far.partial
+        if started and progress.prompt_tokens is None:
+            progress.lost_runs = run.claim.attempts - 1  # each claimed it before and started (or was going to)
         if not started:
             with watch:  # stalled: nothing runs yet, so the slot goes back at once
                 if not await self._append(run, progress.seq, progress.seq, [started_event(self.engine.name)]):
@@ -360,11 +377,11 @@ class JobRunner:
     # -- terminal events -----------------------------------------------------------------------
 
     async def _finish(self, run: Run, etype: str, data: dict[str, Any], status: str, usage: dict[str, Any],
-                      reason: str = "", compute_s: float = 0.0) -> None:
+                      reason: str = "", compute_s: float = 0.0, wasted: int = 0) -> None:
         with run.watch:  # stalled (no replica, its shard down): it needs no slot meanwhile
             eid = await until_done(lambda: self.store.finish(
                 run.claim, etype, data, status=status, usage=usage, model=self.engine.name, reason=reason,
-                compute_s=compute_s), "finish failed")
+                compute_s=compute_s, wasted_tokens=wasted), "finish failed")
         if eid is None:
             run.fenced_out = True
         else:
@@ -386,12 +403,24 @@ class JobRunner:
             log.exception("folding the turn into its conversation failed",
                           extra={"stream_id": str(run.claim.stream_id)})
 
-    async def _finish_cancelled(self, run: Run, reason: str, usage: Usage, compute_s: float) -> None:
+    async def _finish_cancelled(self, run: Run, reason: str, usage: Usage, compute_s: float, wasted: int = 0) -> None:
         u = usage.as_dict()
         await self._finish(run, EventType.CANCELLED, {"reason": reason, "usage": u}, "cancelled", u, reason,
-                           compute_s)
+                           compute_s, wasted)
 
-    async def _finish_error(self, run: Run, code: str, message: str, usage: Usage, compute_s: float = 0.0) -> None:
+    async def _finish_error(self, run: Run, code: str, message: str, usage: Usage, compute_s: float = 0.0,
+                            wasted: int = 0) -> None:
         u = usage.as_dict()
         await self._finish(run, EventType.ERROR, {"code": code, "message": message, "usage": u}, "error", u,
-                           code, compute_s)
+                           code, compute_s, wasted)
+
+    async def _report_wasted(self, run: Run, tokens: int) -> None:
+        """Tokens this attempt computed that the stream will not hold (it lost its lease, or hands the job over):
+        the usage record's ``wasted_tokens``, once the stream ends. Best effort: Redis away, they go unreported."""
+        if tokens <= 0:
+            return
+        try:
+            await self.store.add_wasted(run.claim, tokens)
+        except Exception as e:
+            if not is_transient(e):
+                log.exception("reporting wasted tokens failed")

@@ -21,12 +21,43 @@ append to a Durable Stream whose path it knows): an item's charge lives in one p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from broker.redis.connection import REFUSE_WHEN_FULL
+from redis.asyncio.cluster import RedisCluster
+
+from broker.redis.connection import REFUSE_WHEN_FULL, RedisClient, is_cluster
 from broker.redis.keyspace import tagged
 
 #: Expired items swept per charging call: bounds the call's time in Redis.
 SWEEP_MAX = 64
+#: The default quota of a caller when Redis has no ``maxmemory`` (or it cannot be read).
+FIXED_DEFAULT_BYTES = 256 * 1024 * 1024
+#: With ``maxmemory`` set, the default quota of a caller is this fraction of it (never more than the fixed default):
+#: the bytes counted are the data a caller wrote, and what Redis holds for them (entries, hashes, the streams'
+#: events) comes on top, so one caller at its bound holds well under a fifth of Redis (docs/security.md: measured).
+MAXMEMORY_FRACTION = 1 / 8
+
+
+def default_quota_bytes(maxmemory: int) -> int:
+    """A caller's quota when no ``--storage-quota-bytes`` is given, for a Redis of ``maxmemory`` bytes (0: none)."""
+    if maxmemory <= 0:
+        return FIXED_DEFAULT_BYTES
+    return max(1, min(FIXED_DEFAULT_BYTES, int(maxmemory * MAXMEMORY_FRACTION)))
+
+
+async def read_maxmemory(redis: RedisClient) -> int:
+    """Redis's ``maxmemory`` in bytes (0: none), from INFO (which managed services answer where CONFIG is disabled);
+    on a cluster, the smallest primary's (each holds its partitions' shares). Raises what the command raises."""
+    if is_cluster(redis):
+        replies: Any = await redis.info("memory", target_nodes=RedisCluster.PRIMARIES)
+    else:
+        replies = await redis.info("memory")
+    if isinstance(replies, dict) and "maxmemory" not in replies:  # {node: info} from several primaries
+        values = [int(r.get("maxmemory", 0)) for r in replies.values() if isinstance(r, dict)]
+    else:
+        values = [int(replies.get("maxmemory", 0))]
+    bounded = [v for v in values if v > 0]
+    return min(bounded) if bounded else 0
 
 
 @dataclass(frozen=True, slots=True)

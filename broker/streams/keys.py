@@ -94,8 +94,12 @@ class StreamKeys:
         return name if found and name != "-" else ""
 
     @property
-    def aborted(self) -> str:
-        return aborted_log_key(self.partition, self.partitions)
+    def usage_index(self) -> str:
+        return usage_index_key(self.partition, self.partitions)
+
+    @property
+    def usage_prefix(self) -> str:
+        return usage_log_prefix(self.partition, self.partitions)
 
     @property
     def aborted_totals(self) -> str:
@@ -153,8 +157,26 @@ def control_channel(partition: int, partitions: int) -> str:
 
 
 def aborted_log_key(partition: int, partitions: int) -> str:
-    """Redis Stream of aborted-generation records (one per partition, so ``finish`` can write it atomically)."""
+    """Redis Stream of the aborted-generation records written before the usage ledger held them (read by the
+    aborted report, never written any more: the report is a view of the ledger)."""
     return f"{tagged(partition, partitions)}:aborted"
+
+
+def usage_log_prefix(partition: int, partitions: int) -> str:
+    """``<prefix><key id or '-'>``: Redis Stream of the usage records of one API key's generations in this
+    partition (broker.streams.usage), written by the terminal event's own script, which builds the name from the
+    stream's ``key_id``."""
+    return f"{tagged(partition, partitions)}:usage:"
+
+
+def usage_log_key(partition: int, partitions: int, key_id: str) -> str:
+    return f"{usage_log_prefix(partition, partitions)}{key_id or '-'}"
+
+
+def usage_index_key(partition: int, partitions: int) -> str:
+    """Sorted set of the key ids ('-' for none) with usage records in this partition, scored by their last record
+    (Unix ms): the keys a report of every key reads."""
+    return f"{tagged(partition, partitions)}:usage-keys"
 
 
 def aborted_totals_key(partition: int, partitions: int) -> str:

@@ -1,7 +1,8 @@
 """The aborted-generation report: what cancelled, abandoned and failed generations cost.
 
-Records are written atomically with each stream's terminal event (broker.streams.scripts) into one Redis Stream
-per partition; entry ids are millisecond timestamps, so a time range is an id range.
+A view of the usage ledger (broker.streams.usage): its records whose status is not ``done``, with what each saved
+(``max_tokens`` less the tokens it made). Records written before the ledger existed, in the partition's aborted log
+(broker.streams.keys.aborted_log_key), are read too, so an upgrade changes no figure.
 """
 
 from __future__ import annotations
@@ -9,18 +10,17 @@ from __future__ import annotations
 import csv
 import io
 import re
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
 from broker.errors import InvalidRequest
 from broker.redis.connection import RedisClient
+from broker.streams import usage
 from broker.streams.keys import aborted_log_key, aborted_totals_key
 
 GROUP_BYS = ("reason", "model", "day")
 COUNTERS = ("streams", "prompt_tokens", "completion_tokens", "tokens_saved", "compute_s")
-PAGE = 5000
-_MAX_MS = 2**63 - 1
 _UNIX_SECONDS = re.compile(r"\A[0-9]{1,12}(\.[0-9]{1,9})?\Z")
 
 
@@ -39,21 +39,36 @@ def parse_time(raw: str | None, name: str) -> float | None:
     return dt.timestamp()
 
 
-def _key(record: dict[bytes, bytes], group_by: str) -> str:
+def _key(record: dict[str, str], group_by: str) -> str:
     if group_by == "day":
-        return datetime.fromtimestamp(float(record[b"ts"]), UTC).strftime("%Y-%m-%d")
-    return record.get(group_by.encode(), b"").decode()
+        return datetime.fromtimestamp(float(record["ts"]), UTC).strftime("%Y-%m-%d")
+    return record.get(group_by, "")
 
 
 def _zero() -> dict[str, float]:
     return dict.fromkeys(COUNTERS, 0)
 
 
-def _add(acc: dict[str, float], record: dict[bytes, bytes]) -> None:
+def _add(acc: dict[str, float], record: dict[str, str]) -> None:
     acc["streams"] += 1
     for c in ("prompt_tokens", "completion_tokens", "tokens_saved"):
-        acc[c] += int(record.get(c.encode(), b"0"))
-    acc["compute_s"] += float(record.get(b"compute_s", b"0"))
+        acc[c] += int(record.get(c) or 0)
+    acc["compute_s"] += float(record.get("compute_s") or 0)
+
+
+async def _aborted(redis: RedisClient, partitions: int, since: float | None, until: float | None,
+                   key_id: str | None) -> AsyncIterator[dict[str, str]]:
+    """Every aborted record in range: the ledger's (status not done), then the old log's."""
+    async for record in usage.records(redis, partitions, since=since, until=until, key_id=key_id):
+        if record.get("status") == "done":
+            continue
+        saved = max(0, int(record.get("max_tokens") or 0) - int(record.get("completion_tokens") or 0))
+        yield {**record, "tokens_saved": str(saved)}
+    lo, hi = usage.id_range(since, until)
+    for p in range(partitions):
+        async for record in usage.page_entries(redis, aborted_log_key(p, partitions), lo, hi):
+            if key_id is None or record.get("key_id", "") == key_id:
+                yield record
 
 
 async def aborted_report(redis: RedisClient, partitions: int, *, since: float | None = None, until: float | None = None,
@@ -61,23 +76,11 @@ async def aborted_report(redis: RedisClient, partitions: int, *, since: float | 
     """Aggregate the aborted records in [since, until]; only ``key_id``'s when given (a tenant's view)."""
     if group_by not in GROUP_BYS:
         raise InvalidRequest(f"'group_by' must be one of {', '.join(GROUP_BYS)}")
-    # Entry ids are "<unix ms>-<seq>": clamp the range to what ids can hold.
-    lo = "-" if since is None else f"{min(max(0, int(since * 1000)), _MAX_MS)}-0"
-    hi = "+" if until is None else f"{min(max(0, int(until * 1000)), _MAX_MS)}-{2**64 - 1}"
     groups: dict[str, dict[str, float]] = {}
     total = _zero()
-    for p in range(partitions):
-        start = lo
-        while True:
-            entries: Any = await redis.xrange(aborted_log_key(p, partitions), min=start, max=hi, count=PAGE)
-            for _, record in entries:
-                if key_id is not None and record.get(b"key_id", b"").decode() != key_id:
-                    continue
-                _add(groups.setdefault(_key(record, group_by), _zero()), record)
-                _add(total, record)
-            if len(entries) < PAGE:
-                break
-            start = "(" + entries[-1][0].decode()
+    async for record in _aborted(redis, partitions, since, until, key_id):
+        _add(groups.setdefault(_key(record, group_by), _zero()), record)
+        _add(total, record)
     rows = [{group_by: k, **_rounded(v)} for k, v in sorted(groups.items())]
     return {"group_by": group_by, "since": since, "until": until, "rows": rows, "total": _rounded(total)}
 

@@ -7,7 +7,9 @@ reads it back: a conversation's turn, a Responses response), ``model``, ``max_to
 appended), ``cancel`` (reason of a pending cancel), ``last_id`` (terminal event id), ``usage`` (JSON),
 ``finished_at``, ``key_id``, ``retention_s``, ``abandon_s``, ``cod`` (cancel_on_disconnect),
 ``seen`` (last time a reader was connected, refreshed by consumer pods), ``read`` (ever read), ``tenant`` (the
-key of the creating caller's counters, ``StreamKeys.tenant``), ``wm``/``wb`` (broker.streams.replication).
+key of the creating caller's counters, ``StreamKeys.tenant``), ``wm``/``wb`` (broker.streams.replication),
+``wasted`` (tokens lost attempts computed and the stream does not hold), read with ``tier`` and ``started_at`` by
+the usage record (broker.streams.usage) that FINISH and CANCEL write with the terminal event.
 
 Every appended event is also PUBLISHed on the stream's live channel as ``<id>\\n<type>\\n<data>`` so
 consumer pods can tail thousands of streams over one pub/sub connection; the stream stays the source of
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 from broker.events import DATA_FIELD, PAYLOAD_SEPARATOR, TERMINAL_TYPES, TYPE_FIELD
 from broker.redis.quota import QUOTA_LUA
+from broker.streams.usage import RECORD_USAGE_LUA
 
 
 def lua_string(value: bytes | str) -> str:
@@ -72,15 +75,11 @@ local function append_event(events, channel, etype, data)
 end
 """
 
-# Shared Lua: record an aborted generation in the partition's log and running totals (for the report
-# and /metrics). Arguments: meta fields (model, max_tokens, key_id), the record's own values.
+# Shared Lua: count an aborted generation in the partition's running totals (for /metrics; the aborted report
+# reads the usage ledger). Arguments: meta field max_tokens, the record's own values.
 _RECORD_ABORT = """
-local function record_abort(log_key, totals_key, sid, ts, status, reason, model, max_tokens, key_id,
-                            prompt_tokens, completion_tokens, compute_s)
+local function record_abort(totals_key, reason, max_tokens, prompt_tokens, completion_tokens, compute_s)
   local saved = math.max(0, tonumber(max_tokens or '0') - tonumber(completion_tokens))
-  redis.call('XADD', log_key, 'MAXLEN', '~', 1000000, '*', 'sid', sid, 'ts', ts, 'status', status,
-    'reason', reason, 'model', model or '', 'max_tokens', max_tokens or '0', 'prompt_tokens', prompt_tokens,
-    'completion_tokens', completion_tokens, 'tokens_saved', saved, 'compute_s', compute_s, 'key_id', key_id or '')
   redis.call('HINCRBY', totals_key, reason .. '|streams', 1)
   redis.call('HINCRBY', totals_key, reason .. '|prompt_tokens', prompt_tokens)
   redis.call('HINCRBY', totals_key, reason .. '|completion_tokens', completion_tokens)
@@ -295,10 +294,11 @@ return out
 
 # Closes: two terminal events (a zombie finishing after the new owner, or finish racing cancel-while-
 # queued), and a terminal event without its status/usage/expiry/abort record (a crash between writes).
-FINISH = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + _CLOSE + """
--- KEYS: meta, events, aborted, qstats, tombstone, aborted_totals
+FINISH = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + _CLOSE + """
+-- KEYS: meta, events, usage_index, qstats, tombstone, aborted_totals
 -- ARGV: fence, channel, type, data, status, usage, model, now_s,
---       reason, prompt_tokens, completion_tokens, compute_s, sid
+--       reason, prompt_tokens, completion_tokens, compute_s, sid, cached_tokens, wasted_tokens, ttft_ms ('': none),
+--       usage_prefix
 local m = redis.call('HMGET', KEYS[1], 'fence', 'status', 'model', 'max_tokens', 'key_id', 'retention_s',
   'claimed_at')
 if m[1] == ARGV[1] and ended(m[2]) then
@@ -318,18 +318,19 @@ local took = math.max(0, now - tonumber(m[7] or now))
 local ema = redis.call('HGET', KEYS[4], 'ema_job_s')
 if ema then took = 0.8 * tonumber(ema) + 0.2 * took end
 redis.call('HSET', KEYS[4], 'ema_job_s', string.format('%.6f', took))
+record_usage(KEYS[3], ARGV[17], KEYS[1], ARGV[13], ARGV[8], ARGV[5], ARGV[9], model, ARGV[10], ARGV[14], ARGV[11],
+  ARGV[15], ARGV[12], ARGV[16])
 if ARGV[5] ~= 'done' then
-  record_abort(KEYS[3], KEYS[6], ARGV[13], ARGV[8], ARGV[5], ARGV[9], model, m[4], m[5], ARGV[10], ARGV[11],
-    ARGV[12])
+  record_abort(KEYS[6], ARGV[9], m[4], ARGV[10], ARGV[11], ARGV[12])
 end
 return eid
 """
 
 # Closes: cancel racing claim (a queued stream cancelled while a worker claims it: exactly one of them
 # wins, and the loser sees the other's status) and two cancels racing (one terminal event).
-CANCEL = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + _CLOSE + """
--- KEYS: meta, events, qstats, aborted, tombstone, aborted_totals
--- ARGV: reason, channel, cancelled_data, usage, now_s, control_channel, sid
+CANCEL = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + _CLOSE + """
+-- KEYS: meta, events, qstats, usage_index, tombstone, aborted_totals
+-- ARGV: reason, channel, cancelled_data, usage, now_s, control_channel, sid, usage_prefix
 -- Reply: {'unknown'} | {'ended', status} (nothing to cancel) | {'cancelled'} (it was queued: now it ended)
 --   | {'requested', status} (running: its worker stops it)
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown'} end
@@ -341,12 +342,22 @@ if st == 'queued' then
   close_stream(KEYS[1], KEYS[2], KEYS[5], ARGV[2], 'cancelled', ARGV[3], 'cancelled', ARGV[4], ARGV[5],
     tonumber(m[5] or '3600'))
   redis.call('HINCRBY', KEYS[3], 'waiting', -1)
-  record_abort(KEYS[4], KEYS[6], ARGV[7], ARGV[5], 'cancelled', ARGV[1], m[2], m[3], m[4], 0, 0, 0)
+  record_usage(KEYS[4], ARGV[8], KEYS[1], ARGV[7], ARGV[5], 'cancelled', ARGV[1], m[2], 0, 0, 0, 0, 0, '')
+  record_abort(KEYS[6], ARGV[1], m[3], 0, 0, 0)
   return {'cancelled'}
 end
 if not redis.call('HGET', KEYS[1], 'cancel') then redis.call('HSET', KEYS[1], 'cancel', ARGV[1]) end
 redis.call('PUBLISH', ARGV[6], ARGV[7])
 return {'requested', st}
+"""
+
+# Tokens an attempt computed that its stream will not hold (it lost its lease, or hands its job over), added to the
+# stream's ``wasted`` for its usage record. Never creates a hash, and an ended stream's record is written: too late.
+WASTED = PRELUDE + """
+-- KEYS: meta ; ARGV: tokens
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st or ended(st) then return 0 end
+return redis.call('HINCRBY', KEYS[1], 'wasted', ARGV[1])
 """
 
 # Keeps a running job's queue entry fresh, so XAUTOCLAIM by other workers (min idle = lease) only takes

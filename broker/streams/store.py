@@ -105,6 +105,7 @@ class Store:
         self._release = register(scripts.RELEASE)
         self._touch = register(scripts.TOUCH)
         self._ack = register(scripts.ACK)
+        self._wasted = register(scripts.WASTED)
         self.affinity = ChatAffinity(redis, partitions, register)
 
     def jobs_key(self, partition: int) -> str:
@@ -283,8 +284,8 @@ class Store:
         usage = orjson.dumps(empty_usage())
         data = encode_data({"reason": reason, "usage": empty_usage()})
         res = await self._call(
-            k, self._cancel, [k.meta, k.events, k.queue_stats, k.aborted, k.tombstone, k.aborted_totals],
-            [reason, k.channel, data, usage, f"{time.time():.6f}", k.control, str(stream_id)],
+            k, self._cancel, [k.meta, k.events, k.queue_stats, k.usage_index, k.tombstone, k.aborted_totals],
+            [reason, k.channel, data, usage, f"{time.time():.6f}", k.control, str(stream_id), k.usage_prefix],
             lambda r: "" if reply_text(r[0]) in ("ended", "cancelled") else None)  # nothing comes after those
         tag = reply_text(res[0])
         if tag == "unknown":
@@ -425,16 +426,26 @@ class Store:
         return AppendResult(False, reply_text(detail))  # fenced
 
     async def finish(self, claim: Claim, etype: str, data: dict[str, Any], *, status: str,
-                     usage: dict[str, Any], model: str = "", reason: str = "", compute_s: float = 0.0) -> str | None:
-        """Append the terminal event and close the stream. None: this claim no longer owns it."""
+                     usage: dict[str, Any], model: str = "", reason: str = "", compute_s: float = 0.0,
+                     wasted_tokens: int = 0) -> str | None:
+        """Append the terminal event and close the stream, with its usage record (broker.streams.usage);
+        ``wasted_tokens``: what lost attempts computed and the stream does not hold, as this attempt knows it. None:
+        this claim no longer owns it."""
         k = claim.keys
+        ttft = usage.get("ttft_ms")
         eid = await self._call(
-            k, self._finish, [k.meta, k.events, k.aborted, k.queue_stats, k.tombstone, k.aborted_totals],
+            k, self._finish, [k.meta, k.events, k.usage_index, k.queue_stats, k.tombstone, k.aborted_totals],
             [claim.fence, k.channel, etype, encode_data(data), status, orjson.dumps(usage), model,
                   f"{time.time():.6f}", reason or status, usage.get("prompt_tokens", 0),
-                  usage.get("completion_tokens", 0), f"{compute_s:.6f}", str(claim.stream_id)],
+                  usage.get("completion_tokens", 0), f"{compute_s:.6f}", str(claim.stream_id),
+                  usage.get("cached_tokens") or 0, max(0, wasted_tokens), "" if ttft is None else f"{ttft:.3f}",
+                  k.usage_prefix],
             lambda r: None if r is None else reply_text(r))
         return None if eid is None else reply_text(eid)
+
+    async def add_wasted(self, claim: Claim, tokens: int) -> None:
+        """Count ``tokens`` this claim computed and its stream will not hold into the stream's usage record."""
+        await self._wasted(keys=[claim.keys.meta], args=[tokens])
 
     async def renew(self, claim: Claim, worker_id: str, disconnect_grace_s: float) -> AppendResult:
         """Extend the lease; the reply carries any cancel reason (incl. abandoned / disconnect)."""

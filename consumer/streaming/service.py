@@ -18,7 +18,7 @@ from typing import cast
 
 from broker.errors import Expired, NotFound, OverStorageQuota, RetryLater, Starting
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
-from broker.redis.quota import StorageQuota
+from broker.redis.quota import StorageQuota, default_quota_bytes, read_maxmemory
 from broker.request import GenerationRequest, RequestLimits
 from broker.streams.conversations import ConversationStore
 from broker.streams.keys import principal
@@ -39,6 +39,8 @@ log = logging.getLogger("rsb.consumer")
 MODELS_CACHE_S = 2.0
 # Recorded for a request that names no model while no generator has announced one (none is running yet).
 UNKNOWN_MODEL = "default"
+# How often the default storage quota re-reads Redis's maxmemory.
+MAXMEMORY_REFRESH_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,10 @@ class StreamService:
         self.conversations = ConversationStore(store)
         self._served: list[str] = []
         self._served_at = -MODELS_CACHE_S
+        #: The storage quota of a caller without a bound of its own: --storage-quota-bytes, or (not given) a
+        #: fraction of Redis's maxmemory, which ``follow_maxmemory`` keeps up to date.
+        self.storage_default = (settings.storage_quota_bytes if settings.storage_quota_bytes is not None
+                                else default_quota_bytes(0))
 
     async def served_models(self) -> list[str]:
         """The models this deployment serves: ``--default-model`` when set, else the names the generators
@@ -140,8 +146,28 @@ class StreamService:
         if self.api_keys.enabled:
             key = self.api_keys.get(caller.key_id)
             limits = key.limits if key is not None else {}
-        bound = int(limits.get("storage_quota_bytes", self.settings.storage_quota_bytes))
+        bound = int(limits.get("storage_quota_bytes", self.storage_default))
         return StorageQuota(principal(caller.key_id, caller.ip), bound)
+
+    async def read_storage_default(self) -> None:
+        """Set ``storage_default`` to its share of Redis's maxmemory, unless --storage-quota-bytes set it. Redis
+        away, or INFO refused: what it was stays (the next read tries again)."""
+        if self.settings.storage_quota_bytes is not None:
+            return
+        try:
+            bound = default_quota_bytes(await read_maxmemory(self.store.redis))
+        except Exception as e:
+            log.debug("could not read Redis's maxmemory: %s", type(e).__name__)
+            return
+        if bound != self.storage_default:
+            log.info("storage quota per caller follows Redis's maxmemory", extra={"quota_bytes": bound})
+        self.storage_default = bound
+
+    async def follow_maxmemory(self, interval_s: float = MAXMEMORY_REFRESH_S) -> None:
+        """``read_storage_default`` every ``interval_s`` (an operator may resize Redis at run time), until cancelled."""
+        while self.settings.storage_quota_bytes is None:
+            await asyncio.sleep(interval_s)
+            await self.read_storage_default()
 
     def quota(self, caller: Caller) -> Quota:
         """What the caller may have queued or running, and how fast it may create: charged to its API key

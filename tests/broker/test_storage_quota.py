@@ -157,3 +157,37 @@ def test_a_conversations_history_counts_in_its_owners_quota(capped: tuple[RedisS
     assert c.post("/v1/conversations", json={"items": items(1000)}, headers=_as(c, OTHER)).status_code == 200
     assert c.delete(f"/v1/conversations/{conv}", headers=who).status_code == 200
     assert _held(r, FLOODER) == 0
+
+
+def test_without_a_quota_flag_a_caller_gets_an_eighth_of_redis_maxmemory(capped: tuple[RedisServer, redis.Redis],
+                                                                         stack_factory: StackFactory) -> None:
+    """Issue 32: a 64 MiB Redis, no --storage-quota-bytes. One address floods with every kind of counted write (1 MiB
+    Durable Streams appends, queued creates with 150 KB prompts) and is refused once it holds an eighth of
+    maxmemory, with Redis far from full; another address still writes."""
+    server, r = capped
+    maxmemory = 64 * 1024 * 1024
+    stack = stack_factory(server.url)
+    stack.consumer("--forwarded-allow-ips", "127.0.0.1")
+    c = stack.client()
+    flood = _as(c, FLOODER)
+    binary = {**flood, "Content-Type": "application/octet-stream"}
+    assert c.put("/v1/stream/flood", headers=binary).status_code == 201
+    writes = 0
+    while True:
+        resp = (c.post("/v1/stream/flood", content=MIB, headers=binary) if writes % 2 == 0
+                else _create(c, flood, prompt="p" * 150_000))
+        if resp.status_code not in (201, 204):
+            break
+        writes += 1
+        assert writes < 64, "the flood was never refused"
+    assert resp.status_code == 429, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "storage_quota" and str(maxmemory // 8) in err["message"], err
+    held, used = _held(r, FLOODER), int(r.info("memory")["used_memory"])
+    assert maxmemory // 8 - len(MIB) - 64 < held <= maxmemory // 8
+    # What Redis holds for the flood (entries, hashes, queued events, its own base) stays far below 80% of it.
+    assert used < maxmemory // 4, f"used_memory {used} at the refusal"
+    print(f"refused after {writes} writes holding {held} bytes; Redis used_memory {used} of {maxmemory}")
+    assert _create(c, _as(c, OTHER)).status_code == 201
+    assert c.put("/v1/stream/other", content=MIB, headers={**_as(c, OTHER), "Content-Type": "text/plain"}
+                 ).status_code == 201

@@ -17,7 +17,7 @@ from broker.events import EventType, encode_data
 from broker.redis.connection import connect
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
-from broker.streams.keys import principal
+from broker.streams.keys import principal, usage_log_key
 from broker.streams.records import Claim, Quota, Unclaimable
 from broker.streams.store import Store
 
@@ -202,8 +202,9 @@ async def test_finish_sets_status_usage_expiry_and_records_aborts(store: Store) 
     assert st.model == "demo"
     assert 0 < await store.redis.ttl(store.keys(sid).events) <= 60
     # redis-py types each entry's fields as optional (XCLAIM of a deleted entry); XRANGE always has them.
-    records = cast("list[tuple[bytes, dict[bytes, bytes]]]", await store.redis.xrange(store.keys(sid).aborted))
-    assert len(records) == 1 and records[0][1][b"reason"] == b"client"
+    records = cast("list[tuple[bytes, dict[bytes, bytes]]]",
+                   await store.redis.xrange(usage_log_key(0, 1, "")))
+    assert len(records) == 1 and records[0][1][b"reason"] == b"client" and records[0][1][b"status"] == b"cancelled"
     assert records[0][1][b"completion_tokens"] == b"5" and records[0][1][b"max_tokens"] == b"32"
     # A second finish adds nothing: a retry of this claim's (its reply lost) gets the same id, a zombie's None.
     assert await store.finish(claim, EventType.DONE, {}, status="done", usage={}) == eid

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import jsonschema
 import pytest
@@ -20,6 +21,7 @@ from helpers import SSE, SSERead, create, eventually, read_sse, wait_status
 from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
+from broker.streams.keys import usage_log_key
 
 pytestmark = pytest.mark.slow
 
@@ -74,6 +76,16 @@ def test_sigkilled_worker_is_taken_over_and_the_answer_continues_seamlessly(
     assert [_key(e) for e in stayed.events] == [_key(e) for e in after.events]
     assert [_key(e) for e in resumed.events] == [_key(e) for e in after.events]
     assert redis_client.hget(f"rsb:{{p0}}:s:{sid}:meta", "attempts") == b"2"
+    # One usage record: the tokens the stream holds, and the lost attempt's prefill of the prompt as wasted.
+    entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", redis_client.xrange(usage_log_key(0, 1, "")))
+    records = [f for _, f in entries if f[b"sid"] == sid.encode()]
+    assert len(records) == 1, records
+    [record] = records
+    usage = after.events[-1].data["usage"]
+    assert int(record[b"completion_tokens"]) == MAX_TOKENS and record[b"status"] == b"done"
+    assert int(record[b"prompt_tokens"]) == usage["prompt_tokens"]
+    print("crash-continued record:", record)
+    assert 0 < int(record[b"wasted_tokens"]) < usage["prompt_tokens"]
 
 
 def test_a_zombie_worker_that_wakes_up_appends_nothing(stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:

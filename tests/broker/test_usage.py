@@ -1,0 +1,180 @@
+"""The usage ledger against a real redis-server: one record per generation that ended, written with its terminal
+event (never twice: a finish retried, a zombie's finish, a cancel racing a claim), its fields, its bounds, and the
+reports over it (usage grouped and priced; the aborted report as a view of it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis
+
+from broker.errors import InvalidRequest
+from broker.events import EventType
+from broker.redis.connection import connect
+from broker.redis.server import RedisServer
+from broker.request import GenerationRequest
+from broker.streams import usage
+from broker.streams.keys import aborted_log_key, usage_index_key, usage_log_key
+from broker.streams.records import Claim
+from broker.streams.report import aborted_report
+from broker.streams.store import Store
+from broker.streams.usage import Prices, parse_group_by, usage_report
+
+REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
+
+
+@pytest.fixture
+async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[Store]:
+    redis_client.flushall()
+    r = connect(redis_server.url)
+    yield Store(r)
+    await r.aclose()
+
+
+async def _run(store: Store, key_id: str = "", *, status: str = "done", reason: str = "stop", prompt: int = 10,
+               completion: int = 20, cached: int = 0, wasted: int = 0) -> uuid.UUID:
+    sid = uuid.uuid4()
+    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60, key_id=key_id)
+    claim = await store.claim(sid, "w")
+    assert isinstance(claim, Claim)
+    u = {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached, "ttft_ms": 12.5,
+         "tpot_ms": 1.0}
+    etype = {"done": EventType.DONE, "cancelled": EventType.CANCELLED, "error": EventType.ERROR}[status]
+    assert await store.finish(claim, etype, {"usage": u}, status=status, usage=u, model="demo", reason=reason,
+                              compute_s=0.5, wasted_tokens=wasted) is not None
+    return sid
+
+
+async def _all(store: Store, key_id: str | None = None) -> list[dict[str, str]]:
+    return [r async for r in usage.records(store.redis, 1, key_id=key_id)]
+
+
+async def test_one_record_per_ended_generation_with_its_fields(store: Store) -> None:
+    done = await _run(store, "alice", prompt=10, completion=20, cached=4)
+    # A retried finish (its reply lost) and a zombie's finish write nothing more.
+    sid = uuid.uuid4()
+    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60, key_id="bob")
+    await store.redis.hset(store.keys(sid).meta, "tier", "priority")
+    claim = await store.claim(sid, "w1")
+    assert isinstance(claim, Claim)
+    await store.add_wasted(claim, 7)  # an earlier attempt's refused tokens
+    u = {"prompt_tokens": 5, "completion_tokens": 3, "cached_tokens": 0, "ttft_ms": None, "tpot_ms": None}
+    for _ in range(2):
+        assert await store.finish(claim, EventType.ERROR, {"code": "engine"}, status="error", usage=u, model="demo",
+                                  reason="engine", compute_s=0.1, wasted_tokens=2) is not None
+    await store.add_wasted(claim, 100)  # too late: the record is written
+    queued = uuid.uuid4()
+    await store.create(queued, REQ, default_model="asked", max_queue=0, retention_s=60, key_id="alice")
+    await asyncio.sleep(0.05)
+    assert await store.cancel(queued, "client") == "cancelled"
+    assert await store.cancel(queued, "client") == "cancelled"  # nothing to cancel: no second record
+
+    alice = await _all(store, "alice")
+    assert [r["sid"] for r in alice] == [str(done), str(queued)]
+    first = alice[0]
+    assert (first["key"], first["model"], first["tier"], first["status"], first["reason"]) == (
+        "alice", "demo", "default", "done", "stop")
+    assert (first["prompt_tokens"], first["cached_tokens"], first["completion_tokens"], first["wasted_tokens"],
+            first["max_tokens"], first["ttft_ms"]) == ("10", "4", "20", "0", "32", "12.500")
+    assert float(first["compute_s"]) == 0.5 and 0 <= float(first["queue_s"]) < 5
+    assert abs(float(first["ts"]) - time.time()) < 10
+    cancelled = alice[1]
+    assert (cancelled["status"], cancelled["reason"], cancelled["model"], cancelled["completion_tokens"]) == (
+        "cancelled", "client", "asked", "0")
+    assert float(cancelled["queue_s"]) >= 0.05  # it waited until its cancel
+    [bob] = await _all(store, "bob")
+    assert (bob["tier"], bob["status"], bob["reason"], bob["wasted_tokens"], bob["ttft_ms"]) == (
+        "priority", "error", "engine", "9", "")
+    assert len(await _all(store)) == 3
+    assert set(await store.redis.zrange(usage_index_key(0, 1), 0, -1)) == {b"alice", b"bob"}
+
+
+async def test_a_cancel_racing_a_claim_leaves_one_record(store: Store) -> None:
+    for _ in range(20):
+        sid = uuid.uuid4()
+        await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+        claim, _ = await asyncio.gather(store.claim(sid, "w"), store.cancel(sid, "client"))
+        if isinstance(claim, Claim):
+            u = {"prompt_tokens": 1, "completion_tokens": 0}
+            await store.finish(claim, EventType.CANCELLED, {}, status="cancelled", usage=u, reason="client")
+        assert [r["sid"] for r in await _all(store)].count(str(sid)) == 1
+
+
+async def test_the_report_groups_scopes_and_prices(store: Store) -> None:
+    await _run(store, "alice", prompt=1_000_000, completion=500_000, cached=400_000)
+    await _run(store, "alice", status="cancelled", reason="client", prompt=10, completion=5)
+    await _run(store, "bob", status="error", reason="deadline", prompt=7, completion=3, wasted=11)
+    prices = Prices.parse(b'{"demo": {"input_per_mtok": 2.0, "cached_input_per_mtok": 0.5, "output_per_mtok": 8.0}}')
+    everyone = await usage_report(store.redis, 1, group_by=("key", "status"), prices=prices)
+    rows = {(r["key"], r["status"]): r for r in everyone["rows"]}
+    assert set(rows) == {("alice", "done"), ("alice", "cancelled"), ("bob", "error")}
+    big = rows[("alice", "done")]
+    assert big["cost_usd"] == pytest.approx(0.6 * 2.0 + 0.4 * 0.5 + 0.5 * 8.0)
+    assert (big["streams"], big["prompt_tokens"], big["cached_tokens"], big["completion_tokens"]) == (
+        1, 1_000_000, 400_000, 500_000)
+    assert rows[("bob", "error")]["wasted_tokens"] == 11
+    total = everyone["total"]
+    assert total["streams"] == 3 and total["prompt_tokens"] == 1_000_017 and total["unpriced_streams"] == 0
+    assert total["compute_s"] == pytest.approx(1.5)
+    # One key's view: its own rows only. Unpriced models are counted apart, never priced at 0 in silence.
+    mine = await usage_report(store.redis, 1, group_by=("model",), key_id="bob",
+                              prices=Prices.parse(b'{"other": {"input_per_mtok": 1, "output_per_mtok": 1}}'))
+    assert mine["rows"] == [{"model": "demo", **mine["total"]}]
+    assert mine["total"]["streams"] == 1 and mine["total"]["unpriced_streams"] == 1 and mine["total"]["cost_usd"] == 0
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    by_day = await usage_report(store.redis, 1, group_by=("day", "tier"))
+    assert [(r["day"], r["tier"], r["streams"]) for r in by_day["rows"]] == [(day, "default", 3)]
+    assert "cost_usd" not in by_day["total"]
+    assert (await usage_report(store.redis, 1, since=time.time() + 60))["total"]["streams"] == 0
+    csv_text = usage.render_csv(everyone)
+    assert csv_text.splitlines()[0] == ("key,status,streams,prompt_tokens,cached_tokens,completion_tokens,"
+                                        "wasted_tokens,compute_s,cost_usd,unpriced_streams")
+    assert len(csv_text.splitlines()) == 4
+    assert "total" in usage.render_table(everyone)
+
+
+def test_group_by_and_prices_refuse_what_they_do_not_know() -> None:
+    assert parse_group_by("key, model") == ("key", "model")
+    assert parse_group_by(None) == ("key",)
+    for bad in ("key,key", "colour", "key;model"):
+        with pytest.raises(InvalidRequest):
+            parse_group_by(bad)
+    for raw in (b"[]", b'{"m": {"input_per_mtok": -1, "output_per_mtok": 1}}', b'{"m": {"input_per_mtok": 1}}',
+                b'{"m": {"input_per_mtok": 1, "output_per_mtok": 1, "extra": 2}}', b"nope",
+                b'{"m": {"input_per_mtok": true, "output_per_mtok": 1}}'):
+        with pytest.raises(ValueError):
+            Prices.parse(raw)
+
+
+async def test_the_aborted_report_is_a_view_of_the_ledger_and_of_the_old_log(store: Store) -> None:
+    await _run(store, "alice")  # done: not aborted
+    await _run(store, "alice", status="cancelled", reason="client", prompt=10, completion=5)
+    await _run(store, "bob", status="error", reason="deadline", prompt=7, completion=3)
+    # A record of the log the report read before the ledger (an upgrade keeps its figures).
+    await store.redis.xadd(aborted_log_key(0, 1), {
+        "sid": str(uuid.uuid4()), "ts": f"{time.time():.6f}", "status": "cancelled", "reason": "client",
+        "model": "demo", "max_tokens": "32", "prompt_tokens": "2", "completion_tokens": "1", "tokens_saved": "31",
+        "compute_s": "0.25", "key_id": "alice"})
+    report = await aborted_report(store.redis, 1, group_by="reason")
+    rows = {r["reason"]: r for r in report["rows"]}
+    assert rows["client"] == {"reason": "client", "streams": 2, "prompt_tokens": 12, "completion_tokens": 6,
+                              "tokens_saved": 27 + 31, "compute_s": 0.75}
+    assert rows["deadline"]["tokens_saved"] == 29 and report["total"]["streams"] == 3
+    alice = await aborted_report(store.redis, 1, group_by="model", key_id="alice")
+    assert alice["total"]["streams"] == 2
+
+
+async def test_records_past_their_retention_are_neither_reported_nor_kept(store: Store) -> None:
+    log = usage_log_key(0, 1, "alice")
+    old_ms = int((time.time() - usage.RETENTION_S - 86_400) * 1000)
+    await store.redis.xadd(log, {"sid": "old", "ts": str(old_ms / 1000), "status": "done"}, id=f"{old_ms}-0")
+    await store.redis.zadd(usage_index_key(0, 1), {"alice": old_ms})
+    assert await _all(store) == []  # listed, but past its retention
+    await _run(store, "alice")
+    assert [r["sid"] for r in await _all(store, "alice")] != ["old"]
+    assert all(r["sid"] != "old" for r in await _all(store, "alice"))
+    assert 0 < await store.redis.ttl(log) <= usage.RETENTION_S
