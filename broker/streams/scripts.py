@@ -8,8 +8,7 @@ appended), ``cancel`` (reason of a pending cancel), ``last_id`` (terminal event 
 ``finished_at``, ``key_id``, ``retention_s``, ``abandon_s``, ``cod`` (cancel_on_disconnect),
 ``seen`` (last time a reader was connected, refreshed by consumer pods), ``read`` (ever read), ``tenant`` (the
 key of the creating caller's counters, ``StreamKeys.tenant``), ``wm``/``wb`` (broker.streams.replication),
-``wasted`` (tokens lost attempts computed and the stream does not hold), read with ``tier`` and ``started_at`` by
-the usage record (broker.streams.usage) that FINISH and CANCEL write with the terminal event.
+``wasted`` (tokens lost attempts computed and did not keep: for the usage record, broker.streams.usage).
 
 Every appended event is also PUBLISHed on the stream's live channel as ``<id>\\n<type>\\n<data>`` so
 consumer pods can tail thousands of streams over one pub/sub connection; the stream stays the source of
@@ -351,8 +350,7 @@ redis.call('PUBLISH', ARGV[6], ARGV[7])
 return {'requested', st}
 """
 
-# Tokens an attempt computed that its stream will not hold (it lost its lease, or hands its job over), added to the
-# stream's ``wasted`` for its usage record. Never creates a hash, and an ended stream's record is written: too late.
+# Tokens an attempt computed and its stream will not hold (lease lost, job handed over), for its usage record.
 WASTED = PRELUDE + """
 -- KEYS: meta ; ARGV: tokens
 local st = redis.call('HGET', KEYS[1], 'status')
