@@ -17,6 +17,7 @@ from broker.redis.connection import connect, connect_blocking, is_unavailable
 from broker.scrape import serve_scrapes
 from broker.streams.read_token_secret import shared_read_token_secret
 from broker.streams.store import Store
+from broker.streams.usage import Prices
 from consumer.edge.auth import ApiKeys
 from consumer.edge.errors import HANDLERS, OUT_OF_MEMORY, ShutdownBoundary
 from consumer.edge.front import FrontDoor
@@ -68,6 +69,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
     api_keys = (ApiKeys.load(settings.api_keys_file, settings.read_token_secret) if settings.api_keys_file
                 else ApiKeys.disabled())
     limiter = ConnectionLimiter(settings.max_streams_per_ip)
+    prices = Prices.load(settings.prices_file) if settings.prices_file else None  # a broken file stops the start
     drain = draining or Drain()
 
     @contextlib.asynccontextmanager
@@ -94,7 +96,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, conversations=ConversationService(service, service.conversations),
-                      durable=DurableStore(redis, b.partitions), draining=drain)
+                      durable=DurableStore(redis, b.partitions), draining=drain, prices=prices)
         # A read stream must never look unread for abandon_after_s: touch well within it.
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)

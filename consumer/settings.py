@@ -115,6 +115,10 @@ class ConsumerSettings(Settings):
         "(forks at their full size) and its streams' request bodies while they are kept; writes past it get 429 "
         "storage_quota (default: an eighth of Redis's maxmemory, re-read every minute, at most 256 MiB; 256 MiB "
         "without maxmemory; 0 = no bound; a key's limits.storage_quota_bytes overrides)")
+    # The usage ledger (broker/streams/usage.py, docs/protocol.md "Usage").
+    prices_file: str | None = setting(
+        None, "JSON file of prices per model ({\"<model>\": {\"input_per_mtok\", \"cached_input_per_mtok\", "
+        "\"output_per_mtok\"}}, USD per million tokens): usage reports then carry cost_usd", flag="prices")
     # Durable Streams at /v1/stream/ (consumer/views/durable, docs/protocol.md).
     ds_long_poll_timeout_s: float = setting(
         20.0, "Durable Streams: how long a long-poll waits for data before its 204 (keep it under every proxy's "

@@ -9,6 +9,7 @@ from starlette.requests import HTTPConnection
 
 from broker.durable.store import DurableStore
 from broker.streams.store import Store
+from broker.streams.usage import Prices
 from consumer.edge.auth import ApiKeys
 from consumer.edge.limits import ConnectionLimiter, address_group
 from consumer.metrics import Metrics
@@ -37,6 +38,8 @@ class State:
     #: Set on SIGTERM (by consumer.server) or at the end of the lifespan: open responses end at a frame
     #: boundary and tell their client to reconnect elsewhere.
     draining: Drain
+    #: ``--prices``: what usage reports price their tokens at (None: no cost_usd).
+    prices: Prices | None = None
 
 
 def state_of(conn: HTTPConnection) -> State:

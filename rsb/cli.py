@@ -75,8 +75,9 @@ COMMANDS = (
     Command("generator", "one generator worker process",
             "Claim generation jobs from Redis and append their events.", GeneratorSettings, _run_generator,
             required=frozenset({"redis-url"})),
-    Command("report", "what aborted generations cost (cancelled, abandoned, failed)",
-            "Aggregate the aborted-generation records over a time range.", commands.ReportSettings,
+    Command("report", "what generations cost: the aborted ones (cancelled, abandoned, failed), or all (--usage)",
+            "Aggregate the aborted-generation records, or with --usage the usage ledger (per key, model, day, "
+            "status, reason, tier), over a time range.", commands.ReportSettings,
             commands.report, required=frozenset({"redis-url"})),
     Command("chat", "start a generation and stream its answer to the terminal",
             "Create a stream from PROMPT and print its answer as it is generated. The stream id goes to stderr: "

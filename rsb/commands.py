@@ -16,6 +16,7 @@ import orjson
 from broker.errors import RsbError
 from broker.redis.connection import connect
 from broker.settings import BrokerSettings, Settings, setting
+from broker.streams import usage as ledger
 from broker.streams.report import GROUP_BYS, aborted_report, parse_time, render_csv, render_table
 from rsb import DEFAULT_URL, Answer, Client, Event, RetryPolicy, RsbClientError, StreamInterrupted, UnavailableError
 from rsb._terminal import TerminalText, escape_c1, json_line, strip_controls
@@ -65,7 +66,14 @@ class ReportSettings(Settings):
     broker: BrokerSettings = field(default_factory=BrokerSettings)
     since: str | None = setting(None, "start of the range: unix seconds or ISO-8601 (UTC if no zone)")
     until: str | None = setting(None, "end of the range: unix seconds or ISO-8601 (UTC if no zone)")
-    group_by: str = setting("reason", "what a row is", choices=GROUP_BYS)
+    usage: bool = setting(False, "the usage ledger (every generation that ended, per key) instead of the aborted "
+                          "generations")
+    group_by: str | None = setting(
+        None, f"what a row is: one of {', '.join(GROUP_BYS)} (default reason); with --usage a comma-separated list of "
+        f"{', '.join(ledger.GROUP_BYS)} (default key)")
+    key: str | None = setting(None, "with --usage: only this API key's records ('' for those made without keys)")
+    prices_file: str | None = setting(None, "with --usage: JSON file of prices per model (as the API's --prices): "
+                                      "rows then carry cost_usd", flag="prices")
     json: bool = setting(False, "print JSON instead of a table")
     csv: bool = setting(False, "print CSV instead of a table")
 
@@ -181,22 +189,28 @@ def report(args: argparse.Namespace) -> int:
     s = ReportSettings.from_namespace(args)
 
     async def run() -> dict[str, Any]:
+        since, until = parse_time(s.since, "since"), parse_time(s.until, "until")
         redis = connect(s.broker.url, cluster=s.broker.cluster)
         try:
-            return await aborted_report(redis, s.broker.partitions, since=parse_time(s.since, "since"),
-                                        until=parse_time(s.until, "until"), group_by=s.group_by)
+            if s.usage:
+                prices = ledger.Prices.load(s.prices_file) if s.prices_file else None
+                return await ledger.usage_report(redis, s.broker.partitions, since=since, until=until,
+                                                group_by=ledger.parse_group_by(s.group_by), key_id=s.key,
+                                                prices=prices)
+            return await aborted_report(redis, s.broker.partitions, since=since, until=until,
+                                        group_by=s.group_by or "reason")
         finally:
             await redis.aclose()
 
     try:
         result = asyncio.run(run())
-    except RsbError as e:
-        print(f"rsb report: {e.message}", file=sys.stderr)
+    except (RsbError, ValueError, OSError) as e:
+        print(f"rsb report: {e.message if isinstance(e, RsbError) else e}", file=sys.stderr)
         return 2
     if s.json:
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     elif s.csv:
-        print(render_csv(result), end="")
+        print((ledger.render_csv if s.usage else render_csv)(result), end="")
     else:
-        print(render_table(result))
+        print((ledger.render_table if s.usage else render_table)(result))
     return 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from broker.streams.keys import usage_index_key, usage_log_key
 RETENTION_DAYS = 93
 RETENTION_S = RETENTION_DAYS * 86_400
 #: Records one key's log holds in one partition at most (XADD MAXLEN ~): the oldest are trimmed first.
-MAX_RECORDS = 1_000_000
+MAX_RECORDS = 500_000
 
 RECORD_FIELDS = ("sid", "ts", "key", "model", "tier", "status", "reason", "max_tokens", "prompt_tokens",
                  "cached_tokens", "completion_tokens", "wasted_tokens", "compute_s", "queue_s", "ttft_ms")
@@ -84,6 +85,11 @@ end
 GROUP_BYS = ("key", "model", "day", "status", "reason", "tier")
 COUNTERS = ("streams", "prompt_tokens", "cached_tokens", "completion_tokens", "wasted_tokens", "compute_s")
 PRICED = ("cost_usd", "unpriced_streams")
+#: What a usage report is rendered as (``format``, ``rsb report --usage --json|--csv``).
+FORMATS = ("json", "csv")
+_NAME = "(" + "|".join(GROUP_BYS) + ")"
+#: What ``group_by`` may be (the API's document says the same).
+GROUP_BY_PATTERN = f"^{_NAME}(,{_NAME})*$"
 PAGE = 5000
 _MAX_MS = 2**63 - 1
 _PRICE_FIELDS = ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok")
@@ -158,14 +164,14 @@ def _float(record: Record, name: str) -> float:
         return 0.0
 
 
-def parse_group_by(raw: str | Sequence[str] | None, default: str = "key") -> tuple[str, ...]:
-    """``key,model`` (or a list of names) as group fields; each one of GROUP_BYS, none twice."""
-    items = [p.strip() for p in (raw.split(",") if isinstance(raw, str) else raw or ()) if p.strip()]
-    names = tuple(items) or (default,)
-    unknown = [n for n in names if n not in GROUP_BYS]
-    if unknown or len(set(names)) != len(names):
-        raise InvalidRequest(f"'group_by' is a comma-separated list of distinct names among {', '.join(GROUP_BYS)}")
-    return names
+def parse_group_by(raw: str | None, default: str = "key") -> tuple[str, ...]:
+    """``key,model`` as group fields: names of GROUP_BYS, comma-separated (GROUP_BY_PATTERN); a repeated one counts
+    once. None or '': ``default``."""
+    if not raw:
+        return (default,)
+    if not re.fullmatch(GROUP_BY_PATTERN, raw):
+        raise InvalidRequest(f"'group_by' is a comma-separated list of {', '.join(GROUP_BYS)}")
+    return tuple(dict.fromkeys(raw.split(",")))
 
 
 def id_range(since: float | None, until: float | None) -> tuple[str, str]:

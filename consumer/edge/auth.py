@@ -5,7 +5,8 @@ every ``/v1`` route needs ``Authorization: Bearer <key id>.<secret>``; a stream 
 created it, and any other key is told it does not exist (404, no existence leak).
 
 The keys file is JSON: ``{"keys": [{"id": "alice", "sha256": "<hex sha256 of the secret>",
-"limits": {...}}]}``. Secrets are never stored, only their hashes, compared in constant time.
+"limits": {...}, "admin"?, "token_budget"?, "budget_period"?, "webhook_url"?}]}`` (ApiKey). Secrets are
+never stored, only their hashes, compared in constant time.
 """
 
 from __future__ import annotations
@@ -32,11 +33,41 @@ ANONYMOUS = ""
 _KEY_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
 
 
+BUDGET_PERIODS = ("day", "month")
+
+
 @dataclass(frozen=True, slots=True)
 class ApiKey:
+    """A key of the keys file. Beside ``id``, ``sha256`` and ``limits``: ``admin`` (its reports show every key's
+    usage), ``token_budget`` (tokens its generations may use per ``budget_period``, UTC; 0: no budget) and
+    ``webhook_url`` (where its generations' ends are POSTed, instead of --webhook-url)."""
+
     id: str
     sha256: bytes
     limits: dict[str, Any] = field(default_factory=dict)
+    admin: bool = False
+    token_budget: int = 0
+    budget_period: str = "month"
+    webhook_url: str | None = None
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> ApiKey:
+        """One entry of the keys file, checked: a wrong type is a ValueError naming the key and the field."""
+        key_id = entry["id"]
+        if not isinstance(key_id, str) or not _KEY_ID.match(key_id):
+            raise ValueError(f"api key id {key_id!r}: use letters, digits, '_' and '-' (at most 64)")
+        admin, budget = entry.get("admin", False), entry.get("token_budget", 0)
+        period, hook = entry.get("budget_period", "month"), entry.get("webhook_url")
+        if not isinstance(admin, bool):
+            raise ValueError(f"api key {key_id}: 'admin' must be true or false")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ValueError(f"api key {key_id}: 'token_budget' must be a whole number of tokens (0: none)")
+        if period not in BUDGET_PERIODS:
+            raise ValueError(f"api key {key_id}: 'budget_period' must be one of {', '.join(BUDGET_PERIODS)}")
+        if hook is not None and not isinstance(hook, str):
+            raise ValueError(f"api key {key_id}: 'webhook_url' must be a URL")
+        return cls(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {})), admin, budget, period,
+                   hook or None)
 
 
 class ApiKeys:
@@ -91,10 +122,7 @@ class ApiKeys:
         raw = orjson.loads(Path(path).read_bytes())
         keys = []
         for entry in raw.get("keys", []):
-            key_id = entry["id"]
-            if not _KEY_ID.match(key_id):
-                raise ValueError(f"api key id {key_id!r}: use letters, digits, '_' and '-' (at most 64)")
-            keys.append(ApiKey(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {}))))
+            keys.append(ApiKey.from_entry(entry))
         if not keys:
             raise ValueError(f"{path}: no keys")
         return cls(keys, token_secret.encode() if token_secret else b"")

@@ -1,4 +1,4 @@
-"""The native view: the HTTP routes of the contract (``/v1/streams...``, the aborted report). Handlers raise
+"""The native view: the HTTP routes of the contract (``/v1/streams...``, the aborted and usage reports). Handlers raise
 broker.errors; consumer.edge.errors turns them into JSON. Everything about a stream goes through the stream
 service; this module only speaks the native protocol (its JSON bodies and its SSE frames)."""
 
@@ -16,6 +16,7 @@ from broker.ascii import parse_uuid
 from broker.errors import InvalidRequest, NotFound
 from broker.events import TERMINAL_TYPES, Event, EventPage, parse_event_id
 from broker.request import parse_json_object, validate_create_body
+from broker.streams import usage
 from broker.streams.records import StreamStatus
 from broker.streams.report import aborted_report, parse_time
 from broker.streams.turns import Turn, as_messages
@@ -175,11 +176,37 @@ async def aborted_report_route(request: Request) -> Response:
     return JSONResponse(report)
 
 
+async def usage_report_route(request: Request) -> Response:
+    """``GET /v1/reports/usage``: the usage ledger grouped (JSON, or CSV with ``format=csv``). With API keys a key sees
+    its own records; an admin key every key's (or one key's, with ``key=``)."""
+    state = state_of(request)
+    q = request.query_params
+    group_by = usage.parse_group_by(q.get("group_by"))
+    fmt = q.get("format", "json")
+    if fmt not in usage.FORMATS:
+        raise InvalidRequest(f"'format' must be one of {', '.join(usage.FORMATS)}")
+    key_id: str | None = q.get("key")
+    caller = state.api_keys.get(caller_of(request).key_id)
+    # Only a key of the keys file reaches a key name; another key's, to a key that is no admin, as if it did not exist.
+    if key_id is not None and (state.api_keys.get(key_id) is None or (
+            caller is not None and not caller.admin and key_id != caller.id)):
+        raise NotFound("no usage of this key")
+    if state.api_keys.enabled and (caller is None or not caller.admin):
+        key_id = caller.id if caller is not None else ""
+    since, until = parse_time(q.get("since"), "since"), parse_time(q.get("until"), "until")
+    report = await usage.usage_report(state.store.redis, state.settings.broker.partitions, since=since, until=until,
+                                      group_by=group_by, key_id=key_id, prices=state.prices)
+    if fmt == "csv":
+        return Response(usage.render_csv(report), media_type="text/csv; charset=utf-8")
+    return JSONResponse(report)
+
+
 ROUTES = [
     Route("/v1/streams", create_stream, methods=["POST"]),
     Route("/v1/streams/{stream_id}/events", stream_events, methods=["GET"]),
     Route("/v1/streams/{stream_id}", stream_status, methods=["GET"]),
     Route("/v1/streams/{stream_id}/cancel", cancel_stream, methods=["POST"]),
     Route("/v1/reports/aborted", aborted_report_route, methods=["GET"]),
+    Route("/v1/reports/usage", usage_report_route, methods=["GET"]),
     Route("/v1/conversations/{conversation_id}/turns", conversation_turns, methods=["GET"]),
 ]

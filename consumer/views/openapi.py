@@ -26,6 +26,8 @@ from broker.request import (
 )
 from broker.streams.records import STATUSES
 from broker.streams.report import GROUP_BYS
+from broker.streams.usage import FORMATS, GROUP_BY_PATTERN
+from broker.streams.usage import GROUP_BYS as USAGE_GROUP_BYS
 from consumer.schema import RETRY_AFTER, error_response, json_response, nullable, sse_response
 from consumer.views.openai.schema import openai_paths
 
@@ -68,6 +70,15 @@ _REPORT = {"type": "object", "required": ["rows", "total"], "properties": {
     "group_by": {"type": "string"}, "since": {"type": ["number", "null"]}, "until": {"type": ["number", "null"]},
     "rows": {"type": "array", "items": {"type": "object", "properties": _COUNTERS}},
     "total": {"type": "object", "properties": _COUNTERS}}}
+_USAGE_COUNTERS = {"streams": {"type": "integer"}, "prompt_tokens": {"type": "integer"},
+                   "cached_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+                   "wasted_tokens": {"type": "integer"}, "compute_s": {"type": "number"},
+                   "cost_usd": {"type": "number"}, "unpriced_streams": {"type": "integer"}}
+_USAGE_REPORT = {"type": "object", "required": ["rows", "total"], "properties": {
+    "group_by": {"type": "array", "items": {"type": "string", "enum": list(USAGE_GROUP_BYS)}},
+    "since": {"type": ["number", "null"]}, "until": {"type": ["number", "null"]},
+    "rows": {"type": "array", "items": {"type": "object", "properties": _USAGE_COUNTERS}},
+    "total": {"type": "object", "properties": _USAGE_COUNTERS}}}
 # A conversation id: its UUID, or OpenAI's spelling of it (conv_ and its hex).
 _CONVERSATION_ID = {"anyOf": [{"type": "string", "format": "uuid"},
                               {"type": "string", "pattern": "^conv_[0-9a-fA-F]{32}$"}]}
@@ -273,6 +284,25 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
             ],
             "responses": {"200": json_response("aggregated aborted generations", _REPORT),
                           "400": error_response("invalid range or grouping"),
+                          "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
+        "/v1/reports/usage": {"get": {
+            "operationId": "usageReport",
+            "summary": "The usage ledger, grouped: every generation that ended (a key's own; an admin key's, all)",
+            "parameters": [
+                {"name": "since", "in": "query", "required": False, "schema": _TIME},
+                {"name": "until", "in": "query", "required": False, "schema": _TIME},
+                {"name": "group_by", "in": "query", "required": False,
+                 "schema": {"type": "string", "pattern": GROUP_BY_PATTERN}},
+                {"name": "format", "in": "query", "required": False,
+                 "schema": {"type": "string", "enum": list(FORMATS)}},
+                {"name": "key", "in": "query", "required": False, "schema": {"type": "string"},
+                 "description": "one key's records (an admin key's view; another key may name only itself)"},
+            ],
+            "responses": {"200": {**json_response("aggregated usage", _USAGE_REPORT),
+                                  "content": {"application/json": {"schema": _USAGE_REPORT},
+                                              "text/csv": {"schema": {"type": "string"}}}},
+                          "400": error_response("invalid range, grouping or format"),
+                          "404": error_response("a key this caller may not see, or none of the keys file"),
                           "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
     }
 
