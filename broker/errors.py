@@ -149,3 +149,16 @@ class OverStorageQuota(RsbError):
         share = f" ({-(-quota_bytes // partitions)} bytes in each of {partitions} partitions)" if partitions > 1 else ""
         super().__init__(f"this caller holds as much data as it may ({quota_bytes} bytes{share}, "
                          "--storage-quota-bytes); delete streams, or let them expire")
+
+
+class BudgetExceeded(RetryLater):
+    """An API key's generations have reserved and used its ``token_budget`` for the period (broker.streams.budget):
+    nothing is queued; the budget is whole again at the period's end (the Retry-After)."""
+
+    code = "budget_exceeded"
+
+    def __init__(self, tokens: int, period: str, partitions: int, wanted: int, retry_after_s: int) -> None:
+        share = f" ({-(-tokens // partitions)} in each of {partitions} partitions)" if partitions > 1 else ""
+        super().__init__(f"this API key's token budget ({tokens} tokens a {period}{share}) cannot hold this "
+                         f"generation's worst case ({wanted} tokens: its prompt's bytes and max_tokens); it renews "
+                         "at the period's end (UTC)", retry_after_s)

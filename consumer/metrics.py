@@ -41,6 +41,9 @@ class Metrics:
             "rsb_creates_rejected_total", "creates refused with 429 (queue full, a caller's share or create rate)")
         self.storage_full = counter(
             "rsb_storage_full_total", "writes Redis refused for lack of memory (maxmemory), answered 507 storage_full")
+        self.budget_exceeded = counter(
+            "rsb_budget_exceeded_total", "creates refused because the API key's token budget is spent or reserved "
+            "(429 budget_exceeded; also in rsb_creates_rejected_total)")
         self.storage_quota = counter(
             "rsb_storage_quota_rejected_total",
             "writes refused because the caller holds its storage quota (429 storage_quota)")

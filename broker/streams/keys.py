@@ -184,6 +184,12 @@ def aborted_totals_key(partition: int, partitions: int) -> str:
     return f"{tagged(partition, partitions)}:aborted_totals"
 
 
+def budget_key(partition: int, partitions: int, key_id: str, period: str) -> str:
+    """Hash of one API key's budget in one period (``2026-12`` or ``2026-12-03``) and partition: ``reserved`` and
+    ``used`` tokens (broker.streams.budget)."""
+    return f"{tagged(partition, partitions)}:budget:{key_id or '-'}:{period}"
+
+
 def conversation_digest(key_id: str, name: str) -> str:
     """A conversation's name within its API key, as it reaches key names: a digest (the name is a client's
     string: a UUID, or an AI SDK chat id of up to 256 characters). The key id is part of it, so one tenant's

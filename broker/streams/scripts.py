@@ -30,12 +30,16 @@ tails all its streams with one SSUBSCRIBE connection per master.
 
 The scripts of Durable Streams (streams named and written by clients, broker.durable.store) are in
 broker.durable.scripts.
+
+Long because every multi-step change to a stream is one script here, beside the prelude they share; the pieces
+that other concepts own (the storage quota, the usage ledger, budgets) are those modules' Lua, included.
 """
 
 from __future__ import annotations
 
 from broker.events import DATA_FIELD, PAYLOAD_SEPARATOR, TERMINAL_TYPES, TYPE_FIELD
 from broker.redis.quota import QUOTA_LUA
+from broker.streams.budget import BUDGET_LUA
 from broker.streams.usage import RECORD_USAGE_LUA
 
 
@@ -133,16 +137,19 @@ end
 # interval on. Time is the Redis server's (TIME), not a pod's clock: a pod whose clock runs ahead must not
 # lock callers out on every other pod. Only an accepted create counts; a retry of an accepted create (same
 # id, same body) is answered before any limit and costs nothing.
-CREATE = PRELUDE + _APPEND_EVENT + QUOTA_LUA + """
--- KEYS: meta, events, jobs, qstats, tombstone, tenant, storage (the caller's: broker.redis.quota)
+CREATE = PRELUDE + _APPEND_EVENT + QUOTA_LUA + BUDGET_LUA + """
+-- KEYS: meta, events, jobs, qstats, tombstone, tenant, storage (the caller's: broker.redis.quota), budget (the key's
+--   period: broker.streams.budget)
 -- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s, abandon_s, cod,
 --       max_active, burst, interval_ms, max_wait_s, keep (1: the body is read back after the end), storage quota
---       (this partition's share of the caller's bytes; 0: none), affinity (the chat's key, for affine claiming)
+--       (this partition's share of the caller's bytes; 0: none), affinity (the chat's key, for affine claiming),
+--       budget share (0: none), reservation, the budget period's end (Unix s)
 --   max_queue, max_active, burst: this partition's share (0: no bound); interval_ms: the caller's time per
 --   create in this partition (0: no rate limit); max_wait_s: bound on the estimated wait (0: none)
 -- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'storage_quota'}
 --   | {'rate_limited', early_ms, ema, busy}
 --   | {'too_many_generations', max_active, ema, busy} | {'queue_full', waiting, ema, busy, 'count' | 'wait'}
+--   | {'budget_exceeded'}
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local m = redis.call('HMGET', KEYS[1], 'rh', 'status', 'key_id')
   -- Another tenant's stream is a conflict whatever the body: its status is not theirs to see.
@@ -177,6 +184,9 @@ end
 local max_wait = tonumber(ARGV[16])
 if max_wait > 0 and q[2] and waiting * tonumber(q[2]) / math.max(1, tonumber(q[3] or '1')) > max_wait then
   return {'queue_full', tostring(waiting), q[2], q[3] or '0', 'wait'}
+end
+if not budget_reserve(KEYS[8], KEYS[1], tonumber(ARGV[20]), tonumber(ARGV[21]), ARGV[22]) then
+  return {'budget_exceeded'}
 end
 local jid = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1], 'aff', ARGV[19])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'rh', ARGV[2], 'req', ARGV[3], 'created_at', ARGV[4],
@@ -293,7 +303,7 @@ return out
 
 # Closes: two terminal events (a zombie finishing after the new owner, or finish racing cancel-while-
 # queued), and a terminal event without its status/usage/expiry/abort record (a crash between writes).
-FINISH = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + _CLOSE + """
+FINISH = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + _CLOSE + """
 -- KEYS: meta, events, usage_index, qstats, tombstone, aborted_totals
 -- ARGV: fence, channel, type, data, status, usage, model, now_s,
 --       reason, prompt_tokens, completion_tokens, compute_s, sid, cached_tokens, wasted_tokens, ttft_ms ('': none),
@@ -319,6 +329,7 @@ if ema then took = 0.8 * tonumber(ema) + 0.2 * took end
 redis.call('HSET', KEYS[4], 'ema_job_s', string.format('%.6f', took))
 record_usage(KEYS[3], ARGV[17], KEYS[1], ARGV[13], ARGV[8], ARGV[5], ARGV[9], model, ARGV[10], ARGV[14], ARGV[11],
   ARGV[15], ARGV[12], ARGV[16])
+budget_settle(KEYS[1], tonumber(ARGV[10]) + tonumber(ARGV[11]))
 if ARGV[5] ~= 'done' then
   record_abort(KEYS[6], ARGV[9], m[4], ARGV[10], ARGV[11], ARGV[12])
 end
@@ -327,7 +338,7 @@ return eid
 
 # Closes: cancel racing claim (a queued stream cancelled while a worker claims it: exactly one of them
 # wins, and the loser sees the other's status) and two cancels racing (one terminal event).
-CANCEL = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + _CLOSE + """
+CANCEL = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + _CLOSE + """
 -- KEYS: meta, events, qstats, usage_index, tombstone, aborted_totals
 -- ARGV: reason, channel, cancelled_data, usage, now_s, control_channel, sid, usage_prefix
 -- Reply: {'unknown'} | {'ended', status} (nothing to cancel) | {'cancelled'} (it was queued: now it ended)
@@ -342,6 +353,7 @@ if st == 'queued' then
     tonumber(m[5] or '3600'))
   redis.call('HINCRBY', KEYS[3], 'waiting', -1)
   record_usage(KEYS[4], ARGV[8], KEYS[1], ARGV[7], ARGV[5], 'cancelled', ARGV[1], m[2], 0, 0, 0, 0, 0, '')
+  budget_settle(KEYS[1], 0)
   record_abort(KEYS[6], ARGV[1], m[3], 0, 0, 0)
   return {'cancelled'}
 end

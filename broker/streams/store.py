@@ -20,7 +20,15 @@ from typing import Any
 
 import orjson
 
-from broker.errors import Conflict, Expired, OverStorageQuota, QueueFull, RateLimited, TooManyGenerations
+from broker.errors import (
+    BudgetExceeded,
+    Conflict,
+    Expired,
+    OverStorageQuota,
+    QueueFull,
+    RateLimited,
+    TooManyGenerations,
+)
 from broker.events import Event, EventPage, EventType, encode_data
 from broker.redis.batching import CommandBatcher
 from broker.redis.connection import (
@@ -38,12 +46,14 @@ from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.request import GenerationRequest
 from broker.streams import replication, scripts
 from broker.streams.affinity import ChatAffinity
+from broker.streams.budget import NO_BUDGET, Budget, reservation
 from broker.streams.keys import (
     CHANNEL_SUFFIX,
     EVENTS_SUFFIX,
     JOBS_GROUP,
     META_SUFFIX,
     StreamKeys,
+    budget_key,
     inbox_prefix,
     jobs_key,
     principal,
@@ -129,24 +139,31 @@ class Store:
         quota: Quota = NO_QUOTA,
         max_queue_wait_s: float = 0.0,
         storage: StorageQuota = NO_STORAGE_QUOTA,
+        budget: Budget = NO_BUDGET,
     ) -> Created:
         """Create the stream and enqueue its job, or recognise a retry of the same request (which no limit
         refuses). Raises Conflict (same id, other request), Expired, RateLimited, TooManyGenerations (the
         caller's ``quota``) or QueueFull: ``max_queue`` queued generations (0: no bound; like the quota,
         each partition holds ceil(max_queue / P) of them), or an estimated wait over ``max_queue_wait_s``
-        (waiting jobs x average job time / running jobs; 0: no bound; no estimate before a job finished)."""
+        (waiting jobs x average job time / running jobs; 0: no bound; no estimate before a job finished), or
+        BudgetExceeded: the key's ``budget`` cannot hold this create's worst case (broker.streams.budget)."""
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
         who = quota.principal or principal(key_id, "")
+        now = time.time()
+        period, period_end = budget.window(now)
+        canonical = request.canonical_json()
         res = await self._call(
             k, self._create, [k.meta, k.events, k.jobs, k.queue_stats, k.tombstone, k.tenant(who),
-                              storage_key(k.partition, k.partitions, storage.principal or who)],
-            [str(stream_id), request.request_hash(), request.canonical_json(), f"{time.time():.6f}",
+                              storage_key(k.partition, k.partitions, storage.principal or who),
+                              budget_key(k.partition, k.partitions, key_id, period)],
+            [str(stream_id), request.request_hash(), canonical, f"{now:.6f}",
                   queue_share, request.model or default_model, request.max_tokens, k.channel, key_id,
                   retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
                   max_queue_wait_s, int(request.history is not None), storage.share(self.partitions),
-                  request.affinity()],
+                  request.affinity(), budget.share(self.partitions), reservation(canonical, request.max_tokens),
+                  f"{period_end:.0f}"],
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
@@ -159,6 +176,9 @@ class Store:
             raise Expired("a stream with this id existed and expired; use a new id")
         if tag == "storage_quota":
             raise OverStorageQuota(storage.quota_bytes, self.partitions)
+        if tag == "budget_exceeded":
+            raise BudgetExceeded(budget.tokens, budget.period, self.partitions,
+                                 reservation(canonical, request.max_tokens), retry_after_s=budget.retry_after_s(now))
         ema_raw, busy = reply_text(res[2]), int(res[3] or 0)
         ema = float(ema_raw) if ema_raw else None
         if tag == "rate_limited":

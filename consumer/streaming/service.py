@@ -16,10 +16,11 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import cast
 
-from broker.errors import Expired, NotFound, OverStorageQuota, RetryLater, Starting
+from broker.errors import BudgetExceeded, Expired, NotFound, OverStorageQuota, RetryLater, Starting
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
 from broker.redis.quota import StorageQuota, default_quota_bytes, read_maxmemory
 from broker.request import GenerationRequest, RequestLimits
+from broker.streams.budget import NO_BUDGET, Budget
 from broker.streams.conversations import ConversationStore
 from broker.streams.keys import principal
 from broker.streams.records import Created, Quota, StreamStatus
@@ -169,6 +170,11 @@ class StreamService:
             await asyncio.sleep(interval_s)
             await self.read_storage_default()
 
+    def budget(self, caller: Caller) -> Budget:
+        """The caller's token budget: its API key's ``token_budget`` per ``budget_period`` (none without keys)."""
+        key = self.api_keys.get(caller.key_id)
+        return Budget(key.token_budget, key.budget_period) if key is not None else NO_BUDGET
+
     def quota(self, caller: Caller) -> Quota:
         """What the caller may have queued or running, and how fast it may create: charged to its API key
         (whose ``limits`` override the pod's defaults; 0 there = no limit), or without keys to its address
@@ -203,9 +209,11 @@ class StreamService:
                                               max_queue=s.max_queue, max_queue_wait_s=s.max_queue_wait_s,
                                               retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
                                               key_id=caller.key_id, quota=self.quota(caller),
-                                              storage=self.storage_quota(caller))
-        except RetryLater:
+                                              storage=self.storage_quota(caller), budget=self.budget(caller))
+        except RetryLater as e:
             self.metrics.creates_rejected.inc()
+            if isinstance(e, BudgetExceeded):
+                self.metrics.budget_exceeded.inc()
             raise
         extra: dict[str, object] = {"stream_id": str(stream_id), "key_id": caller.key_id, "new_stream": res.created}
         if s.log_content:

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from broker.errors import Conflict, Expired, InvalidRequest, OverStorageQuota, RetryLater, RsbError
+from broker.errors import BudgetExceeded, Conflict, Expired, InvalidRequest, OverStorageQuota, RetryLater, RsbError
 from broker.history import History
 from broker.request import GenerationRequest, validate_create_body
 from broker.sse import DONE_FRAME as DONE_FRAME  # the views' one [DONE], re-exported for chat and responses
@@ -85,6 +85,9 @@ def error_response(exc: RsbError) -> JSONResponse:
     if isinstance(exc, Conflict):
         return error_json(409, exc.message, type_="invalid_request_error", code=exc.code,
                           headers={"x-should-retry": "false"})
+    if isinstance(exc, BudgetExceeded):  # OpenAI's insufficient_quota: no retry of the SDK's helps before it renews
+        return error_json(status_of(exc), exc.message, type_="insufficient_quota", code=exc.code,
+                          headers={"Retry-After": str(exc.retry_after_s), "x-should-retry": "false"})
     if isinstance(exc, OverStorageQuota):  # a 429 the SDK's retries cannot fix: the caller must free data
         return error_json(status_of(exc), exc.message, type_="invalid_request_error", code=exc.code,
                           headers={"x-should-retry": "false"})
