@@ -132,9 +132,9 @@ class Unavailable(RetryLater):
 
 
 class StorageFull(RetryLater):
-    """Redis refuses writes for lack of memory (at ``maxmemory`` under ``noeviction``:
-    broker.redis.connection.is_out_of_memory). Nothing the caller did: it frees when data expires or an operator
-    adds memory, so it is answered with a Retry-After, like Unavailable, under its own code."""
+    """Redis refuses writes for lack of memory (at ``maxmemory`` under ``noeviction``: ``StoreFull``). Nothing the
+    caller did: it frees when data expires or an operator adds memory, so it is answered with a Retry-After, like
+    Unavailable, under its own code."""
 
     code = "storage_full"
 
@@ -162,3 +162,28 @@ class BudgetExceeded(RetryLater):
         super().__init__(f"this API key's token budget ({tokens} tokens a {period}{share}) cannot hold this "
                          f"generation's worst case ({wanted} tokens: its prompt's bytes and max_tokens); it renews "
                          "at the period's end (UTC)", retry_after_s)
+
+
+# -- Redis failing a command: what broker.redis's clients raise, and nothing else -----------------------------------
+
+
+class StoreError(Exception):
+    """A Redis command failed. The clients broker.redis.connection makes raise only this family, never redis-py's
+    exceptions: its errors are mapped there, once (``store_error``), as httpx maps httpcore's. Raised as itself for
+    an error reply that is neither of the transient kinds below (a script error, WRONGTYPE): a bug, surfaced, never
+    retried in silence. Not an RsbError: what a client is told is the HTTP edge's to say (consumer.edge.errors)."""
+
+
+class StoreTransient(StoreError):
+    """Redis cannot do this now, and the same command may succeed later: workers wait and retry, the HTTP edge
+    answers with a Retry-After."""
+
+
+class StoreUnavailable(StoreTransient):
+    """Redis is away: unreachable, timing out, loading its data, or a cluster moving a slot or failing over (a
+    write landing on a demoted primary gets READONLY). Answered ``503 unavailable`` at the edge."""
+
+
+class StoreFull(StoreTransient):
+    """Redis refuses a write for lack of memory (at ``maxmemory`` under ``noeviction``). The server is up and reads
+    work; writes succeed again once memory is freed. Answered ``507 storage_full`` at the edge (StorageFull)."""

@@ -2,8 +2,8 @@
 to the first write that succeeds again), so that a pause of any length makes one log line when it starts and one
 when it ends, never one per retry, and its refusals are counted for the metrics.
 
-Pure bookkeeping (no Redis): the predicate that says a Redis error is "out of memory" is
-broker.redis.connection.is_out_of_memory; the generator's retries (generator.retry) and the consumer's error
+Pure bookkeeping (no Redis): a Redis error that is "out of memory" is a broker.errors.StoreFull (mapped in
+broker.redis.connection); the generator's retries (generator.retry) and the consumer's error
 boundary (consumer.edge.errors) report to an ``OutOfMemoryEpisodes`` each.
 """
 

@@ -13,7 +13,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
 from broker.durable.store import DurableStore
-from broker.redis.connection import connect, connect_blocking, is_unavailable
+from broker.errors import StoreUnavailable
+from broker.redis.connection import connect, connect_blocking
 from broker.scrape import serve_scrapes
 from broker.streams.read_token_secret import shared_read_token_secret
 from broker.streams.store import Store
@@ -50,9 +51,10 @@ async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
         try:
             for i in range(0, len(ids), 1000):
                 await store.touch(ids[i:i + 1000])
-        except Exception as e:  # Redis away: the next round touches them; anything else is a bug, said
-            if not is_unavailable(e):
-                log.error("touching the streams being read failed: %s", type(e).__name__, exc_info=e)
+        except StoreUnavailable:  # the next round touches them
+            pass
+        except Exception as e:  # a bug, said
+            log.error("touching the streams being read failed: %s", type(e).__name__, exc_info=e)
 
 
 # How long the start waits for Redis's maxmemory (the default storage quota) before going on without it.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from broker.errors import StoreUnavailable
 from broker.streams.records import AppendResult, Claim
 from broker.streams.store import Store
 
@@ -44,7 +45,7 @@ class AppendBatcher:
                 except asyncio.CancelledError:  # stopped: nobody may wait forever for an append that never left
                     for _, fut in self._pending:
                         if not fut.done():
-                            fut.set_exception(ConnectionError("the append batcher stopped"))
+                            fut.set_exception(StoreUnavailable("the append batcher stopped"))
                     self._pending = []
                     raise
             self._last_flush = loop.time()
@@ -54,7 +55,7 @@ class AppendBatcher:
             except BaseException as e:  # the connection failed: every caller retries as it would alone
                 for _, fut in batch:
                     if not fut.done():
-                        fut.set_exception(e if isinstance(e, Exception) else ConnectionError(str(e)))
+                        fut.set_exception(e if isinstance(e, Exception) else StoreUnavailable(str(e)))
                 if isinstance(e, asyncio.CancelledError):
                     raise
                 continue

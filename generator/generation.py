@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from broker.errors import RsbError
+from broker.errors import RsbError, StoreTransient
 from broker.events import EventType, FinishReason, encode_data
 from broker.streams.conversations import ConversationStore
 from broker.streams.records import AppendResult, Claim, Job, Unclaimable
@@ -33,7 +33,7 @@ from generator.engines.pieces import PartialAnswer
 from generator.handoff import StopSignal, TokenHandoff, produce
 from generator.lease import Run, keep_lease
 from generator.metrics import GeneratorMetrics
-from generator.retry import is_transient, until_done
+from generator.retry import until_done
 from generator.settings import GeneratorSettings
 from generator.slots import Seat, Slots, StallWatch
 
@@ -147,11 +147,10 @@ class JobRunner:
         if self.engine.caches_prompts:
             try:  # a hint for the next turn's routing: never worth delaying or failing this one
                 await self.store.affinity.note(claim.request.affinity(), self.worker_id, AFFINITY_TTL_S)
-            except Exception as e:  # Redis away or full (or a bug, logged as one): the turn runs anyway
-                if is_transient(e):
-                    log.warning("could not note the chat's worker: %s", type(e).__name__)
-                else:
-                    log.exception("noting the chat's worker failed")
+            except StoreTransient as e:  # Redis away or full: the turn runs anyway
+                log.warning("could not note the chat's worker: %s", type(e).__name__)
+            except Exception:  # a bug, logged as one: the turn runs anyway
+                log.exception("noting the chat's worker failed")
         nothing = Usage(0, claim.seq)
         if claim.attempts > self.settings.max_attempts:
             await self._finish_error(run, "worker_lost", f"gave up after {claim.attempts - 1} attempts", nothing)
@@ -421,6 +420,7 @@ class JobRunner:
             return
         try:
             await self.store.add_wasted(run.claim, tokens)
-        except Exception as e:
-            if not is_transient(e):
-                log.exception("reporting wasted tokens failed")
+        except StoreTransient:
+            pass
+        except Exception:
+            log.exception("reporting wasted tokens failed")

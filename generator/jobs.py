@@ -22,7 +22,8 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from broker.redis.connection import UNAVAILABLE_ERRORS, RedisClient
+from broker.errors import StoreUnavailable
+from broker.redis.connection import RedisClient
 from broker.redis.keyspace import partition_slot
 from broker.streams.records import Job
 from broker.streams.store import Store
@@ -144,7 +145,7 @@ class JobPoller:
                     await self.store.affinity.drop_inbox_entry(job, self.worker_id)
                 else:
                     await self.store.hand_back(job, self.worker_id)
-            except UNAVAILABLE_ERRORS as e:  # it is still pending: taken over after lease_s
+            except StoreUnavailable as e:  # it is still pending: taken over after lease_s
                 log.warning("could not hand a job back: %s", e)
 
     async def cancel_polls(self) -> None:

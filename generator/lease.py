@@ -18,13 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker.backoff import Attempts
-from broker.redis.connection import UNAVAILABLE_ERRORS, RedisClient
+from broker.errors import StoreFull, StoreTransient, StoreUnavailable
+from broker.redis.connection import RedisClient
 from broker.redis.pubsub import Channels
 from broker.streams.keys import control_channel
 from broker.streams.records import Claim
 from broker.streams.store import Store
 from generator.handoff import StopSignal
-from generator.retry import OUT_OF_MEMORY, is_transient
+from generator.retry import OUT_OF_MEMORY
 from generator.slots import StallWatch
 
 log = logging.getLogger("rsb.generator")
@@ -76,18 +77,17 @@ async def keep_lease(run: Run, store: Store, worker_id: str, lease_s: float, dis
         await asyncio.sleep(interval)
         try:
             res = await store.renew(run.claim, worker_id, disconnect_grace_s)
-        except UNAVAILABLE_ERRORS:
+        except StoreUnavailable:
             # redis-py may turn our own cancellation mid-command into a connection error: a cancelled
             # renewer must stop, or the job waits on it forever (renewed, never finished).
             task = asyncio.current_task()
             if run.generation_over or (task is not None and task.cancelling()):
                 raise asyncio.CancelledError from None
             continue
+        except StoreFull:  # RENEW's first write (XCLAIM) is one a full Redis allows, so this is rare; waited out
+            OUT_OF_MEMORY.refused("lease renewal")
+            continue
         except Exception as e:
-            # Redis full: RENEW's first write (XCLAIM) is one a full Redis allows, so this is rare; waited out.
-            if is_transient(e):
-                OUT_OF_MEMORY.refused("lease renewal")
-                continue
             run.fail(e)  # a bug: retrying it would renew nothing, for ever
             return
         if not res.ok:
@@ -100,11 +100,10 @@ async def check_cancel(run: Run, store: Store, worker_id: str, disconnect_grace_
     """A cancel notice came for ``run``: ask RENEW, which says whether (and why) it is cancelled."""
     try:
         res = await store.renew(run.claim, worker_id, disconnect_grace_s)
-    except UNAVAILABLE_ERRORS:
+    except StoreTransient:
         return  # the renewal loop asks again within lease_s / 3
     except Exception as e:
-        if not is_transient(e):
-            run.fail(e)
+        run.fail(e)
         return
     run.cancel(res.cancel_reason)
 
@@ -129,7 +128,7 @@ async def listen_for_cancels(blocking: RedisClient, partitions: int,
                 try:
                     await channels.subscribe(control_channel(p, partitions).encode())
                     break
-                except UNAVAILABLE_ERRORS as e:  # e.g. no slot map yet: the cluster is unreachable
+                except StoreUnavailable as e:  # e.g. no slot map yet: the cluster is unreachable
                     log.warning("cancel listener cannot subscribe yet: %s", e)
                     await attempts.sleep()
         await asyncio.Event().wait()  # until cancelled at shutdown; the shards run on their own

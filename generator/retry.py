@@ -1,13 +1,13 @@
 """Redis operations a worker must not give up on: it outlives Redis restarts, failovers and Redis running out of
 memory.
 
-Two transient conditions, each with its one predicate (broker.redis.connection): Redis away (``is_unavailable``:
-retried, logged per retry, as before) and Redis full (``is_out_of_memory``: the server refuses writes until memory
-is freed). A full Redis pauses every write of the worker (appends, terminal events, claims) until memory returns:
-retried by the backoff, with one log line when the pause starts and one when it ends for the whole process
-(``OUT_OF_MEMORY``, broker.storage), never one per retry, and the refusals counted
-(``rsb_generator_storage_full_total``). Fencing and the appends' sequence numbers make every retry safe: nothing
-is lost or written twice.
+Two transient conditions, each an error of rsb's Store family (broker.errors, mapped from redis-py's once, in
+broker.redis.connection): Redis away (``StoreUnavailable``: retried, logged per retry) and Redis full
+(``StoreFull``: the server refuses writes until memory is freed). A full Redis pauses every write of the worker
+(appends, terminal events, claims) until memory returns: retried by the backoff, with one log line when the pause
+starts and one when it ends for the whole process (``OUT_OF_MEMORY``, broker.storage), never one per retry, and
+the refusals counted (``rsb_generator_storage_full_total``). Fencing and the appends' sequence numbers make every
+retry safe: nothing is lost or written twice.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from broker.backoff import Attempts, Backoff
-from broker.redis.connection import UNAVAILABLE_ERRORS, is_out_of_memory
+from broker.errors import StoreFull, StoreUnavailable
 from broker.storage import OutOfMemoryEpisodes
 
 log = logging.getLogger("rsb.generator")
@@ -31,11 +31,6 @@ OUT_OF_MEMORY = OutOfMemoryEpisodes(log, "the generator")
 OUT_OF_MEMORY_BACKOFF = Backoff(base_s=0.1, cap_s=2.0)
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Whether a Redis error is one a worker waits out (away, or full) rather than a bug to surface."""
-    return isinstance(exc, UNAVAILABLE_ERRORS) or is_out_of_memory(exc)
-
-
 async def until_done(op: Callable[[], Awaitable[T]], what: str = "redis unavailable") -> T:
     """Run ``op`` until it succeeds, waiting by the backoff between transient failures."""
     attempts = Attempts()
@@ -43,13 +38,11 @@ async def until_done(op: Callable[[], Awaitable[T]], what: str = "redis unavaila
     while True:
         try:
             result = await op()
-        except UNAVAILABLE_ERRORS as e:  # Redis away for now: retried; anything else is a bug and propagates
+        except StoreUnavailable as e:  # Redis away for now: retried; anything else is a bug and propagates
             log.warning("%s, retrying: %s", what, e)
             await attempts.sleep()
             continue
-        except Exception as e:
-            if not is_out_of_memory(e):
-                raise
+        except StoreFull:
             OUT_OF_MEMORY.refused(what)
             await full.sleep()
             continue

@@ -17,7 +17,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 from broker.backoff import Attempts
-from broker.redis.connection import UNAVAILABLE_ERRORS, RedisClient
+from broker.errors import StoreFull, StoreUnavailable
+from broker.redis.connection import RedisClient
 from broker.streams.records import Job
 from broker.streams.served_models import ANNOUNCE_INTERVAL_S, ServedModels
 from broker.streams.store import Store
@@ -27,7 +28,7 @@ from generator.generation import Appender, JobRunner
 from generator.jobs import JobPoller
 from generator.lease import check_cancel, listen_for_cancels
 from generator.metrics import GeneratorMetrics
-from generator.retry import OUT_OF_MEMORY, is_transient
+from generator.retry import OUT_OF_MEMORY
 from generator.settings import GeneratorSettings
 from generator.slots import Seat, Slots
 
@@ -85,13 +86,12 @@ class Worker:
         while True:
             try:
                 await models.announce(self.engine.name)
-            except UNAVAILABLE_ERRORS as e:
+            except StoreUnavailable as e:
                 log.warning("could not announce the model, retrying: %s", e)
+            except StoreFull:  # counted in the process's episode, tried again
+                OUT_OF_MEMORY.refused("model announcement")
             except Exception as e:  # a bug (the key holds another type): said, and tried again, never in silence
-                if is_transient(e):  # Redis full: counted in the process's episode, tried again
-                    OUT_OF_MEMORY.refused("model announcement")
-                else:
-                    log.error("could not announce the model: %s", type(e).__name__, exc_info=e)
+                log.error("could not announce the model: %s", type(e).__name__, exc_info=e)
             await asyncio.sleep(ANNOUNCE_INTERVAL_S)
 
     def _on_cancel_notice(self, stream_id: uuid.UUID) -> None:
@@ -117,15 +117,13 @@ class Worker:
                     await self.store.ensure_groups()
                     job = await self._poll_unless_stopping()
                     attempts.reset()
-                except UNAVAILABLE_ERRORS as e:
+                except StoreUnavailable as e:
                     slots.release()
                     log.warning("redis unavailable, retrying: %s", e)
                     await attempts.sleep()
                     continue
-                except Exception as e:  # Redis full (XGROUP CREATE is refused too): wait, as for an outage
+                except StoreFull:  # XGROUP CREATE is refused too: wait, as for an outage
                     slots.release()
-                    if not is_transient(e):
-                        raise
                     OUT_OF_MEMORY.refused("poll for jobs")
                     await attempts.sleep()
                     continue

@@ -1,10 +1,11 @@
 """The house rules, checked: ruff and mypy clean (tests included), layers that only import downwards, no
-import circle, modules small enough to hold one concept, and a public client surface that is exactly
-``rsb.__all__``."""
+import circle, redis-py's errors mapped once (in broker.redis), modules small enough to hold one concept, and a
+public client surface that is exactly ``rsb.__all__``."""
 
 from __future__ import annotations
 
 import ast
+import builtins
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -150,6 +151,42 @@ def test_only_the_owning_layer_imports_redis_and_llama_cpp() -> None:
             owner = OWNED_IMPORTS[package]
             if name != owner and not name.startswith(owner + "."):
                 wrong.append(f"{name} imports {package} (only {owner} may)")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+# broker.redis.connection's classifiers of redis-py's exceptions: only broker.redis sees those exceptions.
+REDIS_CLASSIFIERS = frozenset({"UNAVAILABLE_ERRORS", "is_unavailable", "is_out_of_memory", "store_error",
+                               "store_errors"})
+
+
+def _names(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.alias):  # what is imported, whatever it is called here
+            yield node.lineno, node.name.rpartition(".")[2]
+
+
+def test_redis_errors_are_mapped_once_at_broker_redis() -> None:
+    """Above broker.redis a failed Redis command is rsb's (broker.errors.StoreError and its kinds), never one of
+    redis-py's exceptions: no module there names one (or the classifiers that read them), so no caller decides
+    "away, full, or a bug" by itself again. Builtins (TimeoutError, ConnectionError) and rsb's own classes of the
+    same name (the public client's AuthenticationError) are not redis-py's."""
+    import redis.exceptions
+
+    ours = {node.name for _, path in _modules() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)}
+    foreign = {n for n, v in vars(redis.exceptions).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    forbidden = (foreign - set(dir(builtins)) - ours) | REDIS_CLASSIFIERS
+    wrong = []
+    for name, path in _modules():
+        if name == "broker.redis" or name.startswith("broker.redis."):
+            continue
+        for line, n in _names(ast.parse(path.read_text(), str(path))):
+            if n in forbidden:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} names {n}")
     assert not wrong, "\n".join(sorted(wrong))
 
 

@@ -18,8 +18,9 @@ import asyncio
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 
+from broker.errors import StoreError, StoreUnavailable
 from broker.redis.connection import RedisClient, Script, is_cluster
 
 # Commands per pipeline: bounds one batch's reply (and the time Redis spends on it before answering others).
@@ -83,7 +84,9 @@ class CommandBatcher:
                     args, options, _ = live[0]
                     try:
                         replies: list[Any] = [await self.client.execute_command(*args, **options)]
-                    except ResponseError as e:  # that caller's error, as a pipeline would hand it back
+                    except StoreUnavailable:
+                        raise
+                    except (StoreError, NoScriptError) as e:  # that caller's error, as a pipeline would hand it back
                         replies = [e]
                 else:
                     async with self.client.pipeline(transaction=False) as pipe:
@@ -93,7 +96,7 @@ class CommandBatcher:
             except BaseException as e:  # the connection failed: every caller gets the error (and may retry)
                 for _, _, fut in live:
                     if not fut.done():
-                        fut.set_exception(e if isinstance(e, Exception) else ConnectionError(str(e)))
+                        fut.set_exception(e if isinstance(e, Exception) else StoreUnavailable(str(e)))
                 if not isinstance(e, Exception):
                     raise
                 continue

@@ -14,33 +14,28 @@ streams) is grouped per slot by the generator and per node by the consumer's liv
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 import redis as redis_sync
 from redis._parsers.helpers import parse_stream_list
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import AbstractBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
-    BusyLoadingError,
-    ClusterDownError,
-    ClusterError,
     MasterDownError,
     NoScriptError,
-    OutOfMemoryError,
     ReadOnlyError,
-    ResponseError,
-    SlotNotCoveredError,
-    TryAgainError,
 )
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.backoff import Backoff
+from broker.errors import StoreError
+from broker.redis.errors import closed_under_the_command, reply, store_errors
 
 # Ordinary commands: short, so a dead server is noticed in seconds, not minutes.
 COMMAND_TIMEOUT_S = 5.0
@@ -49,40 +44,11 @@ CONNECT_TIMEOUT_S = 2.0
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
 
-#: Redis errors that mean "Redis cannot serve this now, try again soon": the server is unreachable, loading,
-#: or a cluster is moving slots or failing over (a write landing on a demoted primary gets READONLY). Workers
-#: retry them; the HTTP boundary answers 503 + Retry-After. Any other Redis error is a bug.
-UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
-    RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, ClusterError, MasterDownError,
-    ReadOnlyError, SlotNotCoveredError, TryAgainError, ConnectionError, OSError)
-
-#: The errors Redis answers a command with (redis-py's ResponseError): out of memory is one (``is_out_of_memory``);
-#: the HTTP boundary maps them through that predicate, and answers any other as a bug.
-RESPONSE_ERRORS: tuple[type[Exception], ...] = (ResponseError,)
-
 # Either kind of client: the commands rsb uses have the same signatures on both.
 RedisClient = Redis | RedisCluster
 #: A registered Lua script (``register_script``): called with ``keys=``, ``args=`` and optionally ``client=`` (a
 #: pipeline, which redis-py's AsyncScript types too narrowly to accept).
 Script = Any
-
-
-def is_unavailable(exc: BaseException) -> bool:
-    """The one predicate for "Redis is away": whether ``exc`` is one of UNAVAILABLE_ERRORS. Everything else a
-    Redis command raises (a script error, NOSCRIPT, WRONGTYPE) is a bug, surfaced, never retried in silence."""
-    return isinstance(exc, UNAVAILABLE_ERRORS)
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """The one predicate for "Redis is full": Redis at ``maxmemory`` under ``noeviction`` (or ``volatile-*`` with
-    nothing left to evict) refuses every write that could grow memory with ``OOM command not allowed when used
-    memory > 'maxmemory'`` (redis-py's OutOfMemoryError, a ResponseError; from a script too, whose first write it
-    refuses before anything is written). Transient like ``is_unavailable``, but not the same: the server is up
-    and reads work; writes succeed again once memory is freed. Workers wait and retry; the HTTP boundary answers
-    ``storage_full`` with a Retry-After (broker.errors.StorageFull)."""
-    if isinstance(exc, OutOfMemoryError):
-        return True
-    return isinstance(exc, ResponseError) and str(exc).startswith("OOM ")
 
 
 #: Lua for scripts whose first write Redis would let through when out of memory. Redis refuses a script's write
@@ -134,7 +100,7 @@ async def ensure_group(client: RedisClient, stream: str, group: str) -> None:
     """Create consumer group ``group`` of ``stream`` (and the stream) unless it exists."""
     try:
         await client.xgroup_create(stream, group, id="0", mkstream=True)
-    except ResponseError as e:  # BUSYGROUP: already there
+    except StoreError as e:  # BUSYGROUP: already there
         if "BUSYGROUP" not in str(e):
             raise
 
@@ -166,8 +132,8 @@ def _sentinel(url: str, *, max_connections: int, retries: int, socket_timeout: f
     common: dict[str, Any] = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_keepalive": True}
     sentinel = Sentinel(hosts, sentinel_kwargs={**common, "socket_timeout": COMMAND_TIMEOUT_S}, **common)
     client: Redis = sentinel.master_for(
-        path[0], db=db, socket_timeout=socket_timeout, max_connections=max_connections, retry=_retry(retries),
-        ssl=SENTINEL_SCHEMES[parts.scheme] == "rediss", **sentinel_auth(parts))
+        path[0], redis_class=MappedRedis, db=db, socket_timeout=socket_timeout, max_connections=max_connections,
+        retry=_retry(retries), ssl=SENTINEL_SCHEMES[parts.scheme] == "rediss", **sentinel_auth(parts))
     return client
 
 
@@ -234,26 +200,6 @@ def _retry(retries: int) -> Retry:
                  supported_errors=(RedisConnectionError, RedisTimeoutError))
 
 
-# Where redis-py's own code lives: an AttributeError raised in there is a connection closed under a command.
-_REDIS_PY_DIR = os.path.dirname(redis_sync.__file__)
-
-
-def _closed_under_the_command(exc: BaseException) -> bool:
-    """Whether ``exc`` is redis-py's cluster client using a connection that another task has just closed.
-
-    redis-py 8's RedisCluster calls its own ``aclose()`` when a command meets CLUSTERDOWN or an uncovered slot
-    (and, unless ``reinitialize_steps=0``, after every fifth MOVED), which disconnects every connection of every
-    node, those that other commands are using at that instant included: a command between connecting and writing
-    then finds its writer gone (``'NoneType' object has no attribute 'writelines'``). It is the same event as a
-    dropped connection, so it is reported as one; an AttributeError raised anywhere else is a bug and stays one."""
-    if not isinstance(exc, AttributeError) or "NoneType" not in str(exc):
-        return False
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_REDIS_PY_DIR)
-
-
 class _GatedPipeline(ClusterPipeline):
     """A cluster pipeline that waits for the client's gate like a single command does."""
 
@@ -261,12 +207,14 @@ class _GatedPipeline(ClusterPipeline):
         client = self.cluster_client
         assert isinstance(client, BoundedRedisCluster)
         async with client.gate:
-            try:
-                return await super().execute(raise_on_error, allow_redirections)
-            except AttributeError as e:
-                if not _closed_under_the_command(e):
-                    raise
-                raise RedisConnectionError(f"connection closed under the pipeline ({e})") from e
+            with store_errors():
+                try:
+                    replies = await super().execute(raise_on_error, allow_redirections)
+                except AttributeError as e:
+                    if not closed_under_the_command(e):
+                        raise
+                    raise RedisConnectionError(f"connection closed under the pipeline ({e})") from e
+        return [reply(r) for r in replies]
 
 
 class BoundedRedisCluster(RedisCluster):
@@ -279,33 +227,57 @@ class BoundedRedisCluster(RedisCluster):
     - A command sent before the client has read the slot map is routed as if it had no key (redis-py decides the
       route before it initializes): to one node, which answers MOVED. Many first commands at once made as many
       MOVEDs, and redis-py's answer to every fifth (``reinitialize_steps``) closes every connection in use
-      (``_closed_under_the_command``). So the slot map is read before the first command is routed, and MOVED only
-      updates the slot it names (``reinitialize_steps=0``, set in ``_cluster``); a connection error, a failover
-      (READONLY) or CLUSTERDOWN still reads the whole map again."""
+      (broker.redis.errors.closed_under_the_command). So the slot map is read before the first command is routed,
+      and MOVED only updates the slot it names (``reinitialize_steps=0``, set in ``_cluster``); a connection error,
+      a failover (READONLY) or CLUSTERDOWN still reads the whole map again."""
 
     gate: asyncio.Semaphore
     source_url: str
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self.gate:
-            try:
-                if self._initialize:
-                    await self.initialize()
-                return await super().execute_command(*args, **kwargs)
-            except (ReadOnlyError, MasterDownError):
-                # A node that was a master is a replica now (a failover redis-py has not seen yet): read the
-                # slot map again before the caller's retry, instead of retrying the same node.
-                self._initialize = True
+            with store_errors():
+                return await self._execute_command_unmapped(*args, **kwargs)
+
+    async def _execute_command_unmapped(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if self._initialize:
+                await self.initialize()
+            return await super().execute_command(*args, **kwargs)
+        except (ReadOnlyError, MasterDownError):
+            # A node that was a master is a replica now (a failover redis-py has not seen yet): read the
+            # slot map again before the caller's retry, instead of retrying the same node.
+            self._initialize = True
+            raise
+        except AttributeError as e:
+            if not closed_under_the_command(e):
                 raise
-            except AttributeError as e:
-                if not _closed_under_the_command(e):
-                    raise
-                raise RedisConnectionError(f"connection closed under the command ({e})") from e
+            raise RedisConnectionError(f"connection closed under the command ({e})") from e
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
         if shard_hint:
             return super().pipeline(transaction, shard_hint)  # raises, as upstream does
         return _GatedPipeline(self, transaction)  # type: ignore[abstract]  # as upstream's pipeline()
+
+
+class _MappedPipeline(Pipeline):
+    """A standalone pipeline whose errors are rsb's (``store_errors``), raised or handed back as replies."""
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        with store_errors():
+            replies = await super().execute(raise_on_error)
+        return [reply(r) for r in replies]
+
+
+class MappedRedis(Redis):
+    """redis-py's standalone client (a server, a sentinel's primary, one cluster node) raising rsb's errors."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        with store_errors():
+            return await super().execute_command(*args, **options)
+
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
+        return _MappedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
 
 
 def reply_text(v: bytes | str | None) -> str:
@@ -361,7 +333,7 @@ def _standalone(url: str, *, max_connections: int, retries: int, socket_timeout:
         # Only connections with a timeout can afford a PING before reuse; a blocked reader must not.
         health_check_interval=30 if socket_timeout is not None else 0,
     )
-    client = Redis(connection_pool=pool, retry=_retry(retries))
+    client = MappedRedis(connection_pool=pool, retry=_retry(retries))
     _raw_entries_on_request(client)
     return client
 

@@ -7,7 +7,7 @@ unfinished stream or a job queue, so rsb refuses to start on it, in one line nam
 so an expired id answers 404 instead of 410), conversations, Durable Streams with a TTL, the rate limiter of a
 caller with nothing unfinished: rsb starts, with a warning saying so. ``noeviction`` (Redis's default) is what
 rsb is built for: a full Redis refuses writes, and rsb answers them 507 ``storage_full`` and pauses generations
-until memory returns (broker.redis.connection.is_out_of_memory).
+until memory returns (broker.errors.StoreFull).
 
 CONFIG may be disabled or renamed (managed Redis services often do): then the policy cannot be read, rsb says so
 and starts.

@@ -32,7 +32,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import SlotNotCoveredError
 
 from broker.backoff import Backoff
-from broker.redis.connection import UNAVAILABLE_ERRORS, RedisClient, connect_node, is_unavailable
+from broker.redis.connection import RedisClient, connect_node
+from broker.redis.errors import UNAVAILABLE_ERRORS, is_unavailable, store_error, store_errors
 
 log = logging.getLogger("rsb.pubsub")
 
@@ -183,7 +184,7 @@ class _Shard:
                 for futs in self._confirmations.values():
                     for f in futs:
                         if not f.done():
-                            f.set_exception(e)
+                            f.set_exception(store_error(e))
                             f.exception()  # retrieved: nobody may be waiting on a resubscription's future
                 self._confirmations.clear()
                 self._resubscribed.clear()
@@ -313,7 +314,12 @@ class Channels:
         await asyncio.gather(*(s.stop() for s in shards), return_exceptions=True)
 
     async def subscribe(self, ch: bytes, *, moved: bool = False) -> asyncio.Future[None] | None:
-        """See ``_Shard.subscribe``. Raises one of UNAVAILABLE_ERRORS when the command could not be sent."""
+        """See ``_Shard.subscribe``. Raises StoreUnavailable when the command could not be sent; the future fails
+        with rsb's error (broker.errors.StoreError) of a lost connection."""
+        with store_errors():
+            return await self._subscribe(ch, moved)
+
+    async def _subscribe(self, ch: bytes, moved: bool) -> asyncio.Future[None] | None:
         shard = self._where.get(ch)
         if shard is None:
             shard = await self._shard_for(ch)
@@ -387,7 +393,7 @@ class Channels:
                 moved.append(ch)
             for ch in moved:
                 with contextlib.suppress(*UNAVAILABLE_ERRORS):  # the shard's reconnect subscribes it
-                    await self.subscribe(ch, moved=True)
+                    await self._subscribe(ch, moved=True)
             if moved:
                 log.info("channels moved to another master", extra={"node": shard.name, "channels": len(moved)})
                 self.on_reset(moved)

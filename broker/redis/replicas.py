@@ -7,9 +7,9 @@ and its WAIT go in one pipeline (one connection, one round trip), preceded by a 
 (a retry that finds its work done; a fresh connection has no offset).
 
 On Redis Cluster that connection must reach the master of the key's slot: each write goes through a standalone
-client of that master (``connect_node``), and a MOVED/ASK/READONLY answer or a dead connection refreshes the slot
-map and is retried a few times (every script rsb gates is safe to run twice) before the caller is told, with a
-transient error (broker.redis.connection.UNAVAILABLE_ERRORS) it retries in turn.
+client of that master (``connect_node``), and a MOVED/ASK/READONLY answer or a dead connection (StoreUnavailable,
+as that client maps them) refreshes the slot map and is retried a few times (every script rsb gates is safe to run
+twice) before the caller is told, with that StoreUnavailable, which it retries in turn.
 """
 
 from __future__ import annotations
@@ -20,18 +20,11 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import (
-    AskError,
-    ClusterDownError,
-    MovedError,
-    ReadOnlyError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.backoff import Backoff
+from broker.errors import StoreUnavailable
 from broker.redis.connection import COMMAND_TIMEOUT_S, RedisClient, Script, connect_node
+from broker.redis.errors import store_errors
 
 log = logging.getLogger("rsb.redis")
 
@@ -39,14 +32,10 @@ log = logging.getLogger("rsb.redis")
 ROUTE_TRIES = 3
 ROUTE_RETRY_BACKOFF = Backoff(base_s=0.05, cap_s=2.0)
 
-#: A node answered for a slot it no longer owns, or is no longer a master: refresh the slot map and retry.
-_STALE_ROUTE = (MovedError, AskError, ReadOnlyError, ClusterDownError, TryAgainError, RedisConnectionError,
-                RedisTimeoutError, OSError)
-
 
 def no_replica(message: str) -> Exception:
     """The transient error of a write that no replica acknowledged in time (the caller retries it)."""
-    return TryAgainError(message)
+    return StoreUnavailable(message)
 
 
 class ReplicaWaiter:
@@ -66,10 +55,11 @@ class ReplicaWaiter:
         cluster = self._cluster
         if cluster is None:
             return self.redis
-        await cluster.initialize()
-        node = cluster.get_node_from_key(key)
+        with store_errors():
+            await cluster.initialize()
+            node = cluster.get_node_from_key(key)
         if node is None:
-            raise TryAgainError(f"no master serves the slot of {key!r} now")
+            raise StoreUnavailable(f"no master serves the slot of {key!r} now")
         client = self._nodes.get(node.name)
         if client is None:
             timeout_s = COMMAND_TIMEOUT_S + self.wait_ms / 1000
@@ -104,11 +94,9 @@ class ReplicaWaiter:
                 pipe.execute_command("WAIT", self.replicas, self.wait_ms)
                 replies = await pipe.execute()
             res, acked = (replies[0] if script is not None else None), replies[-1]
-        except _STALE_ROUTE as e:
+        except StoreUnavailable:  # the node is gone, or answered for a slot it no longer owns (MOVED, READONLY)
             await self._stale()
-            if isinstance(e, RedisConnectionError | RedisTimeoutError | OSError):
-                raise
-            raise TryAgainError(f"the key's slot moved or its master changed: {e}") from e
+            raise
         return res, int(acked)
 
     async def run(self, key: str, script: Script | None = None, keys: list[str] | None = None,
@@ -120,7 +108,7 @@ class ReplicaWaiter:
         for tries in range(ROUTE_TRIES):
             try:
                 return await self._once(key, script, keys, args)
-            except _STALE_ROUTE:
+            except StoreUnavailable:
                 if tries == ROUTE_TRIES - 1:
                     raise
                 await asyncio.sleep(ROUTE_RETRY_BACKOFF.delay(tries))

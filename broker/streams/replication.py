@@ -127,7 +127,7 @@ class ReplicaGate:
 
     async def write(self, keys: StreamKeys, script: Any, script_keys: list[str], args: list[Any]) -> Any:
         """Run ``script``, then wait until a replica has what it wrote (pausing, with retries, while none
-        answers). Raises transient errors (broker.redis.connection.UNAVAILABLE_ERRORS) for the caller to retry."""
+        answers). Raises StoreUnavailable (broker.errors) for the caller to retry."""
         res, acked = await self._waiter.run(keys.meta, script, script_keys, args)
         attempt = 0
         give_up = None if self.patience_s is None else time.monotonic() + self.patience_s

@@ -12,6 +12,7 @@ splitting it would split the schema it keeps consistent.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
@@ -27,6 +28,8 @@ from broker.errors import (
     OverStorageQuota,
     QueueFull,
     RateLimited,
+    StoreFull,
+    StoreUnavailable,
     TooManyGenerations,
 )
 from broker.events import Event, EventPage, EventType, encode_data
@@ -37,7 +40,6 @@ from broker.redis.connection import (
     ensure_group,
     evalsha_many,
     is_cluster,
-    is_out_of_memory,
     register_script,
     reply_text,
     xrange_raw,
@@ -292,11 +294,9 @@ class Store:
             by_partition.setdefault(k.partition, []).append(k.meta)
         for metas in by_partition.values():
             for i in range(0, len(metas), TOUCH_BATCH):
-                try:  # Redis full: a mark is advisory (the next round makes it), and readers must go on reading
+                # Redis full: a mark is advisory (the next round makes it), and readers must go on reading.
+                with contextlib.suppress(StoreFull):
                     await self._touch(keys=metas[i:i + TOUCH_BATCH], args=[now])
-                except Exception as e:
-                    if not is_out_of_memory(e):
-                        raise
 
     async def cancel(self, stream_id: uuid.UUID, reason: str) -> str | None:
         """Request a cancel. Returns the status after the request (None: unknown stream)."""
@@ -406,7 +406,7 @@ class Store:
                 members.append(part)
         # An append that already landed before a reload of the script answers its seq check, not twice.
         raw = await evalsha_many(self.redis, self._append_many, packed)
-        out: list[AppendResult | BaseException] = [ConnectionError("no reply")] * len(calls)
+        out: list[AppendResult | BaseException] = [StoreUnavailable("no reply")] * len(calls)
         for part, reply in zip(members, raw, strict=True):
             for n, i in enumerate(part):
                 out[i] = reply if isinstance(reply, BaseException) else self._append_result(reply[n])

@@ -26,8 +26,7 @@ from typing import Any
 import orjson
 
 from broker.ascii import decimal
-from broker.errors import NotFound, Unauthorized
-from broker.redis.connection import is_unavailable
+from broker.errors import NotFound, StoreUnavailable, Unauthorized
 
 ANONYMOUS = ""
 _KEY_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
@@ -101,7 +100,7 @@ class ApiKeys:
         try:
             self._token_secret = await source()
         except Exception as e:
-            if not self._token_secret or not is_unavailable(e):
+            if not self._token_secret or not isinstance(e, StoreUnavailable):
                 self._read_at = 0.0
                 raise
         return self._token_secret

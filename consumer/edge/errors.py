@@ -1,7 +1,8 @@
-"""The one boundary where errors become HTTP: every error is JSON with a code, never a traceback. Foreign
-errors are mapped to rsb's family here, once: Redis being away (broker.redis.connection.UNAVAILABLE_ERRORS)
-is ``Unavailable`` (503 + Retry-After); Redis refusing a write for lack of memory
-(broker.redis.connection.is_out_of_memory) is ``StorageFull`` (507 + Retry-After), whichever route wrote."""
+"""The one boundary where errors become HTTP: every error is JSON with a code, never a traceback. A failed Redis
+command reaches here as rsb's Store family (broker.errors, mapped from redis-py's in broker.redis.connection)
+and is answered here, once: Redis being away (``StoreUnavailable``) is ``Unavailable`` (503 + Retry-After);
+Redis refusing a write for lack of memory (``StoreFull``) is ``StorageFull`` (507 + Retry-After), whichever
+route wrote; any other (a plain ``StoreError``) is a bug (500)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from broker.errors import RetryLater, RsbError, ShuttingDown, StorageFull, Unavailable
-from broker.redis.connection import RESPONSE_ERRORS, UNAVAILABLE_ERRORS, is_out_of_memory
+from broker.errors import (
+    RetryLater,
+    RsbError,
+    ShuttingDown,
+    StorageFull,
+    StoreError,
+    StoreFull,
+    StoreUnavailable,
+    Unavailable,
+)
 from broker.storage import STORAGE_FULL_RETRY_AFTER_S, OutOfMemoryEpisodes
 
 log = logging.getLogger("rsb.consumer")
@@ -61,11 +70,11 @@ def as_rsb_error(exc: Exception) -> RsbError | None:
     """rsb's error for ``exc``: itself, or Unavailable for Redis being away; None for anything else (a bug)."""
     if isinstance(exc, RsbError):
         return exc
-    if isinstance(exc, UNAVAILABLE_ERRORS):
-        log.warning("redis unavailable: %s", type(exc).__name__)
+    if isinstance(exc, StoreUnavailable):
+        log.warning("redis unavailable: %s", exc)
         return Unavailable("the stream store is unreachable; retry shortly", REDIS_RETRY_AFTER_S)
-    if is_out_of_memory(exc):
-        OUT_OF_MEMORY.refused(type(exc).__name__)
+    if isinstance(exc, StoreFull):
+        OUT_OF_MEMORY.refused(type(exc.__cause__ or exc).__name__)
         return StorageFull("the stream store is out of memory and refuses writes; retry shortly",
                            STORAGE_FULL_RETRY_AFTER_S)
     return None
@@ -91,10 +100,9 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal", "internal error")
 
 
-# Redis's error replies go through rsb_error too: out of memory is one of them (as_rsb_error says which); any
+# A failed Redis command goes through rsb_error too: away or full are answered (as_rsb_error says which); any
 # other is a bug, answered by internal_error from there.
-HANDLERS = {RsbError: rsb_error, HTTPException: http_error, **dict.fromkeys(UNAVAILABLE_ERRORS, rsb_error),
-            **dict.fromkeys(RESPONSE_ERRORS, rsb_error), Exception: internal_error}
+HANDLERS = {RsbError: rsb_error, HTTPException: http_error, StoreError: rsb_error, Exception: internal_error}
 
 
 async def error_for(request: Request, exc: Exception) -> Response:

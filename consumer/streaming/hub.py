@@ -20,8 +20,9 @@ import logging
 import uuid
 from collections.abc import Iterable
 
+from broker.errors import StoreUnavailable
 from broker.events import Event
-from broker.redis.connection import UNAVAILABLE_ERRORS, RedisClient
+from broker.redis.connection import RedisClient
 from broker.redis.pubsub import Channels
 from consumer.streaming.clock import Clock
 
@@ -172,7 +173,7 @@ class LiveHub:
         (its (re)connect subscribes the channel, then resets, i.e. resyncs, its readers)."""
         try:
             fut = await self._channels.subscribe(ch)
-        except UNAVAILABLE_ERRORS:
+        except StoreUnavailable:
             return False
         finally:
             if ch not in self._subs:  # every reader left while the command was sent: take it back
@@ -181,7 +182,7 @@ class LiveHub:
             return False
         try:
             await fut
-        except UNAVAILABLE_ERRORS:
+        except StoreUnavailable:
             return False
         return True
 

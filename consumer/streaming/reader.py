@@ -23,8 +23,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
+from broker.errors import StoreUnavailable
 from broker.events import RESET_FROM_START, Event, parse_event_id, reset_event
-from broker.redis.connection import UNAVAILABLE_ERRORS
 from broker.streams.store import Store
 from consumer.streaming.hub import LiveHub, Subscription
 
@@ -67,7 +67,7 @@ async def read_batches(
         # pod would keep the channel and go on touching the stream as if it had a reader.
         sub = await hub.subscribe(keys.channel, stream_id, watched=watched)
         if watched:
-            with contextlib.suppress(*UNAVAILABLE_ERRORS):
+            with contextlib.suppress(StoreUnavailable):
                 await store.touch([stream_id])  # a reader is here now (cancel_on_disconnect counts from here)
         last = None if after_id == RESET_FROM_START else after_id  # a client resuming after a reset to the start
         last_key = parse_event_id(last) if last else (0, 0)
@@ -97,7 +97,7 @@ async def read_batches(
                             page = await task
                         else:
                             page = await store.read(stream_id, last, count=count)
-                    except UNAVAILABLE_ERRORS:
+                    except StoreUnavailable:
                         # Redis is away: keep the reader with heartbeats; the hub's reconnect resyncs us.
                         await sub.wait(min(RETRY_READ_S, max(0.0, next_beat - time.monotonic())))
                         if time.monotonic() >= next_beat:

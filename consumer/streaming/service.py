@@ -110,7 +110,7 @@ class StreamService:
         return self._served
 
     async def ready(self) -> None:
-        """Raise unless this pod can serve: Redis answers (else one of UNAVAILABLE_ERRORS) and, when it
+        """Raise unless this pod can serve: Redis answers (else StoreUnavailable) and, when it
         ``expect_model``, a model is served (Starting), so that ``GET /v1/models`` lists one from the first
         ready answer on. A standalone pod does not wait for generators: it serves reads and queues creates
         without them, and its model list is what they announce (empty while none runs)."""

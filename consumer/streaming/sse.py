@@ -22,8 +22,7 @@ from typing import Any, TypeVar
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from broker.errors import RsbError
-from broker.redis.connection import is_unavailable
+from broker.errors import RsbError, StoreUnavailable
 from broker.sse import HEARTBEAT, retry_hint
 from consumer.edge.guards import guards_stalls, watch_disconnect
 
@@ -208,7 +207,7 @@ class SSEResponse(Response):
                         async with asyncio.timeout(CLOSING_SEND_TIMEOUT_S):
                             await self._send(send, self.shutdown_frame)
             except Exception as e:
-                if not (isinstance(e, RsbError) or is_unavailable(e)):
+                if not isinstance(e, RsbError | StoreUnavailable):
                     # A bug (a failing script, WRONGTYPE, a view's own error): logged, and the body is cut
                     # rather than ended: a clean end says "resume from here", and the client would meet the same
                     # bug again without anyone being told. uvicorn closes the connection; the client sees an

@@ -14,6 +14,7 @@ import pytest
 import redis
 from servers import PrimaryReplica, RedisClusterServers
 
+from broker.errors import StoreUnavailable
 from broker.redis.connection import RedisClient, connect, is_sentinel_url, register_script
 from broker.redis.server import find_server_binary, free_port
 
@@ -83,7 +84,7 @@ async def test_a_sentinel_url_follows_a_failover(sentinel: SentinelSetup) -> Non
             try:
                 await r.set("k2", "after")
                 break
-            except redis.RedisError:
+            except StoreUnavailable:  # rsb's error for Redis away, never redis-py's (broker.redis.errors)
                 assert time.monotonic() < deadline, "the client never reached the promoted replica"
                 await asyncio.sleep(0.2)
         promoted = redis.Redis(port=sentinel.replica.port)

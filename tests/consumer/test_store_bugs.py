@@ -1,7 +1,7 @@
 """A bug in what Redis holds (here a WRONGTYPE key planted in a real redis-server) is not Redis being away:
 the reader does not keep its client with heartbeats, nor end the body as if the client could resume from
 there. Its response is cut (the client sees an error) and the consumer logs why
-(broker.redis.connection.is_unavailable is the one predicate that tells the two apart)."""
+(broker.redis.connection maps redis-py's errors once: StoreUnavailable for away, a plain StoreError for a bug)."""
 
 from __future__ import annotations
 
