@@ -291,11 +291,13 @@ def check_secondDevice(r: dict[str, Any], s: Streams, major: str) -> None:
         ("user", "from the phone"), ("assistant", first_answer), ("user", "from the laptop"),
         ("assistant", second_answer)]
     assert r["reloadedRoles"] == ["user", "assistant", "user", "assistant"]
-    # Both at once: one turn, one 409 (shown as the chat's error).
-    statuses = sorted([r["reloaded"]["status"], b["status"]])
-    assert statuses == ["error", "ready"], (r["reloaded"], b)
-    loser = r["reloaded"] if r["reloaded"]["status"] == "error" else b
+    # Both at once: one turn, one 409 (shown as the chat's error); the winner's was stopped after (scenarios.mjs).
+    laptop = r["laptop"]
+    statuses = sorted([r["reloaded"]["status"], laptop["status"]])
+    assert statuses == ["error", "ready"], (r["reloaded"], laptop)
+    loser, winner = (r["reloaded"], laptop) if r["reloaded"]["status"] == "error" else (laptop, r["reloaded"])
     assert loser["requests"][-1]["status"] == 409 and "running" in (loser["error"] or "")
+    assert r["stop"]["status"] == 202 and r["stop"]["json"]["messageId"] == winner["messageId"]
     assert len(r["final"]["messages"]) == 6 and r["final"]["active"] is False
     assert r["other"]["status"] == 404  # another key has no chat of this id
 

@@ -184,7 +184,7 @@ export const SCENARIOS = {
 
   // A second device opens the chat from its messages (GET /api/chat/{id}/messages) while a turn runs, follows
   // that turn (resumeStream) and continues the chat; the first device, reloaded from the same route, sees the
-  // second's turn; then both send at once: one turn, one 409.
+  // second's turn; then both send at once: one turn, one 409 (and the winner stopped).
   async secondDevice(ctx) {
     const a = ctx.chat();
     const sending = a.send('from the phone');
@@ -198,15 +198,24 @@ export const SCENARIOS = {
     await b.send('from the laptop');
     const sent = summary(b);
     const afterB = await ctx.api('GET', path);
-    const reloaded = ctx.chat({ chatId: a.id, messages: afterB.json.messages, maxTokens: ctx.short });
+    // Both devices at once, each asking a long answer: the winner's turn still runs when the loser's request
+    // lands (however late a busy machine delivers it), and is stopped once the loser has its 409 and the winner
+    // some text, so the race never depends on how fast a short turn ends.
+    const reloaded = ctx.chat({ chatId: a.id, messages: afterB.json.messages, maxTokens: 5 * ctx.long });
+    const laptop = ctx.chat({ chatId: a.id, messages: afterB.json.messages, maxTokens: 5 * ctx.long });
     const reloadedRoles = reloaded.messages.map((m) => m.role);
-    await Promise.all([reloaded.send('phone, at once'), b.send('laptop, at once')]);
+    const racing = Promise.all([reloaded.send('phone, at once'), laptop.send('laptop, at once')]);
+    const winner = () => (reloaded.status === 'error' ? laptop : laptop.status === 'error' ? reloaded : null);
+    await waitFor(() => winner() !== null && midAnswer(winner()), 60000);
+    const stop = await ctx.api('POST', `/api/chat/${encodeURIComponent(a.id)}/stop`);
+    await racing;
     const final = await ctx.api('GET', path);
     const other = await ctx.api('GET', path, { key: ctx.keyB });
     return {
       a: summary(a), whileRunning: whileRunning.json, followed, sent, b: summary(b),
       bBodies: b.requests.filter((r) => r.body).map((r) => r.body),
-      afterB: afterB.json, reloadedRoles, reloaded: summary(reloaded), final: final.json, other,
+      afterB: afterB.json, reloadedRoles, reloaded: summary(reloaded), laptop: summary(laptop), stop, final: final.json,
+      other,
     };
   },
 
