@@ -273,7 +273,7 @@ def check_multiTab(r: dict[str, Any], s: Streams, major: str) -> None:
 
 
 def check_secondDevice(r: dict[str, Any], s: Streams, major: str) -> None:
-    a, running, followed, b = r["a"], r["whileRunning"], r["followed"], r["b"]
+    a, running, followed = r["a"], r["whileRunning"], r["followed"]
     first_answer = s.text(a["messageId"])
     # While the phone's turn ran, the laptop got its question, then followed the answer into the same message.
     assert running["active"] is True and [m["role"] for m in running["messages"]] == ["user"]
