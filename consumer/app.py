@@ -16,6 +16,7 @@ from broker.durable.store import DurableStore
 from broker.errors import StoreUnavailable
 from broker.redis.connection import connect, connect_blocking
 from broker.scrape import serve_scrapes
+from broker.streams.outbox import Outbox
 from broker.streams.read_token_secret import shared_read_token_secret
 from broker.streams.store import Store
 from broker.streams.usage import Prices
@@ -32,6 +33,7 @@ from consumer.streaming.conversations import ConversationService
 from consumer.streaming.hub import LiveHub
 from consumer.streaming.service import StreamService
 from consumer.streaming.sse import Drain
+from consumer.streaming.webhooks import Deliverer, signing_key
 from consumer.views import ROUTES
 from consumer.views.durable import protocol as durable_protocol
 from consumer.views.native import stream_events
@@ -72,6 +74,9 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
                 else ApiKeys.disabled())
     limiter = ConnectionLimiter(settings.max_streams_per_ip)
     prices = Prices.load(settings.prices_file) if settings.prices_file else None  # a broken file stops the start
+    # Webhook destinations and their secret, checked before serving (WebhookRefused: one line, said by rsb.cli).
+    hook_key = signing_key(settings.webhook_url, settings.webhook_secret, api_keys.webhook_urls(),
+                           allow_private=settings.webhook_allow_private)
     drain = draining or Drain()
 
     @contextlib.asynccontextmanager
@@ -98,7 +103,8 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, conversations=ConversationService(service, service.conversations),
-                      durable=DurableStore(redis, b.partitions), draining=drain, prices=prices)
+                      durable=DurableStore(redis, b.partitions), draining=drain, prices=prices,
+                      outbox=Outbox(redis, b.partitions))
         # A read stream must never look unread for abandon_after_s: touch well within it.
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)
@@ -107,6 +113,10 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(service.read_storage_default(), MAXMEMORY_READ_S)
         memory = asyncio.create_task(service.follow_maxmemory(), name="follow-maxmemory")
+        background = [toucher, memory]
+        if hook_key is not None:
+            deliverer = Deliverer(redis, b.partitions, hook_key, metrics, allow_private=settings.webhook_allow_private)
+            background.append(asyncio.create_task(deliverer.run(), name="webhooks"))
         scrapes = None
         try:
             if settings.scrape_port:  # in the try: a port in use stops the start with everything closed
@@ -117,9 +127,9 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
             if scrapes is not None:
                 scrapes.close()
             drain.set()
-            toucher.cancel()
-            memory.cancel()
-            await asyncio.gather(toucher, memory, return_exceptions=True)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await hub.stop()
             await store.aclose()
             await redis.aclose()

@@ -47,6 +47,11 @@ class Metrics:
         self.storage_quota = counter(
             "rsb_storage_quota_rejected_total",
             "writes refused because the caller holds its storage quota (429 storage_quota)")
+        self.webhooks_delivered = counter("rsb_webhooks_delivered_total", "webhook events delivered (a 2xx answer)")
+        self.webhooks_retried = counter(
+            "rsb_webhooks_retried_total", "webhook deliveries that failed and were scheduled again (same webhook-id)")
+        self.webhooks_given_up = counter(
+            "rsb_webhooks_given_up_total", "webhook events dropped after a day of failed deliveries")
         self.cancels = counter("rsb_cancels_total", "cancel requests")
         self.reads = counter("rsb_reads_total", "event reads (SSE) started")
         self.resumes = counter("rsb_resumes_total", "event reads that resumed after an event id")

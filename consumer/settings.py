@@ -119,6 +119,15 @@ class ConsumerSettings(Settings):
     prices_file: str | None = setting(
         None, "JSON file of prices per model ({\"<model>\": {\"input_per_mtok\", \"cached_input_per_mtok\", "
         "\"output_per_mtok\"}}, USD per million tokens): usage reports then carry cost_usd", flag="prices")
+    # Webhooks (consumer/streaming/webhooks.py, docs/protocol.md "Webhooks").
+    webhook_url: str | None = setting(
+        None, "POST a signed event (Standard Webhooks; OpenAI's response.completed, .cancelled, .failed, .incomplete) "
+        "here when a generation ends (a key's webhook_url in the keys file wins); needs --webhook-secret")
+    webhook_secret: str | None = setting(
+        None, "the key webhook events are signed with: whsec_ and base64, as OpenAI's and Standard Webhooks' "
+        "verifiers take it", secret=True)
+    webhook_allow_private: bool = setting(
+        False, "allow webhook URLs that resolve to private or loopback addresses (refused by default: SSRF)")
     # Durable Streams at /v1/stream/ (consumer/views/durable, docs/protocol.md).
     ds_long_poll_timeout_s: float = setting(
         20.0, "Durable Streams: how long a long-poll waits for data before its 204 (keep it under every proxy's "

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from starlette.requests import HTTPConnection
 
 from broker.durable.store import DurableStore
+from broker.streams.outbox import Outbox
 from broker.streams.store import Store
 from broker.streams.usage import Prices
 from consumer.edge.auth import ApiKeys
@@ -40,6 +41,8 @@ class State:
     draining: Drain
     #: ``--prices``: what usage reports price their tokens at (None: no cost_usd).
     prices: Prices | None = None
+    #: The webhook events not delivered yet (consumer.streaming.webhooks delivers them).
+    outbox: Outbox | None = None
 
 
 def state_of(conn: HTTPConnection) -> State:

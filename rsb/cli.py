@@ -35,12 +35,13 @@ class Command:
 
 def _run_consumer(args: argparse.Namespace) -> int:
     from consumer.server import run_consumer
+    from consumer.streaming.webhooks import WebhookRefused
 
     settings = ConsumerSettings.from_namespace(args)
     setup_logging(settings.log.log_level)
     try:
         run_consumer(settings)
-    except EvictionPolicyRefused as e:
+    except (EvictionPolicyRefused, WebhookRefused) as e:
         print(f"rsb consumer: {e}", file=sys.stderr)
         return 2
     return 0

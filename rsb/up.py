@@ -92,6 +92,18 @@ def private_redis_memory(settings: UpSettings) -> tuple[str, ...]:
     return ("--maxmemory", f"{settings.redis_maxmemory_mb}mb", "--maxmemory-policy", "noeviction")
 
 
+def check_webhooks(api: ConsumerSettings) -> None:
+    """Fail in one line, before anything starts, on a webhook destination or secret the API would refuse."""
+    from consumer.edge.auth import ApiKeys
+    from consumer.streaming.webhooks import WebhookRefused, signing_key
+
+    try:
+        key_urls = ApiKeys.load(api.api_keys_file).webhook_urls() if api.api_keys_file else []
+        signing_key(api.webhook_url, api.webhook_secret, key_urls, allow_private=api.webhook_allow_private)
+    except WebhookRefused as e:
+        raise StackError(str(e)) from None
+
+
 def check_port_free(host: str, port: int) -> None:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -276,6 +288,7 @@ def run_stack(settings: UpSettings) -> int:
     failure: list[str] = []
     try:
         check_port_free(api.host, api.port)
+        check_webhooks(api)
         gen = settings.generator
         engine = gen.engine
         if not engine.upstream_url:

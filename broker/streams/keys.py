@@ -98,6 +98,14 @@ class StreamKeys:
         return usage_index_key(self.partition, self.partitions)
 
     @property
+    def outbox(self) -> str:
+        return outbox_key(self.partition, self.partitions)
+
+    @property
+    def outbox_due(self) -> str:
+        return outbox_due_key(self.partition, self.partitions)
+
+    @property
     def usage_prefix(self) -> str:
         return usage_log_prefix(self.partition, self.partitions)
 
@@ -182,6 +190,16 @@ def usage_index_key(partition: int, partitions: int) -> str:
 def aborted_totals_key(partition: int, partitions: int) -> str:
     """Hash of running totals of aborted generations, ``<reason>|<counter>`` fields, for /metrics."""
     return f"{tagged(partition, partitions)}:aborted_totals"
+
+
+def outbox_key(partition: int, partitions: int) -> str:
+    """Hash of the webhook events of this partition not delivered yet (broker.streams.outbox)."""
+    return f"{tagged(partition, partitions)}:hooks"
+
+
+def outbox_due_key(partition: int, partitions: int) -> str:
+    """Sorted set of those events' ids by when each is next due (Unix ms)."""
+    return f"{tagged(partition, partitions)}:hooks:due"
 
 
 def budget_key(partition: int, partitions: int, key_id: str, period: str) -> str:

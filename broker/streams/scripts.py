@@ -40,6 +40,7 @@ from __future__ import annotations
 from broker.events import DATA_FIELD, PAYLOAD_SEPARATOR, TERMINAL_TYPES, TYPE_FIELD
 from broker.redis.quota import QUOTA_LUA
 from broker.streams.budget import BUDGET_LUA
+from broker.streams.outbox import HOOK_LUA
 from broker.streams.usage import RECORD_USAGE_LUA
 
 
@@ -143,7 +144,8 @@ CREATE = PRELUDE + _APPEND_EVENT + QUOTA_LUA + BUDGET_LUA + """
 -- ARGV: sid, rh, req, created_at, max_queue, model, max_tokens, channel, key_id, retention_s, abandon_s, cod,
 --       max_active, burst, interval_ms, max_wait_s, keep (1: the body is read back after the end), storage quota
 --       (this partition's share of the caller's bytes; 0: none), affinity (the chat's key, for affine claiming),
---       budget share (0: none), reservation, the budget period's end (Unix s)
+--       budget share (0: none), reservation, the budget period's end (Unix s), webhook URL ('': none), the id
+--       its event names (broker.streams.outbox)
 --   max_queue, max_active, burst: this partition's share (0: no bound); interval_ms: the caller's time per
 --   create in this partition (0: no rate limit); max_wait_s: bound on the estimated wait (0: none)
 -- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'storage_quota'}
@@ -194,6 +196,7 @@ redis.call('HSET', KEYS[1], 'status', 'queued', 'rh', ARGV[2], 'req', ARGV[3], '
   'retention_s', ARGV[10], 'abandon_s', ARGV[11], 'cod', ARGV[12], 'seen', ARGV[4], 'read', 0, 'tenant', KEYS[6],
   'keep', ARGV[17], 'qs', KEYS[7])
 quota_charge(KEYS[7], KEYS[1], #ARGV[3])
+if ARGV[23] ~= '' then redis.call('HSET', KEYS[1], 'hook', ARGV[23], 'hid', ARGV[24]) end
 redis.call('HINCRBY', KEYS[6], 'active', 1)
 if interval > 0 then redis.call('HSET', KEYS[6], 'tat', string.format('%.0f', tat + interval)) end
 redis.call('PERSIST', KEYS[6])  -- it had an expiry while the caller had nothing unfinished
@@ -303,8 +306,8 @@ return out
 
 # Closes: two terminal events (a zombie finishing after the new owner, or finish racing cancel-while-
 # queued), and a terminal event without its status/usage/expiry/abort record (a crash between writes).
-FINISH = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + _CLOSE + """
--- KEYS: meta, events, usage_index, qstats, tombstone, aborted_totals
+FINISH = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + HOOK_LUA + _CLOSE + """
+-- KEYS: meta, events, usage_index, qstats, tombstone, aborted_totals, outbox, outbox_due
 -- ARGV: fence, channel, type, data, status, usage, model, now_s,
 --       reason, prompt_tokens, completion_tokens, compute_s, sid, cached_tokens, wasted_tokens, ttft_ms ('': none),
 --       usage_prefix
@@ -330,6 +333,7 @@ redis.call('HSET', KEYS[4], 'ema_job_s', string.format('%.6f', took))
 record_usage(KEYS[3], ARGV[17], KEYS[1], ARGV[13], ARGV[8], ARGV[5], ARGV[9], model, ARGV[10], ARGV[14], ARGV[11],
   ARGV[15], ARGV[12], ARGV[16])
 budget_settle(KEYS[1], tonumber(ARGV[10]) + tonumber(ARGV[11]))
+hook_enqueue(KEYS[7], KEYS[8], KEYS[1], ARGV[13], ARGV[5], ARGV[9], ARGV[8])
 if ARGV[5] ~= 'done' then
   record_abort(KEYS[6], ARGV[9], m[4], ARGV[10], ARGV[11], ARGV[12])
 end
@@ -338,8 +342,8 @@ return eid
 
 # Closes: cancel racing claim (a queued stream cancelled while a worker claims it: exactly one of them
 # wins, and the loser sees the other's status) and two cancels racing (one terminal event).
-CANCEL = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + _CLOSE + """
--- KEYS: meta, events, qstats, usage_index, tombstone, aborted_totals
+CANCEL = PRELUDE + _APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + HOOK_LUA + _CLOSE + """
+-- KEYS: meta, events, qstats, usage_index, tombstone, aborted_totals, outbox, outbox_due
 -- ARGV: reason, channel, cancelled_data, usage, now_s, control_channel, sid, usage_prefix
 -- Reply: {'unknown'} | {'ended', status} (nothing to cancel) | {'cancelled'} (it was queued: now it ended)
 --   | {'requested', status} (running: its worker stops it)
@@ -354,6 +358,7 @@ if st == 'queued' then
   redis.call('HINCRBY', KEYS[3], 'waiting', -1)
   record_usage(KEYS[4], ARGV[8], KEYS[1], ARGV[7], ARGV[5], 'cancelled', ARGV[1], m[2], 0, 0, 0, 0, 0, '')
   budget_settle(KEYS[1], 0)
+  hook_enqueue(KEYS[7], KEYS[8], KEYS[1], ARGV[7], 'cancelled', ARGV[1], ARGV[5])
   record_abort(KEYS[6], ARGV[1], m[3], 0, 0, 0)
   return {'cancelled'}
 end

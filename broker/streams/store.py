@@ -142,13 +142,15 @@ class Store:
         max_queue_wait_s: float = 0.0,
         storage: StorageQuota = NO_STORAGE_QUOTA,
         budget: Budget = NO_BUDGET,
+        webhook: tuple[str, str] | None = None,
     ) -> Created:
         """Create the stream and enqueue its job, or recognise a retry of the same request (which no limit
         refuses). Raises Conflict (same id, other request), Expired, RateLimited, TooManyGenerations (the
         caller's ``quota``) or QueueFull: ``max_queue`` queued generations (0: no bound; like the quota,
         each partition holds ceil(max_queue / P) of them), or an estimated wait over ``max_queue_wait_s``
         (waiting jobs x average job time / running jobs; 0: no bound; no estimate before a job finished), or
-        BudgetExceeded: the key's ``budget`` cannot hold this create's worst case (broker.streams.budget)."""
+        BudgetExceeded: the key's ``budget`` cannot hold this create's worst case (broker.streams.budget).
+        ``webhook``: (URL, the id its event names) where the end is POSTed (broker.streams.outbox)."""
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
@@ -165,7 +167,7 @@ class Store:
                   retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
                   max_queue_wait_s, int(request.history is not None), storage.share(self.partitions),
                   request.affinity(), budget.share(self.partitions), reservation(canonical, request.max_tokens),
-                  f"{period_end:.0f}"],
+                  f"{period_end:.0f}", *(webhook or ("", ""))],
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
@@ -304,7 +306,8 @@ class Store:
         usage = orjson.dumps(empty_usage())
         data = encode_data({"reason": reason, "usage": empty_usage()})
         res = await self._call(
-            k, self._cancel, [k.meta, k.events, k.queue_stats, k.usage_index, k.tombstone, k.aborted_totals],
+            k, self._cancel, [k.meta, k.events, k.queue_stats, k.usage_index, k.tombstone, k.aborted_totals, k.outbox,
+                              k.outbox_due],
             [reason, k.channel, data, usage, f"{time.time():.6f}", k.control, str(stream_id), k.usage_prefix],
             lambda r: "" if reply_text(r[0]) in ("ended", "cancelled") else None)  # nothing comes after those
         tag = reply_text(res[0])
@@ -454,7 +457,8 @@ class Store:
         k = claim.keys
         ttft = usage.get("ttft_ms")
         eid = await self._call(
-            k, self._finish, [k.meta, k.events, k.usage_index, k.queue_stats, k.tombstone, k.aborted_totals],
+            k, self._finish, [k.meta, k.events, k.usage_index, k.queue_stats, k.tombstone, k.aborted_totals, k.outbox,
+                              k.outbox_due],
             [claim.fence, k.channel, etype, encode_data(data), status, orjson.dumps(usage), model,
                   f"{time.time():.6f}", reason or status, usage.get("prompt_tokens", 0),
                   usage.get("completion_tokens", 0), f"{compute_s:.6f}", str(claim.stream_id),

@@ -112,6 +112,9 @@ class ApiKeys:
     def get(self, key_id: str) -> ApiKey | None:
         return self._by_id.get(key_id)
 
+    def webhook_urls(self) -> list[str]:
+        return [k.webhook_url for k in self._by_id.values() if k.webhook_url]
+
     @classmethod
     def disabled(cls) -> ApiKeys:
         return cls([])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from broker.ascii import parse_uuid, parse_uuid_hex
@@ -167,7 +167,8 @@ class ConversationService:
 
     async def start(self, caller: Caller, name: str, request: GenerationRequest, *, lead: int = 0,
                     stream_id: uuid.UUID | None = None, implicit: bool = True,
-                    message_ids: Sequence[str] = ()) -> TurnStarted:
+                    message_ids: Sequence[str] = (), hook_name: Callable[[uuid.UUID], str] | None = None
+                    ) -> TurnStarted:
         """Start the conversation's next turn: ``request``'s messages after ``lead`` are the new ones. A
         ``stream_id`` the conversation already has as a turn is a retry of that turn (200, no new generation).
         ``implicit``: a conversation of this name is made if the caller has none (else 404). Raises Conflict
@@ -190,13 +191,13 @@ class ConversationService:
                                "cancel it")
             sid = stream_id or uuid.uuid4()
             started = await self.begin(caller, conv, self.assemble(caller, conv, request, lead, message_ids), sid,
-                                       implicit=implicit)
+                                       implicit=implicit, hook_name=hook_name)
             if started is not None:
                 return started
         raise Conflict("this conversation kept changing under this request; retry")
 
     async def begin(self, caller: Caller, conv: Conversation, request: GenerationRequest, stream_id: uuid.UUID, *,
-                    implicit: bool = True) -> TurnStarted | None:
+                    implicit: bool = True, hook_name: Callable[[uuid.UUID], str] | None = None) -> TurnStarted | None:
         """Reserve the turn on the history ``conv`` holds and create its stream (``request``: assembled). None:
         the conversation changed since it was read (read it again). Raises Conflict when another turn is
         pending, and whatever the stream's create raises."""
@@ -210,7 +211,7 @@ class ConversationService:
         if outcome in (Begin.CHANGED, Begin.GONE):
             return None
         try:
-            created = await self.service.create(caller, request, stream_id)
+            created = await self.service.create(caller, request, stream_id, hook_name=hook_name)
         except Conflict:
             if outcome is Begin.RESERVED:  # the id is another stream's: this request's reservation names nothing
                 await self.conversations.release(conv.key_id, conv.name, stream_id)

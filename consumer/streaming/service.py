@@ -199,9 +199,20 @@ class StreamService:
 
     # -- create, find, cancel ------------------------------------------------------------------
 
-    async def create(self, caller: Caller, request: GenerationRequest, stream_id: uuid.UUID) -> Created:
+    def webhook(self, caller: Caller, stream_id: uuid.UUID, hook_name: Callable[[uuid.UUID], str] | None
+                ) -> tuple[str, str] | None:
+        """Where the end of the caller's stream is POSTed (its key's ``webhook_url``, else --webhook-url), and the id
+        its event names (``hook_name`` of the stream id: a Responses create's ``resp_...``; else the stream id)."""
+        key = self.api_keys.get(caller.key_id)
+        url = (key.webhook_url if key is not None else None) or self.settings.webhook_url
+        if not url:
+            return None
+        return url, hook_name(stream_id) if hook_name is not None else str(stream_id)
+
+    async def create(self, caller: Caller, request: GenerationRequest, stream_id: uuid.UUID, *,
+                     hook_name: Callable[[uuid.UUID], str] | None = None) -> Created:
         """Create the stream (or recognise a retry of the same request). Raises Conflict, Expired,
-        QueueFull, TooManyGenerations or RateLimited."""
+        QueueFull, TooManyGenerations, RateLimited or BudgetExceeded. ``hook_name``: see ``webhook``."""
         s = self.settings
         try:
             with self.quota_counted():
@@ -209,7 +220,8 @@ class StreamService:
                                               max_queue=s.max_queue, max_queue_wait_s=s.max_queue_wait_s,
                                               retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
                                               key_id=caller.key_id, quota=self.quota(caller),
-                                              storage=self.storage_quota(caller), budget=self.budget(caller))
+                                              storage=self.storage_quota(caller), budget=self.budget(caller),
+                                              webhook=self.webhook(caller, stream_id, hook_name))
         except RetryLater as e:
             self.metrics.creates_rejected.inc()
             if isinstance(e, BudgetExceeded):

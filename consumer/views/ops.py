@@ -47,6 +47,9 @@ async def render_metrics(state: State) -> bytes:
         scraped.append(family)
     scraped.append(GaugeMetricFamily("rsb_queue_waiting", "streams enqueued and not yet claimed by a worker",
                                      value=await state.store.waiting()))
+    pending = await state.outbox.pending() if state.outbox is not None else 0
+    scraped.append(GaugeMetricFamily("rsb_webhooks_pending", "webhook events not delivered yet (being tried or "
+                                     "waiting for their next try)", value=pending))
     return state.metrics.render(scraped)
 
 

@@ -232,9 +232,10 @@ def validated(request: Request, rsb_body: dict[str, Any], renames: Mapping[str, 
 
 
 async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Mapping[str, str], *,
-                        uncounted_messages: int = 0, history: History | None = None) -> tuple[uuid.UUID, StreamStatus]:
+                        uncounted_messages: int = 0, history: History | None = None,
+                        hook_name: Callable[[uuid.UUID], str] | None = None) -> tuple[uuid.UUID, StreamStatus]:
     """Validate ``rsb_body`` (``validated``), create the stream (recording ``history``), and return it with its
-    status."""
+    status. ``hook_name``: the id its webhook event names (StreamService.webhook)."""
     service = state_of(request).service
     caller = caller_of(request)
     gen_request = validated(request, rsb_body, renames, uncounted_messages=uncounted_messages)
@@ -242,7 +243,7 @@ async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Map
         gen_request = dataclasses.replace(gen_request, history=history)
     stream_id = stream_id_for(request, caller)
     try:
-        await service.create(caller, gen_request, stream_id)
+        await service.create(caller, gen_request, stream_id, hook_name=hook_name)
     except Conflict:
         raise Conflict("this Idempotency-Key was used with a different request") from None
     except Expired:

@@ -16,6 +16,7 @@ from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
 from consumer.streaming.conversations import conversation_name
 from consumer.views.openai.common import NULL, Only, create_stream, invalid, stream_id_for, validated
+from consumer.views.openai.response_view import response_id
 
 #: ``conversation`` and ``previous_response_id`` as the Responses view accepts them (its RESTRICTIONS; the OpenAPI
 #: document is built from the same rules). An id that names nothing is a 404, whatever its spelling.
@@ -66,17 +67,17 @@ async def create_response_stream(request: Request, body: dict[str, Any], rsb_bod
         raise invalid("'conversation' and 'previous_response_id' cannot be used together", "previous_response_id")
     if conversation is None and previous is None:
         return await create_stream(request, rsb_body, renames, uncounted_messages=lead,
-                                   history=History(lead=lead, start=lead))
+                                   history=History(lead=lead, start=lead), hook_name=response_id)
     state = state_of(request)
     caller = caller_of(request)
     gen_request = validated(request, rsb_body, renames, uncounted_messages=lead)
     stream_id = stream_id_for(request, caller)
     if conversation is not None:
         started = await state.conversations.start(caller, conversation, gen_request, lead=lead, stream_id=stream_id,
-                                                  implicit=False)
+                                                  implicit=False, hook_name=response_id)
         stream_id = started.stream_id
     else:
         assert previous is not None
         assembled = await state.conversations.continue_response(caller, previous, gen_request, lead)
-        await state.service.create(caller, assembled, stream_id)
+        await state.service.create(caller, assembled, stream_id, hook_name=response_id)
     return stream_id, await state.service.status(caller, stream_id)
