@@ -30,7 +30,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from broker.redis.connection import RedisClient, is_unavailable
+from broker.errors import StoreUnavailable
+from broker.redis.connection import RedisClient
 from broker.streams.outbox import HookEvent, Outbox
 from consumer.metrics import Metrics
 
@@ -153,9 +154,10 @@ class Deliverer:
             while True:
                 try:
                     await self._round()
-                except Exception as e:  # Redis away: the next round; anything else is a bug, said, and retried
-                    if not is_unavailable(e):
-                        log.error("taking webhook events failed: %s", type(e).__name__, exc_info=e)
+                except StoreUnavailable:  # Redis away: the next round
+                    pass
+                except Exception as e:  # a bug: said, and tried again next round
+                    log.error("taking webhook events failed: %s", type(e).__name__, exc_info=e)
                 await asyncio.sleep(POLL_S)
         finally:
             for t in self._tasks:
@@ -193,6 +195,7 @@ class Deliverer:
             else:
                 self.metrics.webhooks_given_up.inc()
                 log.warning("webhook given up after a day of tries", extra={"event": event.id, "why": why})
-        except Exception as e:  # Redis away: the lease runs out and the event is taken (and sent) again
-            if not is_unavailable(e):
-                log.error("recording a webhook delivery failed: %s", type(e).__name__, exc_info=e)
+        except StoreUnavailable:  # Redis away: the lease runs out and the event is taken (and sent) again
+            pass
+        except Exception as e:
+            log.error("recording a webhook delivery failed: %s", type(e).__name__, exc_info=e)
