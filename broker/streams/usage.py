@@ -166,8 +166,8 @@ def _float(record: Record, name: str) -> float:
 
 def parse_group_by(raw: str | None, default: str = "key") -> tuple[str, ...]:
     """``key,model`` as group fields: names of GROUP_BYS, comma-separated (GROUP_BY_PATTERN); a repeated one counts
-    once. None or '': ``default``."""
-    if not raw:
+    once. None (not given): ``default``."""
+    if raw is None:
         return (default,)
     if not re.fullmatch(GROUP_BY_PATTERN, raw):
         raise InvalidRequest(f"'group_by' is a comma-separated list of {', '.join(GROUP_BYS)}")

@@ -140,8 +140,8 @@ async def test_the_report_groups_scopes_and_prices(store: Store) -> None:
 def test_group_by_and_prices_refuse_what_they_do_not_know() -> None:
     assert parse_group_by("key,model") == ("key", "model")
     assert parse_group_by("day,key,day") == ("day", "key")  # a repeated name counts once
-    assert parse_group_by(None) == parse_group_by("") == ("key",)
-    for bad in ("key, model", "colour", "key;model", "key,", ",key"):
+    assert parse_group_by(None) == ("key",)
+    for bad in ("key, model", "colour", "key;model", "key,", ",key", ""):
         with pytest.raises(InvalidRequest):
             parse_group_by(bad)
     for raw in (b"[]", b'{"m": {"input_per_mtok": -1, "output_per_mtok": 1}}', b'{"m": {"input_per_mtok": 1}}',
