@@ -1,61 +1,68 @@
 """The JSON Schemas rsb can enforce, checked in pure Python (the API pod never imports llama.cpp).
 
-rsb enforces a schema by constrained decoding: llama-cpp-python's JSON-schema-to-grammar converter
-(``llama_cpp.llama_grammar.SchemaConverter``, a port of llama.cpp's ``json_schema_to_grammar``) turns it into a
-grammar, and the sampler only picks tokens the grammar admits. That converter reads a few keywords and
-silently ignores the rest: ``{"type": "integer", "minimum": 1}`` becomes "any integer", so a grammar built
-from it admits answers the schema rejects. ``check_enforceable`` admits exactly the schemas whose grammar
-only admits valid documents (sometimes fewer: see below) and refuses every other one with a message naming
-the keyword and where it is, at create (a 400) and again in the engine before it builds the grammar.
+rsb enforces a schema by constrained decoding: generator.engines.schema_grammar turns it into a llama.cpp grammar,
+and the sampler only picks tokens the grammar admits. ``check_enforceable`` admits exactly the schemas whose grammar
+admits only valid documents (sometimes fewer: see below), never an empty set, and at a bounded cost per token
+(broker.schema_cost); every other schema is refused with a message naming the keyword and where it is, at create
+(a 400) and again in the engine before it builds the grammar.
 
-Supported (mirroring the converter's dispatch, which picks ONE branch per schema, so a keyword of another
-branch next to it would be ignored and is refused):
-- ``type``: a name (object, array, string, number, integer, boolean, null) or a list of names (nothing else
-  beside it);
+Each schema takes one branch (``kind``); a keyword of another branch beside it is refused rather than ignored:
+- ``type``: a name (object, array, string, number, integer, boolean, null) or a list of names (nothing beside it);
 - ``enum`` / ``const`` (with a ``type`` their values match);
-- objects: ``properties``, ``required`` (names among the properties), ``additionalProperties`` (false, true or
-  a schema). Stricter than JSON Schema: without ``additionalProperties`` no other property is generated, and
-  properties come in the schema's order;
+- objects: ``properties``, ``required`` (names among the properties), ``additionalProperties`` (false, true or a
+  schema). Stricter than JSON Schema: without ``additionalProperties`` no other property is generated, properties
+  come in the schema's order, and an additional property never takes a declared property's name;
 - ``allOf`` of object schemas with ``properties`` (merged: every property becomes required);
-- ``anyOf`` (not ``oneOf``: exclusivity cannot be enforced);
+- ``anyOf`` (not ``oneOf``: exclusivity cannot be enforced), branches that differ before either opens a nested
+  object or array (broker.schema_cost);
 - arrays: ``items`` with ``minItems`` / ``maxItems``, or ``prefixItems`` (a fixed tuple);
-- strings: ``minLength`` / ``maxLength``, or ``pattern`` (anchored ``^...$``, literals, ``.``, classes
-  ``[...]`` without quotes, backslashes or control characters, groups, ``|``, quantifiers ``* + ? {m,n}``; no
-  ``\\d``-style shorthands: write ``[0-9]``), or
-  ``format`` date, time, date-time, uuid;
+- strings: ``minLength`` / ``maxLength``, or ``pattern`` (broker.schema_pattern), or ``format`` (``FORMATS``);
+- integers: ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``, ``multipleOf`` (an integer up
+  to ``MAX_MULTIPLE_OF``); numbers: the bounds (answers are written without an exponent) and an integer
+  ``multipleOf`` (the answer is then an integer);
 - ``$ref`` to ``#/$defs/NAME`` or ``#/definitions/NAME`` (recursion included);
 - annotations (title, description, examples, default, ...) and keywords JSON Schema does not define are not
-  constraints and are dropped before conversion (``for_grammar``), as is a ``{}`` (any value) which becomes
-  the union of every type.
+  constraints and are ignored.
 """
 
 from __future__ import annotations
 
-import re
+import math
+from decimal import Decimal
 from typing import Any
 
 import orjson
 
 from broker.errors import InvalidRequest
+from broker.schema_cost import check_cost
+from broker.schema_kinds import (
+    ARRAY_KEYS,
+    DEFS,
+    FORMATS,
+    NUMERIC,
+    OBJECT_KEYS,
+    REF,
+    STRING_KEYS,
+    TYPES,
+    integer_bounds,
+    keys_of,
+    kind,
+    multiple_of,
+    number_bounds,
+    pattern_of,
+)
 
 #: Bounds on one schema (a tool's parameters or a response format's schema).
 MAX_SCHEMA_BYTES = 32 * 1024
-MAX_SCHEMA_DEPTH = 32
-#: minItems / maxItems / minLength / maxLength / {m,n}: each repetition is spelled out in the grammar.
+MAX_SCHEMA_DEPTH = 64  # levels of the schema's JSON (annotations included)
+#: minItems / maxItems / minLength / maxLength: the grammar spells each repetition out.
 MAX_REPEAT = 1024
-MAX_ENUM_VALUES = 1024
+MAX_MULTIPLE_OF = 100
+MAX_BOUND_DIGITS = 20  # significant digits of a numeric bound
 
-TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
-#: The union of every type: what ``{}`` (any value) becomes for the converter, which turns a bare ``{}`` into
-#: "any object".
-ANY_VALUE: dict[str, Any] = {"type": ["object", "array", "string", "number", "boolean", "null"]}
-FORMATS = frozenset({"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"})
-
-# Keywords JSON Schema defines as constraints that the converter ignores (or, for oneOf, weakens).
+# Keywords JSON Schema defines as constraints that rsb cannot enforce (or, for oneOf, enforces only weakened).
 _UNSUPPORTED = {
-    "minimum": "numeric bounds", "maximum": "numeric bounds", "exclusiveMinimum": "numeric bounds",
-    "exclusiveMaximum": "numeric bounds", "multipleOf": "multiples", "uniqueItems": "unique items",
-    "contains": "'contains'", "minContains": "'contains'", "maxContains": "'contains'",
+    "uniqueItems": "unique items", "contains": "'contains'", "minContains": "'contains'", "maxContains": "'contains'",
     "unevaluatedItems": "unevaluated items", "unevaluatedProperties": "unevaluated properties",
     "additionalItems": "additional items", "minProperties": "property counts", "maxProperties": "property counts",
     "patternProperties": "pattern properties", "propertyNames": "property names",
@@ -65,81 +72,49 @@ _UNSUPPORTED = {
     "$recursiveRef": "dynamic references", "$anchor": "anchors", "$dynamicAnchor": "anchors",
     "$recursiveAnchor": "anchors",
 }
-# The keywords the converter reads; for_grammar keeps only these (everything else is an annotation or a
-# keyword no validator asserts).
-_STRUCTURAL = frozenset({
-    "type", "enum", "const", "properties", "required", "additionalProperties", "allOf", "anyOf", "items",
-    "prefixItems", "minItems", "maxItems", "minLength", "maxLength", "pattern", "format", "$ref", "$defs",
-    "definitions",
-})
-_DEFS = ("$defs", "definitions")
-_REF = re.compile(r"\A#/(\$defs|definitions)/([A-Za-z0-9_.-]{1,64})\Z")
-_DIGITS = re.compile(r"\A[0-9]{1,6}\Z")  # ASCII only: str.isdigit and \d accept other scripts' digits
-_JSON_UNSAFE = ('"', "\\", "\x7f")
-
-
-def _json_safe(c: str) -> bool:
-    return c >= " " and c not in _JSON_UNSAFE
-
-
 _PY_TYPES: dict[str, tuple[type, ...]] = {
     "object": (dict,), "array": (list,), "string": (str,), "number": (int, float), "integer": (int,),
     "boolean": (bool,), "null": (type(None),),
 }
 
 
+
 def check_enforceable(schema: Any, where: str) -> None:
-    """Raise InvalidRequest (naming ``where``, the schema's place in the request, and the keyword) unless
-    rsb's constrained decoding can enforce ``schema`` exactly as JSON Schema means it."""
+    """Raise InvalidRequest (naming ``where``, the schema's place in the request, and the keyword) unless rsb's
+    constrained decoding can enforce ``schema`` exactly as JSON Schema means it, at a bounded cost."""
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{where} must be a JSON Schema object")
+    if json_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise InvalidRequest(f"{where}: schemas nested deeper than {MAX_SCHEMA_DEPTH} levels are not accepted")
     size = len(orjson.dumps(schema))
     if size > MAX_SCHEMA_BYTES:
         raise InvalidRequest(f"{where} is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are accepted")
-    _Checker(schema, where).node(schema, where, 0)
+    _Checker(schema).node(schema, where)
+    check_cost(schema, where)
 
 
-def for_grammar(schema: Any) -> Any:
-    """The schema as the converter must be given it: only the keywords it reads, ``{}`` and ``true`` as the
-    union of every type (a schema that passed ``check_enforceable``)."""
-    if schema is True:
-        return dict(ANY_VALUE)
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for k, v in schema.items():
-        if k not in _STRUCTURAL:
-            continue
-        if k in ("properties", *_DEFS):
-            out[k] = {name: for_grammar(s) for name, s in v.items()}
-        elif k in ("allOf", "anyOf", "prefixItems"):
-            out[k] = [for_grammar(s) for s in v]
-        elif k == "items" and isinstance(v, dict | bool):
-            out[k] = v if v is False else for_grammar(v)
-        elif k == "additionalProperties" and isinstance(v, dict):
-            out[k] = for_grammar(v)
-        else:
-            out[k] = v
-    if not out:
-        return dict(ANY_VALUE)
-    if out.get("type") == "array" and "items" not in out and "prefixItems" not in out and (
-            "minItems" in out or "maxItems" in out):
-        out["items"] = dict(ANY_VALUE)  # the converter reads the bounds only next to items
-    return out
+def json_depth(value: Any) -> int:
+    """How deep a parsed JSON value nests (a scalar is 0), without recursion."""
+    deepest = 0
+    todo: list[tuple[Any, int]] = [(value, 0)]
+    while todo:
+        v, d = todo.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is not None:
+            deepest = max(deepest, d + 1)
+            todo.extend((c, d + 1) for c in children)
+    return deepest
 
 
 class _Checker:
-    def __init__(self, root: dict[str, Any], where: str) -> None:
+    def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
-        self.where = where
 
     def fail(self, at: str, what: str) -> InvalidRequest:
         return InvalidRequest(f"{at}: {what} cannot be enforced by rsb's constrained decoding "
                               "(docs/protocol.md lists the JSON Schema keywords it supports)")
 
-    def node(self, s: Any, at: str, depth: int) -> None:
-        if depth > MAX_SCHEMA_DEPTH:
-            raise InvalidRequest(f"{at}: schemas nested deeper than {MAX_SCHEMA_DEPTH} levels are not accepted")
+    def node(self, s: Any, at: str) -> None:
         if s is True:
             return
         if s is False:
@@ -149,59 +124,81 @@ class _Checker:
         for k in s:
             if k in _UNSUPPORTED:
                 raise self.fail(f"{at}.{k}", _UNSUPPORTED[k])
-        for d in _DEFS:
+        for d in DEFS:
             if d in s:
                 defs = s[d]
                 if not isinstance(defs, dict):
                     raise InvalidRequest(f"{at}.{d} must be an object of schemas")
                 for name, sub in defs.items():
-                    self.node(sub, f"{at}.{d}.{name}", depth + 1)
-        keys = {k for k in s if k in _STRUCTURAL and k not in _DEFS}
-        if not keys:
-            return  # any value
-        if "$ref" in keys:
+                    self.node(sub, f"{at}.{d}.{name}")
+        keys = keys_of(s)
+        k = kind(s)
+        if k == "any":
+            return
+        if k == "ref":
             self.only(s, at, keys, {"$ref"})
             self.ref(s["$ref"], f"{at}.$ref")
-        elif "anyOf" in keys:
+        elif k == "anyOf":
             self.only(s, at, keys, {"anyOf"})
             alts = s["anyOf"]
             if not isinstance(alts, list) or not alts:
                 raise InvalidRequest(f"{at}.anyOf must be a non-empty list of schemas")
             for i, alt in enumerate(alts):
-                self.node(alt, f"{at}.anyOf[{i}]", depth + 1)
-        elif isinstance(s.get("type"), list):
+                self.node(alt, f"{at}.anyOf[{i}]")
+        elif k == "types":
             self.only(s, at, keys, {"type"})
             names = s["type"]
             if not names or len(set(map(str, names))) != len(names) or not all(n in TYPES for n in names):
                 raise InvalidRequest(f"{at}.type must name distinct types among {', '.join(TYPES)}")
-        elif "const" in keys or "enum" in keys:
-            self.values(s, at, keys)
+        elif k in ("const", "enum"):
+            self.values(s, at, keys, k)
+        elif k == "allOf":
+            self.only(s, at, keys, {"allOf", "type"})
+            if s.get("type", "object") != "object":
+                raise self.fail(f"{at}.allOf", f"'allOf' on a schema of type {s['type']!r}")
+            self.all_of(s["allOf"], f"{at}.allOf")
+        elif k == "object":
+            self.only(s, at, keys, OBJECT_KEYS | {"type"})
+            self.object(s, at)
+        elif k == "array":
+            self.only(s, at, keys, ARRAY_KEYS | {"type"})
+            self.array(s, at)
+        elif k == "string":
+            self.only(s, at, keys, STRING_KEYS | {"type"})
+            self.string(s, at, keys)
+        elif k in ("integer", "number"):
+            extra = sorted(keys - {*NUMERIC, "type"})
+            if extra:
+                raise self.fail(f"{at}.{extra[0]}", f"'{extra[0]}' on a schema of type {k!r}")
+            self.numeric(s, at, k)
+        elif k not in TYPES:
+            raise InvalidRequest(f"{at}.type must be one of {', '.join(TYPES)} (or a list of them)")
         else:
-            self.typed(s, at, keys, depth)
+            extra = sorted(keys - {"type"})
+            if extra:
+                raise self.fail(f"{at}.{extra[0]}", f"'{extra[0]}' on a schema of type {k!r}")
 
-    def only(self, s: dict[str, Any], at: str, keys: set[str], allowed: set[str]) -> None:
+    def only(self, s: dict[str, Any], at: str, keys: set[str], allowed: set[str] | frozenset[str]) -> None:
         extra = sorted(keys - allowed)
         if extra:
             first = next(iter(sorted(allowed)))
             raise self.fail(f"{at}.{extra[0]}", f"'{extra[0]}' next to '{first}'")
 
-    def ref(self, ref: Any, at: str) -> dict[str, Any] | bool:
-        m = _REF.match(ref) if isinstance(ref, str) else None
+    def ref(self, ref: Any, at: str) -> Any:
+        m = REF.match(ref) if isinstance(ref, str) else None
         if m is None:
             raise self.fail(at, f"the reference {ref!r} (only '#/$defs/NAME' and '#/definitions/NAME')")
         defs = self.root.get(m.group(1))
         if not isinstance(defs, dict) or m.group(2) not in defs:
             raise InvalidRequest(f"{at}: {ref!r} names no schema of the root's {m.group(1)}")
-        target: dict[str, Any] | bool = defs[m.group(2)]
-        return target
+        return defs[m.group(2)]
 
-    def values(self, s: dict[str, Any], at: str, keys: set[str]) -> None:
-        kw = "const" if "const" in keys else "enum"
+    def values(self, s: dict[str, Any], at: str, keys: set[str], kw: str) -> None:
         self.only(s, at, keys, {kw, "type"})
         if kw == "enum":
             vals = s["enum"]
-            if not isinstance(vals, list) or not vals or len(vals) > MAX_ENUM_VALUES:
-                raise InvalidRequest(f"{at}.enum must be a list of 1 to {MAX_ENUM_VALUES} values")
+            if not isinstance(vals, list) or not vals:
+                raise InvalidRequest(f"{at}.enum must be a non-empty list of values")
         else:
             vals = [s["const"]]
         t = s.get("type")
@@ -210,48 +207,15 @@ class _Checker:
         if t not in TYPES:
             raise InvalidRequest(f"{at}.type must be one of {', '.join(TYPES)}")
         for v in vals:
-            if not self.is_type(v, t):
+            if not is_type(v, t):
                 raise InvalidRequest(f"{at}.{kw}: {orjson.dumps(v).decode()[:80]} is not of type {t!r}")
 
-    @staticmethod
-    def is_type(v: Any, t: str) -> bool:
-        if isinstance(v, bool) and t not in ("boolean",):
-            return False
-        if t == "integer" and isinstance(v, float):
-            return v.is_integer()
-        return isinstance(v, _PY_TYPES[t])
-
-    def typed(self, s: dict[str, Any], at: str, keys: set[str], depth: int) -> None:
-        t = s.get("type")
-        if t is not None and t not in TYPES:
-            raise InvalidRequest(f"{at}.type must be one of {', '.join(TYPES)} (or a list of them)")
-        object_keys = {"properties", "required", "additionalProperties"}
-        array_keys = {"items", "prefixItems", "minItems", "maxItems"}
-        string_keys = {"minLength", "maxLength", "pattern", "format"}
-        if t in (None, "object") and (keys & object_keys or "allOf" in keys):
-            if "allOf" in keys:
-                self.only(s, at, keys, {"allOf", "type"})
-                self.all_of(s["allOf"], f"{at}.allOf", depth)
-            else:
-                self.only(s, at, keys, object_keys | {"type"})
-                self.object(s, at, depth)
-        elif t in (None, "array") and keys & array_keys:
-            self.only(s, at, keys, array_keys | {"type"})
-            self.array(s, at, depth)
-        elif t in (None, "string") and keys & string_keys:
-            self.only(s, at, keys, string_keys | {"type"})
-            self.string(s, at, keys)
-        else:
-            extra = sorted(keys - {"type"})
-            if extra:
-                raise self.fail(f"{at}.{extra[0]}", f"'{extra[0]}' on a schema of type {t!r}")
-
-    def object(self, s: dict[str, Any], at: str, depth: int) -> None:
+    def object(self, s: dict[str, Any], at: str) -> None:
         props = s.get("properties", {})
         if not isinstance(props, dict):
             raise InvalidRequest(f"{at}.properties must be an object of schemas")
         for name, sub in props.items():
-            self.node(sub, f"{at}.properties.{name}", depth + 1)
+            self.node(sub, f"{at}.properties.{name}")
         required = s.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required) or (
                 len(set(required)) != len(required)):
@@ -261,31 +225,30 @@ class _Checker:
             raise self.fail(f"{at}.required", f"a required property without a schema in 'properties' ({missing[0]!r})")
         extra = s.get("additionalProperties")
         if isinstance(extra, dict):
-            self.node(extra, f"{at}.additionalProperties", depth + 1)
+            self.node(extra, f"{at}.additionalProperties")
         elif extra is not None and not isinstance(extra, bool):
             raise InvalidRequest(f"{at}.additionalProperties must be a boolean or a schema")
 
-    def all_of(self, parts: Any, at: str, depth: int) -> None:
+    def all_of(self, parts: Any, at: str) -> None:
         if not isinstance(parts, list) or not parts:
             raise InvalidRequest(f"{at} must be a non-empty list of schemas")
         seen: set[str] = set()
         for i, part in enumerate(parts):
             where = f"{at}[{i}]"
             if isinstance(part, dict) and "$ref" in part:
-                self.node(part, where, depth + 1)
+                self.node(part, where)
                 part = self.ref(part["$ref"], f"{where}.$ref")
             if not isinstance(part, dict) or not isinstance(part.get("properties"), dict):
                 raise self.fail(where, "an 'allOf' part that is not an object schema with 'properties'")
-            keys = {k for k in part if k in _STRUCTURAL and k not in _DEFS}
-            if part.get("type", "object") != "object" or keys - {"type", "properties", "required"}:
+            if part.get("type", "object") != "object" or keys_of(part) - {"type", "properties", "required"}:
                 raise self.fail(where, "an 'allOf' part with more than 'properties' and 'required'")
-            self.node(part, where, depth + 1)
+            self.node(part, where)
             dup = seen & set(part["properties"])
             if dup:
                 raise self.fail(where, f"a property ({sorted(dup)[0]!r}) defined by two 'allOf' parts")
             seen |= set(part["properties"])
 
-    def array(self, s: dict[str, Any], at: str, depth: int) -> None:
+    def array(self, s: dict[str, Any], at: str) -> None:
         if "prefixItems" in s:
             items = s["prefixItems"]
             if not isinstance(items, list) or not items:
@@ -293,12 +256,12 @@ class _Checker:
             if s.get("items", False) is not False or "minItems" in s or "maxItems" in s:
                 raise self.fail(at, "'prefixItems' with more items after them, or with minItems/maxItems,")
             for i, sub in enumerate(items):
-                self.node(sub, f"{at}.prefixItems[{i}]", depth + 1)
+                self.node(sub, f"{at}.prefixItems[{i}]")
             return
         items = s.get("items", True)
         if isinstance(items, list):
             raise self.fail(f"{at}.items", "a list of item schemas (use prefixItems)")
-        self.node(items, f"{at}.items", depth + 1)
+        self.node(items, f"{at}.items")
         lo = self.count(s, "minItems", at) or 0
         hi = self.count(s, "maxItems", at)
         if hi is not None and hi < lo:
@@ -317,7 +280,6 @@ class _Checker:
     def string(self, s: dict[str, Any], at: str, keys: set[str]) -> None:
         if "pattern" in keys:
             self.only(s, at, keys, {"pattern", "type"})
-            self.pattern(s["pattern"], f"{at}.pattern")
         elif "format" in keys:
             self.only(s, at, keys, {"format", "type"})
             if s["format"] not in FORMATS:
@@ -329,74 +291,42 @@ class _Checker:
             hi = self.count(s, "maxLength", at)
             if hi is not None and hi < lo:
                 raise InvalidRequest(f"{at}: maxLength is below minLength")
+        pattern_of(s, at)  # parsed here so a bad one is refused by name
 
-    def pattern(self, p: Any, at: str) -> None:
-        if not isinstance(p, str) or len(p) > 1024:
-            raise InvalidRequest(f"{at} must be a string of at most 1024 characters")
-        try:
-            re.compile(p)
-        except re.error as e:
-            raise InvalidRequest(f"{at} is not a valid regular expression: {e}") from None
-        if not (p.startswith("^") and p.endswith("$")) or len(p) < 2:
-            raise self.fail(at, "a pattern not anchored at both ends (write ^...$)")
-        body = p[1:-1]
-        i = 0
-        while i < len(body):
-            c = body[i]
-            if c == "\\":
-                nxt = body[i + 1: i + 2]
-                if nxt == "" or nxt not in "[]()|{}*+?":
-                    raise self.fail(at, f"the escape '\\{nxt}' in a pattern (write a class such as [0-9] or [.])")
-                i += 2
+    def numeric(self, s: dict[str, Any], at: str, t: str) -> None:
+        for k in NUMERIC:
+            v = s.get(k)
+            if k not in s:
                 continue
-            if c == "[":
-                i = self.pattern_class(body, i + 1, at)
-                continue
-            if c == "(" and body[i + 1: i + 2] == "?":
-                raise self.fail(at, "'(?' groups (lookarounds, named or non-capturing groups) in a pattern")
-            if c in "^$":
-                raise self.fail(at, f"'{c}' inside a pattern")
-            if c in "*+?}" and body[i + 1: i + 2] in ("?", "+"):
-                raise self.fail(at, "lazy or possessive quantifiers in a pattern")
-            if c == "{":
-                close = body.find("}", i)
-                bounds = body[i + 1: close].split(",") if close > i else []
-                nums = [b.strip() for b in bounds if b.strip()]
-                if not bounds or not all(_DIGITS.match(b) and int(b) <= MAX_REPEAT for b in nums):
-                    raise InvalidRequest(f"{at}: quantifiers {{m,n}} take integers of at most {MAX_REPEAT}")
-            elif c == '"' or not _json_safe(c):
-                # The grammar writes pattern characters into the JSON string as they are: a quote or a
-                # control character there would end or break it.
-                raise self.fail(at, f"the character {c!r} in a pattern")
-            i += 1
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise InvalidRequest(f"{at}.{k} must be a number")
+            if k != "multipleOf" and len(Decimal(str(v)).normalize().as_tuple().digits) > MAX_BOUND_DIGITS:
+                raise self.fail(f"{at}.{k}", f"a bound with more than {MAX_BOUND_DIGITS} significant digits")
+        step = multiple_of(s)
+        if step is not None:
+            if step <= 0:
+                raise InvalidRequest(f"{at}.multipleOf must be greater than 0")
+            integral = step == step.to_integral_value()
+            if integral and step > MAX_MULTIPLE_OF:
+                raise self.fail(f"{at}.multipleOf", f"a multipleOf above {MAX_MULTIPLE_OF}")
+            if not integral:
+                # 0.01 is not a binary fraction: validators' floating-point division disagrees on 8.95
+                raise self.fail(f"{at}.multipleOf", "a multipleOf that is not an integer")
+        if t == "integer" or (step is not None and step == step.to_integral_value()):
+            lo, hi = integer_bounds(s)
+            n = 1 if step is None else int(step)
+            first = lo if lo is None or lo % n == 0 else lo + (n - lo % n)
+            if first is not None and hi is not None and first > hi:
+                raise InvalidRequest(f"{at}: no integer{'' if n == 1 else f' multiple of {n}'} lies within its bounds")
+        else:
+            nlo, lo_x, nhi, hi_x = number_bounds(s)
+            if nlo is not None and nhi is not None and (nlo > nhi or (nlo == nhi and (lo_x or hi_x))):
+                raise InvalidRequest(f"{at}: no number lies within its bounds")
 
-    def pattern_class(self, body: str, i: int, at: str) -> int:
-        """Check the class starting after its '[' at ``i``; return the index after its ']'. A class must
-        admit only characters a JSON string holds as they are (no quote, backslash or control character)."""
-        if body[i: i + 1] == "^":
-            raise self.fail(at, "a negated class [^...] in a pattern (it admits quotes and control characters)")
-        chars: list[str] = []
-        start = i
-        while i < len(body) and (body[i] != "]" or i == start):
-            if body[i] == "\\":
-                nxt = body[i + 1: i + 2]
-                if nxt not in ("]", "["):
-                    raise self.fail(at, f"the escape '\\{nxt}' in a pattern's class")
-                chars.append(nxt)
-                i += 2
-            else:
-                chars.append(body[i])
-                i += 1
-        i += 1  # the ']' (re.compile checked that it is there)
-        k = 0
-        while k < len(chars):
-            lo = hi = chars[k]
-            if k + 2 < len(chars) and chars[k + 1] == "-":
-                hi = chars[k + 2]
-                k += 3
-            else:
-                k += 1
-            if any(lo <= bad <= hi for bad in _JSON_UNSAFE) or not (_json_safe(lo) and _json_safe(hi)):
-                raise self.fail(at, f"the class range {lo!r}-{hi!r} in a pattern (it admits a quote, a backslash "
-                                "or a control character)")
-        return i
+
+def is_type(v: Any, t: str) -> bool:
+    if isinstance(v, bool) and t not in ("boolean",):
+        return False
+    if t == "integer" and isinstance(v, float):
+        return v.is_integer()
+    return isinstance(v, _PY_TYPES[t])

@@ -86,11 +86,12 @@ def test_a_named_tool_choice_forces_that_tool() -> None:
     ({"response_format": {"type": "xml"}}, "'response_format' must be"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema is required"),
     ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}}}},
-     r"response_format.json_schema.schema.properties.n.minimum: numeric bounds cannot be enforced"),
+        "name": "x", "schema": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 0.5}}}}}},
+     r"response_format.json_schema.schema.properties.n.multipleOf: a multipleOf that is not an integer cannot be "
+     r"enforced"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}}}}], "tool_choice": "required"},
-     r"tools\[0\].function.parameters.properties.n.maximum"),
+        "type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
+     r"tools\[0\].function.parameters.properties.n.uniqueItems"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "exclude each other"),
     ({"messages": [{"role": "tool", "content": "x"}]}, r"messages\[0\].tool_call_id must be"),
     ({"messages": [{"role": "user", "content": None}]}, r"messages\[0\].content must be a string$"),

@@ -137,8 +137,9 @@ def test_a_continued_call_goes_on_inside_its_arguments(engine_eos: LlamaEngine) 
 
 def test_the_engine_refuses_a_schema_the_create_would_have_refused() -> None:
     ok = request(response_format=json_format({"type": "object"}))
-    bad = dataclasses.replace(ok, response_format=ResponseFormat("json_schema", "x", {"type": "integer", "minimum": 3}))
-    with pytest.raises(SchemaRefused, match="minimum") as e:
+    bad = dataclasses.replace(ok, response_format=ResponseFormat("json_schema", "x", {"type": "array",
+                                                                                      "uniqueItems": True}))
+    with pytest.raises(SchemaRefused, match="uniqueItems") as e:
         answer_grammar(bad)
     assert e.value.code == "invalid_request"
 
@@ -196,12 +197,12 @@ def test_a_schema_rsb_cannot_enforce_is_a_400_at_create(
     s.consumer()
     with s.client() as c:
         r = create(c, messages=[{"role": "user", "content": "hi"}],
-                   response_format=json_format({"type": "object", "properties": {"n": {"type": "integer",
-                                                                                      "minimum": 1}}}))
+                   response_format=json_format({"type": "object", "properties": {"n": {"type": "array",
+                                                                                      "uniqueItems": True}}}))
         assert r.status_code == 400
         err = r.json()["error"]
         assert err["code"] == "invalid_request"
-        assert err["message"].startswith("response_format.json_schema.schema.properties.n.minimum: numeric bounds "
+        assert err["message"].startswith("response_format.json_schema.schema.properties.n.uniqueItems: unique items "
                                          "cannot be enforced")
         r = create(c, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER], tool_choice="required",
                    response_format={"type": "json_object"})
