@@ -109,7 +109,7 @@ def test_bad_typed_fields_are_a_clear_400(body: dict[str, Any], message: str) ->
 
 def test_unforced_tools_may_use_keywords_rsb_does_not_enforce() -> None:
     """With tool_choice auto the arguments are not constrained, so their schema is passed on as it is."""
-    params = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}
+    params = {"type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}
     req = make(tools=[{"type": "function", "function": {"name": "f", "parameters": params}}])
     assert req.tools[0].parameters == params and req.forced_tools == ()
 

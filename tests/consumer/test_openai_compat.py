@@ -360,7 +360,7 @@ def test_bad_requests_get_openai_errors_and_create_nothing(shared_stack: SharedS
           "parallel_tool_calls": False}, "parallel_tool_calls"),
         ({"messages": CHAT, "logprobs": True}, "logprobs"),
         ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}},
+            "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}}}},
          "response_format"),
         ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
          "messages"),
@@ -381,7 +381,7 @@ def test_bad_requests_get_openai_errors_and_create_nothing(shared_stack: SharedS
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {
-            "type": "object", "properties": {"s": {"type": "string", "format": "email"}}}}}}, "text"),
+            "type": "object", "properties": {"s": {"type": "string", "format": "uri"}}}}}}, "text"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "temperature": -1}, "temperature"),
     ]

@@ -275,7 +275,7 @@ def test_bad_typed_requests_get_openai_errors(typed_stack: Stack) -> None:
          "tools"),
         ({"messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
         ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}},
+            "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}}}},
          "response_format"),
     ]
     for kwargs, param in cases:
@@ -283,12 +283,12 @@ def test_bad_typed_requests_get_openai_errors(typed_stack: Stack) -> None:
             client.chat.completions.create(model="m", **kwargs)
         assert isinstance(e.value.body, dict) and e.value.body["param"] == param, (kwargs, e.value.body)
     text_format: Any = {"format": {"type": "json_schema", "name": "n", "schema": {
-        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}
+        "type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}}}
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="m", input="x", text=text_format)
     schema_error = e.value.body
     assert isinstance(schema_error, dict) and schema_error["param"] == "text"
-    assert "minimum" in schema_error["message"] and "text.format.schema" in schema_error["message"]
+    assert "uniqueItems" in schema_error["message"] and "text.format.schema" in schema_error["message"]
     with httpx.Client(base_url=typed_stack.base_url) as c:
         r = c.post("/v1/responses", json={"input": [{"type": "function_call", "call_id": "c", "name": "f"}]})
         assert r.status_code == 400 and "input[0].arguments" in r.json()["error"]["message"]
