@@ -18,9 +18,14 @@ from typing import Any
 import orjson
 
 from broker.ascii import parse_uuid
+from broker.echo import FIELDS as ECHO_FIELDS
+from broker.echo import parse_echo
 from broker.errors import InvalidRequest
 from broker.history import History
 from broker.json_schema import check_enforceable
+from broker.sampling import DEFAULT as DEFAULT_SAMPLING
+from broker.sampling import FIELDS as SAMPLING_FIELDS
+from broker.sampling import Sampling, parse_sampling
 from broker.tools import (
     JSON_FORMATS,
     MAX_TOOL_CALL_ID_CHARS,
@@ -49,7 +54,8 @@ __all__ = ["JSON_FORMATS", "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_CALLS", "MA
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 _FIELDS = frozenset(
     {"id", "messages", "prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop",
-     "cancel_on_disconnect", "tools", "tool_choice", "response_format", "prompt_cache_key"}
+     "cancel_on_disconnect", "tools", "tool_choice", "response_format", "prompt_cache_key", *SAMPLING_FIELDS,
+     *ECHO_FIELDS}
 )
 PROMPT_CACHE_KEY_MAX_CHARS = 256
 # How much of a request's start names its chat when nothing else does: its messages up to the first user
@@ -125,6 +131,13 @@ class GenerationRequest:
     history: History | None = None
     #: OpenAI's ``prompt_cache_key``: requests sharing it go to the generator holding their prefix.
     prompt_cache_key: str | None = None
+    #: Penalties, logit biases and the bound on tool calls (broker.sampling).
+    sampling: Sampling = DEFAULT_SAMPLING
+    #: Fields kept only to be shown back (broker.echo): metadata, user, safety_identifier, store.
+    echo: tuple[tuple[str, Any], ...] = ()
+
+    def echoed(self, name: str, default: Any = None) -> Any:
+        return next((v for k, v in self.echo if k == name), default)
 
     def affinity(self) -> str:
         """What routes this request to the generator that holds its prompt's prefix (chat-affine claiming):
@@ -186,6 +199,9 @@ class GenerationRequest:
             doc["history"] = self.history.as_json()
         if self.prompt_cache_key is not None:
             doc["prompt_cache_key"] = self.prompt_cache_key
+        doc.update(self.sampling.stored())
+        if self.echo:
+            doc["echo"] = dict(self.echo)
         return orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
 
     def request_hash(self) -> str:
@@ -214,6 +230,8 @@ class GenerationRequest:
                 rf["type"], rf["name"], rf["schema"], rf["strict"], rf["description"]),
             history=History.from_json(d["history"]) if d.get("history") is not None else None,
             prompt_cache_key=d.get("prompt_cache_key"),
+            sampling=Sampling.from_stored(d),
+            echo=tuple((d.get("echo") or {}).items()),
         )
 
 
@@ -353,6 +371,8 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
         tool_choice=tool_choice,
         response_format=response_format,
         prompt_cache_key=cache_key,
+        sampling=parse_sampling(body),
+        echo=parse_echo(body),
     )
 
 

@@ -25,14 +25,19 @@ class AnswerEvents:
     """Turns batches of pieces into the events to append. ``kind`` is what the next bare text piece is:
     ``TEXT``, ``REASONING`` or the index of the call whose arguments it continues."""
 
-    def __init__(self, stops: tuple[str, ...], partial: PartialAnswer) -> None:
+    def __init__(self, stops: tuple[str, ...], partial: PartialAnswer, max_calls: int | None = None) -> None:
         self._stops = StopFilter(stops)
         self.kind: Channel | int = partial.ends_in
+        self._max_calls = max_calls
+        #: The answer began a call past ``max_calls`` (``max_tool_calls``, ``parallel_tool_calls: false``): it
+        #: ends before that call, as an answer that made its calls.
+        self.capped = False
 
     @property
     def stopped(self) -> bool:
-        """A stop sequence appeared in the text (it is not emitted, nor anything after it)."""
-        return self._stops.stopped
+        """A stop sequence appeared in the text, or a call past the bound began (neither is emitted, nor
+        anything after it)."""
+        return self._stops.stopped or self.capped
 
     def feed(self, pieces: list[Piece], markers: int) -> Events:
         if not markers and self.kind is TEXT:
@@ -53,6 +58,9 @@ class AnswerEvents:
                 if held:
                     events.append(delta(held))
             if isinstance(piece, ToolCallStart):
+                if self._max_calls is not None and piece.index >= self._max_calls:
+                    self.capped = True
+                    return events
                 events.append(tool_call(piece.index, piece.id, piece.name))
                 self.kind = piece.index
             else:

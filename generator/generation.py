@@ -93,7 +93,8 @@ class _Progress:
     cached_tokens: int = 0  # of prompt_tokens, served from the engine's prompt cache
     compute_s: float = 0.0  # engine time, parked time left out
     error: BaseException | None = None
-    stopped: bool = False  # a stop sequence ended it
+    stopped: bool = False  # a stop sequence ended it (or a call past max_tool_calls: capped)
+    capped: bool = False
     finish_reason: str | None = None
     lost_runs: int = 0  # earlier attempts that had started the generation and were lost (a crash, a lost lease)
     claimed_seq: int = 0  # tokens the stream held when this attempt claimed it
@@ -235,7 +236,8 @@ class JobRunner:
             await self._finish_error(run, error_code(error), str(error) or type(error).__name__, usage, compute_s,
                                      wasted)
         else:
-            reason = FinishReason.STOP if progress.stopped else (progress.finish_reason or FinishReason.STOP)
+            reason = FinishReason.TOOL_CALLS if progress.capped else FinishReason.STOP if progress.stopped else (
+                progress.finish_reason or FinishReason.STOP)
             u = usage.as_dict()
             await self._finish(run, EventType.DONE, {"finish_reason": reason, "usage": u}, "done", u, reason,
                                compute_s, wasted)
@@ -263,7 +265,7 @@ class JobRunner:
         gen_holder: list[Generation] = []
         producer = produce(self.engine, req, handoff, prefix_text=prefix, max_tokens=remaining, stop=run.stop,
                            on_start=gen_holder.append, partial=partial if partial.typed else None)
-        answer = AnswerEvents(req.stop, partial if partial.typed else PartialAnswer())
+        answer = AnswerEvents(req.stop, partial if partial.typed else PartialAnswer(), req.sampling.max_calls)
         seq = tokens = progress.seq  # tokens counted in Redis (all attempts); tokens generated (all attempts)
         deadline = self.settings.max_generation_s
         parked = closed = False
@@ -335,6 +337,7 @@ class JobRunner:
         if gen_holder:
             progress.finish_reason = gen_holder[0].finish_reason
         progress.stopped = answer.stopped
+        progress.capped = answer.capped
         progress.tokens = tokens
         return parked and not run.stopping
 

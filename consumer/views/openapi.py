@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from broker.echo import MAX_ID_CHARS, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS
 from broker.events import EventType
 from broker.request import (
     MAX_STOP_CHARS,
@@ -24,6 +25,8 @@ from broker.request import (
     TOOL_NAME,
     RequestLimits,
 )
+from broker.sampling import MAX_LOGIT_BIAS
+from broker.sampling import MAX_TOOL_CALLS as MAX_SAMPLED_TOOL_CALLS
 from broker.streams.records import STATUSES
 from broker.streams.report import GROUP_BYS
 from broker.streams.usage import FORMATS, GROUP_BY_PATTERN
@@ -110,6 +113,20 @@ def generation_properties(limits: RequestLimits) -> dict[str, Any]:
         "prompt_cache_key": nullable({"type": "string", "minLength": 1, "maxLength": PROMPT_CACHE_KEY_MAX_CHARS,
                                       "description": "requests sharing it go to the generator that holds their "
                                                      "prompt's prefix (OpenAI's prompt_cache_key)"}),
+        **{name: nullable({"type": "number", "minimum": -2, "maximum": 2}) for name in
+           ("presence_penalty", "frequency_penalty")},
+        "logit_bias": nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                "description": "token ids of the model that runs, and biases added to their logits"}),
+        "parallel_tool_calls": nullable({"type": "boolean", "description": "false: at most one call per answer"}),
+        "max_tool_calls": nullable({"type": "integer", "minimum": 1, "maximum": MAX_SAMPLED_TOOL_CALLS,
+                                    "description": "the answer ends before a call past this many"}),
+        "metadata": nullable({"type": "object", "maxProperties": MAX_METADATA_KEYS,
+                              "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
+                              "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS}}),
+        **{name: nullable({"type": "string", "maxLength": MAX_ID_CHARS}) for name in ("user", "safety_identifier")},
+        "store": nullable({"type": "boolean", "description": "echoed; rsb keeps every stream for its retention"}),
     }
 
 

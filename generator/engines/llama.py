@@ -271,7 +271,7 @@ class LlamaEngine(Engine):
             masked = self._never_utf8() if grammar is not None else self._eog if self.ignore_eos else ()
             sampler = Sampler(llm, temperature=request.temperature, top_p=request.top_p, top_k=self.top_k,
                               seed=seed, masked_ids=masked, grammar=grammar, pieces=self._pieces,
-                              utf8=self._utf8_masks() if grammar is not None else None)
+                              utf8=self._utf8_masks() if grammar is not None else None, sampling=request.sampling)
             if written and sampler.constrained:
                 sampler.accept_text(self._text_tokens(written))
             syntax: ToolCallSyntax | None = None

@@ -43,12 +43,19 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
+from broker.sampling import DEFAULT, Sampling
 from generator.engines.base import EngineError
 
 
 class GrammarError(EngineError):
     """The grammar cannot be used: it does not compile, it admits no token, or the stored answer being
     continued does not match it."""
+
+
+class SamplingRefused(EngineError):
+    """A sampling parameter this model cannot take (a ``logit_bias`` token past its vocabulary)."""
+
+    code = "invalid_request"
 
 
 class GrammarTooCostly(GrammarError):
@@ -109,22 +116,32 @@ class Sampler:
 
     def __init__(self, llm: llama_cpp.Llama, *, temperature: float, top_p: float, top_k: int, seed: int,
                  masked_ids: Iterable[int] = (), grammar: str | None = None, pieces: PieceFn | None = None,
-                 utf8: Sequence[npt.NDArray[np.bool_]] | None = None) -> None:
+                 utf8: Sequence[npt.NDArray[np.bool_]] | None = None, sampling: Sampling = DEFAULT) -> None:
         """``masked_ids``: tokens never to sample (end-of-generation for ``ignore_eos``; with a grammar, the
-        tokens whose bytes no valid UTF-8 contains, which llama.cpp's grammar decoder does not refuse)."""
+        tokens whose bytes no valid UTF-8 contains, which llama.cpp's grammar decoder does not refuse).
+        ``sampling``: OpenAI's presence and frequency penalties (on the logits of tokens this generation wrote,
+        as OpenAI defines them) and ``logit_bias`` (added to the logits)."""
         self._ctx = llm.ctx
         self._n_vocab = llm.n_vocab()
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        for t, _ in sampling.logit_bias:
+            if t >= self._n_vocab:
+                raise SamplingRefused(f"'logit_bias' names token {t}, past this model's vocabulary of "
+                                      f"{self._n_vocab} tokens")
+        self._presence = sampling.presence_penalty
+        self._frequency = sampling.frequency_penalty
+        self._counts: dict[int, int] | None = {} if sampling.penalized else None
         params = llama_cpp.llama_sampler_chain_default_params()
         chain = llama_cpp.llama_sampler_chain_init(params)
         self._chain = chain
         self._grammar: llama_cpp.llama_sampler_p | None = None
-        masked = list(masked_ids)
-        if masked:
-            biases = (llama_cpp.llama_logit_bias * len(masked))(
-                *(llama_cpp.llama_logit_bias(t, -math.inf) for t in masked))
+        bias = dict(sampling.logit_bias)
+        bias.update((t, -math.inf) for t in masked_ids)
+        if bias:
+            biases = (llama_cpp.llama_logit_bias * len(bias))(
+                *(llama_cpp.llama_logit_bias(t, b) for t, b in bias.items()))
             llama_cpp.llama_sampler_chain_add(
-                chain, llama_cpp.llama_sampler_init_logit_bias(self._n_vocab, len(masked), biases))
+                chain, llama_cpp.llama_sampler_init_logit_bias(self._n_vocab, len(bias), biases))
         if temperature <= 0.0:
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
         else:
@@ -163,6 +180,18 @@ class Sampler:
         return self._grammar is not None
 
     def sample(self) -> int:
+        counts = self._counts
+        if counts:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,))
+            ids = np.fromiter(counts, dtype=np.intp, count=len(counts))
+            times = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+            logits[ids] -= times * self._frequency + self._presence  # in place: the next decode overwrites them
+        token = self._pick()
+        if counts is not None:
+            counts[token] = counts.get(token, 0) + 1
+        return token
+
+    def _pick(self) -> int:
         token: int = llama_cpp.llama_sampler_sample(self._chain, self._ctx, -1)
         grammar = self._grammar
         if grammar is None:

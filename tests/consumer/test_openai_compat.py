@@ -356,9 +356,10 @@ def test_bad_requests_get_openai_errors_and_create_nothing(shared_stack: SharedS
         ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
         ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
-        ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
-          "parallel_tool_calls": False}, "parallel_tool_calls"),
         ({"messages": CHAT, "logprobs": True}, "logprobs"),
+        ({"messages": CHAT, "extra_body": {"bogus_param": 1}}, "bogus_param"),
+        ({"messages": CHAT, "extra_body": {"presence_penalty": 3}}, "presence_penalty"),
+        ({"messages": CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
         ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
             "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}}}},
          "response_format"),
@@ -384,6 +385,10 @@ def test_bad_requests_get_openai_errors_and_create_nothing(shared_stack: SharedS
             "type": "object", "properties": {"s": {"type": "string", "format": "uri"}}}}}}, "text"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "temperature": -1}, "temperature"),
+        ({"input": "x", "extra_body": {"bogus_param": 1}}, "bogus_param"),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "max_tool_calls": 0}, "max_tool_calls"),
+        ({"input": [{"type": "item_reference", "id": "msg_nope"}]}, "input"),
     ]
     for kwargs, param in bad_responses:
         for stream in (False, True):
@@ -471,3 +476,30 @@ def test_tenants_see_only_their_own_responses(stack_factory: StackFactory, redis
     assert httpx.get(f"{s.base_url}/v1/streams/{sid}", headers=bob_http).status_code == 404
     alice_http = {"Authorization": f"Bearer {alice_key}"}
     assert a.parse().choices[0].message.content == _native(s.base_url, sid, alice_http).text
+
+
+def test_what_rsb_honours_or_echoes_is_accepted_and_shown_back(shared_stack: SharedStack) -> None:
+    client = _client(shared_stack.base_url)
+    chat = client.chat.completions.create(model="m", messages=CHAT, max_tokens=4, presence_penalty=0.5,
+                                          frequency_penalty=-0.5, logit_bias={"5": -100}, user="u-1",
+                                          metadata={"k": "v"}, store=False, parallel_tool_calls=False,
+                                          safety_identifier="s-1")
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    resp = client.responses.create(model="m", input="hi", instructions="Be brief.", max_output_tokens=4,
+                                   metadata={"case": "echo"}, store=False, user="u-2", parallel_tool_calls=False,
+                                   max_tool_calls=3, safety_identifier="s-2", background=True)
+    done = client.responses.retrieve(resp.id)
+    for r in (resp, done):
+        d = r.model_dump()  # the SDK's Response has no `store` attribute; the wire object has it
+        assert (d["instructions"], d["metadata"], d["store"], d["user"], d["parallel_tool_calls"],
+                d["max_tool_calls"], d["safety_identifier"]) == ("Be brief.", {"case": "echo"}, False, "u-2", False,
+                                                                3, "s-2")
+    # An earlier response's output item named by reference stands for the item itself.
+    while done.status not in ("completed", "incomplete", "failed", "cancelled"):
+        time.sleep(0.1)
+        done = client.responses.retrieve(resp.id)
+    [item] = [i for i in done.output if i.type == "message"]
+    follow = client.responses.create(model="m", max_output_tokens=2, background=True, input=[
+        {"role": "user", "content": "hi"}, {"type": "item_reference", "id": item.id},
+        {"role": "user", "content": "and?"}])
+    assert follow.status in ("queued", "in_progress", "completed")

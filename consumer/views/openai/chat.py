@@ -37,6 +37,7 @@ from consumer.views.openai.common import (
     Only,
     boolean,
     cached_tokens,
+    check_known,
     check_only,
     check_results_answer_calls,
     create_stream,
@@ -73,10 +74,8 @@ def _stream_options(v: object) -> bool:
 RESTRICTIONS = (
     Only("n", {"anyOf": [{"const": 1}, NULL]}, lambda v: v is None or _is_int(v, 1), "only 'n': 1 is supported"),
     no_items("functions"), null_only("function_call"),
-    # A model may call several tools in one answer; rsb cannot promise one at most.
-    Only("parallel_tool_calls", {"anyOf": [{"const": True}, NULL]}, lambda v: v is None or v is True,
-         "'parallel_tool_calls': false is not supported (an answer may call several tools)"),
     null_only("audio"), null_only("prediction"), null_only("web_search_options"),
+    null_only("reasoning_effort"), null_only("verbosity"), null_only("prompt_cache_retention"),
     Only("logprobs", {"anyOf": [{"const": False}, NULL]}, lambda v: v is None or v is False,
          "logprobs are not supported"),
     null_only("top_logprobs"),
@@ -91,9 +90,14 @@ RESTRICTIONS = (
 TOKEN_LIMITS = ("max_completion_tokens", "max_tokens")
 #: Passed to rsb's own validation as they are: the generation settings (their schema is the native create
 #: body's) and typed output's fields (OpenAI's shapes are rsb's).
-GENERATION = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache_key")
+GENERATION = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache_key", "presence_penalty",
+              "frequency_penalty", "logit_bias", "parallel_tool_calls", "metadata", "user", "safety_identifier",
+              "store")
 TYPED = ("tools", "tool_choice", "response_format")
 PASSED_THROUGH = GENERATION + TYPED
+#: Every parameter a chat request may carry; any other is a 400 naming it, as OpenAI answers. ``service_tier``
+#: is issue 29's (the scheduler's tiers).
+KNOWN = frozenset({"messages", *TOKEN_LIMITS, *PASSED_THROUGH, *(r.name for r in RESTRICTIONS), "service_tier"})
 #: A chat request's roles, as rsb's: OpenAI's (``developer`` is its newer name for ``system``) and tool results.
 CHAT_ROLES = {**ROLES, "tool": "tool"}
 
@@ -140,6 +144,7 @@ def _chat_body(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, A
     messages = [_message(i, m) for i, m in enumerate(raw)]
     check_results_answer_calls(messages, "messages")
     check_only(body, RESTRICTIONS)
+    check_known(body, KNOWN)
     given = [name for name in TOKEN_LIMITS if body.get(name) is not None]
     for name in given[1:]:  # the older name must be valid too, though the newer one wins
         try:

@@ -171,6 +171,13 @@ def check_only(body: Mapping[str, Any], rules: tuple[Only, ...]) -> None:
             raise invalid(rule.message, rule.name)
 
 
+def check_known(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    """What rsb does not know is refused, not ignored (a typo, or a parameter rsb would silently not honour)."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise invalid(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+
+
 def text_of(content: object, where: str, part_types: frozenset[str], field: str = "content") -> str:
     """A message's text (or a tool result's: ``field``): a string, or a list of text parts (joined); anything
     else is refused."""

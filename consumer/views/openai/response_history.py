@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from broker.errors import NotFound
 from broker.history import History
+from broker.request import Message
 from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
 from consumer.streaming.conversations import conversation_name
@@ -30,6 +31,16 @@ HISTORY_RULES = (
     Only("previous_response_id", {"anyOf": [{"type": "string"}, NULL]}, lambda v: v is None or isinstance(v, str),
          "'previous_response_id' must be a response id (resp_...)"),
 )
+
+
+def unmatched_outputs(messages: tuple[Message, ...]) -> str | None:
+    """The call id of the first tool result that answers no call made before it (None: every one answers one)."""
+    calls: set[str] = set()
+    for m in messages:
+        calls.update(c.id for c in m.tool_calls)
+        if m.tool_call_id is not None and m.tool_call_id not in calls:
+            return m.tool_call_id
+    return None
 
 
 def response_conversation(raw: object) -> str | None:
@@ -79,5 +90,9 @@ async def create_response_stream(request: Request, body: dict[str, Any], rsb_bod
     else:
         assert previous is not None
         assembled = await state.conversations.continue_response(caller, previous, gen_request, lead)
+        unanswered = unmatched_outputs(assembled.messages or ())
+        if unanswered is not None:
+            raise invalid(f"input: no function_call with call_id {unanswered[:64]!r} comes before this output, in the "
+                          "input or in the previous responses", "input")
         await state.service.create(caller, assembled, stream_id, hook_name=response_id)
     return stream_id, await state.service.status(caller, stream_id)

@@ -119,6 +119,17 @@ class ResponseView:
         self.text_config = text_config(req)
         self.max_output_tokens = st.max_tokens
         history = req.history if req is not None else None
+        # What the request set only to see it back (broker.echo), and its instructions: the leading system
+        # message its history counts apart (never carried into a later response).
+        lead = req.messages[0] if req is not None and req.messages and history is not None and history.lead else None
+        self.instructions = lead.content if lead is not None and lead.role == "system" else None
+        self.echo: dict[str, Any] = {
+            "metadata": req.echoed("metadata", {}) if req is not None else {},
+            "store": req.echoed("store", True) if req is not None else True,
+            "user": req.echoed("user") if req is not None else None,
+            "safety_identifier": req.echoed("safety_identifier") if req is not None else None,
+            "parallel_tool_calls": req.sampling.parallel_tool_calls if req is not None else True,
+            "max_tool_calls": req.sampling.max_tool_calls if req is not None else None}
         self.conversation = None if history is None or history.conversation is None else {
             "id": openai_id(history.conversation)}
         self.previous = None if history is None or history.previous is None else response_id(
@@ -151,10 +162,10 @@ class ResponseView:
             "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
             # Every rsb generation runs detached from its connections: background, whatever was asked.
             "background": True, "completed_at": self.completed_at, "error": self.error,
-            "incomplete_details": self.incomplete, "instructions": None,
-            "max_output_tokens": self.max_output_tokens, "metadata": {}, "model": self.model,
-            "output": [item.json() for item in self.items], "parallel_tool_calls": bool(self.tools),
-            "previous_response_id": self.previous, "conversation": self.conversation, "store": True,
+            "incomplete_details": self.incomplete, "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens, "model": self.model,
+            "output": [item.json() for item in self.items], **self.echo,
+            "previous_response_id": self.previous, "conversation": self.conversation,
             "temperature": self.temperature, "top_p": self.top_p,
             "text": self.text_config, "tool_choice": self.tool_choice, "tools": self.tools,
             "truncation": "disabled", "usage": _usage(self.usage),

@@ -37,6 +37,7 @@ from consumer.views.openai.common import (
     DeferredResponse,
     Only,
     boolean,
+    check_known,
     check_only,
     event_frame,
     invalid,
@@ -44,6 +45,7 @@ from consumer.views.openai.common import (
     read_json,
     text_of,
 )
+from consumer.views.openai.item_references import resolve_references
 from consumer.views.openai.response_history import HISTORY_RULES, create_response_stream
 from consumer.views.openai.response_view import ResponseView
 from consumer.views.openai.shapes import chat_tool_choice, chat_tools, response_format
@@ -83,17 +85,29 @@ INPUT_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 RESTRICTIONS = (
     Only("instructions", {"anyOf": [{"type": "string"}, NULL]}, lambda v: v is None or isinstance(v, str),
          "'instructions' must be a string"),
-    *HISTORY_RULES, null_only("prompt"),
-    Only("parallel_tool_calls", {"anyOf": [{"const": True}, NULL]}, lambda v: v is None or v is True,
-         "'parallel_tool_calls': false is not supported (an answer may call several tools)"),
+    *HISTORY_RULES, null_only("prompt"), null_only("reasoning"), null_only("prompt_cache_retention"),
     Only("top_logprobs", {"anyOf": [{"const": 0}, NULL]},
          lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 0),
          "logprobs are not supported"),
-    boolean("stream"), boolean("background"), boolean("store"),
+    Only("truncation", {"anyOf": [{"const": "disabled"}, NULL]}, lambda v: v is None or v == "disabled",
+         "only 'truncation': 'disabled' is supported (a too long input is a 400 context_length_exceeded)"),
+    # rsb runs no built-in tool, so what include asks of them is nothing to add; logprobs it cannot give.
+    Only("include", {"anyOf": [{"type": "array", "items": {"type": "string", "not": {
+        "const": "message.output_text.logprobs"}}}, NULL]},
+         lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)
+                                 and "message.output_text.logprobs" not in v),
+         "'include' must be a list of strings; message.output_text.logprobs is not supported"),
+    Only("stream_options", {"anyOf": [{"type": "object"}, NULL]}, lambda v: v is None or isinstance(v, dict),
+         "'stream_options' must be an object"),
+    boolean("stream"), boolean("background"),
 )
 #: Passed to rsb's own validation as they are (seed and stop are not Responses parameters; accepted, as
 #: extra_body, because rsb has them).
-PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache_key")
+PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache_key", "parallel_tool_calls",
+                  "max_tool_calls", "metadata", "user", "safety_identifier", "store")
+#: Every parameter a Responses create may carry; any other is a 400 naming it. ``service_tier`` is issue 29's.
+KNOWN = frozenset({"input", "max_output_tokens", "tools", "tool_choice", "text", *PASSED_THROUGH,
+                   *("instructions", "conversation", "previous_response_id"), "service_tier"})
 #: The input items rsb reads. ``reasoning`` items (the model's earlier reasoning, which clients pass back with
 #: the rest of a response's output) are dropped: models are not given their past reasoning, as chat templates
 #: drop it.
@@ -124,6 +138,9 @@ def _add_call(messages: list[dict[str, Any]], i: int, item: dict[str, Any]) -> N
 
 
 def _input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    # With history (previous_response_id, conversation) a function_call_output may answer a call made there: it
+    # is checked once the history is in front (consumer.views.openai.response_history).
+    with_history = body.get("previous_response_id") is not None or body.get("conversation") is not None
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -144,7 +161,7 @@ def _input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             calls = {c["id"] for m in messages for c in m.get("tool_calls", ())}
             call_id = _string(item, "call_id", i)
-            if call_id not in calls:
+            if call_id not in calls and not with_history:
                 raise invalid(f"input[{i}]: no function_call with call_id {call_id[:64]!r} comes before this "
                               "output", "input")
             messages.append({"role": "tool", "tool_call_id": call_id,
@@ -162,6 +179,7 @@ def _input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 def _responses_body(body: dict[str, Any]) -> dict[str, Any]:
     """The rsb create body for a Responses request. What rsb cannot honour is refused, not ignored."""
     check_only(body, RESTRICTIONS)
+    check_known(body, KNOWN | {r.name for r in RESTRICTIONS})
     rsb: dict[str, Any] = {"messages": _input_messages(body), "max_tokens": body.get("max_output_tokens")}
     for name in PASSED_THROUGH:
         rsb[name] = body.get(name)
@@ -210,6 +228,8 @@ async def _serve_events(request: Request, slot: Slot, stream_id: uuid.UUID, st: 
 
 async def create_response(request: Request) -> ASGIApp:
     body = await read_json(request)
+    if isinstance(body.get("input"), list):
+        body["input"] = await resolve_references(state_of(request).service, caller_of(request), body["input"])
     rsb_body = _responses_body(body)
     stream, background = bool(body.get("stream")), bool(body.get("background"))
     renames = {**PHRASES, "max_tokens": "max_output_tokens", "messages": "input"}

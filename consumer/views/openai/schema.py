@@ -76,11 +76,13 @@ def _content(limits: RequestLimits, part_types: frozenset[str]) -> dict[str, Any
 
 
 _CHAT_TYPED = ("Also accepted, in OpenAI's shapes and validated as rsb's create fields (docs/protocol.md): "
-               "`tools`, `tool_choice`, `response_format` (text, json_object, json_schema), messages of role `tool` "
+               "`tools`, `tool_choice`, `response_format` (text, json_object, json_schema), `service_tier`, messages "
+               "of role `tool` "
                "(`tool_call_id`, `content`) answering an earlier assistant message's `tool_calls`.")
 _RESPONSES_TYPED = ("Also accepted, in OpenAI's shapes (docs/protocol.md): function `tools`, `tool_choice`, "
-                    "`text.format` (text, json_object, json_schema), and input items of type `function_call`, "
-                    "`function_call_output` (answering an earlier call) and `reasoning` (dropped).")
+                    "`text.format` (text, json_object, json_schema), `service_tier`, and input items of type "
+                    "`function_call`, `function_call_output` (answering an earlier call, here or in the history), "
+                    "`item_reference` (an earlier response's output item) and `reasoning` (dropped).")
 
 
 def _chat_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[str, Any]:
@@ -92,9 +94,9 @@ def _chat_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[str, A
         **{name: generation["max_tokens"] for name in chat.TOKEN_LIMITS},
         **{rule.name: rule.schema for rule in chat.RESTRICTIONS},
     }
-    return {"type": "object", "required": ["messages"], "properties": props,
-            "description": f"the messages' content is at most {limits.max_prompt_chars} characters in all. "
-                           + _CHAT_TYPED}
+    return {"type": "object", "required": ["messages"], "properties": props, "additionalProperties": False,
+            "description": f"the messages' content is at most {limits.max_prompt_chars} characters in all; any other "
+                           "parameter is a 400 naming it. " + _CHAT_TYPED}
 
 
 def _input_item(limits: RequestLimits) -> dict[str, Any]:
@@ -117,9 +119,9 @@ def _responses_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[s
     # conversation and previous_response_id: one or the other (both null is neither).
     both = {"required": ["conversation", "previous_response_id"], "properties": {
         "conversation": {"not": {"type": "null"}}, "previous_response_id": {"not": {"type": "null"}}}}
-    return {"type": "object", "required": ["input"], "properties": props, "not": both,
-            "description": f"instructions and input are at most {limits.max_prompt_chars} characters in all. "
-                           + _RESPONSES_TYPED}
+    return {"type": "object", "required": ["input"], "properties": props, "not": both, "additionalProperties": False,
+            "description": f"instructions and input are at most {limits.max_prompt_chars} characters in all; any "
+                           "other parameter is a 400 naming it. " + _RESPONSES_TYPED}
 
 
 def openai_paths(limits: RequestLimits, generation: dict[str, Any], auth: bool) -> dict[str, Any]:

@@ -58,6 +58,11 @@ def response_format(text: object) -> object:
         return None
     if not isinstance(text, dict):
         raise invalid("'text' must be an object", "text")
+    unknown = sorted(set(text) - {"format", "verbosity"})
+    if unknown:
+        raise invalid(f"text: unknown field(s): {', '.join(unknown)}", "text")
+    if text.get("verbosity") is not None:
+        raise invalid("'text.verbosity' is not supported (the model's answers have one length)", "text")
     fmt = text.get("format")
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
         return fmt  # null, text, json_object, or wrong: rsb's validator says what is wrong with it

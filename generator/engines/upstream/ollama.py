@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from broker.request import GenerationRequest
-from generator.engines.base import UpstreamError
+from generator.engines.base import EngineError, UpstreamError
 from generator.engines.upstream.protocol import (
     CallPiece,
     Chunk,
@@ -28,6 +28,12 @@ from generator.engines.upstream.protocol import (
     new_call_id,
     str_or_none,
 )
+
+
+class UpstreamRefused(EngineError):
+    """A request field this upstream's API cannot carry."""
+
+    code = "invalid_request"
 
 
 class OllamaProtocol(UpstreamProtocol):
@@ -44,6 +50,13 @@ class OllamaProtocol(UpstreamProtocol):
         }
         if request.seed is not None:
             options["seed"] = request.seed
+        sampling = request.sampling
+        if sampling.logit_bias:
+            raise UpstreamRefused("Ollama's API has no 'logit_bias'")
+        if sampling.presence_penalty:
+            options["presence_penalty"] = sampling.presence_penalty
+        if sampling.frequency_penalty:
+            options["frequency_penalty"] = sampling.frequency_penalty
         if request.stop:
             options["stop"] = list(request.stop)
         body: dict[str, Any] = {"model": model or "", "stream": True, "options": options}

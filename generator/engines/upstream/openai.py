@@ -50,6 +50,11 @@ class OpenAIProtocol(UpstreamProtocol):
             body["model"] = model
         if request.seed is not None:
             body["seed"] = request.seed
+        sampling = request.sampling.stored()
+        sampling.pop("max_tool_calls", None)  # a Responses parameter: the answer is cut past it (generator.answer)
+        if "parallel_tool_calls" in sampling and not (request.messages is not None and request.tools):
+            del sampling["parallel_tool_calls"]
+        body.update(sampling)
         # OpenAI routes requests sharing a prompt_cache_key to the machine holding their prefix; vLLM and
         # llama.cpp's servers ignore it. The client's own key, else the chat's (a digest of its conversation
         # or leading messages: nothing of the prompt itself).

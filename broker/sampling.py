@@ -1,0 +1,94 @@
+"""OpenAI's sampling and tool-count parameters beyond temperature and top_p, as a create carries them: presence and
+frequency penalties, ``logit_bias``, ``parallel_tool_calls`` and ``max_tool_calls``. Validated here (OpenAI's
+ranges), stored in the canonical request only when set (so a request without them keeps its hash), honoured by the
+engines (generator.engines.sampler applies the penalties and biases to the logits; the answer stops at the call
+past ``max_calls``, generator.answer) and echoed by the views."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from broker.ascii import decimal
+from broker.errors import InvalidRequest
+
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_TOOL_CALLS = 128
+FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "parallel_tool_calls", "max_tool_calls")
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: (token id, bias from -100 to 100): -100 bans the token, 100 all but forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    parallel_tool_calls: bool = True
+    max_tool_calls: int | None = None
+
+    @property
+    def max_calls(self) -> int | None:
+        """The most calls one answer may make (None: no bound)."""
+        return self.max_tool_calls if self.parallel_tool_calls else 1
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    def stored(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.presence_penalty:
+            out["presence_penalty"] = self.presence_penalty
+        if self.frequency_penalty:
+            out["frequency_penalty"] = self.frequency_penalty
+        if self.logit_bias:
+            out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
+        if not self.parallel_tool_calls:
+            out["parallel_tool_calls"] = False
+        if self.max_tool_calls is not None:
+            out["max_tool_calls"] = self.max_tool_calls
+        return out
+
+    @classmethod
+    def from_stored(cls, d: dict[str, Any]) -> Sampling:
+        return cls(d.get("presence_penalty", 0.0), d.get("frequency_penalty", 0.0),
+                   tuple((int(t), float(b)) for t, b in (d.get("logit_bias") or {}).items()),
+                   d.get("parallel_tool_calls", True), d.get("max_tool_calls"))
+
+
+DEFAULT = Sampling()
+
+
+def _penalty(body: dict[str, Any], name: str) -> float:
+    v = body.get(name)
+    if v is None:
+        return 0.0
+    if isinstance(v, bool) or not isinstance(v, int | float) or not -2.0 <= v <= 2.0:
+        raise InvalidRequest(f"'{name}' must be a number between -2 and 2")
+    return float(v)
+
+
+def parse_sampling(body: dict[str, Any]) -> Sampling:
+    """The sampling fields of a create body (DEFAULT when it has none)."""
+    if not any(body.get(f) is not None for f in FIELDS):
+        return DEFAULT
+    raw_bias = body.get("logit_bias")
+    bias: list[tuple[int, float]] = []
+    if raw_bias is not None:
+        if not isinstance(raw_bias, dict) or len(raw_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        for k, v in raw_bias.items():
+            token = decimal(k) if isinstance(k, str) and len(k) <= 9 else None
+            if token is None or isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
+                raise InvalidRequest("'logit_bias' maps token ids (\"123\") to numbers between -100 and 100")
+            bias.append((token, float(v)))
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequest("'parallel_tool_calls' must be true or false")
+    most = body.get("max_tool_calls")
+    if isinstance(most, float) and most.is_integer():  # 7.0 is an integer in JSON
+        most = int(most)
+    if most is not None and (isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= MAX_TOOL_CALLS):
+        raise InvalidRequest(f"'max_tool_calls' must be an integer between 1 and {MAX_TOOL_CALLS}")
+    return Sampling(_penalty(body, "presence_penalty"), _penalty(body, "frequency_penalty"), tuple(sorted(bias)),
+                    parallel is not False, most)
