@@ -52,12 +52,6 @@ class GrammarError(EngineError):
     continued does not match it."""
 
 
-class SamplingRefused(EngineError):
-    """A sampling parameter this model cannot take (a ``logit_bias`` token past its vocabulary)."""
-
-    code = "invalid_request"
-
-
 class GrammarTooCostly(GrammarError):
     """One sampling step under the grammar took more than STEP_BUDGET_S of CPU."""
 
@@ -124,10 +118,6 @@ class Sampler:
         self._ctx = llm.ctx
         self._n_vocab = llm.n_vocab()
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
-        for t, _ in sampling.logit_bias:
-            if t >= self._n_vocab:
-                raise SamplingRefused(f"'logit_bias' names token {t}, past this model's vocabulary of "
-                                      f"{self._n_vocab} tokens")
         self._presence = sampling.presence_penalty
         self._frequency = sampling.frequency_penalty
         self._counts: dict[int, int] | None = {} if sampling.penalized else None
@@ -135,7 +125,8 @@ class Sampler:
         chain = llama_cpp.llama_sampler_chain_init(params)
         self._chain = chain
         self._grammar: llama_cpp.llama_sampler_p | None = None
-        bias = dict(sampling.logit_bias)
+        # A token past the vocabulary is never sampled anyway: its bias changes nothing.
+        bias = {t: b for t, b in sampling.logit_bias if t < self._n_vocab}
         bias.update((t, -math.inf) for t in masked_ids)
         if bias:
             biases = (llama_cpp.llama_logit_bias * len(bias))(
