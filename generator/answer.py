@@ -25,10 +25,15 @@ class AnswerEvents:
     """Turns batches of pieces into the events to append. ``kind`` is what the next bare text piece is:
     ``TEXT``, ``REASONING`` or the index of the call whose arguments it continues."""
 
-    def __init__(self, stops: tuple[str, ...], partial: PartialAnswer, max_calls: int | None = None) -> None:
+    def __init__(self, stops: tuple[str, ...], partial: PartialAnswer, max_calls: int | None = None,
+                 offered: frozenset[str] | None = None) -> None:
         self._stops = StopFilter(stops)
         self.kind: Channel | int = partial.ends_in
         self._max_calls = max_calls
+        self._offered = offered
+        #: The name of a tool the request did not offer that the model began to call: never presented as a
+        #: call, the answer ends there (the generation with an ``undeclared_tool`` error).
+        self.undeclared: str | None = None
         #: The answer began a call past ``max_calls`` (``max_tool_calls``, ``parallel_tool_calls: false``): it
         #: ends before that call, as an answer that made its calls.
         self.capped = False
@@ -37,7 +42,7 @@ class AnswerEvents:
     def stopped(self) -> bool:
         """A stop sequence appeared in the text, or a call past the bound began (neither is emitted, nor
         anything after it)."""
-        return self._stops.stopped or self.capped
+        return self._stops.stopped or self.capped or self.undeclared is not None
 
     def feed(self, pieces: list[Piece], markers: int) -> Events:
         if not markers and self.kind is TEXT:
@@ -58,6 +63,9 @@ class AnswerEvents:
                 if held:
                     events.append(delta(held))
             if isinstance(piece, ToolCallStart):
+                if self._offered is not None and piece.name not in self._offered:
+                    self.undeclared = piece.name
+                    return events
                 if self._max_calls is not None and piece.index >= self._max_calls:
                     self.capped = True
                     return events

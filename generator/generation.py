@@ -95,6 +95,7 @@ class _Progress:
     error: BaseException | None = None
     stopped: bool = False  # a stop sequence ended it (or a call past max_tool_calls: capped)
     capped: bool = False
+    undeclared: str | None = None  # a call of a tool the request did not offer began
     finish_reason: str | None = None
     lost_runs: int = 0  # earlier attempts that had started the generation and were lost (a crash, a lost lease)
     claimed_seq: int = 0  # tokens the stream held when this attempt claimed it
@@ -231,6 +232,9 @@ class JobRunner:
             await self._finish_cancelled(run, run.cancel_reason, usage, compute_s, wasted)
         elif run.deadline_hit:
             await self._finish_error(run, "deadline", f"generation exceeded {deadline:g} s", usage, compute_s, wasted)
+        elif progress.undeclared is not None:
+            await self._finish_error(run, "undeclared_tool", f"the model called {progress.undeclared[:64]!r}, a tool "
+                                     "the request did not offer", usage, compute_s, wasted)
         elif error is not None:
             log.error("engine failed: %s", type(error).__name__, extra={"stream_id": str(claim.stream_id)})
             await self._finish_error(run, error_code(error), str(error) or type(error).__name__, usage, compute_s,
@@ -265,7 +269,8 @@ class JobRunner:
         gen_holder: list[Generation] = []
         producer = produce(self.engine, req, handoff, prefix_text=prefix, max_tokens=remaining, stop=run.stop,
                            on_start=gen_holder.append, partial=partial if partial.typed else None)
-        answer = AnswerEvents(req.stop, partial if partial.typed else PartialAnswer(), req.sampling.max_calls)
+        offered = frozenset(t.name for t in req.tools) if req.offers_tools else frozenset()
+        answer = AnswerEvents(req.stop, partial if partial.typed else PartialAnswer(), req.sampling.max_calls, offered)
         seq = tokens = progress.seq  # tokens counted in Redis (all attempts); tokens generated (all attempts)
         deadline = self.settings.max_generation_s
         parked = closed = False
@@ -338,6 +343,7 @@ class JobRunner:
             progress.finish_reason = gen_holder[0].finish_reason
         progress.stopped = answer.stopped
         progress.capped = answer.capped
+        progress.undeclared = answer.undeclared
         progress.tokens = tokens
         return parked and not run.stopping
 

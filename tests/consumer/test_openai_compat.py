@@ -503,3 +503,11 @@ def test_what_rsb_honours_or_echoes_is_accepted_and_shown_back(shared_stack: Sha
         {"role": "user", "content": "hi"}, {"type": "item_reference", "id": item.id},
         {"role": "user", "content": "and?"}])
     assert follow.status in ("queued", "in_progress", "completed")
+
+
+def test_a_prompt_past_the_context_is_a_400_for_a_completion(shared_stack: SharedStack) -> None:
+    client = _client(shared_stack.base_url)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 6000}],
+                                       max_tokens=4)
+    assert isinstance(e.value.body, dict) and e.value.body["code"] == "context_length_exceeded"

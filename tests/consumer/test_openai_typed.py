@@ -355,3 +355,23 @@ def test_the_real_default_model_answers_parse_and_a_forced_tool_with_valid_json(
     assert call.function.name == "get_weather" and isinstance(call.function.parsed_arguments, Weather)
     native = _native(s, str(uuid.UUID(hex=final.id.removeprefix("chatcmpl-"))))
     assert "".join(a["text"] for a in _typed(native, "tool_args")) == call.function.arguments
+
+
+def test_calls_past_the_bound_or_of_tools_not_offered_are_never_presented(
+        typed_stack: Stack, upstream: ScriptedUpstream) -> None:
+    client = _client(typed_stack)
+    two = Reply([*tool_call_pieces(0, "call_1", "get_weather", ARGS), *tool_call_pieces(1, "call_2", "get_weather",
+                                                                                      ARGS)], finish_reason="tool_calls")
+    upstream.script(two)
+    got = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL], parallel_tool_calls=False)
+    assert [c.id for c in got.choices[0].message.tool_calls or ()] == ["call_1"]
+    assert got.choices[0].finish_reason == "tool_calls" and upstream.bodies()[-1]["parallel_tool_calls"] is False
+    upstream.script(Reply([text("Sure. "), *tool_call_pieces(0, "call_3", "rm_rf", '{"path": "/"}')],
+                          finish_reason="tool_calls"))
+    with httpx.Client(base_url=typed_stack.base_url) as c:
+        sid = str(uuid.uuid4())
+        assert c.post("/v1/streams", json={"id": sid, "messages": ASK, "tools": [WEATHER_TOOL]}).status_code == 201
+        read = read_sse(c, f"/v1/streams/{sid}/events")
+    assert [e.event for e in read.events if e.event in ("tool_call", "tool_args")] == []
+    assert read.events[-1].event == "error" and read.events[-1].data["code"] == "undeclared_tool"
+    assert "".join(e.data["text"] for e in read.events if e.event == "delta") == "Sure. "

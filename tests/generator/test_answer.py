@@ -61,3 +61,18 @@ def test_the_answer_so_far_is_rebuilt_from_its_events() -> None:
     plain = AnswerSoFar()
     plain.add_all([delta("a"), delta("b")])
     assert plain.text == "ab" and not plain.partial.typed and plain.partial.ends_in is TEXT
+
+
+def test_a_call_past_max_tool_calls_ends_the_answer_before_it() -> None:
+    answer = AnswerEvents((), NOTHING, max_calls=1)
+    got = feed(answer, [ToolCallStart(0, "c1", "f"), "{}", ToolCallStart(1, "c2", "f"), "{}", TEXT, "more"])
+    assert got == [("tool_call", {"index": 0, "id": "c1", "name": "f"}), ("tool_args", {"index": 0, "text": "{}"})]
+    assert answer.capped and answer.stopped
+
+
+def test_a_call_of_a_tool_not_offered_is_never_presented_as_a_call() -> None:
+    answer = AnswerEvents((), NOTHING, offered=frozenset({"get_weather"}))
+    got = feed(answer, ["Let me check.", ToolCallStart(0, "c1", "rm_rf"), '{"path": "/"}'])
+    assert got == [("delta", {"text": "Let me check."})]
+    assert answer.undeclared == "rm_rf" and answer.stopped
+    assert feed(AnswerEvents((), NOTHING, offered=frozenset()), [ToolCallStart(0, "c", "f")]) == []

@@ -258,3 +258,24 @@ async def test_a_generation_abandoned_while_its_hand_off_is_full_frees_the_engin
     finally:
         hold.set()
         other.join()
+
+
+def test_penalties_and_logit_bias_change_what_is_sampled(engine: LlamaEngine) -> None:
+    import dataclasses
+
+    from broker.sampling import Sampling
+
+    greedy = request(temperature=0.0)
+    _, plain = run(engine, greedy, 120)
+    # logit_bias -100 on the token greedy decoding starts with (every token that reads as it): another one starts.
+    first = tuple((t, -100.0) for t in range(engine._llm.n_vocab())
+                  if engine._pieces(t).decode("utf-8", "ignore").strip() == plain[0].strip())
+    _, banned = run(engine, dataclasses.replace(greedy, sampling=Sampling(logit_bias=first)), 120)
+    assert banned[0] != plain[0]
+    # A token past the vocabulary is never sampled: its bias changes nothing.
+    _, outside = run(engine, dataclasses.replace(greedy, sampling=Sampling(logit_bias=((10**8, 50.0),))), 120)
+    assert outside == plain
+    # Random weights repeat themselves under greedy decoding; penalties on what was written make them repeat less.
+    _, penalized = run(engine, dataclasses.replace(greedy, sampling=Sampling(presence_penalty=2.0,
+                                                                             frequency_penalty=2.0)), 120)
+    assert len(set(penalized)) > len(set(plain)), (len(set(penalized)), len(set(plain)))

@@ -186,6 +186,22 @@ def test_openai_requests_carry_every_field() -> None:
     assert body["prompt"] == "Once upon" and "model" not in body and "seed" not in body and "stop" not in body
 
 
+def test_penalties_and_logit_bias_go_to_the_upstream() -> None:
+    from broker.sampling import Sampling
+    from generator.engines.base import EngineError
+
+    sampling = Sampling(presence_penalty=0.5, frequency_penalty=-1.0, logit_bias=((42, -100.0),),
+                        parallel_tool_calls=False, max_tool_calls=3)
+    _, body = openai_request(_chat_request(STORY, sampling=sampling), prefix_text="", max_tokens=5, model=None)
+    assert (body["presence_penalty"], body["frequency_penalty"], body["logit_bias"]) == (0.5, -1.0, {"42": -100.0})
+    assert "max_tool_calls" not in body and "parallel_tool_calls" not in body  # no tools: nothing to bound
+    _, body = ollama_request(_chat_request(STORY, sampling=Sampling(presence_penalty=0.5)), prefix_text="",
+                             max_tokens=5, model="m")
+    assert body["options"]["presence_penalty"] == 0.5
+    with pytest.raises(EngineError, match="logit_bias"):
+        ollama_request(_chat_request(STORY, sampling=sampling), prefix_text="", max_tokens=5, model="m")
+
+
 def test_a_chat_continued_after_a_crash_asks_the_model_to_go_on() -> None:
     _, body = openai_request(_chat_request(STORY), prefix_text="Once upon", max_tokens=5, model=None)
     assert body["messages"] == [*STORY, {"role": "assistant", "content": "Once upon"},

@@ -178,6 +178,10 @@ class _Chat:
                 "prompt_tokens_details": {"cached_tokens": cached_tokens(usage)}}
 
 
+#: Generation errors that are the request's, not the engine's: a non-streamed completion answers them with a 400.
+REQUEST_ERRORS = frozenset({"context_length_exceeded", "invalid_request"})
+
+
 def _terminal_error(ev: Event) -> dict[str, Any]:
     """OpenAI's error object for a stream that ended without an answer: cancelled or failed."""
     data = ev.json()
@@ -272,10 +276,12 @@ async def _completion(service: StreamService, chat: _Chat, stream_id: uuid.UUID)
     ev = answer.end
     assert ev is not None
     if ev.type != EventType.DONE:
-        # 409 (stopped by someone) or 502 (the engine failed). The SDK would retry both, each retry a new
-        # generation paid in full: x-should-retry: false leaves that choice to the caller.
+        # 409 (stopped by someone), 400 (the request could not run: a prompt past the model's context, a
+        # parameter the engine refused), or 502 (the engine failed). The SDK would retry 409 and 502, each retry a
+        # new generation paid in full: x-should-retry: false leaves that choice to the caller.
         err = _terminal_error(ev)
-        return error_json(409 if ev.type == EventType.CANCELLED else 502, err["message"], type_=err["type"],
+        status = 409 if ev.type == EventType.CANCELLED else 400 if err["code"] in REQUEST_ERRORS else 502
+        return error_json(status, err["message"], type_="invalid_request_error" if status == 400 else err["type"],
                           code=err["code"], headers={"x-should-retry": "false"})
     data = ev.json()
     return JSONResponse({
