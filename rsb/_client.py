@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from broker.backoff import Backoff
+from broker.sampling import FIELDS as SAMPLING_FIELDS
 from broker.sse import LineDecoder
 from rsb._exceptions import (
     RateLimitedError,
@@ -59,7 +60,7 @@ def build_create_body(*, messages: Sequence[Mapping[str, Any]] | None, prompt: s
                       cancel_on_disconnect: bool | None, tools: Sequence[Mapping[str, Any]] | None = None,
                       tool_choice: str | Mapping[str, Any] | None = None,
                       response_format: Mapping[str, Any] | None = None,
-                      conversation: str | None = None) -> dict[str, Any]:
+                      conversation: str | None = None, **sampling: Any) -> dict[str, Any]:
     if (messages is None) == (prompt is None):
         raise ValueError("give exactly one of messages or prompt")
     body: dict[str, Any] = {"id": id or str(uuid.uuid4())}
@@ -74,6 +75,10 @@ def build_create_body(*, messages: Sequence[Mapping[str, Any]] | None, prompt: s
                 "tool_choice": tool_choice if isinstance(tool_choice, str | None) else dict(tool_choice),
                 "response_format": dict(response_format) if response_format is not None else None,
                 "conversation": conversation}
+    unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    optional.update(sampling)  # presence_penalty, frequency_penalty, logit_bias, parallel_tool_calls, max_tool_calls
     body.update({k: v for k, v in optional.items() if v is not None})
     return body
 
@@ -216,16 +221,18 @@ class Client(_BaseClient):
                temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
                stop: Sequence[str] | None = None, cancel_on_disconnect: bool | None = None,
                tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping[str, Any] | None = None,
-               response_format: Mapping[str, Any] | None = None, conversation: str | None = None) -> StreamInfo:
+               response_format: Mapping[str, Any] | None = None, conversation: str | None = None,
+               **sampling: Any) -> StreamInfo:
         """Start a generation (exactly one of ``messages`` / ``prompt``). Idempotent by ``id``, which is a
         new UUID when not given; a full queue raises RateLimitedError (not retried: that is the caller's
         call). ``tools``, ``tool_choice`` and ``response_format`` take OpenAI's shapes. ``conversation`` (a
         UUID of yours): the messages are the conversation's next turn, the server puts its history in front
-        (ConflictError while another of its turns runs)."""
+        (ConflictError while another of its turns runs). ``sampling``: OpenAI's ``presence_penalty``,
+        ``frequency_penalty``, ``logit_bias``, ``parallel_tool_calls`` and ``max_tool_calls``."""
         body = build_create_body(messages=messages, prompt=prompt, id=id, model=model, max_tokens=max_tokens,
                                  temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                                  cancel_on_disconnect=cancel_on_disconnect, tools=tools, tool_choice=tool_choice,
-                                 response_format=response_format, conversation=conversation)
+                                 response_format=response_format, conversation=conversation, **sampling)
         return StreamInfo.from_json(self._request("POST", "/v1/streams", json_body=body).json())
 
     def status(self, stream_id: str) -> StreamStatus:
@@ -309,11 +316,11 @@ class AsyncClient(_BaseClient):
                      tools: Sequence[Mapping[str, Any]] | None = None,
                      tool_choice: str | Mapping[str, Any] | None = None,
                      response_format: Mapping[str, Any] | None = None,
-                     conversation: str | None = None) -> StreamInfo:
+                     conversation: str | None = None, **sampling: Any) -> StreamInfo:
         body = build_create_body(messages=messages, prompt=prompt, id=id, model=model, max_tokens=max_tokens,
                                  temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                                  cancel_on_disconnect=cancel_on_disconnect, tools=tools, tool_choice=tool_choice,
-                                 response_format=response_format, conversation=conversation)
+                                 response_format=response_format, conversation=conversation, **sampling)
         return StreamInfo.from_json((await self._request("POST", "/v1/streams", json_body=body)).json())
 
     async def status(self, stream_id: str) -> StreamStatus:

@@ -300,3 +300,16 @@ def test_a_reset_takes_back_the_text_after_the_id_it_names() -> None:
     assert answer.text == "abC"
     answer.feed(Event("0-0", "reset", {"last_event_id": None}))
     assert answer.text == ""
+
+
+def test_the_create_body_carries_openai_sampling_fields() -> None:
+    from rsb._client import build_create_body
+
+    body = build_create_body(messages=[{"role": "user", "content": "x"}], prompt=None, id=None, model=None,
+                             max_tokens=None, temperature=None, top_p=None, seed=None, stop=None,
+                             cancel_on_disconnect=None, presence_penalty=0.5, logit_bias={"7": -100},
+                             parallel_tool_calls=False)
+    assert (body["presence_penalty"], body["logit_bias"], body["parallel_tool_calls"]) == (0.5, {"7": -100}, False)
+    with pytest.raises(TypeError, match="bogus"):
+        build_create_body(messages=None, prompt="x", id=None, model=None, max_tokens=None, temperature=None,
+                          top_p=None, seed=None, stop=None, cancel_on_disconnect=None, bogus=1)
