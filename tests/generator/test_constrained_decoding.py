@@ -207,3 +207,13 @@ def test_a_schema_rsb_cannot_enforce_is_a_400_at_create(
         r = create(c, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER], tool_choice="required",
                    response_format={"type": "json_object"})
         assert r.status_code == 400 and "exclude each other" in r.json()["error"]["message"]
+
+
+def test_a_constrained_step_past_its_cpu_budget_ends_the_generation(engine_eos: LlamaEngine,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from generator.engines import sampler
+
+    monkeypatch.setattr(sampler, "STEP_BUDGET_S", -1.0)  # every step is past it
+    with pytest.raises(sampler.GrammarTooCostly, match="CPU") as e:
+        answer(engine_eos, request(response_format=json_format(PERSON), seed=1))
+    assert e.value.code == "schema_too_costly"
