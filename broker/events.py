@@ -29,6 +29,9 @@ class EventType(StrEnum):
     REASONING = "reasoning"  # {"text": str}: a piece of the model's reasoning
     TOOL_CALL = "tool_call"  # {"index": int, "id": str, "name": str}: a call begins
     TOOL_ARGS = "tool_args"  # {"index": int, "text": str}: a piece of call `index`'s arguments (JSON text)
+    # {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}: the
+    # log-probabilities of the answer's text tokens since the last one (a create's ``logprobs``)
+    LOGPROBS = "logprobs"
     DONE = "done"
     CANCELLED = "cancelled"
     ERROR = "error"
@@ -202,3 +205,7 @@ def tool_call(index: int, call_id: str, name: str) -> tuple[str, bytes]:
 
 def tool_args(index: int, text: str) -> tuple[str, bytes]:
     return EventType.TOOL_ARGS, encode_data({"index": index, "text": text})
+
+
+def logprobs(content: list[dict[str, Any]]) -> tuple[str, bytes]:
+    return EventType.LOGPROBS, encode_data({"content": content})

@@ -1,5 +1,6 @@
 """OpenAI's sampling and tool-count parameters beyond temperature and top_p, as a create carries them: presence and
-frequency penalties, ``logit_bias``, ``parallel_tool_calls`` and ``max_tool_calls``. Validated here (OpenAI's
+frequency penalties, ``logit_bias``, ``parallel_tool_calls``, ``max_tool_calls``, ``logprobs`` and
+``top_logprobs``. Validated here (OpenAI's
 ranges), stored in the canonical request only when set (so a request without them keeps its hash), honoured by the
 engines (generator.engines.sampler applies the penalties and biases to the logits; the answer stops at the call
 past ``max_calls``, generator.answer) and echoed by the views."""
@@ -14,7 +15,9 @@ from broker.errors import InvalidRequest
 
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_TOOL_CALLS = 128
-FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "parallel_tool_calls", "max_tool_calls")
+MAX_TOP_LOGPROBS = 20
+FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "parallel_tool_calls", "max_tool_calls", "logprobs",
+          "top_logprobs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,9 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     parallel_tool_calls: bool = True
     max_tool_calls: int | None = None
+    #: The log-probability of each text token (and of the ``top_logprobs`` likeliest in its place): logprobs events.
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def max_calls(self) -> int | None:
@@ -47,13 +53,18 @@ class Sampling:
             out["parallel_tool_calls"] = False
         if self.max_tool_calls is not None:
             out["max_tool_calls"] = self.max_tool_calls
+        if self.logprobs:
+            out["logprobs"] = True
+        if self.top_logprobs:
+            out["top_logprobs"] = self.top_logprobs
         return out
 
     @classmethod
     def from_stored(cls, d: dict[str, Any]) -> Sampling:
         return cls(d.get("presence_penalty", 0.0), d.get("frequency_penalty", 0.0),
                    tuple((int(t), float(b)) for t, b in (d.get("logit_bias") or {}).items()),
-                   d.get("parallel_tool_calls", True), d.get("max_tool_calls"))
+                   d.get("parallel_tool_calls", True), d.get("max_tool_calls"), d.get("logprobs", False),
+                   d.get("top_logprobs", 0))
 
 
 DEFAULT = Sampling()
@@ -90,5 +101,15 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
         most = int(most)
     if most is not None and (isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= MAX_TOOL_CALLS):
         raise InvalidRequest(f"'max_tool_calls' must be an integer between 1 and {MAX_TOOL_CALLS}")
+    want = body.get("logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise InvalidRequest("'logprobs' must be true or false")
+    top = body.get("top_logprobs")
+    if isinstance(top, float) and top.is_integer():
+        top = int(top)
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise InvalidRequest(f"'top_logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}")
+    if top and not want:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
     return Sampling(_penalty(body, "presence_penalty"), _penalty(body, "frequency_penalty"), tuple(sorted(bias)),
-                    parallel is not False, most)
+                    parallel is not False, most, bool(want), top or 0)

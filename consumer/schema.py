@@ -36,3 +36,9 @@ def sse_response(description: str, event: dict[str, Any]) -> dict[str, Any]:
     """A text/event-stream response; ``event`` is the schema of ONE parsed event (``data``, ``event``, ``id``,
     ``retry``), which OpenAPI 3.1 tools (schemathesis) validate each event against."""
     return {"description": description, "content": {"text/event-stream": {"schema": event}}}
+
+
+#: top_logprobs needs logprobs: true (OpenAI's rule): a rule between fields, stated by every body that takes them.
+LOGPROBS_RULE: dict[str, Any] = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}

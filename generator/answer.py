@@ -14,8 +14,17 @@ from collections.abc import Iterable
 
 import orjson
 
-from broker.events import EventType, delta, reasoning, tool_args, tool_call
-from generator.engines.pieces import REASONING, TEXT, Channel, PartialAnswer, PartialCall, Piece, ToolCallStart
+from broker.events import EventType, delta, logprobs, reasoning, tool_args, tool_call
+from generator.engines.pieces import (
+    REASONING,
+    TEXT,
+    Channel,
+    PartialAnswer,
+    PartialCall,
+    Piece,
+    TokenLogprob,
+    ToolCallStart,
+)
 from generator.stops import StopFilter
 
 Events = list[tuple[str, bytes]]
@@ -50,9 +59,14 @@ class AnswerEvents:
             return [delta(text)] if text else []
         events: Events = []
         run: list[str] = []
+        probs: list[dict[str, object]] = []  # of this batch's text tokens: one logprobs event after their text
         for piece in pieces:
             if isinstance(piece, str):  # a token's text, or an Extra
                 run.append(piece)
+                continue
+            if isinstance(piece, TokenLogprob):
+                if self.kind is TEXT and not self.stopped:
+                    probs.append(piece.as_json())
                 continue
             self._close(run, events)
             run = []
@@ -75,6 +89,8 @@ class AnswerEvents:
                 assert isinstance(piece, Channel)
                 self.kind = piece
         self._close(run, events)
+        if probs:
+            events.append(logprobs(probs))
         return events
 
     def _close(self, run: list[str], events: Events) -> None:

@@ -25,13 +25,13 @@ from broker.request import (
     TOOL_NAME,
     RequestLimits,
 )
-from broker.sampling import MAX_LOGIT_BIAS
+from broker.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from broker.sampling import MAX_TOOL_CALLS as MAX_SAMPLED_TOOL_CALLS
 from broker.streams.records import STATUSES
 from broker.streams.report import GROUP_BYS
 from broker.streams.usage import FORMATS, GROUP_BY_PATTERN
 from broker.streams.usage import GROUP_BYS as USAGE_GROUP_BYS
-from consumer.schema import RETRY_AFTER, error_response, json_response, nullable, sse_response
+from consumer.schema import LOGPROBS_RULE, RETRY_AFTER, error_response, json_response, nullable, sse_response
 from consumer.views.openai.schema import openai_paths
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens"],
@@ -127,6 +127,9 @@ def generation_properties(limits: RequestLimits) -> dict[str, Any]:
                               "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS}}),
         **{name: nullable({"type": "string", "maxLength": MAX_ID_CHARS}) for name in ("user", "safety_identifier")},
         "store": nullable({"type": "boolean", "description": "echoed; rsb keeps every stream for its retention"}),
+        "logprobs": nullable({"type": "boolean", "description": "logprobs events: each text token's log-probability"}),
+        "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                                  "description": "the likeliest tokens in each one's place (needs logprobs)"}),
     }
 
 
@@ -225,8 +228,10 @@ def create_body(limits: RequestLimits) -> dict[str, Any]:
                                                             "response_format": {"anyOf": [
                                                                 {"type": "null"},
                                                                 {"properties": {"type": {"const": "text"}}}]}}}},
+            LOGPROBS_RULE,
         ],
     }
+
 
 
 def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from generator.engines.base import Engine, EngineError, Generation, PromptTooLon
 from generator.engines.chat import ChatTemplate
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 from generator.engines.grammar import answer_grammar
-from generator.engines.pieces import PartialAnswer, Piece
+from generator.engines.pieces import PartialAnswer, Piece, TokenLogprob
 from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, blocks, reusable, shared_blocks, whole_blocks
 from generator.engines.sampler import GrammarError, Sampler, utf8_masks
 from generator.engines.tool_syntax import ToolCallSyntax, replay_text
@@ -280,6 +280,7 @@ class LlamaEngine(Engine):
                 syntax.prime(written)
             n = 0
             finish = "length"
+            top = request.sampling.top_logprobs
             while True:
                 token = sampler.sample()
                 if token in eog:
@@ -287,6 +288,7 @@ class LlamaEngine(Engine):
                     break
                 n += 1
                 text = detok.push(token)
+                prob = self._logprob(sampler, token, top) if request.sampling.logprobs else None
                 if n >= limit:
                     generation.finish_reason = "length"
                     # Merged into the last token, so a length-limited answer is exactly `limit` pieces.
@@ -295,12 +297,17 @@ class LlamaEngine(Engine):
                         yield text
                     else:
                         yield from syntax.feed(text)
+                    if prob is not None:
+                        yield prob
+                    if syntax is not None:
                         yield from syntax.end()
                     return
                 if syntax is None:
                     yield text
                 else:
                     yield from syntax.feed(text)
+                if prob is not None:
+                    yield prob
                 # Checked before the decode of this token (the next step).
                 if stop.is_set():
                     break
@@ -387,6 +394,16 @@ class LlamaEngine(Engine):
             return True
         llama_cpp.llama_memory_clear(mem, True)
         return False
+
+    def _logprob(self, sampler: Sampler, token: int, top: int) -> TokenLogprob:
+        lp, best = sampler.logprobs(token, top)
+
+        def shown(t: int) -> tuple[str, tuple[int, ...]]:
+            b = self._pieces(t)
+            return b.decode("utf-8", "replace"), tuple(b)
+
+        text, raw = shown(token)
+        return TokenLogprob(text, lp, raw, tuple((shown(t)[0], p, shown(t)[1]) for t, p in best))
 
     def _utf8_masks(self) -> Sequence[npt.NDArray[np.bool_]]:
         if self._utf8 is None:

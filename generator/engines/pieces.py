@@ -39,13 +39,27 @@ class ToolCallStart:
     name: str
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log-probability of the text token before it, and of the likeliest tokens in its place."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top: tuple[tuple[str, float, tuple[int, ...]], ...] = ()
+
+    def as_json(self) -> dict[str, object]:
+        return {"token": self.token, "logprob": self.logprob, "bytes": list(self.bytes),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, lp, b in self.top]}
+
+
 class Extra(str):
     """Text that belongs to the token before it (see the module doc); rare, so the object it costs is too."""
 
     __slots__ = ()
 
 
-Marker = Channel | ToolCallStart
+Marker = Channel | ToolCallStart | TokenLogprob
 #: ``type(piece) is str``: one token's text; anything else (a marker, an Extra) is no token.
 Piece = str | Marker
 

@@ -274,6 +274,18 @@ class Sampler:
             raise GrammarError("the grammar admits no token here")
         return int(chosen.id)
 
+    def logprobs(self, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+        """The log-probability of ``token`` under the model's last logits, and the ``top`` likeliest tokens'
+        (before the chosen token's decode overwrites the logits)."""
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,))
+        peak = float(logits.max())
+        norm = peak + math.log(float(np.exp(logits - peak).sum()))
+        best: list[tuple[int, float]] = []
+        if top:
+            ids = np.argpartition(logits, -top)[-top:]
+            best = sorted(((int(i), float(logits[i]) - norm) for i in ids), key=lambda x: -x[1])
+        return float(logits[token]) - norm, best
+
     def accept_text(self, tokens: Iterable[int]) -> None:
         """Advance the grammar over text already in the answer (a continuation), given as tokens."""
         if self._grammar is None:

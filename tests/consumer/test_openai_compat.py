@@ -356,7 +356,6 @@ def test_bad_requests_get_openai_errors_and_create_nothing(shared_stack: SharedS
         ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
         ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
-        ({"messages": CHAT, "logprobs": True}, "logprobs"),
         ({"messages": CHAT, "extra_body": {"bogus_param": 1}}, "bogus_param"),
         ({"messages": CHAT, "extra_body": {"presence_penalty": 3}}, "presence_penalty"),
         ({"messages": CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
@@ -511,3 +510,20 @@ def test_a_prompt_past_the_context_is_a_400_for_a_completion(shared_stack: Share
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 6000}],
                                        max_tokens=4)
     assert isinstance(e.value.body, dict) and e.value.body["code"] == "context_length_exceeded"
+
+
+def test_logprobs_of_every_text_token(shared_stack: SharedStack) -> None:
+    client = _client(shared_stack.base_url)
+    done = client.chat.completions.create(model="m", messages=CHAT, max_tokens=12, logprobs=True, top_logprobs=2,
+                                          seed=5)
+    lp = done.choices[0].logprobs
+    assert lp is not None and lp.content
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp.content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in lp.content)
+    streamed = list(client.chat.completions.create(model="m", messages=CHAT, max_tokens=12, logprobs=True,
+                                                   stream=True, seed=5))
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
+              for t in c.choices[0].logprobs.content]
+    assert len(tokens) == len(lp.content) and [t.token for t in tokens] == [t.token for t in lp.content]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=CHAT, top_logprobs=2)  # needs logprobs

@@ -450,6 +450,8 @@ def test_an_unreachable_upstream_ends_the_stream_with_error(
 
 # -- typed output: tools, reasoning, structured output -------------------------------------------------------
 
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -616,10 +618,11 @@ def test_reasoning_and_a_tool_call_in_pieces_are_exact_native_events(
         s.consumer()
         s.generator("--upstream", up.url, ignore_eos=False)
         with s.client() as c:
-            sid = create(c, messages=CALL_HISTORY, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=200).json()["id"]
+            sid = create(c, messages=CALL_HISTORY, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="auto",
+                         max_tokens=200).json()["id"]
             read = read_sse(c, f"/v1/streams/{sid}/events")
         sent = up.bodies()[0]
-    assert sent["messages"] == CALL_HISTORY and sent["tools"] == [WEATHER_TOOL] and "tool_choice" not in sent
+    assert sent["messages"] == CALL_HISTORY and sent["tools"] == [WEATHER_TOOL, TIME_TOOL] and "tool_choice" not in sent
     assert read.events[1].event == "started" and read.events[1].data == {"model": "scripted-model"}
     done = read.events[-1]
     assert merged(read.events[:-1]) == [
@@ -723,3 +726,13 @@ def test_a_real_llama_cpp_server_s_tool_call_streams_as_native_events(
                       ("tool_args", {"index": 0, "text": call["function"]["arguments"]})]
     assert events[0][1]["id"].startswith("call__0_get_weather")
     assert read.events[-1].event == "done" and read.events[-1].data["finish_reason"] == "tool_calls"
+
+
+def test_an_openai_chunk_s_logprobs_become_markers_after_its_text() -> None:
+    from generator.engines.pieces import TokenLogprob
+
+    chunk = parse_event(json.dumps({"choices": [{"delta": {"content": "Hi"}, "logprobs": {"content": [
+        {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": [
+            {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}, {"token": "Yo", "logprob": -2.0}]}]}}]}), chat=True)
+    assert chunk.piece == "Hi" and chunk.logprobs == (
+        TokenLogprob("Hi", -0.5, (72, 105), (("Hi", -0.5, (72, 105)), ("Yo", -2.0, ()))),)

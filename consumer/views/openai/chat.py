@@ -76,9 +76,6 @@ RESTRICTIONS = (
     no_items("functions"), null_only("function_call"),
     null_only("audio"), null_only("prediction"), null_only("web_search_options"),
     null_only("reasoning_effort"), null_only("verbosity"), null_only("prompt_cache_retention"),
-    Only("logprobs", {"anyOf": [{"const": False}, NULL]}, lambda v: v is None or v is False,
-         "logprobs are not supported"),
-    null_only("top_logprobs"),
     Only("modalities", {"anyOf": [{"const": ["text"]}, NULL]}, lambda v: v is None or v == ["text"],
          "only the text modality is supported"),
     boolean("stream"),
@@ -92,7 +89,7 @@ TOKEN_LIMITS = ("max_completion_tokens", "max_tokens")
 #: body's) and typed output's fields (OpenAI's shapes are rsb's).
 GENERATION = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache_key", "presence_penalty",
               "frequency_penalty", "logit_bias", "parallel_tool_calls", "metadata", "user", "safety_identifier",
-              "store")
+              "store", "logprobs", "top_logprobs")
 TYPED = ("tools", "tool_choice", "response_format")
 PASSED_THROUGH = GENERATION + TYPED
 #: Every parameter a chat request may carry; any other is a 400 naming it, as OpenAI answers. ``service_tier``
@@ -167,10 +164,11 @@ class _Chat:
         # The model as requested, like ResponseView: StreamStatus.model becomes the engine's name at the end.
         self.model = model
 
-    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
     def usage(self, usage: dict[str, Any] | None) -> dict[str, Any]:
         prompt, completion = usage_tokens(usage)
@@ -222,6 +220,8 @@ async def _frames(service: StreamService, chat: _Chat, stream_id: uuid.UUID,
                 yield None  # heartbeat comment: the SDK skips it
             elif (delta := _delta(ev)) is not None:
                 yield data_frame(chat.chunk(delta))
+            elif ev.type == EventType.LOGPROBS:  # the tokens of the text just sent
+                yield data_frame(chat.chunk({}, logprobs={"content": ev.json()["content"], "refusal": None}))
             elif ev.type == EventType.DONE:
                 data = ev.json()
                 yield data_frame(chat.chunk({}, data.get("finish_reason", "stop")))
@@ -241,11 +241,14 @@ class _Answer:
         self.texts: list[str] = []
         self.reasoning: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
+        self.logprobs: list[dict[str, Any]] | None = None
         self.end: Event | None = None
 
     def feed(self, ev: Event) -> None:
         if ev.type == EventType.DELTA:
             self.texts.append(ev.json()["text"])
+        elif ev.type == EventType.LOGPROBS:
+            self.logprobs = (self.logprobs or []) + ev.json()["content"]
         elif ev.type == EventType.REASONING:
             self.reasoning.append(ev.json()["text"])
         elif ev.type == EventType.TOOL_CALL:
@@ -287,8 +290,8 @@ async def _completion(service: StreamService, chat: _Chat, stream_id: uuid.UUID)
     return JSONResponse({
         "id": chat.id, "object": "chat.completion", "created": chat.created, "model": chat.model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "logprobs": None, "finish_reason": data.get("finish_reason", "stop"),
-                     "message": answer.message()}],
+        "choices": [{"index": 0, "finish_reason": data.get("finish_reason", "stop"), "message": answer.message(),
+                     "logprobs": None if answer.logprobs is None else {"content": answer.logprobs, "refusal": None}}],
         "usage": chat.usage(data.get("usage")),
     })
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker.request import RequestLimits
-from consumer.schema import RETRY_AFTER, error_response, json_response, nullable, sse_response
+from consumer.schema import LOGPROBS_RULE, RETRY_AFTER, error_response, json_response, nullable, sse_response
 from consumer.views.openai import chat, responses
 from consumer.views.openai.common import IDEMPOTENCY_HEADER, MAX_IDEMPOTENCY_KEY, ROLES, STREAM_ID_HEADER
 from consumer.views.openai.conversation_schema import conversation_paths
@@ -95,6 +95,7 @@ def _chat_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[str, A
         **{rule.name: rule.schema for rule in chat.RESTRICTIONS},
     }
     return {"type": "object", "required": ["messages"], "properties": props, "additionalProperties": False,
+            "allOf": [LOGPROBS_RULE],
             "description": f"the messages' content is at most {limits.max_prompt_chars} characters in all; any other "
                            "parameter is a 400 naming it. " + _CHAT_TYPED}
 

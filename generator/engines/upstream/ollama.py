@@ -14,12 +14,13 @@ import json
 from typing import Any
 
 from broker.request import GenerationRequest
-from generator.engines.base import EngineError, UpstreamError
+from generator.engines.base import UpstreamError
 from generator.engines.upstream.protocol import (
     CallPiece,
     Chunk,
     LineReader,
     UpstreamProtocol,
+    UpstreamRefused,
     UpstreamRequest,
     continued_messages,
     error_message,
@@ -28,12 +29,6 @@ from generator.engines.upstream.protocol import (
     new_call_id,
     str_or_none,
 )
-
-
-class UpstreamRefused(EngineError):
-    """A request field this upstream's API cannot carry."""
-
-    code = "invalid_request"
 
 
 class OllamaProtocol(UpstreamProtocol):
@@ -53,6 +48,8 @@ class OllamaProtocol(UpstreamProtocol):
         sampling = request.sampling
         if sampling.logit_bias:
             raise UpstreamRefused("Ollama's API has no 'logit_bias'")
+        if sampling.logprobs:
+            raise UpstreamRefused("rsb reads no logprobs from Ollama's API")
         if sampling.presence_penalty:
             options["presence_penalty"] = sampling.presence_penalty
         if sampling.frequency_penalty:

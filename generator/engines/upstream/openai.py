@@ -18,11 +18,13 @@ from typing import Any
 from broker.request import GenerationRequest
 from broker.sse import LineDecoder
 from generator.engines.base import UpstreamError
+from generator.engines.pieces import TokenLogprob
 from generator.engines.upstream.protocol import (
     CallPiece,
     Chunk,
     LineReader,
     UpstreamProtocol,
+    UpstreamRefused,
     UpstreamRequest,
     continued_messages,
     error_message,
@@ -54,6 +56,9 @@ class OpenAIProtocol(UpstreamProtocol):
         sampling.pop("max_tool_calls", None)  # a Responses parameter: the answer is cut past it (generator.answer)
         if "parallel_tool_calls" in sampling and not (request.messages is not None and request.tools):
             del sampling["parallel_tool_calls"]
+        if request.sampling.logprobs and request.messages is None:
+            raise UpstreamRefused("logprobs of a prompt (not messages) through an OpenAI-compatible upstream: the "
+                                  "legacy completions API has another shape")
         body.update(sampling)
         # OpenAI routes requests sharing a prompt_cache_key to the machine holding their prefix; vLLM and
         # llama.cpp's servers ignore it. The client's own key, else the chat's (a digest of its conversation
@@ -130,8 +135,10 @@ def parse_event(data: str, *, chat: bool) -> Chunk:
         raw_calls = delta.get("tool_calls")
         if isinstance(raw_calls, list):
             calls = tuple(_call_piece(c, i) for i, c in enumerate(raw_calls) if isinstance(c, dict))
+        probs = _logprobs(choice.get("logprobs"))
     else:
         text = choice.get("text")
+        probs = ()
     # The record that carries the finish reason is a token only if it carries text (vLLM); llama.cpp's
     # servers send an empty one after the last token.
     if finish is not None and not text:
@@ -139,7 +146,20 @@ def parse_event(data: str, *, chat: bool) -> Chunk:
     return Chunk(piece=text if isinstance(text, str) else None,
                  finish_reason=map_finish_reason(finish) if finish is not None else None,
                  prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, reasoning=thought or None,
-                 calls=calls)
+                 calls=calls, logprobs=probs)
+
+
+def _logprobs(raw: object) -> tuple[TokenLogprob, ...]:
+    """``choices[0].logprobs.content`` of a chunk, as markers (what is not well formed is left out)."""
+    content = raw.get("content") if isinstance(raw, dict) else None
+    out: list[TokenLogprob] = []
+    for e in content if isinstance(content, list) else ():
+        if not (isinstance(e, dict) and isinstance(e.get("token"), str) and isinstance(e.get("logprob"), int | float)):
+            continue
+        top = tuple((str(t.get("token")), float(t.get("logprob", 0.0)), tuple(t.get("bytes") or ()))
+                    for t in e.get("top_logprobs") or () if isinstance(t, dict))
+        out.append(TokenLogprob(e["token"], float(e["logprob"]), tuple(e.get("bytes") or ()), top))
+    return tuple(out)
 
 
 def _call_piece(raw: dict[str, Any], position: int) -> CallPiece:

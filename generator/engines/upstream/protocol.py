@@ -37,8 +37,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.request import GenerationRequest
-from generator.engines.base import Generation, UpstreamError
-from generator.engines.pieces import REASONING, TEXT, Channel, Extra, PartialAnswer, Piece, ToolCallStart
+from generator.engines.base import EngineError, Generation, UpstreamError
+from generator.engines.pieces import (
+    REASONING,
+    TEXT,
+    Channel,
+    Extra,
+    PartialAnswer,
+    Piece,
+    TokenLogprob,
+    ToolCallStart,
+)
 
 #: Sent (as a user message) after the partial answer when a chat generation is continued after a crash.
 CONTINUE_INSTRUCTION = (
@@ -83,6 +92,13 @@ class Chunk:
     done: bool = False
     reasoning: str | None = None
     calls: tuple[CallPiece, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the text's tokens (an OpenAI-compatible server's logprobs.content)
+
+
+class UpstreamRefused(EngineError):
+    """A request field this upstream's API cannot carry."""
+
+    code = "invalid_request"
 
 
 class UpstreamProtocol(abc.ABC):
@@ -243,6 +259,8 @@ class UpstreamPieces:
             self._text(REASONING, chunk.reasoning, out)
         if chunk.piece:
             self._text(TEXT, chunk.piece, out)
+            if not self.over:
+                out.extend(chunk.logprobs)
         for c in chunk.calls:
             self._call(c, out)
         if self.over:
