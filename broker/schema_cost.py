@@ -39,6 +39,9 @@ MAX_PAIR_STATES = 50_000  # states of two branches walked together before the ch
 
 _LEAVES = frozenset({"string", "integer", "number", "boolean", "null", "const", "enum"})
 _ANY_TYPES = ("object", "array", "string", "number", "boolean", "null")
+# One schema object per bare type: the analysis memoizes by id(), so a fresh dict per use could take the id of
+# one already collected and read its memo.
+_BARE = {t: {"type": t} for t in ("object", "array", "string", "number", "integer", "boolean", "null")}
 Token = tuple[str, Any]
 ACCEPT = -1
 
@@ -90,9 +93,9 @@ class _Analysis:
                 out.extend(self.alts(alt, f"{at}.anyOf[{i}]", chain))
             return out
         if k == "types":
-            return [({"type": t}, at) for t in s["type"]]
+            return [(_BARE[t], at) for t in s["type"]]
         if k == "any":
-            return [({"type": t}, at) for t in _ANY_TYPES]
+            return [(_BARE[t], at) for t in _ANY_TYPES]
         return [(s, at)]
 
     def visit(self, s: Any, at: str) -> None:

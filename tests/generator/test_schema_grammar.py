@@ -6,6 +6,7 @@ additional properties beside declared ones, tries of enum values."""
 from __future__ import annotations
 
 import json
+import random
 import threading
 from typing import Any
 
@@ -15,6 +16,8 @@ from helpers import LLAMA_EXTRA
 
 pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
+from broker.errors import InvalidRequest
+from broker.json_schema import check_enforceable
 from broker.request import RequestLimits, validate_create_body
 from generator.engines.llama import LlamaEngine
 
@@ -87,3 +90,73 @@ def test_random_weights_write_only_valid_values(engine_eos: LlamaEngine, name: s
     text = "".join(str(p) for p in gen.pieces)
     assert gen.finish_reason == "stop", text[-300:]
     jsonschema.validate(json.loads(text), schema, format_checker=CHECKER)
+
+
+# -- random schemas: whatever the admission check takes, the grammar compiles and writes only valid values ----------
+
+_PATTERNS = ["^[a-z]+$", "abc", "^(US|UK)$", "^\\d{2,4}-x$", "^[^a]*$", "^(a|b)*c$", "x?y", "^.{0,5}$", "^$"]
+_FORMATS = ["date", "time", "date-time", "email", "uuid", "ipv4", "ipv6", "hostname", "duration"]
+
+
+def _leaf(r: random.Random) -> dict[str, Any]:
+    c = r.randrange(11)
+    bounds = [0, 1, -5, 17, -1000, 10 ** r.randrange(1, 17), 2.5, -0.5, 0.25]
+    if c == 0:
+        return {"type": "string", "maxLength": r.randrange(0, 30), "minLength": r.randrange(0, 3)}
+    if c == 1:
+        return {"type": "string", "pattern": r.choice(_PATTERNS)}
+    if c == 2:
+        return {"type": "string", "format": r.choice(_FORMATS)}
+    if c in (3, 4):
+        s: dict[str, Any] = {"type": "integer" if c == 3 else "number"}
+        for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            if r.random() < 0.4:
+                s[k] = r.choice(bounds)
+        if c == 3 and r.random() < 0.3:
+            s["multipleOf"] = r.choice([2, 3, 7, 100])
+        return s
+    if c == 5:
+        return {"enum": r.sample(["a", "ab", "abc", "b", 1, 2.5, None, True, {"k": 1}, [1]], r.randrange(1, 6))}
+    if c == 6:
+        return {"type": r.sample(["string", "integer", "number", "boolean", "null", "object", "array"],
+                                 r.randrange(1, 4))}
+    return [{"type": "string"}, {"type": "boolean"}, {"type": "null"}, {}][c - 7]
+
+
+def _node(r: random.Random, depth: int) -> dict[str, Any]:
+    if depth <= 0 or r.random() < 0.35:
+        return _leaf(r)
+    c = r.randrange(4)
+    if c == 0:
+        props = {f"p{i}": _node(r, depth - 1) for i in range(r.randrange(0, 5))}
+        s: dict[str, Any] = {"type": "object", "properties": props, "required": [k for k in props if r.random() < 0.5]}
+        extra = r.random()
+        if extra < 0.3:
+            s["additionalProperties"] = False
+        elif extra < 0.5:
+            s["additionalProperties"] = _node(r, depth - 1)
+        return s
+    if c == 1:
+        return {"type": "array", "items": _node(r, depth - 1), "minItems": r.randrange(0, 3), "maxItems": 4}
+    if c == 2:
+        return {"anyOf": [_node(r, depth - 1) for _ in range(r.randrange(1, 4))]}
+    return {"type": "array", "prefixItems": [_node(r, depth - 1) for _ in range(r.randrange(1, 3))]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_random_schemas_admitted_compile_and_write_only_valid_values(engine_eos: LlamaEngine) -> None:
+    r = random.Random(20261130)
+    checked = 0
+    for i in range(150):
+        schema = _node(r, 3)
+        try:
+            check_enforceable(schema, "schema")
+        except InvalidRequest:
+            continue  # a refusal by name is fine; anything else (a crash) fails the test
+        gen = engine_eos.start(_request(schema, i), prefix_text="", max_tokens=1500, stop=threading.Event())
+        text = "".join(str(p) for p in gen.pieces)  # a grammar llama.cpp cannot compile raises here
+        if gen.finish_reason == "stop":
+            jsonschema.validate(json.loads(text), schema, format_checker=CHECKER)
+            checked += 1
+    assert checked > 90
