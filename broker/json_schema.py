@@ -28,7 +28,7 @@ Each schema takes one branch (``kind``); a keyword of another branch beside it i
 from __future__ import annotations
 
 import math
-from decimal import Decimal
+from decimal import ROUND_CEILING, Context, Decimal, localcontext
 from typing import Any
 
 import orjson
@@ -59,6 +59,9 @@ MAX_SCHEMA_DEPTH = 64  # levels of the schema's JSON (annotations included)
 MAX_REPEAT = 1024
 MAX_MULTIPLE_OF = 100
 MAX_BOUND_DIGITS = 20  # significant digits of a numeric bound
+#: Numbers with bounds are written without an exponent, with at most this many decimals.
+FRACTION_DIGITS = 16
+EXACT_DIGITS = 400  # decimal arithmetic on bounds: enough for any float's digits and the decimals
 
 # Keywords JSON Schema defines as constraints that rsb cannot enforce (or, for oneOf, enforces only weakened).
 _UNSUPPORTED = {
@@ -320,8 +323,18 @@ class _Checker:
                 raise InvalidRequest(f"{at}: no integer{'' if n == 1 else f' multiple of {n}'} lies within its bounds")
         else:
             nlo, lo_x, nhi, hi_x = number_bounds(s)
-            if nlo is not None and nhi is not None and (nlo > nhi or (nlo == nhi and (lo_x or hi_x))):
-                raise InvalidRequest(f"{at}: no number lies within its bounds")
+            if nlo is not None and nhi is not None:
+                # The least number written with at most FRACTION_DIGITS decimals (and no exponent) within the low
+                # bound must be within the high one: the grammar writes no other.
+                with localcontext(Context(prec=EXACT_DIGITS)):  # a bound's 309 integer digits, and 16 decimals
+                    step = Decimal(1).scaleb(-FRACTION_DIGITS)
+                    least = nlo.quantize(step, rounding=ROUND_CEILING)
+                    if lo_x and least == nlo:
+                        least += step
+                    empty = least > nhi or (hi_x and least == nhi)
+                if empty:
+                    raise InvalidRequest(f"{at}: no number of at most {FRACTION_DIGITS} decimals lies within its "
+                                         "bounds")
 
 
 def is_type(v: Any, t: str) -> bool:

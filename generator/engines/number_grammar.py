@@ -12,13 +12,15 @@ answer satisfies the bounds exactly: no check after the fact, and no value the b
 from __future__ import annotations
 
 from collections.abc import Callable
-from decimal import Decimal
+from decimal import Context, Decimal, localcontext
+
+from broker.json_schema import EXACT_DIGITS, FRACTION_DIGITS
 
 AddRule = Callable[[str, str], str]  # (name hint, body) -> rule name
 _EPS = ""
 #: Integers and the integer part of numbers: at most this many digits unless a bound needs more.
 MAX_DIGITS = 16
-MAX_FRACTION_DIGITS = 16
+MAX_FRACTION_DIGITS = FRACTION_DIGITS
 
 
 def _classes(by_next: dict[str, list[int]]) -> list[str]:
@@ -114,7 +116,8 @@ def integer_rule(add_rule: AddRule, lo: int | None, hi: int | None, step: int = 
 def _split(x: Decimal) -> tuple[int, str]:
     """The integer part and the fraction's digits (no trailing zeros) of ``x`` >= 0."""
     whole = int(x)
-    frac = format(x - whole, "f").partition(".")[2].rstrip("0")
+    with localcontext(Context(prec=EXACT_DIGITS)):
+        frac = format(x - whole, "f").partition(".")[2].rstrip("0")
     return whole, frac
 
 

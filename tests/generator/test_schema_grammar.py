@@ -46,7 +46,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "below": {"type": "number", "exclusiveMaximum": -0.001},
         "price": {"type": "number", "minimum": 0, "maximum": 99.99},
         "whole": {"type": "number", "multipleOf": 5, "maximum": 50, "minimum": -50},
-    }, "required": ["unit", "positive", "span", "tight", "below", "price", "whole"], "additionalProperties": False},
+        "least": {"type": "number", "exclusiveMinimum": 0, "maximum": 1e-16},  # only 0.0000000000000001
+        "huge": {"type": "integer", "minimum": 1e299, "maximum": 1e300},
+    }, "required": ["unit", "positive", "span", "tight", "below", "price", "whole", "least", "huge"], "additionalProperties": False},
     "formats": {"type": "object", "properties": {
         f: {"type": "string", "format": f} for f in
         ("date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid")},
