@@ -527,3 +527,12 @@ def test_logprobs_of_every_text_token(shared_stack: SharedStack) -> None:
     assert len(tokens) == len(lp.content) and [t.token for t in tokens] == [t.token for t in lp.content]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=CHAT, top_logprobs=2)  # needs logprobs
+    # Responses: include message.output_text.logprobs, top_logprobs of each.
+    resp = client.responses.create(model="m", input="hi", max_output_tokens=8, include=["message.output_text.logprobs"],
+                                   top_logprobs=2, background=True)
+    while resp.status not in ("completed", "incomplete", "failed", "cancelled"):
+        time.sleep(0.1)
+        resp = client.responses.retrieve(resp.id)
+    [part] = [c for item in resp.output if item.type == "message" for c in item.content]
+    assert part.type == "output_text" and part.logprobs and all(len(t.top_logprobs) == 2 for t in part.logprobs)
+    assert resp.top_logprobs == 2

@@ -79,7 +79,7 @@ def test_with_api_keys_every_route_conforms_and_refuses_the_unauthenticated(
 
 
 @pytest.mark.parametrize(("path", "param", "value"), [("/v1/chat/completions", "functions", [{"name": "f"}]),
-                                                   ("/v1/responses", "top_logprobs", 3)])
+                                                   ("/v1/responses", "truncation", "auto")])
 def test_the_document_lists_what_the_openai_views_refuse(stack_factory: StackFactory, redis_server: RedisServer,
                                                          redis_client: redis.Redis, path: str, param: str,
                                                          value: object) -> None:
@@ -92,7 +92,7 @@ def test_the_document_lists_what_the_openai_views_refuse(stack_factory: StackFac
         "application/json"]["schema"]
     props = schema["properties"]
     refused = {"functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
-               "top_logprobs": {"anyOf": [{"const": 0}, {"type": "null"}]}}
+               "truncation": {"anyOf": [{"const": "disabled"}, {"type": "null"}]}}
     assert props[param] == refused[param]
     assert "tools" not in props and "`tools`" in schema["description"] and "`tool_choice`" in schema["description"]
     body = ({"messages": [{"role": "user", "content": "hi"}]} if path.endswith("completions") else {"input": "hi"})

@@ -78,6 +78,7 @@ class _Item:
     call_id: str = ""
     name: str = ""
     status: str = "in_progress"
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # of a message's tokens (logprobs events)
 
     @property
     def text(self) -> str:
@@ -85,7 +86,7 @@ class _Item:
 
     def part(self) -> dict[str, Any]:
         if self.kind == MESSAGE:
-            return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+            return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
         return {"type": "reasoning_text", "text": self.text}
 
     def json(self, *, opening: bool = False) -> dict[str, Any]:
@@ -129,7 +130,8 @@ class ResponseView:
             "user": req.echoed("user") if req is not None else None,
             "safety_identifier": req.echoed("safety_identifier") if req is not None else None,
             "parallel_tool_calls": req.sampling.parallel_tool_calls if req is not None else True,
-            "max_tool_calls": req.sampling.max_tool_calls if req is not None else None}
+            "max_tool_calls": req.sampling.max_tool_calls if req is not None else None,
+            "top_logprobs": req.sampling.top_logprobs if req is not None and req.sampling.logprobs else None}
         self.conversation = None if history is None or history.conversation is None else {
             "id": openai_id(history.conversation)}
         self.previous = None if history is None or history.previous is None else response_id(
@@ -205,7 +207,7 @@ class ResponseView:
                                    arguments=item.text))
         else:
             done = "response.output_text.done" if item.kind == MESSAGE else "response.reasoning_text.done"
-            extra: dict[str, Any] = {"logprobs": []} if item.kind == MESSAGE else {}
+            extra: dict[str, Any] = {"logprobs": item.logprobs} if item.kind == MESSAGE else {}
             out.append(self._event(done, **where, content_index=0, text=item.text, **extra))
             out.append(self._event("response.content_part.done", **where, content_index=0, part=item.part()))
         out.append(self._event("response.output_item.done", output_index=item.index, item=item.json()))
@@ -254,6 +256,12 @@ class ResponseView:
             return self._tool_call(ev.json())
         if ev.type == EventType.TOOL_ARGS:
             return self._tool_args(ev.json())
+        if ev.type == EventType.LOGPROBS:
+            # The tokens of the text just sent: part of the message item (its output_text.done and its part);
+            # the deltas already went out with none.
+            if self.open is not None and self.open.kind == MESSAGE:
+                self.open.logprobs.extend(ev.json()["content"])
+            return []
         if not ev.is_terminal:
             return []  # an event type this view does not know: nothing to say about it
         return self._end(ev)

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp
 
 from broker.ascii import decimal
 from broker.errors import NotFound
+from broker.sampling import MAX_TOP_LOGPROBS
 from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
 from consumer.streaming.service import Slot, StreamService
@@ -86,21 +87,23 @@ RESTRICTIONS = (
     Only("instructions", {"anyOf": [{"type": "string"}, NULL]}, lambda v: v is None or isinstance(v, str),
          "'instructions' must be a string"),
     *HISTORY_RULES, null_only("prompt"), null_only("reasoning"), null_only("prompt_cache_retention"),
-    Only("top_logprobs", {"anyOf": [{"const": 0}, NULL]},
-         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 0),
-         "logprobs are not supported"),
+    Only("top_logprobs", {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}, NULL]},
+         lambda v: v is None or (isinstance(v, int | float) and not isinstance(v, bool) and float(v).is_integer()
+                                 and 0 <= v <= MAX_TOP_LOGPROBS),
+         f"'top_logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}"),
     Only("truncation", {"anyOf": [{"const": "disabled"}, NULL]}, lambda v: v is None or v == "disabled",
          "only 'truncation': 'disabled' is supported (a too long input is a 400 context_length_exceeded)"),
-    # rsb runs no built-in tool, so what include asks of them is nothing to add; logprobs it cannot give.
-    Only("include", {"anyOf": [{"type": "array", "items": {"type": "string", "not": {
-        "const": "message.output_text.logprobs"}}}, NULL]},
-         lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)
-                                 and "message.output_text.logprobs" not in v),
-         "'include' must be a list of strings; message.output_text.logprobs is not supported"),
+    # rsb runs no built-in tool, so what include asks of them is nothing to add; message.output_text.logprobs
+    # asks for the logprobs of the message's tokens.
+    Only("include", {"anyOf": [{"type": "array", "items": {"type": "string"}}, NULL]},
+         lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+         "'include' must be a list of strings"),
     Only("stream_options", {"anyOf": [{"type": "object"}, NULL]}, lambda v: v is None or isinstance(v, dict),
          "'stream_options' must be an object"),
     boolean("stream"), boolean("background"),
 )
+#: What ``include`` names to have each message token's logprobs (and ``top_logprobs`` of them).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 #: Passed to rsb's own validation as they are (seed and stop are not Responses parameters; accepted, as
 #: extra_body, because rsb has them).
 PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache_key", "parallel_tool_calls",
@@ -183,6 +186,9 @@ def _responses_body(body: dict[str, Any]) -> dict[str, Any]:
     rsb: dict[str, Any] = {"messages": _input_messages(body), "max_tokens": body.get("max_output_tokens")}
     for name in PASSED_THROUGH:
         rsb[name] = body.get(name)
+    top = int(body.get("top_logprobs") or 0)
+    if LOGPROBS_INCLUDE in (body.get("include") or ()) or top:
+        rsb["logprobs"], rsb["top_logprobs"] = True, top
     typed = {"tools": chat_tools(body.get("tools")), "tool_choice": chat_tool_choice(body.get("tool_choice")),
              "response_format": response_format(body.get("text"))}
     rsb.update({name: value for name, value in typed.items() if value is not None})
