@@ -10,7 +10,7 @@
 
 import {
   Answer, answerOf, cancelStream, conversationTurns, createStream, listModels, RsbStream, streamStatus,
-  TERMINAL_EVENTS, uuid4,
+  TERMINAL_EVENTS, usageReport, uuid4,
 } from "./rsb-client.js";
 import { IncrementalMarkdown } from "./markdown.js";
 
@@ -18,6 +18,7 @@ import { IncrementalMarkdown } from "./markdown.js";
 // conversations: the next send carries them as messages, so the server's history starts with them)}
 const CHAT_KEY = "rsb.chat.v1";
 const SETTINGS_KEY = "rsb.settings.v1"; // {maxTokens, apiKey, temperature}
+const USAGE_DAYS = 7; // what the Usage panel shows
 const streamKey = (id) => `rsb.stream.v1.${id}`; // a Snapshot, see Turn.snapshot()
 const UUID_RE = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
 const TERMINAL_STATUSES = TERMINAL_EVENTS; // a stream's final status is the type of its terminal event
@@ -591,6 +592,7 @@ const app = {
     });
     $("#stop").addEventListener("click", () => this.current()?.stop());
     $("#new-chat").addEventListener("click", () => this.newChat());
+    $("#usage").addEventListener("toggle", (ev) => { if (ev.target.open) this.loadUsage(); });
     $("#max-tokens").addEventListener("change", (ev) => {
       const n = Number(ev.target.value);
       if (Number.isInteger(n) && n > 0) settings.maxTokens = n;
@@ -695,6 +697,37 @@ const app = {
     $("#send").disabled = Boolean(live);
     $("#new-chat").disabled = Boolean(live);
     if (!live) this.connection("idle", {});
+  },
+
+  // The Usage panel: this key's generations of the last days, one row a day (read when the panel opens).
+  async loadUsage() {
+    const body = $("#usage-table tbody");
+    const note = $("#usage-note");
+    let report;
+    try {
+      const since = Math.floor(Date.now() / 1000) - USAGE_DAYS * 86400;
+      report = await usageReport({ apiKey: settings.apiKey || null, groupBy: "day", since });
+    } catch (e) {
+      note.textContent = `Usage unavailable: ${e.message || e}`;
+      note.hidden = false;
+      return;
+    }
+    const priced = "cost_usd" in report.total;
+    document.querySelectorAll("#usage-table .cost").forEach((el) => { el.hidden = !priced; });
+    const rows = [...report.rows, { day: "total", ...report.total }];
+    body.replaceChildren(...rows.map((r) => {
+      const tr = document.createElement("tr");
+      const cells = [r.day, r.streams, r.prompt_tokens, r.completion_tokens];
+      if (priced) cells.push(r.cost_usd.toFixed(4));
+      for (const v of cells) {
+        const td = document.createElement("td");
+        td.textContent = String(v);
+        tr.append(td);
+      }
+      return tr;
+    }));
+    note.textContent = report.rows.length ? "" : "No answers in these days yet.";
+    note.hidden = Boolean(report.rows.length);
   },
 
   // The model in the header: what the server lists, else (an API key missing, an old server) what the

@@ -256,6 +256,17 @@ export async function listModels({ baseUrl = "", apiKey = null, fetch: fetchFn =
   return (body.data || []).map((m) => m.id);
 }
 
+// The usage report (GET /v1/reports/usage): {group_by, rows: [{<group fields>, streams, prompt_tokens,
+// cached_tokens, completion_tokens, wasted_tokens, compute_s, cost_usd?}], total}. `since`: Unix seconds.
+export async function usageReport({ baseUrl = "", apiKey = null, groupBy = "day", since = null,
+  fetch: fetchFn = globalThis.fetch.bind(globalThis) } = {}) {
+  const q = new URLSearchParams({ group_by: groupBy });
+  if (since !== null) q.set("since", String(since));
+  const r = await fetchFn(joinUrl(baseUrl, `/v1/reports/usage?${q}`), { headers: authHeaders(apiKey) });
+  if (r.status !== 200) throw await errorFrom(r);
+  return await r.json();
+}
+
 // A conversation's history (GET /v1/conversations/{id}/turns): {id, created_at, turns: [{id, status, messages,
 // output, finish_reason, usage, model, error?, events_url}]}, every finished turn, then a running one (its
 // output null); null when the caller has no conversation of this id (yet).

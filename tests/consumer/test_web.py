@@ -22,12 +22,12 @@ from typing import Any, cast
 import orjson
 import pytest
 import redis
-from helpers import assert_english, create, read_sse, wait_status
+from helpers import assert_english, create, eventually, read_sse, wait_status
 from servers import CHROMIUM, Stack, StackFactory, needs_chromium
 from typed_streams import StandInGenerator
 
 from broker.redis.server import RedisServer, free_port
-from broker.streams.keys import StreamKeys
+from broker.streams.keys import StreamKeys, served_models_key
 from generator.engines.default_model import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.slow
@@ -894,3 +894,34 @@ def test_a_chat_opened_by_its_address_on_another_device_follows_and_continues_th
         turns = c.get(f"/v1/conversations/{chat}/turns").json()["turns"]
     assert [t["id"] for t in turns] == [first, second, third]
     _screenshot(laptop, "second-device.png")
+
+
+@needs_chromium
+def test_the_usage_panel_shows_the_keys_answers_of_the_last_days(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path,
+        new_page: PageFactory) -> None:
+    """Issue 32: the page's Usage panel is this key's GET /v1/reports/usage by day, priced with --prices."""
+    s = stack_factory(redis_server.url)
+    prices = tmp_path / "prices.json"
+    s.generator()
+    names = eventually(lambda: cast("list[bytes]", redis_client.zrange(served_models_key(), 0, -1)), 30,
+                       "the generator announcing its model")
+    prices.write_bytes(orjson.dumps({n.decode(): {"input_per_mtok": 1000.0, "output_per_mtok": 2000.0}
+                                     for n in names}))
+    s.consumer("--prices", str(prices))
+    with s.client() as c:
+        usages = []
+        for n in (3, 5):
+            sid = create(c, max_tokens=n).json()["id"]
+            usages.append(wait_status(c, sid, {"done"})["usage"])
+    page = new_page()
+    page.goto(f"{s.base_url}/")
+    page.click("#usage > summary")
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    row = page.locator("#usage-table tbody tr").first
+    expect(row).to_contain_text(today)
+    cells = row.locator("td").all_inner_texts()
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    assert cells[:4] == [today, "2", str(prompt), "8"], cells
+    assert float(cells[4]) == pytest.approx((prompt * 1000 + 8 * 2000) / 1e6, abs=1e-4)
+    expect(page.locator("#usage-table tbody tr").last).to_contain_text("total")
