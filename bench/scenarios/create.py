@@ -104,7 +104,7 @@ async def load_redis(ctl: Control, redis_url: str, rate: float, duration_s: floa
         sid, req = parse_create_body(body(str(uuid.uuid4())), RequestLimits())
         assert sid is not None
         try:
-            res = await store.create(sid, req, default_model="default", max_queue=0, retention_s=3600)
+            res = await store.create(sid, req, model="default", max_queue=0, retention_s=3600)
         except RsbError as e:
             return False, e.code
         return res.created, "created" if res.created else "exists"
