@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"params": {"rate": args.rate, "duration_s": args.duration_s,
                                       "connections": args.connections}}
     with procs.redis_server() as server, procs.procs() as started:
-        consumer, base = procs.start_consumer(server.url, "--max-queue", "0")
+        # No generator runs: creates name no model, so they go to --default-model (else 503 starting).
+        consumer, base = procs.start_consumer(server.url, "--max-queue", "0", "--default-model", "default")
         started.append(consumer)
         out["rsb"] = procs.run_load_measuring_cpu(
             "bench.scenarios.create:load_http",

@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 wait, position = _until_started(c, b_key, sid)
                 behind.append(wait)
                 positions.append(position)
-                _drained(c, a_key, [*backlog, sid])
+                _drained(c, a_key, backlog)
+                _drained(c, b_key, [sid])
     fifo_s = args.backlog / args.workers * args.job_s
     goal_s = 2 * args.job_s
     out: dict[str, Any] = {
