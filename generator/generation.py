@@ -250,7 +250,8 @@ class JobRunner:
             progress.lost_runs = run.claim.attempts - 1  # each claimed it before and started (or was going to)
         if not started:
             with watch:  # stalled: nothing runs yet, so the slot goes back at once
-                if not await self._append(run, progress.seq, progress.seq, [started_event(self.engine.name)]):
+                started_ev = started_event(self.engine.name, run.claim.tier)
+                if not await self._append(run, progress.seq, progress.seq, [started_ev]):
                     return False
             if watch.seat.parked:
                 return not run.stopping

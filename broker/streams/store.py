@@ -552,5 +552,6 @@ def retry_after_s(behind: int, ema_job_s: float | None, busy: int) -> int:
     return max(1, min(60, math.ceil(behind * ema_job_s / max(1, busy))))
 
 
-def started_event(model: str) -> tuple[str, bytes]:
-    return EventType.STARTED, encode_data({"model": model})
+def started_event(model: str, tier: str = tiers.DEFAULT) -> tuple[str, bytes]:
+    """The ``started`` event: the model that runs the generation and the service tier it waited in."""
+    return EventType.STARTED, encode_data({"model": model, "service_tier": tier or tiers.DEFAULT})

@@ -201,3 +201,26 @@ def test_the_redis_cluster_flag_accepts_a_plain_url(stack_factory: StackFactory,
     with s.client() as c:
         sid = create(c, max_tokens=8).json()["id"]
         assert read_sse(c, f"/v1/streams/{sid}/events").events[-1].event == "done"
+
+
+def test_each_job_runs_on_a_worker_of_its_model_on_a_cluster(stack_factory: StackFactory,
+                                                             redis_cluster: RedisClusterServers,
+                                                             cluster_client: redis.RedisCluster) -> None:
+    """Routing by model over every partition of a cluster: each model's queues live in every partition's slot,
+    each worker claims only its model's jobs, in every partition, and wakes on its own wake lists."""
+    s = stack_factory(redis_cluster.url)
+    s.generator("--partitions", str(PARTITIONS), "--model-name", "alpha")
+    s.generator("--partitions", str(PARTITIONS), "--model-name", "beta")
+    s.consumer("--partitions", str(PARTITIONS), test_default=False)
+    with s.client() as c:
+        sids: dict[str, str] = {}
+        while {partition_of(uuid.UUID(x), PARTITIONS) for x in sids} != set(range(PARTITIONS)) or len(sids) < 12:
+            sid = str(uuid.uuid4())
+            model = ("alpha", "beta")[len(sids) % 2]
+            assert create(c, id=sid, model=model, max_tokens=8).status_code == 201
+            sids[sid] = model
+        for sid, model in sids.items():
+            full = read_sse(c, f"/v1/streams/{sid}/events")
+            assert full.events[-1].event == "done"
+            assert [e.data["model"] for e in full.events if e.event == "started"] == [model]
+        assert create(c, model="gamma").json()["error"]["code"] == "model_not_found"

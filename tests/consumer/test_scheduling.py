@@ -25,11 +25,13 @@ from consumer.edge.auth import new_key
 pytestmark = pytest.mark.slow
 
 
-def _started(c: httpx.Client, sid: str, headers: dict[str, str] | None = None) -> tuple[str, str]:
-    """(the started event's id, the model it names), once the stream ended."""
+def _started(c: httpx.Client, sid: str, headers: dict[str, str] | None = None, tier: str = "default"
+             ) -> tuple[str, str]:
+    """(the started event's id, the model it names), once the stream ended; it names ``tier`` too."""
     full = read_sse(c, f"/v1/streams/{sid}/events", headers=headers)
     assert full.events[-1].event == "done", [e.event for e in full.events]
     [(eid, data)] = [(i, e.data) for i, e in zip(full.ids, full.events, strict=True) if e.event == "started"]
+    assert data["service_tier"] == tier
     return eid, data["model"]
 
 
@@ -160,12 +162,12 @@ def test_priority_before_default_before_flex_and_the_tier_is_echoed(stack_factor
     assert [r.service_tier for r in flex + default + [auto]] == ["flex", "flex", "default", "default", "priority"]
     s.generator("--model-name", "alpha")
     with s.client() as c:
-        def started(r: Any, key: str) -> tuple[int, int]:
+        def started(r: Any, key: str, tier: str) -> tuple[tuple[int, int], str]:
             sid = str(uuid.UUID(r.id.removeprefix("resp_")))
-            return _order(_started(c, sid, {"Authorization": f"Bearer {key}"})[0])
+            return _order(_started(c, sid, {"Authorization": f"Bearer {key}"}, tier)[0]), tier
 
-        order = sorted([(started(r, basic), "flex") for r in flex] + [(started(r, basic), "default") for r in default]
-                       + [(started(auto, gold), "priority")])
+        order = sorted([started(r, basic, "flex") for r in flex] + [started(r, basic, "default") for r in default]
+                       + [started(auto, gold, "priority")])
     assert [t for _, t in order] == ["priority", "default", "default", "flex", "flex"]
     done = g.responses.retrieve(auto.id)
     assert done.status == "incomplete" and done.service_tier == "priority"  # max_output_tokens reached

@@ -49,7 +49,7 @@ def test_the_default_model_answers_a_conversation_in_english_under_its_own_name(
         read = read_sse(c, first.json()["events_url"], timeout_s=120)
         kinds = [e.event for e in read.events]
         assert kinds[:2] == ["queued", "started"] and kinds[-1] == "done" and set(kinds[2:-1]) == {"delta"}
-        assert read.events[1].data == {"model": DEFAULT_MODEL_NAME}
+        assert read.events[1].data == {"model": DEFAULT_MODEL_NAME, "service_tier": "default"}
         usage = read.events[-1].data["usage"]
         assert usage["prompt_tokens"] == prompt_tokens  # exactly the template's prompt: no extra BOS, no drift
         assert_english(read.text)
