@@ -343,7 +343,7 @@ class JobRunner:
     async def _hand_over(self, run: Run) -> None:
         released = await until_done(lambda: self.store.release(run.claim), "release failed")
         log.info("handed the job over", extra={"stream_id": str(run.claim.stream_id), "released": released})
-        run.fenced_out = True  # not ours to acknowledge any more
+        run.fenced_out = True  # not ours any more: the next owner ends it
 
     async def _append(self, run: Run, seq_before: int, seq_after: int,
                       events: Sequence[tuple[str, bytes]]) -> bool:

@@ -211,16 +211,20 @@ local function done(reply)
   end
   return reply
 end
+-- A left job, taken out of ``deferred`` (by the caller) and claimed, if it still waits (nil: a cancel took it).
+local function claim_left(sid)
+  local meta = meta_of(sid)
+  if redis.call('HGET', meta, 'status') ~= 'queued' then return nil end
+  count_waiting(qp, redis.call('HGET', meta, 'tier'), K.totals, -1)
+  return done(claim_stream(meta, sid, A.worker, now_s, now_ms, tonumber(A.lease_ms), true))
+end
 -- What other workers left for this one (its chat's prefix is here), while it is still left.
 while true do
   local sid = redis.call('LPOP', K.inbox)
   if not sid then break end
   if redis.call('ZREM', K.deferred, sid) == 1 then
-    local meta = meta_of(sid)
-    if redis.call('HGET', meta, 'status') == 'queued' then
-      count_waiting(qp, redis.call('HGET', meta, 'tier'), K.totals, -1)
-      return done(claim_stream(meta, sid, A.worker, now_s, now_ms, tonumber(A.lease_ms), true))
-    end
+    local reply = claim_left(sid)
+    if reply then return reply end
   end
 end
 -- A lapsed lease: its worker died, or gave the job back.
@@ -235,11 +239,8 @@ end
 -- A job left for a chat's worker whose wait is over.
 for _, sid in ipairs(redis.call('ZRANGEBYSCORE', K.deferred, '-inf', now_ms, 'LIMIT', 0, 1)) do
   redis.call('ZREM', K.deferred, sid)
-  local meta = meta_of(sid)
-  if redis.call('HGET', meta, 'status') == 'queued' then
-    count_waiting(qp, redis.call('HGET', meta, 'tier'), K.totals, -1)
-    return done(claim_stream(meta, sid, A.worker, now_s, now_ms, tonumber(A.lease_ms), true))
-  end
+  local reply = claim_left(sid)
+  if reply then return reply end
 end
 -- The lines: a tier (broker.tiers), then tenants in turn.
 local aging = tonumber(A.aging_ms)
@@ -344,12 +345,13 @@ return {'renewed', reason}
 
 # Hands a running job over at once (a worker stopping past its grace period): its lease lapses now, one idle
 # worker is woken, and the next claim takes it over (fencing this worker out).
-RELEASE = Lua(ALLOW_WHEN_FULL + """
+RELEASE = Lua(ALLOW_WHEN_FULL + f"local WAKE_TOKENS = {WAKE_TOKENS}\n" + """
 local m = redis.call('HMGET', K.meta, 'fence', 'status')
 if m[1] ~= A.fence or m[2] ~= 'running' then return 0 end
 allow_when_full(K.leases)
 redis.call('ZADD', K.leases, 'XX', 0, A.sid)
 redis.call('RPUSH', K.wake, '1')
+redis.call('LTRIM', K.wake, -WAKE_TOKENS, -1)
 return 1
 """, key_names=("meta", "leases", "wake"), arg_names=("fence", "sid"))
 

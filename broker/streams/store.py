@@ -6,7 +6,7 @@ the stored request, queue counts) and the idle workers' wait (BLPOP on wake toke
 too, so that no other module names a Redis key or a command.
 
 Long because it is that one place for every operation on a stream and its job, every script's call and the
-reading of its reply, and every read (the chat-affine claiming ones are apart, in broker.streams.affinity);
+reading of its reply, and every read (noting which worker holds a chat is apart, in broker.streams.affinity);
 splitting it would split the schema it keeps consistent.
 """
 
