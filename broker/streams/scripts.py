@@ -3,7 +3,8 @@
 Meta hash fields (``StreamKeys.meta``): ``status`` (queued|running|done|cancelled|error), ``rh``
 (request hash), ``req`` (canonical request JSON: dropped when the stream ends unless ``keep`` is 1, i.e. a view
 reads it back: a conversation's turn, a Responses response), ``model``, ``max_tokens``, ``created_at``, ``jid``
-(its backlog entry: broker.streams.keys.QueueKeys), ``fence`` (claim counter), ``attempts``, ``worker``, ``claimed_at``, ``seq`` (tokens
+(its backlog entry: broker.streams.keys.QueueKeys), ``fence`` (claim counter), ``attempts``, ``worker``,
+``claimed_at``, ``seq`` (tokens
 appended), ``cancel`` (reason of a pending cancel), ``last_id`` (terminal event id), ``usage`` (JSON),
 ``finished_at``, ``key_id``, ``retention_s``, ``abandon_s``, ``cod`` (cancel_on_disconnect),
 ``seen`` (last time a reader was connected, refreshed by consumer pods), ``read`` (ever read), ``tenant`` (the
