@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
+from broker.errors import StoreTransient
 from broker.redis.connection import RedisClient
 from broker.redis.keyspace import partition_slot
 from broker.streams.records import Claim
@@ -30,6 +32,8 @@ log = logging.getLogger("rsb.generator")
 
 # A wait stays well under any socket timeout and bounds how long shutdown waits for it.
 POLL_BLOCK_S = 2.0
+# How long a partition whose shard failed a claim is passed over (its jobs wait for the shard in any case).
+AWAY_S = 1.0
 
 
 class JobPoller:
@@ -45,6 +49,7 @@ class JobPoller:
         self.affinity_wait_s = min(affinity_wait_s, lease_s)
         self._start = 0  # the partition the next claim tries first
         self._due_s: float | None = None  # when, after the last empty claim, something falls due
+        self._away_until: dict[int, float] = {}  # partitions whose shard failed a claim: passed over until then
         by_slot: dict[int, list[str]] = {}
         self._partition_of: dict[str, int] = {}
         for model in self.models:
@@ -55,20 +60,32 @@ class JobPoller:
         self._wake_groups = list(by_slot.values())
 
     async def claim(self) -> Claim | None:
-        """The next job of this worker's model, claimed (None: nothing to claim now)."""
+        """The next job of this worker's model, claimed (None: nothing to claim now). A partition whose shard is
+        away (Redis Cluster: a primary down, a failover) is passed over for AWAY_S, so the others' jobs go on; with
+        every partition away the error is raised, for the worker to wait it out."""
         n = self.store.partitions
         due: float | None = None
-        for i in range(n):
-            p = (self._start + i) % n
-            for model in self.models:
-                got = await self.store.claim_next(model, p, self.worker_id, lease_s=self.lease_s,
-                                                  aging_s=self.aging_s, affinity_wait_s=self.affinity_wait_s)
-                if isinstance(got, Claim):
-                    self._start = (p + 1) % n
-                    return got
-                if got is not None:
-                    due = got if due is None else min(due, got)
-        self._due_s = due
+        now = time.monotonic()
+        ready = [p for p in ((self._start + i) % n for i in range(n)) if self._away_until.get(p, 0.0) <= now]
+        error: StoreTransient | None = None
+        for p in ready or [(self._start + i) % n for i in range(n)]:
+            try:
+                for model in self.models:
+                    got = await self.store.claim_next(model, p, self.worker_id, lease_s=self.lease_s,
+                                                      aging_s=self.aging_s, affinity_wait_s=self.affinity_wait_s)
+                    if isinstance(got, Claim):
+                        self._start = (p + 1) % n
+                        return got
+                    if got is not None:
+                        due = got if due is None else min(due, got)
+            except StoreTransient as e:
+                self._away_until[p] = time.monotonic() + AWAY_S
+                error = error or e
+                continue
+            self._away_until.pop(p, None)
+        if error is not None and len(self._away_until) >= n:
+            raise error
+        self._due_s = due if error is None else min(due or AWAY_S, AWAY_S)
         return None
 
     async def wait(self) -> None:
@@ -80,18 +97,26 @@ class JobPoller:
         if len(self._wake_groups) == 1:
             woke = await self.store.wait_for_jobs(self.blocking, self._wake_groups[0], timeout)
         else:
-            tasks = [asyncio.ensure_future(self.store.wait_for_jobs(self.blocking, keys, timeout))
-                     for keys in self._wake_groups]
-            try:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            woke = next((t.result() for t in done if not t.cancelled() and t.exception() is None and t.result()),
-                        None)
-            errors = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
-            if woke is None and errors:
-                raise errors[0]  # type: ignore[misc]
+            woke = await self._wait_any(block_s=timeout)
         if woke is not None:
             self._start = self._partition_of.get(woke, self._start)
+
+    async def _wait_any(self, block_s: float) -> str | None:
+        """One wait per hash slot, raced: the first token or timeout ends them all. A slot whose shard is away
+        fails its wait at once; the others go on waiting (raised only when every one failed)."""
+        pending = {asyncio.ensure_future(self.store.wait_for_jobs(self.blocking, keys, block_s))
+                   for keys in self._wake_groups}
+        error: BaseException | None = None
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t.exception() is None:
+                        return t.result()  # a key that woke, or None: the timeout
+                    error = error or t.exception()
+        finally:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        assert error is not None
+        raise error

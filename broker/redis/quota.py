@@ -27,6 +27,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from broker.redis.connection import REFUSE_WHEN_FULL, RedisClient, is_cluster
 from broker.redis.keyspace import tagged
+from broker.redis.lua import SERVER_MS
 
 #: Expired items swept per charging call: bounds the call's time in Redis.
 SWEEP_MAX = 64
@@ -82,11 +83,7 @@ def storage_key(partition: int, partitions: int, principal: str) -> str:
 
 #: The Lua of the quota, for the scripts that write counted data (broker.streams.scripts, broker.durable.scripts).
 #: ``s`` is a caller's storage_key; ``item`` the key an item's charge is recorded under (its meta key).
-QUOTA_LUA = REFUSE_WHEN_FULL + f"""
-local function quota_now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+QUOTA_LUA = REFUSE_WHEN_FULL + SERVER_MS + f"""
 -- The caller's two keys live as long as its longest-lived item (then they count nothing): the counts of the
 -- many callers seen once do not pile up in Redis.
 local function quota_keep(s)
@@ -115,7 +112,7 @@ end
 -- The caller's items whose keys expired, taken off its total. A full Redis refuses the whole script here.
 local function quota_sweep(s)
   refuse_when_full(s)
-  local gone = redis.call('ZRANGEBYSCORE', s .. ':exp', '-inf', quota_now_ms(), 'LIMIT', 0, {SWEEP_MAX})
+  local gone = redis.call('ZRANGEBYSCORE', s .. ':exp', '-inf', server_ms(), 'LIMIT', 0, {SWEEP_MAX})
   for _, item in ipairs(gone) do quota_release(s, item) end
 end
 -- Whether ``charge`` more bytes fit the caller's ``quota`` (0: no bound). Sweep first.

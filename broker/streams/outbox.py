@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 from broker.redis.connection import RedisClient, register_script, reply_text
+from broker.redis.lua import SERVER_MS
 from broker.streams.keys import outbox_due_key, outbox_key
 
 #: The webhook event of each end: ``done`` that stopped at ``max_tokens`` (finish reason ``length``) is
@@ -49,15 +50,14 @@ def event_id(sid: str) -> str:
 
 #: Lua for the terminal events' scripts: the stream's webhook event, when its meta names a destination (``hook``,
 #: and ``hid``: set by CREATE).
-HOOK_LUA = f"""
+HOOK_LUA = SERVER_MS + f"""
 local HOOK_TYPES = {{{", ".join(f"[{k!r}] = {v!r}" for k, v in EVENT_TYPES.items())}}}
 local function hook_enqueue(outbox, due, meta, sid, status, reason, now_s)
   local h = redis.call('HMGET', meta, 'hook', 'hid')
   if not h[1] then return end
   local etype = HOOK_TYPES[status]
   if status == 'done' and reason == 'length' then etype = {INCOMPLETE!r} end
-  local t = redis.call('TIME')
-  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local now_ms = server_ms()
   local id = 'evt_' .. string.gsub(sid, '-', '')
   redis.call('HSET', outbox, id, cjson.encode({{sid = sid, hid = h[2] or sid, url = h[1], type = etype,
     created_at = math.floor(tonumber(now_s)), first_ms = now_ms, attempts = 0}}))

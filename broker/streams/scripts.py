@@ -72,8 +72,7 @@ local function close_stream(meta, events, tomb, channel, etype, data, status, us
   -- of now): the counters of the many addresses seen once do not pile up in Redis.
   local tenant = redis.call('HGET', meta, 'tenant')
   if tenant and redis.call('HINCRBY', tenant, 'active', -1) <= 0 then
-    local t = redis.call('TIME')
-    local left_ms = tonumber(redis.call('HGET', tenant, 'tat') or '0') - (t[1] * 1000 + math.floor(t[2] / 1000))
+    local left_ms = tonumber(redis.call('HGET', tenant, 'tat') or '0') - server_ms()
     if left_ms > 0 then redis.call('PEXPIRE', tenant, math.ceil(left_ms)) else redis.call('DEL', tenant) end
   end
   local eid = append_event(events, channel, etype, data)
@@ -86,7 +85,7 @@ local function close_stream(meta, events, tomb, channel, etype, data, status, us
     redis.call('HDEL', meta, 'req')
     if q[2] then quota_release(q[2], meta) end
   elseif q[2] then
-    quota_expire(q[2], meta, string.format('%d', quota_now_ms() + retention * 1000))
+    quota_expire(q[2], meta, string.format('%d', server_ms() + retention * 1000))
   end
   redis.call('HDEL', meta, 'worker')
   redis.call('EXPIRE', meta, retention)

@@ -38,6 +38,7 @@ import orjson
 
 from broker.errors import InvalidRequest
 from broker.redis.connection import RedisClient, reply_text
+from broker.redis.lua import SERVER_MS
 from broker.streams.keys import usage_index_key, usage_log_key
 
 #: Days a usage record is kept: this month's bill and the two before.
@@ -55,7 +56,7 @@ RECORD_FIELDS = ("sid", "ts", "key", "model", "tier", "status", "reason", "max_t
 #: attempt wasted) is read here; the rest is the ending attempt's. ``meta`` fields: ``started_at`` (ms of the first
 #: claim) when the queue sets it, else ``claimed_at`` (s); ``wasted`` (tokens lost attempts reported:
 #: broker.streams.store.Store.add_wasted).
-RECORD_USAGE_LUA = f"""
+RECORD_USAGE_LUA = SERVER_MS + f"""
 local function record_usage(index, prefix, meta, sid, now_s, status, reason, model, prompt_tokens, cached_tokens,
                             completion_tokens, wasted_tokens, compute_s, ttft_ms)
   local m = redis.call('HMGET', meta, 'key_id', 'tier', 'max_tokens', 'created_at', 'started_at', 'claimed_at',
@@ -73,8 +74,7 @@ local function record_usage(index, prefix, meta, sid, now_s, status, reason, mod
     'model', model or '', 'tier', tier, 'status', status, 'reason', reason, 'max_tokens', m[3] or '0',
     'prompt_tokens', prompt_tokens, 'cached_tokens', cached_tokens, 'completion_tokens', completion_tokens,
     'wasted_tokens', wasted, 'compute_s', compute_s, 'queue_s', queue_s, 'ttft_ms', ttft_ms)
-  local t = redis.call('TIME')
-  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local now_ms = server_ms()
   redis.call('XTRIM', log, 'MINID', '~', string.format('%d', now_ms - {RETENTION_S * 1000}))
   redis.call('EXPIRE', log, {RETENTION_S})
   redis.call('ZADD', index, now_ms, key ~= '' and key or '-')
