@@ -4,7 +4,7 @@ N unmodified ``generator.worker.Worker`` loops in one process, each driving the 
 ``PacedEngine`` (a real rsb generator runs one Worker per process because one llama.cpp context runs one
 generation at a time; a paced engine has no such limit, so one process can stand in for N of them).
 Each Worker gets what ``generator.main.serve`` gives one: the shared command client, and a blocking
-client with room for its XREADGROUP BLOCK and its cancel listener.
+client with room for its BLPOP and its cancel listener.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ async def serve(args: argparse.Namespace) -> None:
     blocking = blocking_client(args.redis_url, args.partitions + 2)
     engine = PacedEngine(args.tokens_per_s, on_loop=not args.threaded)
     store = Store(redis, args.partitions, durability_level=args.durability)
-    await store.ensure_groups()
     # One worker running --workers generations at once, as a worker driving an upstream server does; its
     # appends share pipelines (generator/appends.py).
     workers = [Worker(settings, engine, store, blocking)]

@@ -38,7 +38,7 @@ async def _one(store: Store, events: int, finish: bool, prompt: str,
                                                           created_at=time.time(), create=True)
         assert outcome is Begin.RESERVED, outcome
         req = dataclasses.replace(req, history=History(conversation=conversation))
-    await store.create(sid, req, default_model="prefill", max_queue=0, retention_s=3600)
+    await store.create(sid, req, model="prefill", max_queue=0, retention_s=3600)
     claim = await store.claim(sid, "prefill")
     assert isinstance(claim, Claim), claim
     await store.append(claim, 0, 0, [started_event("prefill")])

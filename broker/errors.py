@@ -27,6 +27,18 @@ class NotFound(RsbError):
     code = "not_found"
 
 
+class ModelNotFound(NotFound):
+    """A create named a model no generator serves (none announced it within its listing: broker.streams.served_models),
+    nor an alias of one: nothing is stored or queued."""
+
+    code = "model_not_found"
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        listed = ", ".join(served) if served else "none yet"
+        super().__init__(f"the model {model!r} does not exist or is not served now (served: {listed})")
+        self.model = model
+
+
 class Expired(RsbError):
     code = "expired"
 

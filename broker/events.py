@@ -4,7 +4,7 @@ An event is stored as a Redis Stream entry with two fields, ``TYPE_FIELD`` (``t`
 ``DATA_FIELD`` (``d``, its data: one line of JSON), in that order. The entry id is the event id clients see
 and echo back; it is strictly increasing because Redis assigns it, and opaque to clients. Live, an event is
 published as ``<id>\n<type>\n<data>`` (``PAYLOAD_SEPARATOR``). These are defined here only: the Lua scripts
-that write them get them from here (broker.streams.scripts.PRELUDE).
+that write them get them from here (broker.streams.lua.PRELUDE).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from broker import tiers
 from broker.ascii import parse_uuid
 from broker.echo import FIELDS as ECHO_FIELDS
 from broker.echo import parse_echo
@@ -54,7 +55,8 @@ __all__ = ["JSON_FORMATS", "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_CALLS", "MA
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 _FIELDS = frozenset(
     {"id", "messages", "prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop",
-     "cancel_on_disconnect", "tools", "tool_choice", "response_format", "prompt_cache_key", *SAMPLING_FIELDS,
+     "cancel_on_disconnect", "tools", "tool_choice", "response_format", "prompt_cache_key", "service_tier",
+     *SAMPLING_FIELDS,
      *ECHO_FIELDS}
 )
 PROMPT_CACHE_KEY_MAX_CHARS = 256
@@ -133,6 +135,8 @@ class GenerationRequest:
     prompt_cache_key: str | None = None
     #: Penalties, logit biases and the bound on tool calls (broker.sampling).
     sampling: Sampling = DEFAULT_SAMPLING
+    #: The tier asked for (broker.tiers: a tier, or ``auto``; None: not given). Which tier ran is the stream's.
+    service_tier: str | None = None
     #: Fields kept only to be shown back (broker.echo): metadata, user, safety_identifier, store.
     echo: tuple[tuple[str, Any], ...] = ()
 
@@ -199,6 +203,8 @@ class GenerationRequest:
             doc["history"] = self.history.as_json()
         if self.prompt_cache_key is not None:
             doc["prompt_cache_key"] = self.prompt_cache_key
+        if self.service_tier is not None:
+            doc["service_tier"] = self.service_tier
         doc.update(self.sampling.stored())
         if self.echo:
             doc["echo"] = dict(self.echo)
@@ -230,6 +236,7 @@ class GenerationRequest:
                 rf["type"], rf["name"], rf["schema"], rf["strict"], rf["description"]),
             history=History.from_json(d["history"]) if d.get("history") is not None else None,
             prompt_cache_key=d.get("prompt_cache_key"),
+            service_tier=d.get("service_tier"),
             sampling=Sampling.from_stored(d),
             echo=tuple((d.get("echo") or {}).items()),
         )
@@ -356,6 +363,10 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
         raise InvalidRequest(f"'prompt_cache_key' must be a non-empty string of at most {PROMPT_CACHE_KEY_MAX_CHARS} "
                              "characters")
 
+    tier = body.get("service_tier")
+    if tier is not None and tier not in tiers.REQUESTABLE:
+        raise InvalidRequest(f"'service_tier' must be one of {', '.join(tiers.REQUESTABLE)}")
+
     max_tokens = _integer(body, "max_tokens", 1, limits.max_tokens)
     return sid, GenerationRequest(
         messages=messages,
@@ -371,6 +382,7 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
         tool_choice=tool_choice,
         response_format=response_format,
         prompt_cache_key=cache_key,
+        service_tier=tier,
         sampling=parse_sampling(body),
         echo=parse_echo(body),
     )

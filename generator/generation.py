@@ -8,8 +8,8 @@ same way (generator.answer). A job continued after a crash starts from the answe
 text, reasoning and tool calls, rebuilt from the stream), with the tokens already counted taken off its
 budget, so readers see one seamless answer.
 
-A job is acknowledged only after its terminal event is in Redis, so a worker never holds the only copy of
-anything: if it dies, its pending entry goes idle and another worker's XAUTOCLAIM takes it over.
+A job leaves its queue only with its terminal event (the same script), so a worker never holds the only copy of
+anything: if it dies, its lease lapses and the next claim, any worker's, takes the job over.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from broker.errors import RsbError, StoreTransient
 from broker.events import EventType, FinishReason, encode_data
 from broker.streams.conversations import ConversationStore
-from broker.streams.records import AppendResult, Claim, Job, Unclaimable
+from broker.streams.records import AppendResult, Claim
 from broker.streams.store import Store, started_event
 from generator.answer import AnswerEvents, AnswerSoFar
 from generator.engines import Engine, Generation, error_code
@@ -135,17 +135,14 @@ class JobRunner:
         parks = (store.gate is not None or store.cluster) and settings.max_parked > 0
         self.park_after_s: float | None = settings.park_after_s if parks else None
 
-    async def run(self, job: Job, seat: Seat | None = None) -> None:
-        """Run ``job`` in ``seat`` (its worker slot: given back while a write stalls, when the worker parks: see
-        generator.slots)."""
+    async def run(self, claim: Claim, seat: Seat | None = None) -> None:
+        """Run the claimed job in ``seat`` (its worker slot: given back while a write stalls, when the worker parks:
+        see generator.slots)."""
         seat = seat or Seat(Slots(1, 0))
-        claim = await until_done(lambda: self.store.claim(job.stream_id, self.worker_id), "claim failed")
-        if isinstance(claim, Unclaimable):  # gone or already finished: nothing to do but drop the job
-            await self._ack(job)
-            return
         run = Run(claim)
         run.watch = StallWatch(seat, self.park_after_s)
-        log.info("claimed", extra={"stream_id": str(job.stream_id), "attempt": claim.attempts})
+        log.info("claimed", extra={"stream_id": str(claim.stream_id), "attempt": claim.attempts})
+        self.metrics.claimed(claim.model, claim.tier, claim.attempts, claim.waited_s)
         if self.engine.caches_prompts:
             try:  # a hint for the next turn's routing: never worth delaying or failing this one
                 await self.store.affinity.note(claim.request.affinity(), self.worker_id, AFFINITY_TTL_S)
@@ -159,22 +156,17 @@ class JobRunner:
         elif claim.cancel_reason:
             await self._finish_cancelled(run, claim.cancel_reason, nothing, 0.0)
         else:
-            self.running[job.stream_id] = run
+            self.running[claim.stream_id] = run
             self.metrics.running.inc()
             try:
                 await self._generate(run, seat)
             except Exception as e:  # a bug of the store (a failing script, WRONGTYPE): not retried, surfaced
                 log.error("generation failed: %s", type(e).__name__, exc_info=e,
-                          extra={"stream_id": str(job.stream_id)})
+                          extra={"stream_id": str(claim.stream_id)})
                 await self._finish_error(run, INTERNAL, _describe(e), Usage(0, claim.seq))
             finally:
-                del self.running[job.stream_id]
+                del self.running[claim.stream_id]
                 self.metrics.running.dec()
-        if not run.fenced_out:
-            await self._ack(job)
-
-    async def _ack(self, job: Job) -> None:
-        await until_done(lambda: self.store.ack(job.partition, job.entry_id), "ack failed")
 
     async def _answer_so_far(self, claim: Claim) -> AnswerSoFar:
         """The answer an earlier attempt appended (text, reasoning, tool calls), and whether it sent
@@ -194,7 +186,7 @@ class JobRunner:
         s = self.settings
         progress = _Progress(seq=run.claim.seq, t_start=time.monotonic(), tokens=run.claim.seq,
                              claimed_seq=run.claim.seq)
-        renewer = asyncio.create_task(keep_lease(run, self.store, self.worker_id, s.lease_s, s.disconnect_grace_s))
+        renewer = asyncio.create_task(keep_lease(run, self.store, s.lease_s, s.disconnect_grace_s))
         try:
             while await self._segment(run, progress):
                 # Parked, and the write it waited for has landed: go on, unless the stream ended meanwhile.
@@ -258,7 +250,8 @@ class JobRunner:
             progress.lost_runs = run.claim.attempts - 1  # each claimed it before and started (or was going to)
         if not started:
             with watch:  # stalled: nothing runs yet, so the slot goes back at once
-                if not await self._append(run, progress.seq, progress.seq, [started_event(self.engine.name)]):
+                started_ev = started_event(self.engine.name, run.claim.tier)
+                if not await self._append(run, progress.seq, progress.seq, [started_ev]):
                     return False
             if watch.seat.parked:
                 return not run.stopping
@@ -348,9 +341,9 @@ class JobRunner:
         return parked and not run.stopping
 
     async def _hand_over(self, run: Run) -> None:
-        released = await until_done(lambda: self.store.release(run.claim, self.worker_id), "release failed")
+        released = await until_done(lambda: self.store.release(run.claim), "release failed")
         log.info("handed the job over", extra={"stream_id": str(run.claim.stream_id), "released": released})
-        run.fenced_out = True  # not ours to acknowledge any more
+        run.fenced_out = True  # not ours any more: the next owner ends it
 
     async def _append(self, run: Run, seq_before: int, seq_after: int,
                       events: Sequence[tuple[str, bytes]]) -> bool:

@@ -1,155 +1,97 @@
-"""Where a worker finds its next job: jobs whose owner stopped renewing its lease first (XAUTOCLAIM), then
-new ones from the partitions' job streams (XREADGROUP through the ``generators`` consumer group).
+"""Where a worker finds its next job: its model's queue in every partition (broker.streams.queue_scripts), and how
+it waits when there is none. Also its aliases' queues: a create that named an alias (or fell to a
+``--default-model`` that is one) while no generator announced it could not be resolved to the model, and waits
+under the name it gave.
 
-Polling: one blocking XREADGROUP per group of job streams that share a hash slot: all of them in one
-call on a standalone server, one call per partition on Redis Cluster (a multi-key command must stay in
-one slot). The polls of a cluster run side by side and outlive one ``next_job`` call; an entry that a
-poll brings when this worker cannot start it is handed back at once (made look idle for longer than any
-lease), so the next XAUTOCLAIM, by any worker, takes it: a worker keeps no job it has not started.
+A claim is one script call per partition, tried from a partition that turns with each claim (so no partition's
+jobs wait behind another's), and the first that claims wins: the script itself takes what is due first (a job
+left for this worker, a lapsed lease, a left job whose wait is over) and then the next job in line, tiers in
+order and tenants in turn. A worker never holds a job it has not claimed, and a claimed job it cannot start after
+all goes back to the front of its line (``Store.give_back``).
 
-Chat-affine claiming: a job whose chat another worker ran last is left for that worker for at most
-``affinity_wait_s`` after its creation (broker.streams.scripts.DEFER: it goes to that worker's inbox, which
-that worker's polls read with the job streams), and the jobs a worker finds in its own inbox are its to take
-if nobody claimed them meanwhile.
+Idle, a worker blocks on wake tokens (BLPOP): each enqueue pushes one on its queue, so one new job wakes one idle
+worker, and a job left for this worker pushes one on its own list. All partitions' lists in one call on a
+standalone server; one call per hash slot on Redis Cluster (a multi-key command stays in one slot), raced. A
+wait never outlasts the next lease or left job falling due (the claim script says when) nor POLL_BLOCK_S, so a
+crashed worker's job is taken over within about a lease, and a lost token costs at most one block.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass
-from typing import Any
 
-from broker.errors import StoreUnavailable
 from broker.redis.connection import RedisClient
 from broker.redis.keyspace import partition_slot
-from broker.streams.records import Job
+from broker.streams.records import Claim
 from broker.streams.store import Store
 
 log = logging.getLogger("rsb.generator")
 
-# XREADGROUP BLOCK stays well under any socket timeout and bounds how long shutdown waits for the poll.
-POLL_BLOCK_MS = 2000
-
-Spawn = Callable[[Coroutine[Any, Any, None]], None]
-
-
-@dataclass(slots=True)
-class _PollGroup:
-    """Job streams read by one XREADGROUP: all partitions on a standalone server; on a cluster, those
-    whose keys share one hash slot (usually one partition)."""
-
-    keys: dict[str, int]  # jobs key -> partition
-    task: asyncio.Task[list[Job]] | None = None
+# A wait stays well under any socket timeout and bounds how long shutdown waits for it.
+POLL_BLOCK_S = 2.0
 
 
 class JobPoller:
-    def __init__(self, store: Store, blocking: RedisClient, worker_id: str, lease_s: float, spawn: Spawn,
-                 affinity_wait_s: float = 0.0) -> None:
+    def __init__(self, store: Store, blocking: RedisClient, worker_id: str, models: tuple[str, ...], lease_s: float, *,
+                 aging_s: float = 0.0, affinity_wait_s: float = 0.0) -> None:
         self.store = store
-        self.blocking = blocking  # XREADGROUP BLOCK: no socket timeout
+        self.blocking = blocking  # BLPOP: no socket timeout
         self.worker_id = worker_id
-        self.lease_ms = int(lease_s * 1000)
-        # Never past the lease: a left job is made look idle for (lease - what is left of the wait).
-        self.affinity_wait_ms = min(int(affinity_wait_s * 1000), self.lease_ms)
-        self._spawn = spawn
-        self._groups = self._poll_groups()
-        self._polling = False  # a next_job call is waiting for the polls
+        self.models = tuple(dict.fromkeys(models))  # the model's name first, then its aliases
+        self.lease_s = lease_s
+        self.aging_s = aging_s
+        # Never past the lease: a left job must fall due before its owner's silence would.
+        self.affinity_wait_s = min(affinity_wait_s, lease_s)
+        self._start = 0  # the partition the next claim tries first
+        self._due_s: float | None = None  # when, after the last empty claim, something falls due
+        by_slot: dict[int, list[str]] = {}
+        self._partition_of: dict[str, int] = {}
+        for model in self.models:
+            for p, keys in store.wake_keys(model, worker_id).items():
+                by_slot.setdefault(partition_slot(p, store.partitions) if store.cluster else 0, []).extend(keys)
+                for key in keys:
+                    self._partition_of[key] = p
+        self._wake_groups = list(by_slot.values())
 
-    def _poll_groups(self) -> list[_PollGroup]:
+    async def claim(self) -> Claim | None:
+        """The next job of this worker's model, claimed (None: nothing to claim now)."""
         n = self.store.partitions
-        by_slot: dict[int, dict[str, int]] = {}
-        for p in range(n):
-            keys = by_slot.setdefault(partition_slot(p, n) if self.store.cluster else 0, {})
-            keys[self.store.jobs_key(p)] = p
-            if self.affinity_wait_ms > 0:
-                keys[self.store.affinity.inbox_key(p, self.worker_id)] = p
-        return [_PollGroup(keys) for keys in by_slot.values()]
-
-    async def _accept(self, job: Job) -> Job | None:
-        """The job to run, or None: left for the worker that holds its chat, or (from the inbox) already
-        claimed by another."""
-        if job.inbox_entry:
-            return await self.store.affinity.take(job, self.worker_id)
-        if await self.store.affinity.defer(job, self.worker_id, self.affinity_wait_ms, self.lease_ms):
-            return None
-        return job
-
-    async def next_job(self) -> Job | None:
-        """A job to run: first any whose owner stopped renewing its lease, then a new one (None: the polls
-        timed out with nothing)."""
-        for p in range(self.store.partitions):
-            if self.affinity_wait_ms > 0:
-                # Its group: the inbox expires when unused.
-                await self.store.affinity.ensure_inbox(p, self.worker_id)
-            job = await self.store.reclaim_stale_job(p, self.worker_id, self.lease_ms)
-            if job is not None and (job := await self._accept(job)) is not None:
-                return job
-        for group in self._groups:
-            if group.task is None:
-                group.task = asyncio.create_task(self._read_group(group))
-                group.task.add_done_callback(functools.partial(self._on_poll_done, group))
-        self._polling = True
-        try:
-            await asyncio.wait([g.task for g in self._groups if g.task is not None],
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self._polling = False
-        jobs: list[Job] = []
-        error: BaseException | None = None
-        for group in self._groups:
-            task = group.task
-            if task is None or not task.done():
-                continue
-            group.task = None
-            if task.cancelled():
-                continue
-            if task.exception() is not None:
-                error = error or task.exception()
-                continue
-            jobs.extend(task.result())
-        for i, job in enumerate(jobs):
-            # A multi-key XREADGROUP COUNT 1 may bring one entry per stream, and polls of several slots
-            # may end together: run one, hand the rest back.
-            accepted = await self._accept(job)
-            if accepted is not None:
-                if jobs[i + 1:]:
-                    self._spawn(self.hand_back(jobs[i + 1:]))
-                return accepted
-        if error is not None:
-            raise error
+        due: float | None = None
+        for i in range(n):
+            p = (self._start + i) % n
+            for model in self.models:
+                got = await self.store.claim_next(model, p, self.worker_id, lease_s=self.lease_s,
+                                                  aging_s=self.aging_s, affinity_wait_s=self.affinity_wait_s)
+                if isinstance(got, Claim):
+                    self._start = (p + 1) % n
+                    return got
+                if got is not None:
+                    due = got if due is None else min(due, got)
+        self._due_s = due
         return None
 
-    async def _read_group(self, group: _PollGroup) -> list[Job]:
-        return await self.store.read_new_jobs(self.blocking, group.keys, self.worker_id, POLL_BLOCK_MS)
-
-    def _on_poll_done(self, group: _PollGroup, task: asyncio.Task[list[Job]]) -> None:
-        """A poll ended while no ``next_job`` waits for it (the worker is busy): hand back what it got."""
-        if self._polling or group.task is not task:
-            return  # next_job collects it (or already did)
-        group.task = None
-        if task.cancelled() or task.exception() is not None:
-            return  # the next poll retries; an entry a failed poll got is taken over after lease_s
-        jobs = task.result()
-        if jobs:
-            self._spawn(self.hand_back(jobs))
-
-    async def hand_back(self, jobs: Iterable[Job]) -> None:
-        """Make delivered, unstarted entries look long idle: the next XAUTOCLAIM (any worker's, this
-        one's included) takes them at once, instead of after a lease."""
-        for job in jobs:
+    async def wait(self) -> None:
+        """Until a job may be there: a wake token, something falling due, or POLL_BLOCK_S. The next claim starts
+        at the partition that woke."""
+        timeout = POLL_BLOCK_S if self._due_s is None else min(POLL_BLOCK_S, self._due_s + 0.005)
+        if timeout <= 0.005:
+            return
+        if len(self._wake_groups) == 1:
+            woke = await self.store.wait_for_jobs(self.blocking, self._wake_groups[0], timeout)
+        else:
+            tasks = [asyncio.ensure_future(self.store.wait_for_jobs(self.blocking, keys, timeout))
+                     for keys in self._wake_groups]
             try:
-                if job.inbox_entry:  # its job goes to any worker once its wait is over
-                    await self.store.affinity.drop_inbox_entry(job, self.worker_id)
-                else:
-                    await self.store.hand_back(job, self.worker_id)
-            except StoreUnavailable as e:  # it is still pending: taken over after lease_s
-                log.warning("could not hand a job back: %s", e)
-
-    async def cancel_polls(self) -> None:
-        tasks = [g.task for g in self._groups if g.task is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            woke = next((t.result() for t in done if not t.cancelled() and t.exception() is None and t.result()),
+                        None)
+            errors = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+            if woke is None and errors:
+                raise errors[0]  # type: ignore[misc]
+        if woke is not None:
+            self._start = self._partition_of.get(woke, self._start)

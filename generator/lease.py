@@ -1,8 +1,8 @@
 """Keeping a claimed job and hearing its cancel: the lease renewal loop of one run, and the control-channel
 listener of the worker.
 
-A run's job entry stays pending for its worker; RENEW (every ``lease_s / 3``) refreshes it so other
-workers' XAUTOCLAIM only takes jobs whose owner went silent. RENEW's reply carries a pending cancel
+A run's job holds a lease in its queue; RENEW (every ``lease_s / 3``) moves its end on, so other workers' claims
+only take over jobs whose owner went silent. RENEW's reply carries a pending cancel
 (client, abandoned, disconnect), and a refused RENEW means the run was fenced out (another worker owns
 the stream now): either way the run stops. Cancel notices also arrive at once over a control channel,
 so a cancel is seen even during a long prefill, when nothing is appended.
@@ -70,13 +70,13 @@ class Run:
         self.stop.set()
 
 
-async def keep_lease(run: Run, store: Store, worker_id: str, lease_s: float, disconnect_grace_s: float) -> None:
+async def keep_lease(run: Run, store: Store, lease_s: float, disconnect_grace_s: float) -> None:
     """Renew ``run``'s lease until its generation is over; stop it when cancelled or fenced out."""
     interval = max(0.05, lease_s / 3)
     while not run.generation_over:
         await asyncio.sleep(interval)
         try:
-            res = await store.renew(run.claim, worker_id, disconnect_grace_s)
+            res = await store.renew(run.claim, disconnect_grace_s, lease_s)
         except StoreUnavailable:
             # redis-py may turn our own cancellation mid-command into a connection error: a cancelled
             # renewer must stop, or the job waits on it forever (renewed, never finished).
@@ -84,7 +84,7 @@ async def keep_lease(run: Run, store: Store, worker_id: str, lease_s: float, dis
             if run.generation_over or (task is not None and task.cancelling()):
                 raise asyncio.CancelledError from None
             continue
-        except StoreFull:  # RENEW's first write (XCLAIM) is one a full Redis allows, so this is rare; waited out
+        except StoreFull:  # RENEW's write is one a full Redis allows (broker.streams.queue_scripts): rare, waited out
             OUT_OF_MEMORY.refused("lease renewal")
             continue
         except Exception as e:
@@ -96,10 +96,10 @@ async def keep_lease(run: Run, store: Store, worker_id: str, lease_s: float, dis
         run.cancel(res.cancel_reason)
 
 
-async def check_cancel(run: Run, store: Store, worker_id: str, disconnect_grace_s: float) -> None:
+async def check_cancel(run: Run, store: Store, disconnect_grace_s: float, lease_s: float) -> None:
     """A cancel notice came for ``run``: ask RENEW, which says whether (and why) it is cancelled."""
     try:
-        res = await store.renew(run.claim, worker_id, disconnect_grace_s)
+        res = await store.renew(run.claim, disconnect_grace_s, lease_s)
     except StoreTransient:
         return  # the renewal loop asks again within lease_s / 3
     except Exception as e:

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from broker import runtime
+from broker.errors import StoreTransient
 from broker.redis.connection import connect, connect_blocking
 from broker.redis.eviction import check_eviction_policy
 from broker.streams.store import Store
@@ -23,7 +24,7 @@ log = logging.getLogger("rsb.generator")
 async def serve(settings: GeneratorSettings, engine: Engine) -> None:
     b = settings.broker
     redis = connect(b.url, max_connections=4, retries=1, cluster=b.cluster)
-    # One blocking XREADGROUP per hash slot polled (one on a standalone server) plus the cancel listener.
+    # One blocking BLPOP per hash slot waited on (one on a standalone server) plus the cancel listener.
     blocking = connect_blocking(b.url, max_connections=b.partitions + 1, cluster=b.cluster)
     store = Store(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms)
     worker = Worker(settings, engine, store, blocking)
@@ -46,6 +47,9 @@ async def serve(settings: GeneratorSettings, engine: Engine) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    # Announced before "ready": a create naming this model, sent once a supervisor saw the line, finds it listed.
+    with contextlib.suppress(StoreTransient):  # else the announcer's loop tries again
+        await worker.announce_now()
     log.info("generator ready", extra={"worker_id": worker.worker_id, "model": engine.name,
                                            "stack": runtime.stack()})
     try:

@@ -19,6 +19,7 @@ disable_created_metrics()
 
 TTFT_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 TPOT_BUCKETS_MS = (0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500)
+QUEUE_WAIT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class GeneratorMetrics:
@@ -38,8 +39,19 @@ class GeneratorMetrics:
                             "waits (no replica acknowledged it, or its shard is down: generator.slots)", registry=r)
         self.ttft = Histogram("rsb_generator_ttft_ms", "time from claim to first token, in ms", registry=r,
                               buckets=TTFT_BUCKETS_MS)
+        self.queue_wait = Histogram(
+            "rsb_generator_queue_wait_seconds", "time from create to this worker's claim of a job's first attempt, by "
+            "model and service tier", ["model", "tier"], registry=r, buckets=QUEUE_WAIT_BUCKETS_S)
+        self.takeovers = Counter("rsb_generator_takeovers_total", "jobs this worker continued after another attempt "
+                                 "(a worker that died, stalled past its lease or handed the job over)", registry=r)
         self.tpot = Histogram("rsb_generator_tpot_ms", "time per output token after the first, in ms", registry=r,
                               buckets=TPOT_BUCKETS_MS)
+
+    def claimed(self, model: str, tier: str, attempts: int, waited_s: float) -> None:
+        if attempts == 1:
+            self.queue_wait.labels(model, tier).observe(max(0.0, waited_s))
+        else:
+            self.takeovers.inc()
 
     def finished(self, status: str, usage: dict[str, Any], generated_here: int) -> None:
         """One generation ended. ``generated_here``: tokens this worker computed for it (not earlier attempts)."""

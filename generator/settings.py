@@ -19,6 +19,9 @@ class EngineSettings(Settings):
     model_name: str | None = setting(
         None, "name the --model is served under (started events, /v1/models, the page); default: the default "
         "model's name, else the GGUF's general.name, else its file name")
+    model_aliases: tuple[str, ...] = setting(
+        (), "other names requests may give this model (comma-separated, e.g. gpt-4o-mini): a create naming one runs "
+        "on this model's workers, and every response names the model itself", flag="model-alias")
     upstream_url: str | None = setting(
         None, "URL of an OpenAI-compatible or Ollama server to drive instead of a local model", flag="upstream")
     n_threads: int | None = setting(None, "llama.cpp threads (default: physical cores)")
@@ -47,7 +50,8 @@ class GeneratorSettings(Settings):
     broker: BrokerSettings = field(default_factory=BrokerSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     log: LogSettings = field(default_factory=LogSettings)
-    worker_id: str | None = setting(None, "consumer-group name of this worker (default: host-pid-random)")
+    worker_id: str | None = setting(
+        None, "name of this worker in Redis: its leases and inbox (default: host-pid-random)")
     lease_s: float = setting(10.0, "seconds a job stays with a silent worker before another takes it over")
     max_attempts: int = setting(3, "attempts before a stream ends with error worker_lost")
     max_generation_s: float = setting(
@@ -73,6 +77,9 @@ class GeneratorSettings(Settings):
         2.0, "chat-affine claiming: a chat's next turn waits up to this long (from its creation) for the worker "
         "that ran its last turn, whose prompt cache holds its history, before any worker takes it (0 = off; "
         "at most lease_s)")
+    tier_aging_s: float = setting(
+        30.0, "a service tier (priority, default, flex) that has waited this long since a claim last served it is "
+        "served next, so flex work never starves behind default work (0 = strict order)")
     metrics_port: int = setting(0, "serve this worker's Prometheus /metrics on this port (0 = off)")
     metrics_host: str = setting("127.0.0.1", "address of the worker's /metrics endpoint")
     disconnect_grace_s: float = setting(

@@ -1,7 +1,7 @@
 """The generator worker: one poll loop that claims jobs and runs each to its terminal event.
 
-The pieces, each in its module: where the next job comes from (generator.jobs: lease takeovers first,
-then new jobs), running one job (generator.generation: claim, token pump, terminal event, ack), keeping
+The pieces, each in its module: where the next job comes from (generator.jobs: this worker's model's queue,
+takeovers and left jobs first), running one job (generator.generation: claim, token pump, terminal event, ack), keeping
 its lease and hearing its cancel (generator.lease). This module only decides how many run at once and
 how the worker stops: ``request_stop`` (finish what is in flight) and ``hand_over`` (give it back now).
 """
@@ -17,9 +17,9 @@ from collections.abc import Coroutine
 from typing import Any
 
 from broker.backoff import Attempts
-from broker.errors import StoreFull, StoreUnavailable
+from broker.errors import StoreFull, StoreTransient, StoreUnavailable
 from broker.redis.connection import RedisClient
-from broker.streams.records import Job
+from broker.streams.records import Claim
 from broker.streams.served_models import ANNOUNCE_INTERVAL_S, ServedModels
 from broker.streams.store import Store
 from generator.appends import AppendBatcher
@@ -44,7 +44,7 @@ class Worker:
         self.settings = settings
         self.engine = engine
         self.store = store
-        self.blocking = blocking  # XREADGROUP BLOCK and pub/sub: no socket timeout
+        self.blocking = blocking  # BLPOP and pub/sub: no socket timeout
         self.worker_id = settings.worker_id or default_worker_id()
         self.metrics = GeneratorMetrics()
         OUT_OF_MEMORY.on_refused = self.metrics.storage_full.inc
@@ -55,7 +55,9 @@ class Worker:
         self.runner = JobRunner(settings, engine, store, appender, self.metrics, self.worker_id)
         self._background: set[asyncio.Task[Any]] = set()
         affinity_wait_s = settings.affinity_wait_s if engine.caches_prompts else 0.0
-        self.poller = JobPoller(store, blocking, self.worker_id, settings.lease_s, self._spawn, affinity_wait_s)
+        self.poller = JobPoller(store, blocking, self.worker_id, (engine.name, *settings.engine.model_aliases),
+                                settings.lease_s,
+                                aging_s=settings.tier_aging_s, affinity_wait_s=affinity_wait_s)
         self._stopping = asyncio.Event()
         self.slots: Slots | None = None  # while running
 
@@ -80,12 +82,15 @@ class Worker:
             run.handing_over = True
             run.stop.set()
 
+    async def announce_now(self) -> None:
+        """Tell the consumers which model (and aliases) this worker serves, once; raises what Redis raises."""
+        await ServedModels(self.store.redis).announce(self.engine.name, self.settings.engine.model_aliases)
+
     async def _announce_model(self) -> None:
         """Tell the consumers which model this worker serves (GET /v1/models), now and every few seconds."""
-        models = ServedModels(self.store.redis)
         while True:
             try:
-                await models.announce(self.engine.name)
+                await self.announce_now()
             except StoreUnavailable as e:
                 log.warning("could not announce the model, retrying: %s", e)
             except StoreFull:  # counted in the process's episode, tried again
@@ -97,7 +102,7 @@ class Worker:
     def _on_cancel_notice(self, stream_id: uuid.UUID) -> None:
         run = self.runner.running.get(stream_id)
         if run is not None:
-            self._spawn(check_cancel(run, self.store, self.worker_id, self.settings.disconnect_grace_s))
+            self._spawn(check_cancel(run, self.store, self.settings.disconnect_grace_s, self.settings.lease_s))
 
     async def run(self) -> None:
         """The poll loop: while fewer than ``concurrency`` jobs run (parked ones aside: generator.slots), claim the
@@ -114,36 +119,30 @@ class Worker:
             while not self._stopping.is_set():
                 await slots.take()
                 try:
-                    await self.store.ensure_groups()
-                    job = await self._poll_unless_stopping()
+                    claim = await self._claim_unless_stopping()
                     attempts.reset()
                 except StoreUnavailable as e:
                     slots.release()
                     log.warning("redis unavailable, retrying: %s", e)
                     await attempts.sleep()
                     continue
-                except StoreFull:  # XGROUP CREATE is refused too: wait, as for an outage
+                except StoreFull:  # a claim writes: wait, as for an outage
                     slots.release()
-                    OUT_OF_MEMORY.refused("poll for jobs")
+                    OUT_OF_MEMORY.refused("claim a job")
                     await attempts.sleep()
                     continue
-                if job is not None and slots.resume_wanted:
-                    # A parked generation's write landed while this poll ran: the slot is its, the job goes
-                    # back to the queue for the next poll (this worker's or another's).
-                    await self.poller.hand_back([job])
-                    job = None
-                if job is not None and job.stream_id in self.runner.running:
-                    # Delivered again while this worker runs it (parked, say): a poll answered by a primary that
-                    # had just lost a failover it had not heard of yet. Claiming it again would fence out our own
-                    # run; the run acknowledges the entry when it ends.
-                    log.info("a job this worker is running came again: dropped",
-                             extra={"stream_id": str(job.stream_id)})
-                    job = None
-                if job is None:
+                if claim is not None and (slots.resume_wanted or claim.stream_id in self.runner.running):
+                    # A parked generation's write landed while this claim ran: the slot is its, and the job goes back
+                    # to the front of its line. Or this worker's own run whose lease lapsed while it stalled: the
+                    # claim fenced that run out, and the job is given back to be continued once it has stopped.
+                    self._spawn(self._give_back(claim))
+                    claim = None
+                if claim is None:
                     slots.release()
+                    await self._wait_unless_stopping()
                     continue
                 seat = slots.seat()
-                task = asyncio.create_task(self.runner.run(job, seat))
+                task = asyncio.create_task(self.runner.run(claim, seat))
                 jobs.add(task)
 
                 def done(t: asyncio.Task[None], seat: Seat = seat) -> None:
@@ -154,25 +153,33 @@ class Worker:
 
                 task.add_done_callback(done)
         finally:
-            await self.poller.cancel_polls()
             if jobs:  # finished within the grace period, or handed over by hand_over()
                 await asyncio.gather(*jobs, return_exceptions=True)
             control.cancel()
             announcer.cancel()
             await asyncio.gather(control, announcer, *self._background, return_exceptions=True)
 
-    async def _poll_unless_stopping(self) -> Job | None:
-        """Poll for a job, but let a stop request end the wait at once. An entry delivered to a poll
-        that is cancelled this way stays pending and is taken over after ``lease_s``: nothing is lost."""
-        if self._stopping.is_set():  # never claim (XAUTOCLAIM) a job just handed over by this very worker
+    async def _claim_unless_stopping(self) -> Claim | None:
+        if self._stopping.is_set():  # never claim (take over) a job just handed over by this very worker
             return None
-        poll = asyncio.ensure_future(self.poller.next_job())
+        return await self.poller.claim()
+
+    async def _wait_unless_stopping(self) -> None:
+        """Wait for work, but let a stop request end the wait at once; a failed wait is retried by the next claim."""
+        if self._stopping.is_set():
+            return
+        wait = asyncio.ensure_future(self.poller.wait())
         stop = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait({poll, stop}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({wait, stop}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
-        if not poll.done():
-            poll.cancel()
-            await asyncio.gather(poll, return_exceptions=True)
-            await self.poller.cancel_polls()
-            return None
-        return poll.result()
+        if not wait.done():
+            wait.cancel()
+        results = await asyncio.gather(wait, return_exceptions=True)
+        if isinstance(results[0], StoreUnavailable):
+            await asyncio.sleep(0.1)  # Redis away: the claim that follows says so, and backs off
+
+    async def _give_back(self, claim: Claim) -> None:
+        try:
+            await self.store.give_back(claim)
+        except StoreTransient as e:  # its lease lapses instead: taken over after lease_s
+            log.warning("could not give a job back: %s", type(e).__name__)

@@ -21,6 +21,7 @@ import redis
 from helpers import eventually
 
 from bench.procs import Nginx, Proc, wait_serving
+from broker.redis.keyspace import tagged
 from broker.redis.server import RedisServer, free_port
 from broker.streams.keys import queue_stats_key
 
@@ -153,6 +154,10 @@ class RedisClusterServers:
 # -- rsb's own processes -------------------------------------------------------------------------------
 
 
+#: Model names the tests' requests give: aliases of whatever model a test generator runs (--model-alias).
+TEST_MODEL_NAMES = ("m", "x", "demo", "llama3", "gpt-4o-mini", "test", "story-model")
+
+
 class Stack:
     """Start real rsb processes against a real Redis; everything is stopped at teardown."""
 
@@ -169,6 +174,9 @@ class Stack:
     def generator(self, *extra: str, ignore_eos: bool = True, wait: bool = True, model: Path | None = None) -> Proc:
         args = ["generator", "--redis-url", self.redis_url, "--model", str(model or self.model), "--n-threads", "1",
                 "--log-level", "info", *extra]
+        if not any(a.startswith(("--model-name", "--model-alias")) for a in extra):
+            # The names the tests' requests give (each generator answers to them: one model per stack).
+            args += ["--model-alias", ",".join(TEST_MODEL_NAMES)]
         if ignore_eos:
             args.append("--ignore-eos")
         p = self._run("generator", args)
@@ -180,8 +188,13 @@ class Stack:
                 time.sleep(0.05)
         return p
 
-    def consumer(self, *extra: str, port: int | None = None) -> tuple[Proc, str]:
+    def consumer(self, *extra: str, port: int | None = None, test_default: bool = True) -> tuple[Proc, str]:
+        """A consumer; ``test_default``: with ``--default-model`` the first of TEST_MODEL_NAMES (an alias every
+        test generator answers to), so creates that name no model queue while no generator runs yet."""
         port = port or free_port()
+        if test_default and not any(a.startswith("--default-model") for a in extra) and \
+                "RSB_DEFAULT_MODEL" not in os.environ:
+            extra = (*extra, "--default-model", TEST_MODEL_NAMES[0])
         p = self._run("consumer", ["consumer", "--redis-url", self.redis_url, "--port", str(port), *extra])
         url = f"http://127.0.0.1:{port}"
         wait_serving(f"{url}/healthz", p.alive, p.output, 30)
@@ -207,10 +220,9 @@ class SharedStack(Stack):
 
     def wait_idle(self, timeout_s: float = 60.0) -> None:
         """Until no job is queued or running: whatever a test left generating ends before the next test."""
-        stats = queue_stats_key(0, 1)
-
         def idle() -> bool:
-            waiting, busy = (int(v or 0) for v in self.redis.hmget(stats, "waiting", "busy"))
+            waiting = int(self.redis.hget(queue_stats_key(0, 1), "waiting") or 0)
+            busy = sum(self.redis.zcard(k) for k in self.redis.keys(f"{tagged(0, 1)}:q:*:leases"))
             assert waiting == 0 and busy == 0, f"a shared stack still has {waiting} queued, {busy} running"
             return True
 

@@ -104,7 +104,7 @@ async def load_redis(ctl: Control, redis_url: str, rate: float, duration_s: floa
         sid, req = parse_create_body(body(str(uuid.uuid4())), RequestLimits())
         assert sid is not None
         try:
-            res = await store.create(sid, req, default_model="default", max_queue=0, retention_s=3600)
+            res = await store.create(sid, req, model="default", max_queue=0, retention_s=3600)
         except RsbError as e:
             return False, e.code
         return res.created, "created" if res.created else "exists"
@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"params": {"rate": args.rate, "duration_s": args.duration_s,
                                       "connections": args.connections}}
     with procs.redis_server() as server, procs.procs() as started:
-        consumer, base = procs.start_consumer(server.url, "--max-queue", "0")
+        # No generator runs: creates name no model, so they go to --default-model (else 503 starting).
+        consumer, base = procs.start_consumer(server.url, "--max-queue", "0", "--default-model", "default")
         started.append(consumer)
         out["rsb"] = procs.run_load_measuring_cpu(
             "bench.scenarios.create:load_http",

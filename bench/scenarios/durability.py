@@ -51,7 +51,7 @@ async def _measure(url: str, level: str, streams: int, tokens: int) -> dict[str,
     _, req = parse_create_body(orjson.dumps({"prompt": "bench", "max_tokens": tokens}),
                                RequestLimits(max_tokens=1 << 20, default_max_tokens=tokens))
     for sid in sids:
-        await store.create(sid, req, default_model="paced", max_queue=0, retention_s=600)
+        await store.create(sid, req, model="paced", max_queue=0, retention_s=600)
     deadline = time.monotonic() + 120
     while ended < streams and time.monotonic() < deadline:
         msg: Any = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)

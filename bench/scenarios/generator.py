@@ -117,7 +117,7 @@ async def rsb_generate(redis_url: str, tokens: int) -> list[tuple[int, str, str]
     _, req = parse_create_body(orjson.dumps({"prompt": PROMPT, "max_tokens": tokens, "seed": SEED,
                                              "temperature": TEMPERATURE, "top_p": TOP_P}),
                                RequestLimits(max_tokens=1 << 20, default_max_tokens=tokens))
-    await store.create(sid, req, default_model="demo", max_queue=0, retention_s=3600)
+    await store.create(sid, req, model="demo", max_queue=0, retention_s=3600)
     while True:
         st = await store.status(sid)
         if st is not None and st.status in ("done", "error", "cancelled"):

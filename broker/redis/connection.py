@@ -34,7 +34,6 @@ from redis.exceptions import (
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.backoff import Backoff
-from broker.errors import StoreError
 from broker.redis.errors import closed_under_the_command, reply, store_errors
 
 # Ordinary commands: short, so a dead server is noticed in seconds, not minutes.
@@ -59,6 +58,14 @@ Script = Any
 #: ``key``'s slot) changes nothing, but is refused when Redis is full, so the whole script is, before it wrote.
 REFUSE_WHEN_FULL = """
 local function refuse_when_full(key) redis.call('SETRANGE', key .. ':oom', 0, '') end
+"""
+
+#: The converse, for scripts that must write when Redis is full because what they write takes no new memory (a
+#: lease's new deadline: a generation keeps its lease through an out-of-memory episode, so no other worker takes
+#: it over when memory returns). ``allow_when_full(key)`` first: a PERSIST of a key that has no expiry changes
+#: nothing, but is a write Redis lets through, after which it lets the script's other writes through too.
+ALLOW_WHEN_FULL = """
+local function allow_when_full(key) redis.call('PERSIST', key) end
 """
 
 
@@ -94,15 +101,6 @@ async def evalsha_many(client: RedisClient, script: Script, calls: list[tuple[li
             continue
         return raw
     raise AssertionError("unreachable")
-
-
-async def ensure_group(client: RedisClient, stream: str, group: str) -> None:
-    """Create consumer group ``group`` of ``stream`` (and the stream) unless it exists."""
-    try:
-        await client.xgroup_create(stream, group, id="0", mkstream=True)
-    except StoreError as e:  # BUSYGROUP: already there
-        if "BUSYGROUP" not in str(e):
-            raise
 
 
 async def xrange_raw(client: RedisClient, key: str, start: str, count: int) -> list[Any]:
@@ -351,8 +349,8 @@ def connect(url: str, *, max_connections: int = 8, retries: int = 3, cluster: bo
 
 
 def connect_blocking(url: str, *, max_connections: int = 2, cluster: bool = False) -> RedisClient:
-    """A client for blocking reads (XREADGROUP BLOCK, pub/sub). redis-py does not extend the socket
-    timeout for BLOCK, so these connections have none; TCP keepalive detects a dead server instead.
+    """A client for blocking reads (BLPOP, pub/sub). redis-py does not extend the socket
+    timeout for blocking commands, so these connections have none; TCP keepalive detects a dead server instead.
     On a cluster, pub/sub does not go through this client's pool: see ``connect_node``."""
     if cluster or is_cluster_url(url):
         return _cluster(cluster_url(url), max_connections=max_connections, retries=0, socket_timeout=None)

@@ -1,9 +1,9 @@
 """Every Redis key of rsb's streams, jobs and chats is named here, and only here (Durable Streams' keys:
 broker.durable.keys; the prefix and the partitions' hash tags: broker.redis.keyspace).
 
-All keys of one stream, and the job queue that stream is enqueued on, share the hash tag of the
-stream's *partition* (``{p<n>}``). That keeps each atomic script (create + enqueue, claim, append,
-finish, cancel) inside one hash slot, so the schema runs unchanged on Redis Cluster, while
+All keys of one stream, and the job queues that stream is enqueued on (one per model: ``QueueKeys``), share
+the hash tag of the stream's *partition* (``{p<n>}``). That keeps each atomic script (create + enqueue, claim,
+append, finish, cancel) inside one hash slot, so the schema runs unchanged on Redis Cluster, while
 ``partitions`` spreads streams and queues over many slots and so over every master.
 
 ``partitions`` is part of the stored data's address: choose it once per deployment (1 is strict
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from broker.redis.keyspace import PREFIX, tagged
 
-JOBS_GROUP = "generators"
 # The last part of each key of a stream, after ``stream_key_prefix`` and its id: also what the claim script
 # appends, inside Lua, to reach the streams waiting behind the one it claims (it gets them as arguments).
 META_SUFFIX = ":meta"
@@ -76,12 +75,12 @@ class StreamKeys:
         return self._stream + CHANNEL_SUFFIX
 
     @property
-    def jobs(self) -> str:
-        return jobs_key(self.partition, self.partitions)
-
-    @property
     def queue_stats(self) -> str:
         return queue_stats_key(self.partition, self.partitions)
+
+    def queue(self, model: str) -> QueueKeys:
+        """The job queue of ``model`` (a served model's name) in this stream's partition."""
+        return QueueKeys(self.partition, self.partitions, model)
 
     def tenant(self, principal: str) -> str:
         """Hash of one caller's counters in this partition: ``active`` (unfinished generations) and ``tat``
@@ -128,26 +127,15 @@ def principal(key_id: str, address: str) -> str:
     return "a:" + hashlib.blake2b(address.encode(), digest_size=12).hexdigest()
 
 
-def jobs_key(partition: int, partitions: int) -> str:
-    """Redis Stream of job entries (fields ``sid``, then ``aff``: GenerationRequest.affinity), read by the
-    ``generators`` consumer group."""
-    return f"{tagged(partition, partitions)}:jobs"
-
-
 def affinity_key(partition: int, partitions: int, affinity: str) -> str:
     """String: the worker that last ran a chat (``affinity``: a digest, GenerationRequest.affinity), so its
-    next turn goes there (chat-affine claiming, broker.streams.scripts.DEFER)."""
+    next turn goes there (chat-affine claiming: broker.streams.queue_scripts)."""
     return f"{tagged(partition, partitions)}:aff:{affinity}"
 
 
-def inbox_prefix(partition: int, partitions: int) -> str:
-    """``<prefix><worker id>``: Redis Stream of the jobs other workers left for that worker, whose chats'
-    prefixes it holds (fields ``sid``, ``jid``: the job's entry in the partition's job stream)."""
-    return f"{tagged(partition, partitions)}:inbox:"
-
-
 def queue_stats_key(partition: int, partitions: int) -> str:
-    """Hash of queue counters for a partition: ``waiting`` (enqueued, not yet claimed)."""
+    """Hash of a partition's queue counter over every model: ``waiting`` (enqueued, not yet claimed). Each
+    model's queue has its own (``QueueKeys.stats``)."""
     return f"{tagged(partition, partitions)}:qstats"
 
 
@@ -262,3 +250,75 @@ def read_token_secret_key() -> str:
     the first pod that needs it: broker.streams.read_token_secret). One key for the deployment, outside every
     partition."""
     return f"{PREFIX}:read-token-secret"
+
+
+def model_tag(model: str) -> str:
+    """A served model's name as it reaches key names: itself when it is a plain name (the one KEDA's triggers and
+    an operator's ``redis-cli`` see), else a digest. A name is an operator's (``--model-name``), never a client's
+    (a create names a model the consumer resolved against the served ones), but braces would move the hash tag."""
+    if model and len(model) <= 96 and all(c.isalnum() or c in "._-" for c in model):
+        return model
+    return "h-" + hashlib.sha256(model.encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueKeys:
+    """The job queue of one model in one partition (broker.streams.queue_scripts says how a job moves through
+    it). Every key starts with ``prefix``, which the scripts also store in a stream's meta (``qp``) to reach the
+    queue from the stream: the per-tenant lists are named inside Lua from it."""
+
+    partition: int
+    partitions: int
+    model: str
+
+    @property
+    def prefix(self) -> str:
+        return f"{tagged(self.partition, self.partitions)}:q:{model_tag(self.model)}:"
+
+    @property
+    def stats(self) -> str:
+        """Hash: ``waiting`` and ``waiting:<tier>`` (queued jobs), ``busy`` (running ones), ``ema_job_s`` (a moving
+        average of job time: ETAs, Retry-After), ``served:<tier>`` (when a claim last took that tier, Unix ms)."""
+        return self.prefix + "stats"
+
+    @property
+    def backlog(self) -> str:
+        """Redis Stream, one entry per unfinished job (queued or running; field ``sid``), deleted when the job
+        ends: its length is the signal KEDA scales a model's generators on. Nothing reads its entries."""
+        return self.prefix + "jobs"
+
+    @property
+    def leases(self) -> str:
+        """Sorted set: each running job's stream id, scored by when its lease ends (server Unix ms). A score in
+        the past is a job to take over (its worker died or handed it back: score 0)."""
+        return self.prefix + "leases"
+
+    @property
+    def deferred(self) -> str:
+        """Sorted set: queued jobs left for the worker that holds their chat's prefix, scored by when any worker
+        may take them (server Unix ms)."""
+        return self.prefix + "deferred"
+
+    @property
+    def wake(self) -> str:
+        """List of wake-up tokens: each enqueue pushes one, and an idle worker blocks on it (BLPOP), so one new
+        job wakes one worker. Trimmed: a token only ends a wait, the claim script decides."""
+        return self.prefix + "wake"
+
+    def wake_for(self, worker_id: str) -> str:
+        """List of wake-up tokens for one worker: a job was left in its inbox."""
+        return f"{self.prefix}wake:{worker_id}"
+
+    def inbox(self, worker_id: str) -> str:
+        """List of the stream ids of jobs left for one worker (chat-affine claiming); stale ones are skipped."""
+        return f"{self.prefix}inbox:{worker_id}"
+
+    def ring(self, tier: str) -> str:
+        """List: the tenants with queued jobs in ``tier``, in turn order (a claim takes the head's next job and
+        moves it to the tail: round robin)."""
+        return f"{self.prefix}ring:{tier}"
+
+    def waiting(self, tier: str, tenant: str) -> str:
+        """List: one tenant's queued jobs in ``tier``, first come first served. The scripts build it in Lua as
+        ``prefix .. 'w:' .. tier .. ':' .. tenant`` (a tenant is broker.streams.keys.principal's: no client text)."""
+        return f"{self.prefix}w:{tier}:{tenant or '-'}"

@@ -1,4 +1,4 @@
-"""What the store hands back: the records of a stream, of a job and of a claim, and the create quota. Plain
+"""What the store hands back: the records of a stream and of a claim, and the create quota. Plain
 frozen values (no Redis here); broker.streams.store reads and writes them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 from broker.events import TERMINAL_TYPES
 from broker.request import GenerationRequest
-from broker.streams.keys import StreamKeys
+from broker.streams.keys import QueueKeys, StreamKeys
 
 STATUSES = ("queued", "running", "done", "cancelled", "error")
 TERMINAL_STATUSES = TERMINAL_TYPES
@@ -59,17 +59,6 @@ class Unclaimable(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Job:
-    """An entry of a partition's job stream: the stream to generate."""
-
-    partition: int
-    entry_id: str
-    stream_id: uuid.UUID
-    affinity: str = ""  # GenerationRequest.affinity of its request
-    inbox_entry: str = ""  # delivered through this worker's inbox (chat-affine claiming): that entry's id
-
-
-@dataclass(frozen=True, slots=True)
 class Claim:
     stream_id: uuid.UUID
     keys: StreamKeys
@@ -79,10 +68,18 @@ class Claim:
     cancel_reason: str
     model: str
     seq: int
-    job_id: str
+    tier: str  # broker.tiers: the tier it was queued in
     # Whom the stream is charged to (broker.streams.keys.principal: the API key id, or ``a:`` and a digest of
     # the client's address): the scheduler's fair-share unit, and the scope of what a worker caches for it.
     tenant: str = ""
+    # From create to this claim (s): the consumer pod's create time to Redis's clock (what a user waited, give or
+    # take the clocks' skew).
+    waited_s: float = 0.0
+
+    @property
+    def queue(self) -> QueueKeys:
+        """The queue its job is in: its model's, in its partition."""
+        return self.keys.queue(self.model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +93,7 @@ class StreamStatus:
     max_tokens: int
     key_id: str
     abandon_s: float = 0.0
+    tier: str = ""  # broker.tiers: the tier it was queued in ('' for a stream from before tiers)
 
     @property
     def watched(self) -> bool:

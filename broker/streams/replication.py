@@ -39,7 +39,7 @@ from broker.events import Event, EventPage
 from broker.redis.connection import RedisClient, register_script
 from broker.redis.replicas import ReplicaWaiter, no_replica
 from broker.streams.keys import StreamKeys
-from broker.streams.scripts import PRELUDE
+from broker.streams.lua import PRELUDE
 
 log = logging.getLogger("rsb.replication")
 

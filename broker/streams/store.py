@@ -1,12 +1,12 @@
 """Typed operations on streams and jobs: the only module that talks to Redis about them.
 
-Every change to a stream (create, claim, append, finish, cancel, renew, release, touch, ack) is one Lua
-script of broker.streams.scripts, so each is atomic. Reads (status, events, the stored request) and the job
-queue's consumer-group commands (XREADGROUP, XAUTOCLAIM, XCLAIM: atomic single commands) are plain
-commands, made here too, so that no other module names a Redis key or a command.
+Every change to a stream and its job (create, claim, append, finish, cancel, renew, release, give back, touch) is
+one Lua script of broker.streams.scripts or broker.streams.queue_scripts, so each is atomic. Reads (status, events,
+the stored request, queue counts) and the idle workers' wait (BLPOP on wake tokens) are plain commands, made here
+too, so that no other module names a Redis key or a command.
 
 Long because it is that one place for every operation on a stream and its job, every script's call and the
-reading of its reply, and every read (the chat-affine claiming ones are apart, in broker.streams.affinity);
+reading of its reply, and every read (noting which worker holds a chat is apart, in broker.streams.affinity);
 splitting it would split the schema it keeps consistent.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from broker import tiers
 from broker.errors import (
     BudgetExceeded,
     Conflict,
@@ -37,27 +38,26 @@ from broker.redis.batching import CommandBatcher
 from broker.redis.connection import (
     RAW_ENTRIES,
     RedisClient,
-    ensure_group,
     evalsha_many,
     is_cluster,
     register_script,
     reply_text,
     xrange_raw,
 )
+from broker.redis.lua import Lua
 from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.request import GenerationRequest
-from broker.streams import replication, scripts
+from broker.streams import queue_scripts, replication, scripts
 from broker.streams.affinity import ChatAffinity
 from broker.streams.budget import NO_BUDGET, Budget, reservation
 from broker.streams.keys import (
     CHANNEL_SUFFIX,
     EVENTS_SUFFIX,
-    JOBS_GROUP,
     META_SUFFIX,
+    QueueKeys,
     StreamKeys,
+    affinity_key,
     budget_key,
-    inbox_prefix,
-    jobs_key,
     principal,
     queue_stats_key,
     stream_key_prefix,
@@ -67,7 +67,6 @@ from broker.streams.records import (
     AppendResult,
     Claim,
     Created,
-    Job,
     Quota,
     StreamStatus,
     Unclaimable,
@@ -103,25 +102,27 @@ class Store:
         self.gate = replication.ReplicaGate(redis, wait_ms=replica_wait_ms,
                                            patience_s=replica_patience_s) if replicated else None
 
-        def register(text: str) -> Any:
+        def register(script: str | Lua) -> Any:
+            text = script.text if isinstance(script, Lua) else script
             return register_script(redis, replication.prepare(text, replicated=replicated))
 
         self._create = register(scripts.CREATE)
-        self._claim = register(scripts.CLAIM)
+        self._claim = register(queue_scripts.CLAIM)
+        self._claim_next = register(queue_scripts.CLAIM_NEXT)
+        self._give_back = register(queue_scripts.GIVE_BACK)
         self._append = register(scripts.APPEND)
         self._append_many = register(scripts.APPEND_MANY)
         self._append_heads: dict[int, tuple[Claim, tuple[bytes, bytes, bytes, bytes]]] = {}
         self._finish = register(scripts.FINISH)
         self._cancel = register(scripts.CANCEL)
-        self._renew = register(scripts.RENEW)
-        self._release = register(scripts.RELEASE)
+        self._renew = register(queue_scripts.RENEW)
+        self._release = register(queue_scripts.RELEASE)
         self._touch = register(scripts.TOUCH)
-        self._ack = register(scripts.ACK)
         self._wasted = register(scripts.WASTED)
-        self.affinity = ChatAffinity(redis, partitions, register)
+        self.affinity = ChatAffinity(redis, partitions)
 
-    def jobs_key(self, partition: int) -> str:
-        return jobs_key(partition, self.partitions)
+    def queue(self, partition: int, model: str) -> QueueKeys:
+        return QueueKeys(partition, self.partitions, model)
 
     def keys(self, stream_id: uuid.UUID) -> StreamKeys:
         return StreamKeys.of(stream_id, self.partitions)
@@ -133,8 +134,9 @@ class Store:
         stream_id: uuid.UUID,
         request: GenerationRequest,
         *,
-        default_model: str,
+        model: str,
         max_queue: int,
+        tier: str = tiers.DEFAULT,
         retention_s: int,
         abandon_after_s: float = 0.0,
         key_id: str = "",
@@ -144,7 +146,8 @@ class Store:
         budget: Budget = NO_BUDGET,
         webhook: tuple[str, str] | None = None,
     ) -> Created:
-        """Create the stream and enqueue its job, or recognise a retry of the same request (which no limit
+        """Create the stream and enqueue its job in ``model``'s queue (a served model's name: the consumer resolved
+        the request's) in ``tier`` (broker.tiers), or recognise a retry of the same request (which no limit
         refuses). Raises Conflict (same id, other request), Expired, RateLimited, TooManyGenerations (the
         caller's ``quota``) or QueueFull: ``max_queue`` queued generations (0: no bound; like the quota,
         each partition holds ceil(max_queue / P) of them), or an estimated wait over ``max_queue_wait_s``
@@ -158,16 +161,25 @@ class Store:
         now = time.time()
         period, period_end = budget.window(now)
         canonical = request.canonical_json()
+        q = k.queue(model)
+        script = scripts.CREATE
         res = await self._call(
-            k, self._create, [k.meta, k.events, k.jobs, k.queue_stats, k.tombstone, k.tenant(who),
-                              storage_key(k.partition, k.partitions, storage.principal or who),
-                              budget_key(k.partition, k.partitions, key_id, period)],
-            [str(stream_id), request.request_hash(), canonical, f"{now:.6f}",
-                  queue_share, request.model or default_model, request.max_tokens, k.channel, key_id,
-                  retention_s, abandon_after_s, int(request.cancel_on_disconnect), max_active, burst, interval_ms,
-                  max_queue_wait_s, int(request.history is not None), storage.share(self.partitions),
-                  request.affinity(), budget.share(self.partitions), reservation(canonical, request.max_tokens),
-                  f"{period_end:.0f}", *(webhook or ("", ""))],
+            k, self._create,
+            script.keys({"meta": k.meta, "events": k.events, "totals": k.queue_stats, "stats": q.stats,
+                         "backlog": q.backlog, "tombstone": k.tombstone, "tenant": k.tenant(who),
+                         "storage": storage_key(k.partition, k.partitions, storage.principal or who),
+                         "budget": budget_key(k.partition, k.partitions, key_id, period)}),
+            script.args({
+                "sid": str(stream_id), "rh": request.request_hash(), "req": canonical, "created_at": f"{now:.6f}",
+                "max_queue": queue_share, "model": model, "max_tokens": request.max_tokens, "channel": k.channel,
+                "key_id": key_id, "retention_s": retention_s, "abandon_s": abandon_after_s,
+                "cod": int(request.cancel_on_disconnect), "max_active": max_active, "burst": burst,
+                "interval_ms": interval_ms, "max_wait_s": max_queue_wait_s, "keep": int(request.history is not None),
+                "storage_share": storage.share(self.partitions), "affinity": request.affinity(),
+                "budget_share": budget.share(self.partitions),
+                "reservation": reservation(canonical, request.max_tokens), "period_end": f"{period_end:.0f}",
+                "hook": (webhook or ("", ""))[0], "hid": (webhook or ("", ""))[1], "qp": q.prefix, "tier": tier,
+                "who": who or "-", "position_updates": POSITION_UPDATES}),
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
@@ -208,7 +220,7 @@ class Store:
         # --max-prompt-chars to read one flag that CREATE stores apart.
         raw = await self._batch.execute(
             "HMGET", k.meta, "status", "model", "created_at", "usage", "last_id", "cod", "max_tokens", "key_id",
-            "abandon_s")
+            "abandon_s", "tier")
         if raw[0] is None:
             return None
         return StreamStatus(
@@ -221,6 +233,7 @@ class Store:
             max_tokens=int(raw[6] or 0),
             key_id=reply_text(raw[7]),
             abandon_s=float(raw[8] or 0),
+            tier=reply_text(raw[9]),
         )
 
     async def request_of(self, stream_id: uuid.UUID) -> GenerationRequest | None:
@@ -305,10 +318,15 @@ class Store:
         k = self.keys(stream_id)
         usage = orjson.dumps(empty_usage())
         data = encode_data({"reason": reason, "usage": empty_usage()})
+        script = scripts.CANCEL
         res = await self._call(
-            k, self._cancel, [k.meta, k.events, k.queue_stats, k.usage_index, k.tombstone, k.aborted_totals, k.outbox,
-                              k.outbox_due],
-            [reason, k.channel, data, usage, f"{time.time():.6f}", k.control, str(stream_id), k.usage_prefix],
+            k, self._cancel,
+            script.keys({"meta": k.meta, "events": k.events, "totals": k.queue_stats, "usage_index": k.usage_index,
+                         "tombstone": k.tombstone, "aborted_totals": k.aborted_totals, "outbox": k.outbox,
+                         "outbox_due": k.outbox_due}),
+            script.args({"reason": reason, "channel": k.channel, "cancelled_data": data, "usage": usage,
+                         "now_s": f"{time.time():.6f}", "control_channel": k.control, "sid": str(stream_id),
+                         "usage_prefix": k.usage_prefix}),
             lambda r: "" if reply_text(r[0]) in ("ended", "cancelled") else None)  # nothing comes after those
         tag = reply_text(res[0])
         if tag == "unknown":
@@ -316,64 +334,91 @@ class Store:
         return "cancelled" if tag == "cancelled" else reply_text(res[1])
 
     async def waiting(self) -> int:
-        """Streams enqueued and not yet claimed, over all partitions."""
+        """Streams enqueued and not yet claimed, over all partitions and models."""
         total = 0
         for p in range(self.partitions):
             total += int(await self.redis.hget(queue_stats_key(p, self.partitions), "waiting") or 0)
         return total
 
+    async def backlog(self, model: str) -> dict[str, int]:
+        """``model``'s queued jobs per tier, over all partitions."""
+        out = dict.fromkeys(tiers.TIERS, 0)
+        for p in range(self.partitions):
+            raw = await self.redis.hmget(self.queue(p, model).stats, [f"waiting:{t}" for t in tiers.TIERS])
+            for tier, n in zip(tiers.TIERS, raw, strict=True):
+                out[tier] += int(n or 0)
+        return out
+
+    async def running(self, model: str) -> int:
+        """``model``'s jobs claimed and not finished, over all partitions."""
+        return sum([int(await self.redis.hget(self.queue(p, model).stats, "busy") or 0)
+                    for p in range(self.partitions)])
+
     # -- generator side ------------------------------------------------------------------------
 
-    async def ensure_groups(self) -> None:
-        """Create the job queues' consumer group on every partition (idempotent)."""
-        for p in range(self.partitions):
-            await ensure_group(self.redis, self.jobs_key(p), JOBS_GROUP)
+    async def claim_next(self, model: str, partition: int, worker_id: str, *, lease_s: float,
+                         aging_s: float = 0.0, affinity_wait_s: float = 0.0) -> Claim | float | None:
+        """Claim the next job of ``model``'s queue in ``partition`` for ``worker_id``: one left for it, else a lapsed
+        lease's, else the next in line (broker.streams.queue_scripts). With nothing to claim: how long (s) until a
+        lease or a left job falls due, or None for nothing due."""
+        q = self.queue(partition, model)
+        script = queue_scripts.CLAIM_NEXT
+        res = await self._claim_next(
+            keys=script.keys({"totals": queue_stats_key(partition, self.partitions), "stats": q.stats,
+                              "leases": q.leases, "deferred": q.deferred, "inbox": q.inbox(worker_id)}),
+            args=script.args({"qp": q.prefix, "worker": worker_id, "lease_ms": int(lease_s * 1000),
+                              "aging_ms": int(aging_s * 1000), "affinity_wait_ms": int(affinity_wait_s * 1000),
+                              "affinity_prefix": affinity_key(partition, self.partitions, ""),
+                              "tries": queue_scripts.CLAIM_TRIES,
+                              "stream_prefix": stream_key_prefix(partition, self.partitions),
+                              "meta_suffix": META_SUFFIX, "events_suffix": EVENTS_SUFFIX,
+                              "channel_suffix": CHANNEL_SUFFIX, "position_updates": POSITION_UPDATES}))
+        if reply_text(res[0]) == "claimed":
+            return self._claimed(res)
+        due = reply_text(res[1])
+        return int(due) / 1000 if due else None
 
-    async def reclaim_stale_job(self, partition: int, worker_id: str, min_idle_ms: int) -> Job | None:
-        """A job whose owner stopped renewing its lease for ``min_idle_ms`` (or that was handed back), now
-        this worker's: XAUTOCLAIM moves ownership atomically, so two workers never both take it."""
-        res: Any = await self.redis.xautoclaim(self.jobs_key(partition), JOBS_GROUP, worker_id,
-                                               min_idle_time=min_idle_ms, start_id="0-0", count=1)
-        for entry_id, fields in res[1]:
-            if fields:  # an entry deleted meanwhile comes back without fields
-                return _job(partition, entry_id, fields)
-        return None
-
-    async def read_new_jobs(self, blocking: RedisClient, keys: dict[str, int], worker_id: str,
-                            block_ms: int) -> list[Job]:
-        """New jobs from these job streams (key -> partition, all in one hash slot on a cluster), delivered
-        to this worker by XREADGROUP: at most one per stream. ``blocking``: a client without a socket
-        timeout (the call blocks up to ``block_ms``)."""
-        streams: dict[Any, Any] = dict.fromkeys(keys, ">")
-        res: Any = await blocking.xreadgroup(JOBS_GROUP, worker_id, streams, count=1, block=block_ms)
-        return [_job(keys[reply_text(key)], entry_id, fields,
-                     inbox=reply_text(key).startswith(inbox_prefix(keys[reply_text(key)], self.partitions)))
-                for key, entries in res or [] for entry_id, fields in entries if fields]
-
-    async def hand_back(self, job: Job, worker_id: str) -> None:
-        """Make a delivered, unstarted job look idle for longer than any lease: the next XAUTOCLAIM (any
-        worker's) takes it at once instead of after a lease."""
-        await self.redis.xclaim(self.jobs_key(job.partition), JOBS_GROUP, worker_id, 0, [job.entry_id],
-                                idle=scripts.HAND_BACK_IDLE_MS, justid=True)
-
-    async def ack(self, partition: int, job_id: str) -> None:
-        """Drop a finished job from its queue: acknowledged and deleted, so the queue does not grow."""
-        await self._ack(keys=[self.jobs_key(partition)], args=[JOBS_GROUP, job_id])
-
-    async def claim(self, stream_id: uuid.UUID, worker_id: str) -> Claim | Unclaimable:
-        """Take ownership of a stream's generation (every earlier owner is fenced out)."""
+    async def claim(self, stream_id: uuid.UUID, worker_id: str, *, lease_s: float = 30.0) -> Claim | Unclaimable:
+        """Claim this stream's generation, wherever its job is (in line, or running under anyone's lease): every
+        earlier owner is fenced out. What a stand-in writer does; workers take the next job (``claim_next``)."""
         k = self.keys(stream_id)
-        res = await self._claim(keys=[k.meta, k.queue_stats, k.jobs],
-                                args=[worker_id, f"{time.time():.6f}", JOBS_GROUP,
-                                      stream_key_prefix(k.partition, k.partitions),
-                                      POSITION_UPDATES, META_SUFFIX, EVENTS_SUFFIX, CHANNEL_SUFFIX])
+        script = queue_scripts.CLAIM
+        res = await self._claim(
+            keys=script.keys({"meta": k.meta, "totals": k.queue_stats}),
+            args=script.args({"sid": str(stream_id), "worker": worker_id, "lease_ms": int(lease_s * 1000),
+                              "stream_prefix": stream_key_prefix(k.partition, k.partitions),
+                              "events_suffix": EVENTS_SUFFIX, "channel_suffix": CHANNEL_SUFFIX,
+                              "position_updates": POSITION_UPDATES}))
         tag = reply_text(res[0])
         if tag != "claimed":
             return Unclaimable.GONE if tag == "gone" else Unclaimable.FINISHED
-        _, fence, attempts, req, cancel, model, seq, jid, tenant = res
-        return Claim(stream_id, k, int(fence), int(attempts), GenerationRequest.from_canonical(req),
-                     reply_text(cancel), reply_text(model), int(seq), reply_text(jid),
-                     tenant=k.principal_of(reply_text(tenant)))
+        return self._claimed(res)
+
+    def _claimed(self, res: Any) -> Claim:
+        _, sid, fence, attempts, req, cancel, model, seq, tenant, tier, created_at, claimed_at = res
+        k = self.keys(uuid.UUID(reply_text(sid)))
+        return Claim(k.stream_id, k, int(fence), int(attempts), GenerationRequest.from_canonical(req),
+                     reply_text(cancel), reply_text(model), int(seq), reply_text(tier),
+                     tenant=k.principal_of(reply_text(tenant)),
+                     waited_s=float(reply_text(claimed_at)) - float(reply_text(created_at)))
+
+    def wake_keys(self, model: str, worker_id: str) -> dict[int, list[str]]:
+        """Per partition, the lists an idle worker of ``model`` blocks on: its queue's wake tokens and its own."""
+        return {p: [self.queue(p, model).wake, self.queue(p, model).wake_for(worker_id)]
+                for p in range(self.partitions)}
+
+    async def wait_for_jobs(self, blocking: RedisClient, keys: Sequence[str], timeout_s: float) -> str | None:
+        """Block until one of these wake lists (one hash slot) has a token, or ``timeout_s``: the key that woke,
+        or None. ``blocking``: a client without a socket timeout."""
+        res: Any = await blocking.blpop(list(keys), timeout=max(0.01, timeout_s))
+        return reply_text(res[0]) if res else None
+
+    async def give_back(self, claim: Claim) -> None:
+        """A claimed job this worker will not start after all: back at the front of its tenant's line (one some
+        attempt had started: handed over, to be continued)."""
+        script = queue_scripts.GIVE_BACK
+        await self._give_back(keys=script.keys({"meta": claim.keys.meta, "totals": claim.keys.queue_stats}),
+                              args=script.args({"fence": claim.fence, "sid": str(claim.stream_id)}))
 
     async def append(self, claim: Claim, seq_before: int, seq_after: int,
                      events: Sequence[tuple[str, bytes]]) -> AppendResult:
@@ -456,46 +501,47 @@ class Store:
         this claim no longer owns it."""
         k = claim.keys
         ttft = usage.get("ttft_ms")
+        q = claim.queue
+        script = scripts.FINISH
         eid = await self._call(
-            k, self._finish, [k.meta, k.events, k.usage_index, k.queue_stats, k.tombstone, k.aborted_totals, k.outbox,
-                              k.outbox_due],
-            [claim.fence, k.channel, etype, encode_data(data), status, orjson.dumps(usage), model,
-                  f"{time.time():.6f}", reason or status, usage.get("prompt_tokens", 0),
-                  usage.get("completion_tokens", 0), f"{compute_s:.6f}", str(claim.stream_id),
-                  usage.get("cached_tokens") or 0, max(0, wasted_tokens), "" if ttft is None else f"{ttft:.3f}",
-                  k.usage_prefix],
+            k, self._finish,
+            script.keys({"meta": k.meta, "events": k.events, "usage_index": k.usage_index, "stats": q.stats,
+                         "leases": q.leases, "backlog": q.backlog, "tombstone": k.tombstone,
+                         "aborted_totals": k.aborted_totals, "outbox": k.outbox, "outbox_due": k.outbox_due}),
+            script.args({"fence": claim.fence, "channel": k.channel, "type": etype, "data": encode_data(data),
+                         "status": status, "usage": orjson.dumps(usage), "model": model, "now_s": f"{time.time():.6f}",
+                         "reason": reason or status, "prompt_tokens": usage.get("prompt_tokens", 0),
+                         "completion_tokens": usage.get("completion_tokens", 0), "compute_s": f"{compute_s:.6f}",
+                         "sid": str(claim.stream_id), "cached_tokens": usage.get("cached_tokens") or 0,
+                         "wasted_tokens": max(0, wasted_tokens), "ttft_ms": "" if ttft is None else f"{ttft:.3f}",
+                         "usage_prefix": k.usage_prefix}),
             lambda r: None if r is None else reply_text(r))
         return None if eid is None else reply_text(eid)
 
     async def add_wasted(self, claim: Claim, tokens: int) -> None:
         """Count ``tokens`` this claim computed and its stream will not hold into the stream's usage record."""
-        await self._wasted(keys=[claim.keys.meta], args=[tokens])
+        script = scripts.WASTED
+        await self._wasted(keys=script.keys({"meta": claim.keys.meta}), args=script.args({"tokens": tokens}))
 
-    async def renew(self, claim: Claim, worker_id: str, disconnect_grace_s: float) -> AppendResult:
-        """Extend the lease; the reply carries any cancel reason (incl. abandoned / disconnect)."""
-        k = claim.keys
+    async def renew(self, claim: Claim, disconnect_grace_s: float, lease_s: float) -> AppendResult:
+        """Extend the lease by ``lease_s``; the reply carries any cancel reason (incl. abandoned / disconnect)."""
+        script = queue_scripts.RENEW
         # Batched: a worker's renewals come in bursts (generations started together renew together), which
         # sent one by one grew the pool to its bound and paid a new connection's handshake each.
-        res = await self._batch.script(self._renew, [k.meta, k.jobs],
-                                       [claim.fence, JOBS_GROUP, worker_id, claim.job_id, f"{time.time():.3f}",
-                                        disconnect_grace_s])
+        res = await self._batch.script(
+            self._renew, script.keys({"meta": claim.keys.meta, "leases": claim.queue.leases}),
+            script.args({"fence": claim.fence, "sid": str(claim.stream_id), "lease_ms": int(lease_s * 1000),
+                         "now_s": f"{time.time():.3f}", "disconnect_grace_s": disconnect_grace_s}))
         renewed = reply_text(res[0]) == "renewed"
         return AppendResult(renewed, reply_text(res[1]) if renewed else "")
 
-    async def release(self, claim: Claim, worker_id: str) -> bool:
-        """Hand the job over to the next worker that polls, without waiting for the lease to lapse."""
-        k = claim.keys
-        return bool(await self._release(keys=[k.meta, k.jobs], args=[claim.fence, JOBS_GROUP, worker_id,
-                                                                     claim.job_id, scripts.HAND_BACK_IDLE_MS]))
-
-
-def _job(partition: int, entry_id: Any, fields: dict[bytes, Any], inbox: bool = False) -> Job:
-    """A job entry (or an inbox entry naming one) as a Job."""
-    sid = uuid.UUID(reply_text(fields[b"sid"]))
-    aff = reply_text(fields.get(b"aff") or b"")
-    if inbox:
-        return Job(partition, reply_text(fields[b"jid"]), sid, aff, inbox_entry=reply_text(entry_id))
-    return Job(partition, reply_text(entry_id), sid, aff)
+    async def release(self, claim: Claim) -> bool:
+        """Hand the job over to the next worker that claims, without waiting for the lease to lapse."""
+        script = queue_scripts.RELEASE
+        q = claim.queue
+        return bool(await self._release(
+            keys=script.keys({"meta": claim.keys.meta, "leases": q.leases, "wake": q.wake}),
+            args=script.args({"fence": claim.fence, "sid": str(claim.stream_id)})))
 
 
 def retry_after_s(behind: int, ema_job_s: float | None, busy: int) -> int:
@@ -506,5 +552,6 @@ def retry_after_s(behind: int, ema_job_s: float | None, busy: int) -> int:
     return max(1, min(60, math.ceil(behind * ema_job_s / max(1, busy))))
 
 
-def started_event(model: str) -> tuple[str, bytes]:
-    return EventType.STARTED, encode_data({"model": model})
+def started_event(model: str, tier: str = tiers.DEFAULT) -> tuple[str, bytes]:
+    """The ``started`` event: the model that runs the generation and the service tier it waited in."""
+    return EventType.STARTED, encode_data({"model": model, "service_tier": tier or tiers.DEFAULT})

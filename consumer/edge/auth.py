@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from broker import tiers
 from broker.ascii import decimal
 from broker.errors import NotFound, StoreUnavailable, Unauthorized
 
@@ -39,7 +40,9 @@ BUDGET_PERIODS = ("day", "month")
 class ApiKey:
     """A key of the keys file. Beside ``id``, ``sha256`` and ``limits``: ``admin`` (its reports show every key's
     usage), ``token_budget`` (tokens its generations may use per ``budget_period``, UTC; 0: no budget) and
-    ``webhook_url`` (where its generations' ends are POSTed, instead of --webhook-url)."""
+    ``webhook_url`` (where its generations' ends are POSTed, instead of --webhook-url), ``service_tier`` (the tier
+    of its creates that ask for ``auto`` or none: broker.tiers) and ``service_tiers`` (the tiers it may ask for;
+    empty: every one)."""
 
     id: str
     sha256: bytes
@@ -48,6 +51,8 @@ class ApiKey:
     token_budget: int = 0
     budget_period: str = "month"
     webhook_url: str | None = None
+    service_tier: str = ""
+    service_tiers: tuple[str, ...] = ()
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> ApiKey:
@@ -65,8 +70,15 @@ class ApiKey:
             raise ValueError(f"api key {key_id}: 'budget_period' must be one of {', '.join(BUDGET_PERIODS)}")
         if hook is not None and not isinstance(hook, str):
             raise ValueError(f"api key {key_id}: 'webhook_url' must be a URL")
+        tier, allowed = entry.get("service_tier", ""), entry.get("service_tiers", [])
+        if tier and tier not in tiers.TIERS:
+            raise ValueError(f"api key {key_id}: 'service_tier' must be one of {', '.join(tiers.TIERS)}")
+        if not isinstance(allowed, list) or not all(t in tiers.TIERS for t in allowed):
+            raise ValueError(f"api key {key_id}: 'service_tiers' must be a list of {', '.join(tiers.TIERS)}")
+        if tier and allowed and tier not in allowed:
+            raise ValueError(f"api key {key_id}: its 'service_tier' is not one of its 'service_tiers'")
         return cls(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {})), admin, budget, period,
-                   hook or None)
+                   hook or None, tier, tuple(allowed))
 
 
 class ApiKeys:

@@ -41,7 +41,8 @@ OUT_OF_MEMORY = OutOfMemoryEpisodes(log, "the consumer")
 #: over one of its own limits, 503 when this pod or Redis cannot serve now (another pod, or later, may), 507 when
 #: Redis is out of memory (no pod can write until memory is freed; reads still work).
 STATUS: dict[str, int] = {
-    "invalid_request": 400, "unauthorized": 401, "not_found": 404, "conflict": 409, "conversation_full": 409,
+    "invalid_request": 400, "unauthorized": 401, "not_found": 404, "model_not_found": 404, "conflict": 409,
+    "conversation_full": 409,
     "expired": 410, "payload_too_large": 413, "too_many_streams": 429, "too_many_conversations": 429,
     "queue_full": 429, "too_many_connections": 429,
     "too_many_generations": 429, "rate_limited": 429, "internal": 500, "overloaded": 503, "starting": 503,

@@ -247,13 +247,13 @@ export async function streamStatus(id, { baseUrl = "", apiKey = null, fetch: fet
   return await r.json();
 }
 
-// The names of the models the server's generators serve (GET /v1/models), the most recently seen first;
-// empty while no generator has loaded its model.
+// The names of the models the server's generators serve (GET /v1/models), the most recently seen first (not the
+// aliases they answer to: an entry whose root is another model); empty while no generator has loaded its model.
 export async function listModels({ baseUrl = "", apiKey = null, fetch: fetchFn = globalThis.fetch.bind(globalThis) } = {}) {
   const r = await fetchFn(joinUrl(baseUrl, "/v1/models"), { headers: authHeaders(apiKey) });
   if (r.status !== 200) throw await errorFrom(r);
   const body = await r.json();
-  return (body.data || []).map((m) => m.id);
+  return (body.data || []).filter((m) => !m.root || m.root === m.id).map((m) => m.id);
 }
 
 // The usage report (GET /v1/reports/usage): {group_by, rows: [{<group fields>, streams, prompt_tokens,

@@ -16,7 +16,16 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import cast
 
-from broker.errors import BudgetExceeded, Expired, NotFound, OverStorageQuota, RetryLater, Starting
+from broker.errors import (
+    BudgetExceeded,
+    Expired,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    OverStorageQuota,
+    RetryLater,
+    Starting,
+)
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
 from broker.redis.quota import StorageQuota, default_quota_bytes, read_maxmemory
 from broker.request import GenerationRequest, RequestLimits
@@ -24,8 +33,9 @@ from broker.streams.budget import NO_BUDGET, Budget
 from broker.streams.conversations import ConversationStore
 from broker.streams.keys import principal
 from broker.streams.records import Created, Quota, StreamStatus
-from broker.streams.served_models import ServedModels
+from broker.streams.served_models import ServedModel, ServedModels
 from broker.streams.store import Store
+from broker.tiers import resolve_tier
 from consumer.edge.auth import ApiKeys, ensure_owner
 from consumer.edge.limits import ConnectionLimiter
 from consumer.metrics import Metrics
@@ -39,7 +49,6 @@ log = logging.getLogger("rsb.consumer")
 # serve changes with a deployment, not per request.
 MODELS_CACHE_S = 2.0
 # Recorded for a request that names no model while no generator has announced one (none is running yet).
-UNKNOWN_MODEL = "default"
 # How often the default storage quota re-reads Redis's maxmemory.
 MAXMEMORY_REFRESH_S = 60.0
 
@@ -90,24 +99,55 @@ class StreamService:
         self.limiter = limiter
         self.models = ServedModels(store.redis)
         self.conversations = ConversationStore(store)
-        self._served: list[str] = []
+        self._served: list[ServedModel] = []
         self._served_at = -MODELS_CACHE_S
         #: The storage quota of a caller without a bound of its own: --storage-quota-bytes, or (not given) a
         #: fraction of Redis's maxmemory, which ``follow_maxmemory`` keeps up to date.
         self.storage_default = (settings.storage_quota_bytes if settings.storage_quota_bytes is not None
                                 else default_quota_bytes(0))
 
-    async def served_models(self) -> list[str]:
-        """The models this deployment serves: ``--default-model`` when set, else the names the generators
-        announced recently (broker.streams.served_models), the most recent first."""
-        if self.settings.default_model:
-            return [self.settings.default_model]
+    async def announced_models(self, *, fresh: bool = False) -> list[ServedModel]:
+        """The models (and aliases) the generators announced recently (broker.streams.served_models), the most recent
+        first: looked up at most every MODELS_CACHE_S, unless ``fresh``."""
         now = time.monotonic()
         # An empty list is looked up again each time: the first announcement shows at once (readiness waits for it).
-        if now - self._served_at >= MODELS_CACHE_S or not self._served:
+        if fresh or now - self._served_at >= MODELS_CACHE_S or not self._served:
             self._served = await self.models.recent()
             self._served_at = now
         return self._served
+
+    async def served_models(self) -> list[ServedModel]:
+        """What this deployment serves: the announced models and aliases, and ``--default-model`` (listed while no
+        generator announces it: its creates wait in its queue for one)."""
+        served = await self.announced_models()
+        default = self.settings.default_model
+        if default and all(m.id != default for m in served):
+            return [*served, ServedModel(default, default)]
+        return served
+
+    async def resolve_model(self, requested: str | None) -> str:
+        """The served model a create runs on: the one it names, or the model of the alias it names; naming none,
+        ``--default-model`` (resolved the same way), else the only model served. ``--default-model`` itself is
+        accepted while no generator announces it: its jobs wait in its queue for one. Raises ModelNotFound (nothing
+        is stored or queued), InvalidRequest (it names none, several are served, and there is no default) or
+        Starting (it names none and nothing is served)."""
+        default = self.settings.default_model
+        name = requested or default
+        if not name:
+            roots = list(dict.fromkeys(m.root for m in await self.announced_models()))
+            if len(roots) == 1:
+                return roots[0]
+            if not roots:
+                raise Starting("no generator has announced its model yet", retry_after_s=1)
+            raise InvalidRequest(f"name a model: this server serves {', '.join(roots)} and has no --default-model")
+        # Looked up once more on a miss: a generator that started since the list was cached.
+        for fresh in (False, True):
+            for m in await self.announced_models(fresh=fresh):
+                if m.id == name:
+                    return m.root
+        if name == default:
+            return name
+        raise ModelNotFound(name, [m.id for m in await self.served_models()])
 
     async def ready(self) -> None:
         """Raise unless this pod can serve: Redis answers (else StoreUnavailable) and, when it
@@ -115,13 +155,8 @@ class StreamService:
         ready answer on. A standalone pod does not wait for generators: it serves reads and queues creates
         without them, and its model list is what they announce (empty while none runs)."""
         await self.store.redis.ping()
-        if self.expect_model and not await self.served_models():
+        if self.expect_model and not await self.announced_models():
             raise Starting("no generator has announced its model yet", retry_after_s=1)
-
-    async def default_model(self) -> str:
-        """The model recorded for a request that names none."""
-        served = await self.served_models()
-        return served[0] if served else UNKNOWN_MODEL
 
     # -- limits --------------------------------------------------------------------------------
 
@@ -214,9 +249,12 @@ class StreamService:
         """Create the stream (or recognise a retry of the same request). Raises Conflict, Expired,
         QueueFull, TooManyGenerations, RateLimited or BudgetExceeded. ``hook_name``: see ``webhook``."""
         s = self.settings
+        key = self.api_keys.get(caller.key_id)
+        tier = resolve_tier(request.service_tier, key.service_tier if key else "", key.service_tiers if key else ())
         try:
             with self.quota_counted():
-                res = await self.store.create(stream_id, request, default_model=await self.default_model(),
+                res = await self.store.create(stream_id, request, model=await self.resolve_model(request.model),
+                                              tier=tier,
                                               max_queue=s.max_queue, max_queue_wait_s=s.max_queue_wait_s,
                                               retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
                                               key_id=caller.key_id, quota=self.quota(caller),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from broker import tiers
 from broker.echo import MAX_ID_CHARS, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS
 from broker.events import EventType
 from broker.request import (
@@ -101,7 +102,11 @@ def generation_properties(limits: RequestLimits) -> dict[str, Any]:
     """The schemas of the generation settings every view passes to rsb's validation as they are (each may be
     null: the default). The OpenAI views reuse them, so one rule has one description."""
     return {
-        "model": nullable({"type": "string", "minLength": 1, "maxLength": MODEL_MAX_CHARS}),
+        "model": nullable({"type": "string", "minLength": 1, "maxLength": MODEL_MAX_CHARS,
+                           "description": "a served model or alias (GET /v1/models); none: --default-model, else the "
+                           "only model served; another is 404 model_not_found"}),
+        "service_tier": nullable({"type": "string", "enum": list(tiers.REQUESTABLE),
+                                  "description": "priority before default before flex; auto: the key's tier"}),
         "max_tokens": nullable({"type": "integer", "minimum": 1, "maximum": limits.max_tokens}),
         "temperature": nullable({"type": "number", "minimum": 0, "maximum": 2}),
         "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
@@ -247,6 +252,7 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
                 "400": error_response("invalid request"),
                 "409": error_response("this id exists with a different request; a turn of the conversation runs, "
                                       "or the conversation is full (conversation_full)"),
+                "404": error_response("no generator serves the model it names (model_not_found)"),
                 "410": error_response("this id belonged to a stream that expired"),
                 "413": error_response("body too large"),
                 "429": error_response("the queue is full (queue_full), the caller's share is used "

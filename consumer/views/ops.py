@@ -47,6 +47,14 @@ async def render_metrics(state: State) -> bytes:
         scraped.append(family)
     scraped.append(GaugeMetricFamily("rsb_queue_waiting", "streams enqueued and not yet claimed by a worker",
                                      value=await state.store.waiting()))
+    backlog = GaugeMetricFamily("rsb_queue_backlog", "jobs waiting in a model's queue, by service tier",
+                                labels=["model", "tier"])
+    running = GaugeMetricFamily("rsb_queue_running", "jobs of a model claimed and not finished", labels=["model"])
+    for model in dict.fromkeys(m.root for m in await state.service.served_models()):
+        for tier, n in (await state.store.backlog(model)).items():
+            backlog.add_metric([model, tier], n)
+        running.add_metric([model], await state.store.running(model))
+    scraped += [backlog, running]
     pending = await state.outbox.pending() if state.outbox is not None else 0
     scraped.append(GaugeMetricFamily("rsb_webhooks_pending", "webhook events not delivered yet (being tried or "
                                      "waiting for their next try)", value=pending))

@@ -43,7 +43,7 @@ def _counts(r: redis.Redis, budget: Budget, partitions: int = 1, partition: int 
 async def test_twenty_concurrent_creates_at_the_edge_reserve_no_more_than_the_budget(
         store: Store, redis_client: redis.Redis) -> None:
     budget = Budget(5 * WORST + WORST // 2, "day")
-    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, default_model="m", max_queue=0, retention_s=60,
+    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60,
                                                   key_id="alice", budget=budget) for _ in range(20)),
                                    return_exceptions=True)
     created = [r for r in results if isinstance(r, Created)]
@@ -61,9 +61,9 @@ async def test_each_end_settles_its_reservation_to_what_it_used(store: Store, re
     budget = Budget(2 * WORST, "month")
     a, b = uuid.uuid4(), uuid.uuid4()
     for sid in (a, b):
-        await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60, key_id="alice", budget=budget)
+        await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id="alice", budget=budget)
     with pytest.raises(BudgetExceeded):
-        await store.create(uuid.uuid4(), REQ, default_model="m", max_queue=0, retention_s=60, key_id="alice",
+        await store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60, key_id="alice",
                            budget=budget)
     claim = await store.claim(a, "w")
     assert isinstance(claim, Claim)
@@ -74,7 +74,7 @@ async def test_each_end_settles_its_reservation_to_what_it_used(store: Store, re
     assert await store.cancel(b, "client") == "cancelled"  # never ran: its reservation comes back whole
     assert _counts(redis_client, budget) == (0, 37)
     # What is left (2 * WORST - 37) holds one more worst case, not two.
-    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, default_model="m", max_queue=0, retention_s=60,
+    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60,
                                                   key_id="alice", budget=budget) for _ in range(4)),
                                    return_exceptions=True)
     assert sum(isinstance(r, Created) for r in results) == 1

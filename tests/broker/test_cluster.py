@@ -19,7 +19,7 @@ from servers import RedisClusterServers, Stack, StackFactory
 from broker.redis.connection import connect
 from broker.redis.keyspace import partition_slot
 from broker.request import GenerationRequest
-from broker.streams.keys import jobs_key, partition_of
+from broker.streams.keys import QueueKeys, partition_of
 from broker.streams.records import Claim
 from broker.streams.store import Store
 
@@ -40,11 +40,11 @@ def _owner(client: redis.RedisCluster, key: str) -> int:
 
 def test_job_partitions_are_spread_over_every_master(redis_cluster: RedisClusterServers, cluster_client: redis.RedisCluster) -> None:
     for n in (3, PARTITIONS, 12):
-        owners = Counter(_owner(cluster_client, jobs_key(p, n)) for p in range(n))
+        owners = Counter(_owner(cluster_client, QueueKeys(p, n, "m").backlog) for p in range(n))
         assert sorted(owners) == sorted(redis_cluster.ports), (n, owners)
         assert set(owners.values()) == {n // 3}, (n, owners)  # an even share on each master
         assert [partition_slot(p, n) for p in range(n)] == [
-            int(cluster_client.execute_command("CLUSTER KEYSLOT", jobs_key(p, n),
+            int(cluster_client.execute_command("CLUSTER KEYSLOT", QueueKeys(p, n, "m").backlog,
                                                target_nodes=cluster_client.get_random_node())) for p in range(n)]
 
 
@@ -54,21 +54,20 @@ async def test_store_operations_run_in_one_slot_each(redis_cluster: RedisCluster
     try:
         store = Store(r, PARTITIONS)
         assert store.cluster
-        await store.ensure_groups()
         req = GenerationRequest(None, "hello", None, 8, 0.8, 0.95, None, (), False)
         sid = uuid.uuid4()
-        results = await asyncio.gather(*(store.create(sid, req, default_model="m", max_queue=0, retention_s=60)
+        results = await asyncio.gather(*(store.create(sid, req, model="m", max_queue=0, retention_s=60)
                                          for _ in range(50)))
         assert sorted(create_outcome(r) for r in results) == ["created"] + ["exists"] * 49
         waiting = [uuid.uuid4() for _ in range(3)]
         for w in waiting:  # queued behind sid in their own partitions: the claim script walks its partition only
-            await store.create(w, req, default_model="m", max_queue=0, retention_s=60)
+            await store.create(w, req, model="m", max_queue=0, retention_s=60)
         claim = await store.claim(sid, "w1")
         assert isinstance(claim, Claim)
         assert (await store.append(claim, 0, 1, [("delta", b'{"text":"a"}')])).ok
         await store.touch([sid, *waiting])
         assert await store.cancel(sid, "client") == "running"
-        renewed = await store.renew(claim, "w1", 5.0)
+        renewed = await store.renew(claim, 5.0, 30.0)
         assert renewed.ok and renewed.cancel_reason == "client"
         eid = await store.finish(claim, "cancelled", {"reason": "client", "usage": {}}, status="cancelled", usage={},
                                  reason="client")
@@ -76,9 +75,8 @@ async def test_store_operations_run_in_one_slot_each(redis_cluster: RedisCluster
         assert [e.type for e in await store.read(sid, None)] == ["queued", "delta", "cancelled"]
         assert await store.waiting() == 3
         assert await store.cancel(waiting[0], "client") == "cancelled"
-        k = store.keys(sid)
-        await store.ack(k.partition, claim.job_id)
-        assert await r.xrange(k.jobs, claim.job_id, claim.job_id) == []  # acknowledged and deleted
+        q = store.keys(sid).queue("m")
+        assert await r.xlen(q.backlog) == 0 and await r.zcard(q.leases) == 0  # out of the queue with its end
     finally:
         await r.aclose()
 
@@ -111,7 +109,7 @@ def test_create_read_resume_cancel_and_idempotency_on_a_cluster(stack_factory: S
                 assert [(e.id, e.data) for e in rest.events] == [(e.id, e.data) for e in full.events[i + 1:]]
             assert c.get(f"/v1/streams/{sid}/events", headers={"Last-Event-ID": full.ids[-1]}).status_code == 204
         # Every master holds job queues that were used.
-        used = Counter(_owner(cluster_client, jobs_key(partition_of(uuid.UUID(x), PARTITIONS), PARTITIONS))
+        used = Counter(_owner(cluster_client, QueueKeys(partition_of(uuid.UUID(x), PARTITIONS), PARTITIONS, "m").backlog)
                        for x in sids)
         assert set(used) == set(redis_cluster.ports)
 
@@ -203,3 +201,26 @@ def test_the_redis_cluster_flag_accepts_a_plain_url(stack_factory: StackFactory,
     with s.client() as c:
         sid = create(c, max_tokens=8).json()["id"]
         assert read_sse(c, f"/v1/streams/{sid}/events").events[-1].event == "done"
+
+
+def test_each_job_runs_on_a_worker_of_its_model_on_a_cluster(stack_factory: StackFactory,
+                                                             redis_cluster: RedisClusterServers,
+                                                             cluster_client: redis.RedisCluster) -> None:
+    """Routing by model over every partition of a cluster: each model's queues live in every partition's slot,
+    each worker claims only its model's jobs, in every partition, and wakes on its own wake lists."""
+    s = stack_factory(redis_cluster.url)
+    s.generator("--partitions", str(PARTITIONS), "--model-name", "alpha")
+    s.generator("--partitions", str(PARTITIONS), "--model-name", "beta")
+    s.consumer("--partitions", str(PARTITIONS), test_default=False)
+    with s.client() as c:
+        sids: dict[str, str] = {}
+        while {partition_of(uuid.UUID(x), PARTITIONS) for x in sids} != set(range(PARTITIONS)) or len(sids) < 12:
+            sid = str(uuid.uuid4())
+            model = ("alpha", "beta")[len(sids) % 2]
+            assert create(c, id=sid, model=model, max_tokens=8).status_code == 201
+            sids[sid] = model
+        for sid, model in sids.items():
+            full = read_sse(c, f"/v1/streams/{sid}/events")
+            assert full.events[-1].event == "done"
+            assert [e.data["model"] for e in full.events if e.event == "started"] == [model]
+        assert create(c, model="gamma").json()["error"]["code"] == "model_not_found"

@@ -66,7 +66,7 @@ async def _turn(convs: ConversationStore, key_id: str, name: str, text: str, ans
     outcome, _ = await convs.begin(conv, sid, OWNER, LIMITS, created_at=time.time(), create=True)
     assert outcome is Begin.RESERVED
     history = History(start=0, conversation=name, tenant=key_id, version=conv.version, turn=conv.count)
-    await convs.store.create(sid, _request(text, history), default_model="m", max_queue=0, retention_s=60,
+    await convs.store.create(sid, _request(text, history), model="m", max_queue=0, retention_s=60,
                              key_id=key_id)
     if answer is not None:
         await _finish(convs.store, sid, answer)
@@ -153,7 +153,7 @@ async def test_a_reservation_whose_create_never_came_is_taken_back(convs: Conver
     assert after is not None and after.pending is None
     # The process that reserved it wakes up and creates its stream after all: refused, so no second turn runs.
     with pytest.raises(Expired):
-        await convs.store.create(dead, _request("late"), default_model="m", max_queue=0, retention_s=60,
+        await convs.store.create(dead, _request("late"), model="m", max_queue=0, retention_s=60,
                                  key_id="alice")
 
 
@@ -170,7 +170,7 @@ async def test_a_reservation_naming_another_stream_is_released(convs: Conversati
     """A create whose id was another stream's (a native client's id reused), whose process died before it
     released its reservation: the conversation is not blocked by a stream that is not its turn."""
     other = uuid.uuid4()
-    await convs.store.create(other, _request("not a turn"), default_model="m", max_queue=0, retention_s=60,
+    await convs.store.create(other, _request("not a turn"), model="m", max_queue=0, retention_s=60,
                              key_id="alice")
     assert (await convs.begin(absent("alice", "c1"), other, OWNER, LIMITS, created_at=time.time(),
                               create=True))[0] is Begin.RESERVED

@@ -133,7 +133,8 @@ def _diagnose(cluster: RedisClusterServers, f: Follower) -> str:
     try:
         meta = client.hgetall(k.meta)
         return (f"{f.sid}: meta {meta}, {client.xlen(k.events)} events, read {len(f.events)}, "
-                f"pending {client.xpending(k.jobs, 'generators')}, jobs {client.xlen(k.jobs)}")
+                f"leases {client.zrange(str(meta.get('qp', '')) + 'leases', 0, -1, withscores=True)}, "
+                f"backlog {client.xlen(str(meta.get('qp', '')) + 'jobs')}")
     finally:
         client.close()
 

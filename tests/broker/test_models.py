@@ -26,10 +26,10 @@ async def test_recent_lists_announced_models_newest_first_and_drops_silent_ones(
     await models.announce("old-model", now_s=t - SEEN_WITHIN_S - 1)
     await models.announce("SmolLM2", now_s=t - 5)
     await models.announce("other", now_s=t - 1)
-    assert await models.recent(now_s=t) == ["other", "SmolLM2"]
+    assert [m.id for m in await models.recent(now_s=t)] == ["other", "SmolLM2"]
     await models.announce("SmolLM2", now_s=t)  # announced again: the newest
-    assert await models.recent(now_s=t) == ["SmolLM2", "other"]
-    assert await models.recent(now_s=t + SEEN_WITHIN_S - 0.5) == ["SmolLM2"]  # "other" fell silent
+    assert [m.id for m in await models.recent(now_s=t)] == ["SmolLM2", "other"]
+    assert [m.id for m in await models.recent(now_s=t + SEEN_WITHIN_S - 0.5)] == ["SmolLM2"]  # "other" fell silent
 
 
 async def test_names_silent_for_a_long_time_are_deleted_at_the_next_announcement(

@@ -51,7 +51,7 @@ async def test_an_event_is_visible_only_once_the_replica_has_it(primary_replica:
     try:
         sid = uuid.uuid4()
         k = store.keys(sid)
-        await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+        await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
         claim = await store.claim(sid, "w")
         assert isinstance(claim, Claim)
         pubsub = r.pubsub()

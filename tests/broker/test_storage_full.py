@@ -168,11 +168,10 @@ async def test_which_steps_a_full_redis_refuses(full_redis: tuple[RedisServer, r
     server, r = full_redis
     client = connect(server.url)
     store = Store(client)
-    await store.ensure_groups()
     req = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
     sid, waiting = uuid.uuid4(), uuid.uuid4()
     for s in (sid, waiting):
-        assert (await store.create(s, req, default_model="m", max_queue=0, retention_s=60)).created
+        assert (await store.create(s, req, model="m", max_queue=0, retention_s=60)).created
     claim = await store.claim(sid, "w1")
     assert isinstance(claim, Claim)
     delta = (EventType.DELTA, encode_data({"text": "x"}))
@@ -180,14 +179,14 @@ async def test_which_steps_a_full_redis_refuses(full_redis: tuple[RedisServer, r
     fillers = _fill(r)
     try:
         before = r.hgetall(_meta(str(sid)))
-        for step in (store.append(claim, 1, 2, [delta]), store.create(uuid.uuid4(), req, default_model="m",
+        for step in (store.append(claim, 1, 2, [delta]), store.create(uuid.uuid4(), req, model="m",
                                                                       max_queue=0, retention_s=60),
                      store.cancel(waiting, "client"), store.claim(waiting, "w1"),
                      store.finish(claim, EventType.DONE, {"finish_reason": "stop"}, status="done", usage={})):
             with pytest.raises(StoreFull):
                 await step
         assert r.hgetall(_meta(str(sid))) == before, "a refused script wrote part of its work"
-        assert (await store.renew(claim, "w1", 5.0)).ok  # the lease is kept while the generation waits
+        assert (await store.renew(claim, 5.0, 30.0)).ok  # the lease is kept while the generation waits
         await store.touch([sid, waiting])  # a reader's mark: refused, quietly
         assert [e.type for e in await store.read(sid, None)] == ["queued", "delta"]
         assert (await store.status(sid)) is not None

@@ -43,17 +43,17 @@ async def _claimed(store: Store, sid: uuid.UUID, worker: str = "w1") -> Claim:
 
 async def test_concurrent_creates_enqueue_exactly_one_job(store: Store) -> None:
     sid = uuid.uuid4()
-    results = await asyncio.gather(*(store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+    results = await asyncio.gather(*(store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
                                      for _ in range(50)))
     assert sorted(create_outcome(r) for r in results) == ["created"] + ["exists"] * 49
-    assert await store.redis.xlen(store.keys(sid).jobs) == 1
+    assert await store.redis.xlen(store.keys(sid).queue("m").backlog) == 1
     other = GenerationRequest(None, "other", None, 32, 0.8, 0.95, None, (), False)
     with pytest.raises(Conflict):
-        await store.create(sid, other, default_model="m", max_queue=0, retention_s=60)
+        await store.create(sid, other, model="m", max_queue=0, retention_s=60)
 
 
 async def test_queue_bound_is_enforced_atomically(store: Store) -> None:
-    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, default_model="m", max_queue=5, retention_s=60)
+    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, model="m", max_queue=5, retention_s=60)
                                      for _ in range(20)), return_exceptions=True)
     assert sum(create_outcome(r) == "created" for r in results) == 5
     assert sum(create_outcome(r) == "queue_full" for r in results) == 15
@@ -62,31 +62,31 @@ async def test_queue_bound_is_enforced_atomically(store: Store) -> None:
 
 async def test_a_callers_create_rate_allows_its_burst_at_once_then_refills(store: Store) -> None:
     quota = Quota("a:test", burst=10, rate_per_s=2.0)  # 500 ms per create once the burst is used
-    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, default_model="m", max_queue=0, retention_s=60,
+    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60,
                                                   quota=quota) for _ in range(30)), return_exceptions=True)
     assert sorted(create_outcome(r) for r in results).count("created") == 10
     refused = [r for r in results if isinstance(r, RateLimited)]
     assert len(refused) == 20 and all(r.retry_after_s == 1 for r in refused)
     await asyncio.sleep(1.2)  # deliberate: two intervals and a bit of time passing refill two more
-    more = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, default_model="m", max_queue=0, retention_s=60,
+    more = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60,
                                                quota=quota) for _ in range(5)), return_exceptions=True)
     assert [create_outcome(r) for r in more].count("created") == 2
     # A retry of an accepted create is answered whatever the rate: it costs nothing.
     sid = uuid.uuid4()
     other = Quota("a:other", burst=1, rate_per_s=0.001)
-    assert (await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60, quota=other)).created
-    again = await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60, quota=other)
+    assert (await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, quota=other)).created
+    again = await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, quota=other)
     assert not again.created
 
 
 async def test_a_callers_counters_leave_redis_once_it_has_nothing_unfinished(store: Store) -> None:
     quota = Quota("a:gone", max_active=2, burst=5, rate_per_s=1000.0)
     sids = [uuid.uuid4() for _ in range(3)]
-    results = [await store.create(s, REQ, default_model="m", max_queue=0, retention_s=60, quota=quota)
+    results = [await store.create(s, REQ, model="m", max_queue=0, retention_s=60, quota=quota)
                for s in sids[:2]]
     assert all(r.created for r in results)
     with pytest.raises(TooManyGenerations):
-        await store.create(sids[2], REQ, default_model="m", max_queue=0, retention_s=60, quota=quota)
+        await store.create(sids[2], REQ, model="m", max_queue=0, retention_s=60, quota=quota)
     tenant = store.keys(sids[0]).tenant("a:gone")
     assert await store.redis.ttl(tenant) == -1  # unfinished generations: kept
     for sid in sids[:2]:
@@ -104,7 +104,7 @@ async def test_a_callers_limits_are_divided_over_partitions(redis_server: RedisS
     r = connect(redis_server.url)
     store = Store(r, partitions)
     quota = Quota("a:p", max_active=8)
-    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, default_model="m", max_queue=0, retention_s=60,
+    results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60,
                                                   quota=quota) for _ in range(64)), return_exceptions=True)
     created = [create_outcome(x) for x in results].count("created")
     # Each partition holds ceil(8 / P) of them: exactly 8 with one partition; with 4, 2 per partition.
@@ -115,7 +115,7 @@ async def test_a_callers_limits_are_divided_over_partitions(redis_server: RedisS
 
 async def test_a_zombie_cannot_append_or_finish_after_a_new_claim(store: Store) -> None:
     sid = uuid.uuid4()
-    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
     zombie = await _claimed(store, sid, "w1")
     assert (await store.append(zombie, 0, 1, [_delta("a")])).ok
     owner = await _claimed(store, sid, "w2")  # takeover: w1 lost its lease
@@ -131,7 +131,7 @@ async def test_a_zombie_cannot_append_or_finish_after_a_new_claim(store: Store) 
 
 async def test_a_retried_append_whose_reply_was_lost_is_not_duplicated(store: Store) -> None:
     sid = uuid.uuid4()
-    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
     claim = await _claimed(store, sid)
     assert (await store.append(claim, 0, 3, [_delta("abc")])).ok
     retry = await store.append(claim, 0, 3, [_delta("abc")])
@@ -147,7 +147,7 @@ async def test_many_streams_appends_in_one_call_per_partition_keep_each_streams_
     claims = []
     for _ in range(12):
         sid = uuid.uuid4()
-        await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+        await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
         claims.append(await _claimed(store, sid))
     assert len({c.keys.partition for c in claims}) > 1
     zombie, landed = claims[0], claims[1]
@@ -180,7 +180,7 @@ async def test_many_streams_appends_in_one_call_per_partition_keep_each_streams_
 async def test_cancel_racing_claim_has_exactly_one_winner(store: Store) -> None:
     for _ in range(20):
         sid = uuid.uuid4()
-        await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+        await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
         claim, status = await asyncio.gather(store.claim(sid, "w"), store.cancel(sid, "client"))
         events = [e.type for e in await store.read(sid, None)]
         if isinstance(claim, Claim):  # the worker won: the cancel is pending for it to honour
@@ -191,7 +191,7 @@ async def test_cancel_racing_claim_has_exactly_one_winner(store: Store) -> None:
 
 async def test_finish_sets_status_usage_expiry_and_records_aborts(store: Store) -> None:
     sid = uuid.uuid4()
-    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
     claim = await _claimed(store, sid)
     usage = {"prompt_tokens": 3, "completion_tokens": 5, "ttft_ms": 1.0, "tpot_ms": 0.5}
     eid = await store.finish(claim, EventType.CANCELLED, {"reason": "client", "usage": usage}, status="cancelled",
@@ -217,9 +217,8 @@ async def test_finish_sets_status_usage_expiry_and_records_aborts(store: Store) 
 async def test_a_script_flush_is_not_an_error_every_script_is_loaded_again(store: Store, redis_client: redis.Redis) -> None:
     """NOSCRIPT after SCRIPT FLUSH (or a restarted Redis) is answered by loading the script again, on single calls
     and on the batched appends' pipeline alike: the stream goes on, whole and once."""
-    await store.ensure_groups()
     sid = uuid.uuid4()
-    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
     redis_client.script_flush()
     claim = await _claimed(store, sid)
     redis_client.script_flush()
@@ -228,7 +227,7 @@ async def test_a_script_flush_is_not_an_error_every_script_is_loaded_again(store
     [res] = await store.append_many([(claim, 1, 2, [_delta("b")])])
     assert not isinstance(res, BaseException) and res.ok
     redis_client.script_flush()
-    assert (await store.renew(claim, "w1", 5.0)).ok
+    assert (await store.renew(claim, 5.0, 30.0)).ok
     redis_client.script_flush()
     assert await store.finish(claim, EventType.DONE, {"finish_reason": "stop"}, status="done", usage={}) is not None
     events = await store.read(sid, None)
@@ -238,8 +237,8 @@ async def test_a_script_flush_is_not_an_error_every_script_is_loaded_again(store
 
 async def test_a_claim_names_the_tenant_its_stream_is_charged_to(store: Store) -> None:
     keyed, anonymous = uuid.uuid4(), uuid.uuid4()
-    await store.create(keyed, REQ, default_model="m", max_queue=0, retention_s=60, key_id="alice")
-    await store.create(anonymous, REQ, default_model="m", max_queue=0, retention_s=60,
+    await store.create(keyed, REQ, model="m", max_queue=0, retention_s=60, key_id="alice")
+    await store.create(anonymous, REQ, model="m", max_queue=0, retention_s=60,
                        quota=Quota(principal=principal("", "10.0.0.7")))
     assert (await _claimed(store, keyed)).tenant == "alice"
     assert (await _claimed(store, anonymous)).tenant == principal("", "10.0.0.7")

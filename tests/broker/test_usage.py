@@ -38,7 +38,7 @@ async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIt
 async def _run(store: Store, key_id: str = "", *, status: str = "done", reason: str = "stop", prompt: int = 10,
                completion: int = 20, cached: int = 0, wasted: int = 0) -> uuid.UUID:
     sid = uuid.uuid4()
-    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60, key_id=key_id)
+    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id=key_id)
     claim = await store.claim(sid, "w")
     assert isinstance(claim, Claim)
     u = {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached, "ttft_ms": 12.5,
@@ -57,7 +57,7 @@ async def test_one_record_per_ended_generation_with_its_fields(store: Store) -> 
     done = await _run(store, "alice", prompt=10, completion=20, cached=4)
     # A retried finish (its reply lost) and a zombie's finish write nothing more.
     sid = uuid.uuid4()
-    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60, key_id="bob")
+    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id="bob")
     await store.redis.hset(store.keys(sid).meta, "tier", "priority")
     claim = await store.claim(sid, "w1")
     assert isinstance(claim, Claim)
@@ -68,7 +68,7 @@ async def test_one_record_per_ended_generation_with_its_fields(store: Store) -> 
                                   reason="engine", compute_s=0.1, wasted_tokens=2) is not None
     await store.add_wasted(claim, 100)  # too late: the record is written
     queued = uuid.uuid4()
-    await store.create(queued, REQ, default_model="asked", max_queue=0, retention_s=60, key_id="alice")
+    await store.create(queued, REQ, model="asked", max_queue=0, retention_s=60, key_id="alice")
     await asyncio.sleep(0.05)
     assert await store.cancel(queued, "client") == "cancelled"
     assert await store.cancel(queued, "client") == "cancelled"  # nothing to cancel: no second record
@@ -96,7 +96,7 @@ async def test_one_record_per_ended_generation_with_its_fields(store: Store) -> 
 async def test_a_cancel_racing_a_claim_leaves_one_record(store: Store) -> None:
     for _ in range(20):
         sid = uuid.uuid4()
-        await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+        await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
         claim, _ = await asyncio.gather(store.claim(sid, "w"), store.cancel(sid, "client"))
         if isinstance(claim, Claim):
             u = {"prompt_tokens": 1, "completion_tokens": 0}

@@ -125,8 +125,7 @@ async def test_a_page_reload_during_the_first_touch_still_lets_cancel_on_disconn
     ``disconnect`` once the grace has passed."""
     store, hub, admin = parts
     sid = uuid.uuid4()
-    await store.ensure_groups()
-    await store.create(sid, COD, default_model="m", max_queue=0, retention_s=60)
+    await store.create(sid, COD, model="m", max_queue=0, retention_s=60)
     claim = await store.claim(sid, "w")
     assert isinstance(claim, Claim)
 
@@ -149,7 +148,7 @@ async def test_a_page_reload_during_the_first_touch_still_lets_cancel_on_disconn
     toucher = asyncio.ensure_future(_touch_readers(store, hub, 0.1))  # the pod's own touch loop
     try:
         await asyncio.sleep(GRACE_S + 0.7)
-        res = await store.renew(claim, "w", GRACE_S)
+        res = await store.renew(claim, GRACE_S, 30.0)
     finally:
         toucher.cancel()
         await asyncio.gather(toucher, return_exceptions=True)

@@ -18,7 +18,7 @@ import pytest
 import redis
 from openai.types.responses import ResponseStreamEvent
 from scripted_upstream import Reply, ScriptedUpstream, args, call, text
-from servers import Stack, StackFactory
+from servers import TEST_MODEL_NAMES, Stack, StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key
@@ -35,7 +35,8 @@ class UpstreamStack:
         self.stack, self.up = stack, upstream
         stack.consumer("--heartbeat-s", "1", *consumer_args)
         gen = stack._run("generator", ["generator", "--redis-url", stack.redis_url, "--upstream", upstream.url,
-                                       "--lease-s", "2", "--log-level", "info"])
+                                       "--lease-s", "2", "--log-level", "info",
+                                       "--model-alias", ",".join(TEST_MODEL_NAMES)])
         deadline = time.monotonic() + 30
         while "generator ready" not in gen.output():
             assert gen.alive() and time.monotonic() < deadline, gen.output()

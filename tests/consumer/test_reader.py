@@ -40,7 +40,7 @@ async def parts(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIt
 async def _stream(store: Store, texts: list[str]) -> tuple[uuid.UUID, Claim, list[str]]:
     """A running stream with a delta per text; returns its event ids (queued, then the deltas)."""
     sid = uuid.uuid4()
-    await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
     claim = await store.claim(sid, "w")
     assert isinstance(claim, Claim)
     for i, t in enumerate(texts):

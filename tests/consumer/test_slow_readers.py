@@ -114,7 +114,7 @@ class RawReader:
 
 async def _stream(store: Store) -> tuple[str, Claim]:
     sid = uuid.uuid4()
-    assert (await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=600)).created
+    assert (await store.create(sid, REQ, model="m", max_queue=0, retention_s=600)).created
     claim = await store.claim(sid, "test-writer")
     assert isinstance(claim, Claim)
     return str(sid), claim

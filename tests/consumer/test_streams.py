@@ -66,8 +66,8 @@ def test_read_from_scratch_then_resume_from_every_event_gives_the_same_events(sh
 
 
 def _jobs_enqueued(r: redis.Redis) -> int:
-    """How many jobs were ever added to the (one partition's) job stream."""
-    return int(r.xinfo_stream("rsb:{p0}:jobs")["entries-added"]) if r.exists("rsb:{p0}:jobs") else 0
+    """How many jobs were ever added to the (one partition's) job backlogs, every model's."""
+    return sum(int(r.xinfo_stream(k)["entries-added"]) for k in r.keys("rsb:{p0}:q:*:jobs"))
 
 
 def test_32_concurrent_identical_creates_make_one_stream_and_one_generation(shared_stack: SharedStack) -> None:
@@ -259,7 +259,7 @@ def test_crafted_unicode_deltas_roundtrip_exactly(redis_server: RedisServer, red
         r = connect(redis_server.url)
         st = Store(r)
         req = GenerationRequest(None, "x", None, 16, 0.8, 0.95, None, (), False)
-        await st.create(sid, req, default_model="m", max_queue=0, retention_s=60)
+        await st.create(sid, req, model="m", max_queue=0, retention_s=60)
         claim = await st.claim(sid, "w")
         assert isinstance(claim, Claim)
         for n, p in enumerate(pieces):

@@ -454,7 +454,8 @@ def test_the_real_model_answers_in_english_rendered_as_markdown(
         _wait_status(page, sid, "done")
         with s.client() as c:
             server = read_sse(c, f"/v1/streams/{sid}/events")
-        assert server.events[1].event == "started" and server.events[1].data == {"model": DEFAULT_MODEL_NAME}
+        assert server.events[1].event == "started"
+        assert server.events[1].data == {"model": DEFAULT_MODEL_NAME, "service_tier": "default"}
         assert _page_text(page, sid) == server.text
         _check_rendering(page, sid)
         turn = _turn(page, sid)

@@ -41,7 +41,7 @@ import yaml
 from helpers import CliCommand, cli_command, eventually, parse_bytes, read_sse, wait_status
 
 from broker.redis.server import RedisServer, free_port
-from broker.streams.keys import jobs_key
+from broker.streams.keys import QueueKeys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -600,7 +600,10 @@ def test_keda_watches_every_job_stream(variant: str) -> None:
 
     [so] = [s for s in r.all("ScaledObject") if s["spec"]["scaleTargetRef"]["name"] == generator["metadata"]["name"]]
     triggers = so["spec"]["triggers"]
-    assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(jobs_key(i, partitions) for i in range(partitions))
+    model = setting(r, g, gcli, "RSB_MODEL_NAME")
+    assert setting(r, c, cli_command("consumer"), "RSB_DEFAULT_MODEL") == model, "creates naming no model run on it"
+    assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(
+        QueueKeys(i, partitions, model).backlog for i in range(partitions))
 
     url = urlsplit(redis_url)
     cluster = url.scheme.endswith("+cluster") or \
@@ -802,7 +805,7 @@ def test_live_rsb_serves_what_the_deployment_files_name(
     r = render("standalone-redis")
     stack = stack_factory(redis_server.url)
     partitions = int(manifest_env(r, "generator")["RSB_PARTITIONS"])
-    jobs = [jobs_key(i, partitions) for i in range(partitions)]
+    jobs = [QueueKeys(i, partitions, manifest_env(r, "generator")["RSB_MODEL_NAME"]).backlog for i in range(partitions)]
 
     # The keys file and read-token secret as the pod gets them (the committed fail-closed placeholder).
     placeholder = tmp_path / "placeholder-keys.json"
@@ -852,9 +855,8 @@ def test_live_rsb_serves_what_the_deployment_files_name(
         assert api.post(f"/v1/streams/{first}/cancel").status_code == 202  # cancelled while queued
         wait_status(api, first, {"cancelled"})
         assert api.post("/v1/streams", json={"id": third, "prompt": "Once upon", "max_tokens": 12}).status_code == 201
-        # The cancelled stream's job stays in its stream until a worker drops it: KEDA counts it and a
-        # worker comes to clean up, as it must.
-        assert xlen() == 2 and waiting() == 1
+        # The cancelled stream's job left the backlog with its cancel: KEDA counts only work to do.
+        assert xlen() == 1 and waiting() == 1
 
         generator_env = manifest_env(r, "generator")
         metrics_port = free_port()

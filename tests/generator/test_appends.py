@@ -25,7 +25,7 @@ async def test_batched_appends_land_in_order_and_zombies_are_still_refused(redis
     claims: list[Claim] = []
     for _ in range(40):
         sid = uuid.uuid4()
-        await store.create(sid, REQ, default_model="m", max_queue=0, retention_s=60)
+        await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
         claim = await store.claim(sid, "w")
         assert isinstance(claim, Claim)
         claims.append(claim)

@@ -623,7 +623,8 @@ def test_reasoning_and_a_tool_call_in_pieces_are_exact_native_events(
             read = read_sse(c, f"/v1/streams/{sid}/events")
         sent = up.bodies()[0]
     assert sent["messages"] == CALL_HISTORY and sent["tools"] == [WEATHER_TOOL, TIME_TOOL] and "tool_choice" not in sent
-    assert read.events[1].event == "started" and read.events[1].data == {"model": "scripted-model"}
+    assert read.events[1].event == "started"
+    assert read.events[1].data == {"model": "scripted-model", "service_tier": "default"}
     done = read.events[-1]
     assert merged(read.events[:-1]) == [
         ("reasoning", "Let me think."), ("delta", "Checking."),

@@ -98,7 +98,7 @@ def test_rsb_up_with_no_model_serves_the_default_model_and_says_what_to_do_next(
             r = create(c, messages=[{"role": "user", "content": "What is a resumable stream?"}], max_tokens=64,
                        temperature=0.2, seed=1)
             answer = read_sse(c, r.json()["events_url"], timeout_s=120)
-            assert answer.events[1].data == {"model": DEFAULT_MODEL_NAME}
+            assert answer.events[1].data == {"model": DEFAULT_MODEL_NAME, "service_tier": "default"}
             assert answer.events[-1].event == "done"
             assert_english(answer.text)
             assert "stream" in answer.text.lower()

@@ -25,6 +25,7 @@ from broker.errors import InvalidRequest
 from broker.events import Event, EventType
 from broker.request import RequestLimits, check_integer
 from broker.streams.records import StreamStatus
+from broker.tiers import DEFAULT as DEFAULT_TIER
 from consumer.state import caller_of, state_of
 from consumer.streaming.service import StreamService
 from consumer.streaming.sse import SSEResponse
@@ -89,12 +90,11 @@ TOKEN_LIMITS = ("max_completion_tokens", "max_tokens")
 #: body's) and typed output's fields (OpenAI's shapes are rsb's).
 GENERATION = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache_key", "presence_penalty",
               "frequency_penalty", "logit_bias", "parallel_tool_calls", "metadata", "user", "safety_identifier",
-              "store", "logprobs", "top_logprobs")
+              "store", "logprobs", "top_logprobs", "service_tier")
 TYPED = ("tools", "tool_choice", "response_format")
 PASSED_THROUGH = GENERATION + TYPED
-#: Every parameter a chat request may carry; any other is a 400 naming it, as OpenAI answers. ``service_tier``
-#: is issue 29's (the scheduler's tiers).
-KNOWN = frozenset({"messages", *TOKEN_LIMITS, *PASSED_THROUGH, *(r.name for r in RESTRICTIONS), "service_tier"})
+#: Every parameter a chat request may carry; any other is a 400 naming it, as OpenAI answers.
+KNOWN = frozenset({"messages", *TOKEN_LIMITS, *PASSED_THROUGH, *(r.name for r in RESTRICTIONS)})
 #: A chat request's roles, as rsb's: OpenAI's (``developer`` is its newer name for ``system``) and tool results.
 CHAT_ROLES = {**ROLES, "tool": "tool"}
 
@@ -158,16 +158,17 @@ def _chat_body(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, A
 class _Chat:
     """The fixed fields of every object of one completion."""
 
-    def __init__(self, stream_id: uuid.UUID, st: StreamStatus, model: str) -> None:
+    def __init__(self, stream_id: uuid.UUID, st: StreamStatus) -> None:
         self.id = f"chatcmpl-{stream_id.hex}"
         self.created = int(st.created_at)
-        # The model as requested, like ResponseView: StreamStatus.model becomes the engine's name at the end.
-        self.model = model
+        # The model that runs it (its queue's: an alias asked for is resolved at create) and the tier it waited in.
+        self.model = st.model
+        self.service_tier = st.tier or DEFAULT_TIER
 
     def chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "system_fingerprint": None,
+                "service_tier": self.service_tier, "system_fingerprint": None,
                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
     def usage(self, usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -289,6 +290,7 @@ async def _completion(service: StreamService, chat: _Chat, stream_id: uuid.UUID)
     data = ev.json()
     return JSONResponse({
         "id": chat.id, "object": "chat.completion", "created": chat.created, "model": chat.model,
+        "service_tier": chat.service_tier,
         "system_fingerprint": None,
         "choices": [{"index": 0, "finish_reason": data.get("finish_reason", "stop"), "message": answer.message(),
                      "logprobs": None if answer.logprobs is None else {"content": answer.logprobs, "refusal": None}}],
@@ -305,7 +307,7 @@ async def chat_completions(request: Request) -> ASGIApp:
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     with service.connection(caller_of(request)) as slot:
         stream_id, st = await create_stream(request, rsb_body, renames)
-        chat = _Chat(stream_id, st, rsb_body.get("model") or await service.default_model())
+        chat = _Chat(stream_id, st)
         if stream:
             return SSEResponse(_frames(service, chat, stream_id, include_usage), shutdown=state.draining,
                                send_timeout_s=state.settings.send_timeout_s,

@@ -20,7 +20,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from broker.errors import BudgetExceeded, Conflict, Expired, InvalidRequest, OverStorageQuota, RetryLater, RsbError
+from broker.errors import (
+    BudgetExceeded,
+    Conflict,
+    Expired,
+    InvalidRequest,
+    ModelNotFound,
+    OverStorageQuota,
+    RetryLater,
+    RsbError,
+)
 from broker.history import History
 from broker.request import GenerationRequest, validate_create_body
 from broker.sse import DONE_FRAME as DONE_FRAME  # the views' one [DONE], re-exported for chat and responses
@@ -79,6 +88,8 @@ def error_response(exc: RsbError) -> JSONResponse:
     if isinstance(exc, OpenAIError):
         return error_json(exc.status_code, exc.message, type_=exc.type, code=exc.oai_code, param=exc.param,
                           headers=exc.headers)
+    if isinstance(exc, ModelNotFound):
+        return error_json(404, exc.message, type_="invalid_request_error", code=exc.code, param="model")
     if isinstance(exc, Expired):
         # The SDK has no class for 410; what a client can do is the same as for an unknown id.
         return error_json(404, exc.message, type_="invalid_request_error", code="expired")

@@ -41,7 +41,7 @@ async def resolve_references(service: StreamService, caller: Caller, raw: Any) -
                 raise invalid(f"input: items of at most {MAX_REFERENCED_RESPONSES} responses may be referenced",
                               "input")
             st = await service.status(caller, sid)  # 404 / 410, the owner checked
-            view = ResponseView(sid, st, await service.request_of(sid), await service.default_model())
+            view = ResponseView(sid, st, await service.request_of(sid))
             for ev in await service.events_so_far(sid):
                 view.feed(ev)
             views[sid] = view

@@ -1,5 +1,6 @@
-"""``GET /v1/models``: the models the generators serve (what their ``started`` events name), or
-``--default-model`` when set; clients probe this before a call. Empty while no generator has announced one."""
+"""``GET /v1/models``: the models the generators serve (what their ``started`` events name) and the aliases they
+answer to (``root``: the model an alias runs on), with ``--default-model`` listed even while no generator announces
+it (its creates wait in its queue); clients probe this before a call. Empty while nothing is served."""
 
 from __future__ import annotations
 
@@ -7,21 +8,24 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
-from broker.errors import NotFound
+from broker.errors import ModelNotFound
+from broker.streams.served_models import ServedModel
 from consumer.state import state_of
 
 
-def _model(name: str) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "rsb"}
+def _model(m: ServedModel) -> dict[str, object]:
+    return {"id": m.id, "object": "model", "created": 0, "owned_by": "rsb", "root": m.root}
 
 
 async def list_models(request: Request) -> ASGIApp:
-    names = await state_of(request).service.served_models()
-    return JSONResponse({"object": "list", "data": [_model(name) for name in names]})
+    served = await state_of(request).service.served_models()
+    return JSONResponse({"object": "list", "data": [_model(m) for m in served]})
 
 
 async def retrieve_model(request: Request) -> ASGIApp:
     name = request.path_params["model"]
-    if name not in await state_of(request).service.served_models():
-        raise NotFound(f"the model {name!r} does not exist")
-    return JSONResponse(_model(name))
+    served = await state_of(request).service.served_models()
+    for m in served:
+        if m.id == name:
+            return JSONResponse(_model(m))
+    raise ModelNotFound(name, [m.id for m in served])

@@ -37,6 +37,7 @@ from typing import Any
 from broker.events import Event, EventType, parse_event_id
 from broker.request import GenerationRequest
 from broker.streams.records import StreamStatus
+from broker.tiers import DEFAULT as DEFAULT_TIER
 from consumer.streaming.conversations import openai_id
 from consumer.views.openai.common import cached_tokens, usage_tokens
 from consumer.views.openai.shapes import responses_tool_choice, responses_tools, text_config
@@ -105,14 +106,14 @@ class ResponseView:
     """Folds one stream's events, in order from the first, into Responses events and the Response object
     (the module's docstring has the mapping)."""
 
-    def __init__(self, stream_id: uuid.UUID, st: StreamStatus, req: GenerationRequest | None,
-                 default_model: str) -> None:
+    def __init__(self, stream_id: uuid.UUID, st: StreamStatus, req: GenerationRequest | None) -> None:
         self.id = response_id(stream_id)
         self._hex = stream_id.hex
-        # Only what never changes goes into the objects, so every read folds to the same events: the
-        # request as stored, not StreamStatus.model (the engine's name replaces it when the stream ends).
+        # Only what never changes goes into the objects, so every read folds to the same events: the request as
+        # stored, and the model that runs it (its queue's, resolved at create: the worker's name is the same).
         self.created_at = int(st.created_at)
-        self.model = (req.model if req is not None else None) or default_model
+        self.model = st.model
+        self.service_tier = st.tier or DEFAULT_TIER
         self.temperature = req.temperature if req is not None else None
         self.top_p = req.top_p if req is not None else None
         self.tools = responses_tools(req)
@@ -165,7 +166,7 @@ class ResponseView:
             # Every rsb generation runs detached from its connections: background, whatever was asked.
             "background": True, "completed_at": self.completed_at, "error": self.error,
             "incomplete_details": self.incomplete, "instructions": self.instructions,
-            "max_output_tokens": self.max_output_tokens, "model": self.model,
+            "max_output_tokens": self.max_output_tokens, "model": self.model, "service_tier": self.service_tier,
             "output": [item.json() for item in self.items], **self.echo,
             "previous_response_id": self.previous, "conversation": self.conversation,
             "temperature": self.temperature, "top_p": self.top_p,

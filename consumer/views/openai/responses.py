@@ -107,10 +107,10 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 #: Passed to rsb's own validation as they are (seed and stop are not Responses parameters; accepted, as
 #: extra_body, because rsb has them).
 PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache_key", "parallel_tool_calls",
-                  "max_tool_calls", "metadata", "user", "safety_identifier", "store")
-#: Every parameter a Responses create may carry; any other is a 400 naming it. ``service_tier`` is issue 29's.
+                  "max_tool_calls", "metadata", "user", "safety_identifier", "store", "service_tier")
+#: Every parameter a Responses create may carry; any other is a 400 naming it.
 KNOWN = frozenset({"input", "max_output_tokens", "tools", "tool_choice", "text", *PASSED_THROUGH,
-                   *("instructions", "conversation", "previous_response_id"), "service_tier"})
+                   *("instructions", "conversation", "previous_response_id")})
 #: The input items rsb reads. ``reasoning`` items (the model's earlier reasoning, which clients pass back with
 #: the rest of a response's output) are dropped: models are not given their past reasoning, as chat templates
 #: drop it.
@@ -196,7 +196,7 @@ def _responses_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def new_view(service: StreamService, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
-    return ResponseView(stream_id, st, await service.request_of(stream_id), await service.default_model())
+    return ResponseView(stream_id, st, await service.request_of(stream_id))
 
 
 async def _frames(service: StreamService, stream_id: uuid.UUID, view: ResponseView,

@@ -155,6 +155,7 @@ def openai_paths(limits: RequestLimits, generation: dict[str, Any], auth: bool) 
             "responses": {
                 "200": completion_or_chunks,
                 "400": err("invalid request, or a parameter rsb cannot honour"),
+                "404": err("no generator serves the model it names (model_not_found)"),
                 "409": err("the Idempotency-Key was used with another request, or the generation was cancelled"),
                 "413": err("body too large"),
                 "502": err("the generation failed (the engine, a deadline, lost workers)"),
@@ -165,7 +166,8 @@ def openai_paths(limits: RequestLimits, generation: dict[str, Any], auth: bool) 
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": _responses_body(limits, generation)}}},
             "responses": {"200": response_or_events, "400": err("invalid request, or a parameter rsb cannot honour"),
-                          "404": err("no such conversation, or previous response (or another API key's)"),
+                          "404": err("no such conversation, or previous response (or another API key's), or no "
+                                     "generator serves the model it names (model_not_found)"),
                           "409": err("the Idempotency-Key was used with another request, or has expired; another "
                                      "response of the conversation runs, or the previous one has not ended; the "
                                      "conversation is full (conversation_full)"),
