@@ -84,7 +84,8 @@ class ConsumerSettings(Settings):
     forwarded_allow_ips: tuple[str, ...] = setting(
         ("127.0.0.1", "::1"), "comma-separated proxy addresses or networks (CIDR; '*' for any) whose "
         "X-Forwarded-For names the client: its address for every per-address limit. Only a proxy that "
-        "overwrites the header (deploy/nginx.conf) may be trusted")
+        "overwrites the header (deploy/nginx.conf) may be trusted. Under rsb up, which has nothing in front "
+        "of it, none unless given")
     allowed_hosts: tuple[str, ...] = setting(
         (), "without API keys, the Host names requests may carry besides the loopback ones (localhost, 127.0.0.1, "
         "[::1]) and --host; others get 421 host_not_allowed, so a web page cannot reach an open API by DNS "

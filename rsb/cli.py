@@ -9,6 +9,8 @@ has an ``RSB_*`` environment twin; the flag wins.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,9 +64,11 @@ def _run_generator(args: argparse.Namespace) -> int:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from rsb.up import run_stack
+    from rsb.up import proxies_configured, run_stack, trusting_no_proxy
 
-    return run_stack(UpSettings.from_namespace(args))
+    settings = UpSettings.from_namespace(args)
+    configured = proxies_configured(args.argv, os.environ)
+    return run_stack(dataclasses.replace(settings, consumer=trusting_no_proxy(settings.consumer, configured)))
 
 
 COMMANDS = (
@@ -109,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     rc: int = args.run(args)
     return rc
 

@@ -14,6 +14,7 @@ model, with what to do next. Ctrl-C or SIGTERM stops the API, then the generator
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -62,6 +63,23 @@ class UpSettings(Settings):
     redis_maxmemory_mb: int = setting(
         1024, "without --redis-url: the private Redis server's maxmemory in MiB, with maxmemory-policy noeviction "
         "(full, it refuses writes: creates get 507 storage_full and generations wait; 0 = no bound)")
+
+
+def proxies_configured(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
+    """Whether ``--forwarded-allow-ips`` (or its variable) is given on this command line, whatever its value."""
+    opt = next(o for o in ConsumerSettings.options() if o.name == "forwarded_allow_ips")
+    if opt.env in environ:
+        return True
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument(f"--{opt.flag}", dest="given", default=None)
+    return parser.parse_known_args(list(argv))[0].given is not None
+
+
+def trusting_no_proxy(api: ConsumerSettings, configured: bool) -> ConsumerSettings:
+    """The API of ``rsb up`` has nothing in front of it: loopback, the consumer's default trusted proxy, is any
+    local process there, which could name any address in X-Forwarded-For and get a fresh per-address quota
+    each time. So it trusts no proxy unless one is configured (a proxy put in front on this machine)."""
+    return api if configured else dataclasses.replace(api, forwarded_allow_ips=())
 
 
 class StackError(Exception):

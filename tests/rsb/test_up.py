@@ -18,7 +18,9 @@ from helpers import assert_english, create, eventually, read_sse
 
 from bench.procs import Proc
 from broker.redis.server import free_port
+from consumer.settings import ConsumerSettings
 from generator.engines.default_model import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REQUIREMENT, default_model_path
+from rsb.up import proxies_configured, trusting_no_proxy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,6 +131,9 @@ def test_rsb_up_runs_the_whole_stack_and_stops_everything(tmp_path: Path, demo_m
             assert status["model"] == model and status["usage"]["completion_tokens"] == 12
         children = psutil.Process(up.pid).children(recursive=True)
         assert children
+        # Nothing sits in front of it: no peer's X-Forwarded-For is believed, loopback's neither.
+        limits = next(line for line in up.output().splitlines() if "connection limits" in line)
+        assert '"trusted_proxies":""' in limits.replace(" ", ""), limits
         # The private Redis has a random password (no other local user, or page through a proxy, can use it),
         # and it is on no command line (ps shows those to everyone): the generators get the URL by environment.
         port = int(server_line.split('"port":')[1].split(",")[0])
@@ -278,3 +283,20 @@ def test_rsb_up_lists_its_model_from_the_first_ready_answer(tmp_path: Path, demo
         assert client.models.list().data[0].id == resolve_model(str(demo_model), None).name
     finally:
         up.stop()
+
+
+def test_rsb_up_trusts_no_proxy_unless_one_is_configured() -> None:
+    """Under rsb up any local process is a loopback peer: trusting loopback's X-Forwarded-For (the consumer's
+    default) would let it choose its address, and a fresh per-address quota, per request."""
+    api = ConsumerSettings.from_env({})
+    assert api.forwarded_allow_ips == ("127.0.0.1", "::1")  # `rsb consumer`'s default, behind a local proxy
+    for argv, env, configured in [
+        (["up"], {}, False),
+        (["up", "--port", "8080"], {}, False),
+        (["up", "--forwarded-allow-ips", "127.0.0.1"], {}, True),  # given, even as the default's value
+        (["up", "--forwarded-allow-ips=10.0.0.0/8"], {}, True),
+        (["up"], {"RSB_FORWARDED_ALLOW_IPS": "127.0.0.1"}, True),
+    ]:
+        assert proxies_configured(argv, env) is configured, argv
+        trusted = trusting_no_proxy(api, configured).forwarded_allow_ips
+        assert trusted == (api.forwarded_allow_ips if configured else ()), argv

@@ -8,6 +8,10 @@ import { createChat, messageText, waitFor, interruptionsAreNotDisconnects } from
 // Characters of an answer on screen before a scenario interrupts it: well inside a long answer.
 const MID_CHARS = 40;
 const midAnswer = (h) => messageText(h.lastAssistant()).length >= MID_CHARS;
+// Mid the answer of a chat that started from `before` messages (a page with history): its own new answer, not
+// the history's last one, which is already long enough for midAnswer.
+const midNewAnswer = (h, before) => h.messages.length > before + 1 && h.messages.at(-1).role === 'assistant'
+  && midAnswer(h);
 
 /** What the chat shows, for the assertions (the partial state included). */
 export function summary(h) {
@@ -200,13 +204,15 @@ export const SCENARIOS = {
     const afterB = await ctx.api('GET', path);
     // Both devices at once, each asking a long answer: the winner's turn still runs when the loser's request
     // lands (however late a busy machine delivers it), and is stopped once the loser has its 409 and the winner
-    // some text, so the race never depends on how fast a short turn ends.
+    // some text of its new answer (a stop before its first token leaves the turn no answer to show), so the race
+    // never depends on how fast a short turn ends or how late the winner's first token comes.
     const reloaded = ctx.chat({ chatId: a.id, messages: afterB.json.messages, maxTokens: 5 * ctx.long });
     const laptop = ctx.chat({ chatId: a.id, messages: afterB.json.messages, maxTokens: 5 * ctx.long });
     const reloadedRoles = reloaded.messages.map((m) => m.role);
     const racing = Promise.all([reloaded.send('phone, at once'), laptop.send('laptop, at once')]);
     const winner = () => (reloaded.status === 'error' ? laptop : laptop.status === 'error' ? reloaded : null);
-    await waitFor(() => winner() !== null && midAnswer(winner()), 60000);
+    const history = afterB.json.messages.length;
+    await waitFor(() => winner() !== null && midNewAnswer(winner(), history), 60000);
     const stop = await ctx.api('POST', `/api/chat/${encodeURIComponent(a.id)}/stop`);
     await racing;
     const final = await ctx.api('GET', path);
