@@ -78,7 +78,8 @@ async def test_store_operations_run_in_one_slot_each(redis_cluster: RedisCluster
         q = store.keys(sid).queue("m")
         # Out of its queue with its end (the waiting streams may share its partition: they stay).
         assert await r.zscore(q.leases, str(sid)) is None
-        assert str(sid).encode() not in [f[b"sid"] for _, f in await r.xrange(q.backlog)]
+        backlog: Any = await r.xrange(q.backlog)
+        assert str(sid).encode() not in [fields[b"sid"] for _, fields in backlog]
     finally:
         await r.aclose()
 

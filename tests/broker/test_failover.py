@@ -132,9 +132,10 @@ def _diagnose(cluster: RedisClusterServers, f: Follower) -> str:
     client = redis.Redis(port=cluster.primary_of(k.meta).port, decode_responses=True)
     try:
         meta = client.hgetall(k.meta)
-        return (f"{f.sid}: meta {meta}, {client.xlen(k.events)} events, read {len(f.events)}, "
-                f"leases {client.zrange(str(meta.get('qp', '')) + 'leases', 0, -1, withscores=True)}, "
-                f"backlog {client.xlen(str(meta.get('qp', '')) + 'jobs')}")
+        queue = f"{k.queue(str(meta['model'])).prefix}" if meta.get("model") else ""
+        return (f"{f.sid}: meta {meta}, {client.xlen(k.events)} events, read {len(f.events)}"
+                + (f", leases {client.zrange(queue + 'leases', 0, -1, withscores=True)}, "
+                   f"backlog {client.xlen(queue + 'jobs')}" if queue else ", no meta"))
     finally:
         client.close()
 

@@ -92,7 +92,7 @@ def test_rsb_up_with_no_model_serves_the_default_model_and_says_what_to_do_next(
         created = subprocess.run(post, shell=True, capture_output=True, text=True, timeout=30, check=True)
         assert '"created":true' in created.stdout
         events = subprocess.run(get, shell=True, capture_output=True, text=True, timeout=120, check=True).stdout
-        assert f'event: started\ndata: {{"model":"{DEFAULT_MODEL_NAME}"}}' in events
+        assert f'event: started\ndata: {{"model":"{DEFAULT_MODEL_NAME}","service_tier":"default"}}' in events
         assert "event: done" in events
         with httpx.Client(base_url=up.url, timeout=30) as c:
             assert c.get("/").status_code == 200
