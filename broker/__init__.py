@@ -1,3 +1,1 @@
 """What the generator and the consumer share: key schema, events, atomic operations, settings, client."""
-
-__version__ = "0.1.0"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from dataclasses import dataclass
 
 
@@ -45,9 +44,6 @@ class Attempts:
 
     async def sleep(self, retry_after_s: float | None = None) -> None:
         await asyncio.sleep(self.next_delay(retry_after_s))
-
-    def sleep_sync(self, retry_after_s: float | None = None) -> None:
-        time.sleep(self.next_delay(retry_after_s))
 
     def reset(self) -> None:
         self.attempt = 0
