@@ -45,7 +45,7 @@ class PacedEngine:
         self.caches_prompts = False
 
     def start(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int,
-              stop: threading.Event, partial: PartialAnswer | None = None) -> Generation:
+              stop: threading.Event, partial: PartialAnswer | None = None, cache_scope: str = "") -> Generation:
         first = len(prefix_text.split())
         gen = Generation(prompt_tokens=1, pieces=iter(()))
         if self.on_loop:

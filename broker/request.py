@@ -143,10 +143,13 @@ class GenerationRequest:
     def echoed(self, name: str, default: Any = None) -> Any:
         return next((v for k, v in self.echo if k == name), default)
 
-    def affinity(self) -> str:
+    def affinity(self, tenant: str) -> str:
         """What routes this request to the generator that holds its prompt's prefix (chat-affine claiming):
         a digest of its conversation, else of its ``prompt_cache_key``, else of its leading messages (or the
-        start of its prompt). A digest: nothing a client typed reaches a key name."""
+        start of its prompt), always within ``tenant`` (whom the stream is charged to: Claim.tenant). Scoped
+        like the prompt cache itself: were two tenants' equal prefixes routed to one worker, how long a
+        probe waited for that worker would tell one tenant what another sent. A digest: nothing a client
+        typed reaches a key name."""
         h = self.history
         if h is not None and h.conversation is not None:
             source = f"c:{h.tenant}:{h.conversation}"
@@ -157,7 +160,7 @@ class GenerationRequest:
             source = "m:" + orjson.dumps([m.stored() for m in self.messages[:first_user + 1]]).decode()
         else:
             source = "p:" + (self.prompt or "")[:_LEADING_PROMPT_CHARS]
-        return hashlib.blake2b(source.encode(), digest_size=12).hexdigest()
+        return hashlib.blake2b(f"{tenant}\0{source}".encode(), digest_size=12).hexdigest()
 
     @property
     def forced_tools(self) -> tuple[Tool, ...]:

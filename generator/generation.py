@@ -145,7 +145,7 @@ class JobRunner:
         self.metrics.claimed(claim.model, claim.tier, claim.attempts, claim.waited_s)
         if self.engine.caches_prompts:
             try:  # a hint for the next turn's routing: never worth delaying or failing this one
-                await self.store.affinity.note(claim.request.affinity(), self.worker_id, AFFINITY_TTL_S)
+                await self.store.affinity.note(claim.request.affinity(claim.tenant), self.worker_id, AFFINITY_TTL_S)
             except StoreTransient as e:  # Redis away or full: the turn runs anyway
                 log.warning("could not note the chat's worker: %s", type(e).__name__)
             except Exception:  # a bug, logged as one: the turn runs anyway
@@ -261,7 +261,8 @@ class JobRunner:
         t_segment = time.monotonic()
         gen_holder: list[Generation] = []
         producer = produce(self.engine, req, handoff, prefix_text=prefix, max_tokens=remaining, stop=run.stop,
-                           on_start=gen_holder.append, partial=partial if partial.typed else None)
+                           on_start=gen_holder.append, partial=partial if partial.typed else None,
+                           cache_scope=self.settings.engine.cache_scope(claim.tenant))
         offered = frozenset(t.name for t in req.tools) if req.offers_tools else frozenset()
         answer = AnswerEvents(req.stop, partial if partial.typed else PartialAnswer(), req.sampling.max_calls, offered)
         seq = tokens = progress.seq  # tokens counted in Redis (all attempts); tokens generated (all attempts)

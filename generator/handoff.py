@@ -182,9 +182,10 @@ class TokenHandoff:
 
 def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *, prefix_text: str,
             max_tokens: int, stop: threading.Event, on_start: Callable[[Generation], None] | None = None,
-            partial: PartialAnswer | None = None) -> asyncio.Future[None]:
+            partial: PartialAnswer | None = None, cache_scope: str = "") -> asyncio.Future[None]:
     """Run a generation of ``engine`` into ``handoff`` (closed at the end, with the error if one was raised);
-    ``on_start`` gets the Generation. In an inference thread of its own, or, for an engine that says
+    ``on_start`` gets the Generation; ``cache_scope`` is what the engine's caches are
+    scoped to (Engine.start). In an inference thread of its own, or, for an engine that says
     ``on_loop``, as a task on the running loop. The future ends when the producer has.
 
     A thread per generation, not a pool's: asyncio's default executor (``asyncio.to_thread``) holds
@@ -199,7 +200,8 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
     if engine.on_loop:
         async def on_loop() -> None:
             try:
-                gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial)
+                gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial,
+                                   cache_scope=cache_scope)
                 started(gen)
                 assert gen.apieces is not None, "an on_loop engine fills apieces"
                 apieces = gen.apieces
@@ -233,7 +235,8 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
     def in_thread() -> None:
         after: Callable[[], None] | None = None
         try:
-            gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial)
+            gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial,
+                                   cache_scope=cache_scope)
             started(gen)
             text: list[str] | None = [] if gen.after is not None else None
             ended = True

@@ -31,6 +31,12 @@ class EngineSettings(Settings):
         256, "RAM for the in-process llama.cpp prompt cache, in MiB: the KV state of recent prompts, so a "
         "follow-up turn evaluates only what is new (0 = off: every prompt is evaluated in full, and chat-affine "
         "claiming is off too)")
+    prompt_cache_scope: str = setting(
+        "tenant", "whose prompts a prompt's cached prefix may come from: 'tenant' (the same API key's, or the same "
+        "client address group's without keys: no key gets cached_tokens or a quicker first token from another's "
+        "prompts, as vLLM's cache_salt and OpenAI's per-organization caching) or 'global' (everyone's: a "
+        "single-tenant deployment sharing system prompts across keys); applies to the in-process cache and to the "
+        "prompt_cache_key sent to an --upstream", choices=("tenant", "global"))
     upstream_api: str | None = setting(
         None, "protocol of --upstream: 'openai' (/v1/chat/completions, /v1/completions: vLLM, llama.cpp "
         "server, Ollama's /v1) or 'ollama' (native /api/chat, /api/generate); default: ollama when the URL "
@@ -41,6 +47,10 @@ class EngineSettings(Settings):
     upstream_timeout_s: float = setting(
         600.0, "longest silence from the upstream (waiting in its queue included) before the stream ends "
         "with error upstream")
+
+    def cache_scope(self, tenant: str) -> str:
+        """What a generation charged to ``tenant`` may share cached prompts with: its tenant, or everyone ("")."""
+        return tenant if self.prompt_cache_scope == "tenant" else ""
 
 
 @dataclass(frozen=True, slots=True)

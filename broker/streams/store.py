@@ -174,7 +174,7 @@ class Store:
                 "key_id": key_id, "retention_s": retention_s, "abandon_s": abandon_after_s,
                 "cod": int(request.cancel_on_disconnect), "max_active": max_active, "burst": burst,
                 "interval_ms": interval_ms, "max_wait_s": max_queue_wait_s, "keep": int(request.history is not None),
-                "storage_share": storage.share(self.partitions), "affinity": request.affinity(),
+                "storage_share": storage.share(self.partitions), "affinity": request.affinity(who),
                 "budget_share": budget.share(self.partitions),
                 "reservation": reservation(canonical, request.max_tokens), "period_end": f"{period_end:.0f}",
                 "hook": (webhook or ("", ""))[0], "hid": (webhook or ("", ""))[1], "qp": q.prefix, "tier": tier,

@@ -94,13 +94,18 @@ class Engine(Protocol):
         max_tokens: int,
         stop: threading.Event,
         partial: PartialAnswer | None = None,
+        cache_scope: str = "",
     ) -> Generation:
         """Tokenize the prompt (chat template applied for ``messages``) followed by ``prefix_text``
         (answer text already appended by an earlier attempt, which the generation continues; ``partial``:
         its reasoning and tool calls, when it had any), and return
         a Generation that produces at most ``max_tokens`` more tokens. Called in the inference thread:
         prefill may happen here or on the first ``next()``. An engine whose ``on_loop`` is true is called on
-        the event loop instead, and fills ``apieces`` (an async iterator) rather than ``pieces``."""
+        the event loop instead, and fills ``apieces`` (an async iterator) rather than ``pieces``.
+
+        ``cache_scope``: whose earlier prompts this one may reuse the cached state of (or, upstream, share a
+        routing key with): one tenant's, or everyone's (""). A prompt never gets a cached prefix, nor a quicker
+        first token, from another scope's prompts (``--prompt-cache-scope``)."""
         ...
 
     def close(self) -> None: ...

@@ -111,6 +111,7 @@ class LlamaEngine(Engine):
         # The prompt cache (generator.engines.prompt_cache): the whole prefill blocks the context's KV holds,
         # and the states of earlier prompts.
         self._live: list[int] = []
+        self._live_scope = ""  # whose prompt the live blocks are (generator.engines.prompt_cache: scope)
         self._cache = PromptCache(max(0, prompt_cache_mib) * _MIB)
         self.caches_prompts = prompt_cache_mib > 0
         self._active: Iterator[Piece] | None = None
@@ -162,6 +163,7 @@ class LlamaEngine(Engine):
         max_tokens: int,
         stop: threading.Event,
         partial: PartialAnswer | None = None,
+        cache_scope: str = "",
     ) -> Generation:
         if self._closed:
             raise RuntimeError("engine is closed")
@@ -176,15 +178,15 @@ class LlamaEngine(Engine):
         if len(tokens) > self.n_ctx - 1 - max_tokens:
             raise PromptTooLong(len(tokens), max_tokens, self.n_ctx)
         generation = Generation(prompt_tokens=len(tokens), pieces=iter(()))
-        generation.pieces = self._run(generation, request, tokens, max_tokens, stop, grammar, written)
+        generation.pieces = self._run(generation, request, tokens, max_tokens, stop, grammar, written, cache_scope)
         if self.caches_prompts and request.messages is not None and not request.offers_tools and grammar is None:
             def after(answer: str) -> None:
-                self._prepare_next_turn(request, answer)
+                self._prepare_next_turn(request, answer, cache_scope)
 
             generation.after = after
         return generation
 
-    def _prepare_next_turn(self, request: GenerationRequest, answer: str) -> None:
+    def _prepare_next_turn(self, request: GenerationRequest, answer: str, scope: str) -> None:
         """After a chat's answer, while nothing else wants the context: prefill the whole blocks of what the
         chat's next turn will start with (its messages, this answer, the next user message's opening), so that
         turn evaluates only its new message, not also the tail of this prompt and this answer. Exact like any
@@ -202,7 +204,7 @@ class LlamaEngine(Engine):
             if self._closed or self._waiting:
                 return
             reused = shared_blocks(self._live, tokens, len(tokens))
-            if reused < len(self._live):
+            if reused < len(self._live) or self._live_scope != scope:
                 return  # the context holds another prompt now
             self._llm.n_tokens = reused
             for start, end in blocks(reused, whole_blocks(tokens)):
@@ -238,6 +240,7 @@ class LlamaEngine(Engine):
         stop: threading.Event,
         grammar: str | None = None,
         written: str = "",
+        scope: str = "",
     ) -> Iterator[Piece]:
         if stop.is_set():
             return
@@ -254,7 +257,7 @@ class LlamaEngine(Engine):
                 seed = secrets.randbelow(_RANDOM_SEED)
             elif seed == _RANDOM_SEED:
                 seed -= 1
-            if not self._prefill(generation, tokens, stop):
+            if not self._prefill(generation, tokens, stop, scope):
                 return
             detok = IncrementalDetokenizer(
                 self._pieces,
@@ -330,15 +333,15 @@ class LlamaEngine(Engine):
             self._active = None
             self._lock.release()
 
-    def _prefill(self, generation: Generation, tokens: list[int], stop: threading.Event) -> bool:
-        """Evaluate ``tokens`` from the longest prefix of whole blocks the prompt cache holds, block by block
-        (generator.engines.prompt_cache: what keeps a seeded answer independent of the cache). A long prompt
+    def _prefill(self, generation: Generation, tokens: list[int], stop: threading.Event, scope: str) -> bool:
+        """Evaluate ``tokens`` from the longest prefix of whole blocks the prompt cache holds for ``scope``, block by
+        block (generator.engines.prompt_cache: what keeps a seeded answer independent of the cache). A long prompt
         reports progress between blocks, and a cancel stops it there (False) instead of after the whole
         prefill."""
         llm = self._llm
         limit = reusable(tokens) if self.caches_prompts else 0  # off: every prompt evaluated in full
-        reused = shared_blocks(self._live, tokens, limit)
-        entry, from_entry = self._cache.best(tokens, limit)
+        reused = shared_blocks(self._live, tokens, limit) if self._live_scope == scope else 0
+        entry, from_entry = self._cache.best(tokens, limit, scope)
         if entry is not None and from_entry > reused:
             self._stash_live()
             self._live = []
@@ -346,6 +349,7 @@ class LlamaEngine(Engine):
         elif reused < len(self._live):
             self._stash_live()
         self._live = tokens[:reused]
+        self._live_scope = scope
         llm.n_tokens = reused  # Llama.eval drops the KV past it before it decodes
         generation.cached_tokens = reused
         on_progress = generation.on_progress
@@ -373,7 +377,7 @@ class LlamaEngine(Engine):
         """Copy the whole blocks the context holds into the prompt cache before another prompt overwrites
         them (the answer after them is dropped first: never reused)."""
         live = self._live
-        if not live or self._cache.budget_bytes == 0 or self._cache.holds(live):
+        if not live or self._cache.budget_bytes == 0 or self._cache.holds(live, self._live_scope):
             return
         ctx = self._llm.ctx
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), -1, len(live), -1)
@@ -381,7 +385,7 @@ class LlamaEngine(Engine):
         buf = (ctypes.c_uint8 * size)()
         n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
         if 0 < n <= size:
-            self._cache.put(live, bytes(memoryview(buf)[:n]))
+            self._cache.put(live, bytes(memoryview(buf)[:n]), self._live_scope)
 
     def _load_state(self, state: bytes) -> bool:
         """Replace the context's KV with a cached state; False (and an empty KV: evaluate from scratch) if

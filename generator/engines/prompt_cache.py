@@ -15,6 +15,11 @@ blocks are copied out (llama.cpp's per-sequence state, ``llama_state_seq_get_dat
 within a byte budget; a prompt whose best prefix is in an entry copies it back in. For SmolLM2-135M a token's
 KV is 23 KiB (30 layers x 3 KV heads x 64 x K and V in f16): a 1,000-token prefix is 23 MiB, copied out or in
 within a few milliseconds, against seconds to evaluate it again.
+
+Scope. Every entry, and the live prompt, belongs to a scope (a tenant, or "" for everyone: ``--prompt-cache-
+scope``), and a prompt reuses only its own scope's blocks. A shared cache is an oracle: a prompt that shares a
+prefix with another tenant's recent one gets ``cached_tokens`` and a quicker first token, which told a probing
+key another's templated secret at one request per guess.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ def whole_blocks(tokens: Sequence[int], block: int = BLOCK_TOKENS) -> int:
 class CachedPrompt:
     tokens: tuple[int, ...]  # whole blocks of prefilled prompt tokens
     state: bytes  # llama.cpp's state of sequence 0 holding exactly their KV
+    scope: str = ""  # whose prompts may reuse it (the module doc)
 
 
 class PromptCache:
@@ -69,43 +75,46 @@ class PromptCache:
     def __init__(self, budget_bytes: int, block: int = BLOCK_TOKENS) -> None:
         self.budget_bytes = budget_bytes
         self.block = block
-        self._entries: OrderedDict[tuple[int, ...], CachedPrompt] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, tuple[int, ...]], CachedPrompt] = OrderedDict()
         self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def best(self, tokens: Sequence[int], limit: int) -> tuple[CachedPrompt | None, int]:
-        """The entry sharing the most whole blocks with ``tokens`` (at most ``limit``), and how many tokens."""
+    def best(self, tokens: Sequence[int], limit: int, scope: str = "") -> tuple[CachedPrompt | None, int]:
+        """The entry of ``scope`` sharing the most whole blocks with ``tokens`` (at most ``limit``), and how many
+        tokens."""
         found: CachedPrompt | None = None
         most = 0
         key = tuple(tokens)  # a tuple slice never equals a list slice
         for entry in self._entries.values():
+            if entry.scope != scope:
+                continue
             n = shared_blocks(entry.tokens, key, limit, self.block)
             if n > most:
                 found, most = entry, n
         if found is not None:
-            self._entries.move_to_end(found.tokens)
+            self._entries.move_to_end((scope, found.tokens))
         return found, most
 
-    def holds(self, tokens: Sequence[int]) -> bool:
-        """Whether an entry already covers every block of ``tokens``."""
+    def holds(self, tokens: Sequence[int], scope: str = "") -> bool:
+        """Whether an entry of ``scope`` already covers every block of ``tokens``."""
         key = tuple(tokens)
-        return any(entry.tokens[:len(key)] == key for entry in self._entries.values())
+        return any(entry.scope == scope and entry.tokens[:len(key)] == key for entry in self._entries.values())
 
-    def put(self, tokens: Sequence[int], state: bytes) -> None:
+    def put(self, tokens: Sequence[int], state: bytes, scope: str = "") -> None:
         key = tuple(tokens)
-        if not key or len(state) > self.budget_bytes or self.holds(key):
+        if not key or len(state) > self.budget_bytes or self.holds(key, scope):
             return
-        # Entries that are prefixes of this one are covered by it now.
-        for other in [k for k in self._entries if key[:len(k)] == k]:
+        # Entries of the scope that are prefixes of this one are covered by it now.
+        for other in [k for k in self._entries if k[0] == scope and key[:len(k[1])] == k[1]]:
             self._drop(other)
-        self._entries[key] = CachedPrompt(key, state)
+        self._entries[(scope, key)] = CachedPrompt(key, state, scope)
         self.bytes += len(state)
         while self.bytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
 
-    def _drop(self, key: tuple[int, ...]) -> None:
+    def _drop(self, key: tuple[str, tuple[int, ...]]) -> None:
         self.bytes -= len(self._entries.pop(key).state)
 
     def clear(self) -> None:

@@ -211,8 +211,13 @@ async def test_a_finished_job_leaves_the_backlog_and_its_lease(store: Store) -> 
 async def test_a_chat_turn_waits_for_its_workers_then_any_worker_takes_it(store: Store) -> None:
     chat = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False, prompt_cache_key="chat-1")
     sid = await _create(store, request=chat)
-    await store.affinity.note(chat.affinity(), "owner", 60)
-    # Another worker meets it first: left for the owner (woken), not taken.
+    await store.affinity.note(chat.affinity("a"), "owner", 60)
+    # Another tenant's chat of the same key is not routed by tenant a's: any worker takes it at once.
+    theirs = await _create(store, tenant="b", request=chat)
+    got_b = await _next(store, worker="other", affinity_wait_s=30)
+    assert got_b is not None and got_b.stream_id == theirs and got_b.tenant == "b"
+    assert chat.affinity("a") != chat.affinity("b")
+    # Another worker meets tenant a's first: left for the owner (woken), not taken.
     assert await _next(store, worker="other", affinity_wait_s=30) is None
     assert await store.redis.llen(store.queue(0, "alpha").wake_for("owner")) == 1
     got = await _next(store, worker="owner", affinity_wait_s=30)

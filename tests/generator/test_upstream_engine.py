@@ -180,10 +180,21 @@ def test_openai_requests_carry_every_field() -> None:
     assert path == "/v1/chat/completions"
     assert body == {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 100,
                     "temperature": 0.7, "top_p": 0.9, "model": "m", "seed": 42, "stop": ["\n\n", "END"],
-                    "messages": STORY, "prompt_cache_key": f"rsb-{req.affinity()}"}
+                    "messages": STORY, "prompt_cache_key": f"rsb-{req.affinity('')}"}
     path, body = openai_request(_request(prompt="Once"), prefix_text=" upon", max_tokens=5, model=None)
     assert path == "/v1/completions"
     assert body["prompt"] == "Once upon" and "model" not in body and "seed" not in body and "stop" not in body
+
+
+def test_the_prompt_cache_key_sent_up_is_scoped_to_the_tenant() -> None:
+    # Two tenants naming the same prompt_cache_key (or the same leading messages) must not be routed to one
+    # upstream machine's cache by it: the key sent up is a digest within the cache scope, never the client's.
+    req = _chat_request(STORY, prompt_cache_key="shared")
+    keys = {scope: OPENAI.build_request(req, prefix_text="", max_tokens=5, model=None, cache_scope=scope)
+            .body["prompt_cache_key"] for scope in ("alice", "bob", "")}
+    assert len(set(keys.values())) == 3 and "shared" not in "".join(keys.values())
+    again = OPENAI.build_request(req, prefix_text="", max_tokens=5, model=None, cache_scope="alice")
+    assert again.body["prompt_cache_key"] == keys["alice"]  # stable: one tenant's turns still meet
 
 
 def test_penalties_and_logit_bias_go_to_the_upstream() -> None:

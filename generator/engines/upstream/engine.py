@@ -126,13 +126,15 @@ class UpstreamEngine(Engine):
         max_tokens: int,
         stop: threading.Event,
         partial: PartialAnswer | None = None,
+        cache_scope: str = "",
     ) -> Generation:
         generation = UpstreamGeneration(prompt_tokens=0, pieces=iter(()))
-        generation.apieces = self._run(generation, request, prefix_text, max_tokens, stop, partial)
+        generation.apieces = self._run(generation, request, prefix_text, max_tokens, stop, partial, cache_scope)
         return generation
 
     async def _run(self, generation: UpstreamGeneration, request: GenerationRequest, prefix_text: str,
-                   max_tokens: int, stop: threading.Event, partial: PartialAnswer | None) -> AsyncIterator[Piece]:
+                   max_tokens: int, stop: threading.Event, partial: PartialAnswer | None,
+                   cache_scope: str) -> AsyncIterator[Piece]:
         if stop.is_set():
             return
         if max_tokens <= 0:  # nothing left to generate; servers refuse max_tokens=0
@@ -148,7 +150,7 @@ class UpstreamEngine(Engine):
             prefix_text = ""
             ask_tokens = request.max_tokens
         call = self.protocol.build_request(request, prefix_text=prefix_text, max_tokens=ask_tokens,
-                                           model=self._model, ignore_eos=self.ignore_eos)
+                                           model=self._model, ignore_eos=self.ignore_eos, cache_scope=cache_scope)
         pieces = UpstreamPieces(generation=generation, max_tokens=max_tokens, stop=stop, replay=replay)
         reader = self.protocol.reader(chat=call.chat)
         try:

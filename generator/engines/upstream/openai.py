@@ -40,7 +40,7 @@ class OpenAIProtocol(UpstreamProtocol):
     models_path = "/v1/models"
 
     def build_request(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int, model: str | None,
-                      ignore_eos: bool = False) -> UpstreamRequest:
+                      ignore_eos: bool = False, cache_scope: str = "") -> UpstreamRequest:
         body: dict[str, Any] = {
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -61,9 +61,10 @@ class OpenAIProtocol(UpstreamProtocol):
                                   "legacy completions API has another shape")
         body.update(sampling)
         # OpenAI routes requests sharing a prompt_cache_key to the machine holding their prefix; vLLM and
-        # llama.cpp's servers ignore it. The client's own key, else the chat's (a digest of its conversation
-        # or leading messages: nothing of the prompt itself).
-        body["prompt_cache_key"] = request.prompt_cache_key or f"rsb-{request.affinity()}"
+        # llama.cpp's servers ignore it. The chat's digest (broker.request: its conversation, the client's own
+        # key or its leading messages; nothing of the prompt itself), within the cache scope: two tenants
+        # naming the same key share no machine's cache through it.
+        body["prompt_cache_key"] = f"rsb-{request.affinity(cache_scope)}"
         if request.stop:
             body["stop"] = list(request.stop)
         if ignore_eos:  # a vLLM / llama.cpp server extension; other servers ignore unknown fields

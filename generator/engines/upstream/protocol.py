@@ -113,9 +113,9 @@ class UpstreamProtocol(abc.ABC):
 
     @abc.abstractmethod
     def build_request(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int, model: str | None,
-                      ignore_eos: bool = False) -> UpstreamRequest:
+                      ignore_eos: bool = False, cache_scope: str = "") -> UpstreamRequest:
         """The path and JSON body of a streaming request (``prefix_text``: the plain answer text to continue,
-        see the module doc; a replayed request gets "")."""
+        see the module doc; a replayed request gets ""; ``cache_scope``: Engine.start's)."""
 
     @abc.abstractmethod
     def reader(self, *, chat: bool) -> LineReader:
