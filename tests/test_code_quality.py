@@ -237,7 +237,7 @@ def test_scripts_name_their_keys_and_arguments() -> None:
 
     numbered = re.compile(r"\b(KEYS|ARGV)\[\d+\]")
     found = []
-    for name, path in _modules():
+    for name, _path in _modules():
         if name.startswith("broker."):
             module = __import__(name, fromlist=["_"])
             for attr, value in vars(module).items():
