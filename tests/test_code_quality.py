@@ -1,6 +1,6 @@
 """The house rules, checked: ruff and mypy clean (tests included), layers that only import downwards, no
 import circle, redis-py's errors mapped once (in broker.redis), modules small enough to hold one concept, and a
-public client surface that is exactly ``rsb.__all__``."""
+public client surface that is exactly ``rsb.__all__``, Lua scripts that name their KEYS and ARGV."""
 
 from __future__ import annotations
 
@@ -226,6 +226,24 @@ def test_modules_hold_one_concept_or_say_why_not() -> None:
         if not any(line.strip().startswith(LONG_REASON) for line in doc.splitlines()):
             long.append(f"{name}: {lines} lines and no '{LONG_REASON} ...' line in its docstring")
     assert not long, "\n".join(long)
+
+
+def test_scripts_name_their_keys_and_arguments() -> None:
+    """Every Lua script is a ``broker.redis.lua.Lua``: it reads ``K.meta`` and ``A.fence``, never ``KEYS[1]`` or
+    ``ARGV[9]`` (a tail past the named ones is read by a variable index)."""
+    import re
+
+    from broker.redis.lua import Lua
+
+    numbered = re.compile(r"\b(KEYS|ARGV)\[\d+\]")
+    found = []
+    for name, _path in _modules():
+        if name.startswith("broker."):
+            module = __import__(name, fromlist=["_"])
+            for attr, value in vars(module).items():
+                if isinstance(value, Lua) and numbered.search(value.body):
+                    found.append(f"{name}.{attr}")
+    assert not found, f"scripts reading KEYS or ARGV by number: {found}"
 
 
 def test_the_public_client_is_exactly_rsb_all() -> None:

@@ -79,6 +79,7 @@ class DurableKeys:
         return f"{tagged(self.partition, self.partitions)}:ds-tenant:{key_id}"
 
     @property
-    def all(self) -> list[str]:
-        """meta, data, producers, forks, tenant: the KEYS of most scripts."""
-        return [self.meta, self.data, self.producers, self.forks, self.tenant]
+    def script_keys(self) -> dict[str, str]:
+        """The KEYS of most scripts, by name (broker.durable.scripts.STREAM_KEYS)."""
+        return {"meta": self.meta, "data": self.data, "producers": self.producers, "forks": self.forks,
+                "tenant": self.tenant}

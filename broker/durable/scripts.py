@@ -28,10 +28,15 @@ byte by byte (``Stream-Seq`` is specified as byte-wise lexicographic); ids compa
 
 from __future__ import annotations
 
+from broker.redis.lua import Lua
 from broker.redis.quota import QUOTA_LUA
+
+#: The KEYS of most scripts: a stream's keys (broker.durable.keys.DurableKeys.script_keys).
+STREAM_KEYS = ("meta", "data", "producers", "forks", "tenant")
 
 # QUOTA_LUA: the owner's storage quota (broker.redis.quota), charged in the step that stores the data; a stream's
 # meta field ``qs`` names the hash of the caller that created it (who is charged for it, whoever appends).
+# (QUOTA_LUA brings server_ms: broker.redis.lua.SERVER_MS.)
 _HELPERS = QUOTA_LUA + """
 local function cmp_bytes(a, b)
   local n = math.min(#a, #b)
@@ -62,14 +67,9 @@ local function cmp_id(a, b)
   return cmp_bytes(pad(aseq), pad(bseq))
 end
 
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
 -- A fresh id above the tail: now, or the tail's millisecond with the next sequence number.
 local function mint(tail)
-  local now = string.format('%d', now_ms())
+  local now = string.format('%d', server_ms())
   local ms, seq = split_id(tail)
   if cmp_bytes(pad(now), pad(ms)) > 0 then return now .. '-0' end
   return ms .. '-' .. string.format('%d', tonumber(seq) + 1)
@@ -83,8 +83,8 @@ local function refresh(meta, keys, tenant)
   if e[1] then
     local ms = tonumber(e[1]) * 1000
     for _, k in ipairs(keys) do redis.call('PEXPIRE', k, string.format('%d', ms)) end
-    redis.call('ZADD', tenant, 'XX', string.format('%d', now_ms() + ms), meta)
-    if e[3] then quota_expire(e[3], meta, string.format('%d', now_ms() + ms)) end
+    redis.call('ZADD', tenant, 'XX', string.format('%d', server_ms() + ms), meta)
+    if e[3] then quota_expire(e[3], meta, string.format('%d', server_ms() + ms)) end
   elseif e[2] then
     for _, k in ipairs(keys) do redis.call('PEXPIREAT', k, e[2]) end
   end
@@ -93,146 +93,145 @@ end
 
 # Closes: two PUTs of one name racing (one creates, the other sees it and compares configurations), a create
 # racing the per-key stream count, and a stream visible before its initial data or fork copy is in place.
-CREATE = _HELPERS + """
--- KEYS: meta, data, producers, forks, tenant, storage (the creating caller's: broker.redis.quota)
--- ARGV: 1 name, 2 ct, 3 ctn, 4 ctn to compare ('' = any: a fork inheriting its source's), 5 ttl, 6 exp,
---       7 expms, 8 inherit (1: a fork that asked for no expiry: TTL/Expires-At not compared), 9 closed,
---       10 from, 11 fork offset, 12 fork offset given, 13 sub-offset, 14 gen, 15 probe, 16 max streams,
---       17 size, 18 json, 19 storage quota (this partition's share; 0: none); then (id or '' to mint, bytes)
---       per entry, in order
-local m = KEYS[1]
+# A.ctn_match: '' = any (a fork inheriting its source's); A.inherit: 1 for a fork that asked for no expiry
+# (TTL/Expires-At not compared); A.storage_share: this partition's share of the quota (0: none); K.storage: the
+# creating caller's (broker.redis.quota). Past the named ARGV: (id or '' to mint, bytes) per entry, in order.
+CREATE = Lua(_HELPERS + """
+local m = K.meta
 if redis.call('EXISTS', m) == 1 then
   local e = redis.call('HMGET', m, 'soft', 'ctn', 'ttl', 'exp', 'closed', 'from', 'fo', 'fso', 'tail', 'ct')
   local from = e[6] or ''
   if e[1] == '1' then return {'soft', from} end
-  local same = (ARGV[4] == '' or ARGV[4] == e[2])
-    and (ARGV[8] == '1' or ((e[3] or '') == ARGV[5] and (e[4] or '') == ARGV[6]))
-    and (e[5] or '0') == ARGV[9] and from == ARGV[10]
-    and (ARGV[12] == '0' or (e[7] or '') == ARGV[11]) and (e[8] or '0') == ARGV[13]
+  local same = (A.ctn_match == '' or A.ctn_match == e[2])
+    and (A.inherit == '1' or ((e[3] or '') == A.ttl and (e[4] or '') == A.exp))
+    and (e[5] or '0') == A.closed and from == A.from
+    and (A.offset_given == '0' or (e[7] or '') == A.fork_offset) and (e[8] or '0') == A.sub_offset
   if same then return {'exists', from, e[9], e[10], e[5] or '0'} end
   return {'conflict', from}
 end
-if ARGV[15] == '1' then return {'absent'} end
-quota_sweep(KEYS[6])  -- first: a full Redis refuses the script here, before the writes below
-local now = now_ms()
-redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', '(' .. string.format('%d', now))
-local max = tonumber(ARGV[16])
-if max > 0 and redis.call('ZCARD', KEYS[5]) >= max then return {'limit'} end
-if not quota_room(KEYS[6], tonumber(ARGV[17]), tonumber(ARGV[19])) then return {'quota', ''} end
+if A.probe == '1' then return {'absent'} end
+quota_sweep(K.storage)  -- first: a full Redis refuses the script here, before the writes below
+local now = server_ms()
+redis.call('ZREMRANGEBYSCORE', K.tenant, '-inf', '(' .. string.format('%d', now))
+local max = tonumber(A.max_streams)
+if max > 0 and redis.call('ZCARD', K.tenant) >= max then return {'limit'} end
+if not quota_room(K.storage, tonumber(A.size), tonumber(A.storage_share)) then return {'quota', ''} end
 -- Whatever an expired incarnation of this name left behind (its keys expire together, but not atomically).
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+redis.call('DEL', K.data, K.producers, K.forks)
 local tail = '0-0'
-if ARGV[11] ~= '' then tail = ARGV[11] end
-for i = 20, #ARGV, 2 do
+if A.fork_offset ~= '' then tail = A.fork_offset end
+for i = A_NAMES + 1, #ARGV, 2 do
   local id = ARGV[i]
   if id == '' then id = mint(tail) end
-  redis.call('XADD', KEYS[2], id, 'b', ARGV[i + 1])
+  redis.call('XADD', K.data, id, 'b', ARGV[i + 1])
   tail = id
 end
-redis.call('HSET', m, 'name', ARGV[1], 'ct', ARGV[2], 'ctn', ARGV[3], 'json', ARGV[18], 'tail', tail,
-  'closed', ARGV[9], 'gen', ARGV[14], 'size', ARGV[17])
+redis.call('HSET', m, 'name', A.name, 'ct', A.ct, 'ctn', A.ctn, 'json', A.json, 'tail', tail,
+  'closed', A.closed, 'gen', A.gen, 'size', A.size)
 local score = 'inf'
-if ARGV[5] ~= '' then
-  redis.call('HSET', m, 'ttl', ARGV[5])
-  score = string.format('%d', now + tonumber(ARGV[5]) * 1000)
-elseif ARGV[7] ~= '' then
-  redis.call('HSET', m, 'exp', ARGV[6], 'expms', ARGV[7])
-  score = ARGV[7]
+if A.ttl ~= '' then
+  redis.call('HSET', m, 'ttl', A.ttl)
+  score = string.format('%d', now + tonumber(A.ttl) * 1000)
+elseif A.expms ~= '' then
+  redis.call('HSET', m, 'exp', A.exp, 'expms', A.expms)
+  score = A.expms
 end
-if ARGV[10] ~= '' then redis.call('HSET', m, 'from', ARGV[10], 'fo', ARGV[11], 'fso', ARGV[13]) end
-redis.call('ZADD', KEYS[5], score, m)
+if A.from ~= '' then redis.call('HSET', m, 'from', A.from, 'fo', A.fork_offset, 'fso', A.sub_offset) end
+redis.call('ZADD', K.tenant, score, m)
 -- Charged to this caller: a charge left by an earlier incarnation of this name (expired, not swept yet) goes.
-redis.call('HSET', m, 'qs', KEYS[6])
-quota_release(KEYS[6], m)
-quota_charge(KEYS[6], m, tonumber(ARGV[17]))
-quota_expire(KEYS[6], m, score)
-refresh(m, {m, KEYS[2]}, KEYS[5])
+redis.call('HSET', m, 'qs', K.storage)
+quota_release(K.storage, m)
+quota_charge(K.storage, m, tonumber(A.size))
+quota_expire(K.storage, m, score)
+refresh(m, {m, K.data}, K.tenant)
 return {'created', tail}
-"""
+""", key_names=(*STREAM_KEYS, "storage"),
+    arg_names=("name", "ct", "ctn", "ctn_match", "ttl", "exp", "expms", "inherit", "closed", "from", "fork_offset",
+               "offset_given", "sub_offset", "gen", "probe", "max_streams", "size", "json", "storage_share"))
 
 # Closes: two appends racing for the tail (ids strictly increase), a producer's retry racing its first try
 # (validation and append are one step: a duplicate is recognised, never stored twice), an append racing the
 # close (nothing lands after the final offset), and a zombie producer writing after its successor (epoch
-# fencing in the same step as the write).
-APPEND = _HELPERS + """
--- KEYS: meta, data, producers, forks, tenant
--- ARGV: 1 channel, 2 body (stored form; '' for close-only), 3 ctn, 4 close, 5 Stream-Seq ('' none),
---       6 producer id ('' none), 7 epoch, 8 seq, 9 body valid (0: invalid JSON), 10 max size (0: none),
---       11 charge (size this append adds), 12 storage quota (this partition's share; 0: none)
-local m = KEYS[1]
+# fencing in the same step as the write). A.body: the stored form ('' for close-only); A.stream_seq, A.producer:
+# '' for none; A.valid: 0 for invalid JSON; A.max_size: 0 for none; A.charge: the size this append adds;
+# A.storage_share: this partition's share of the quota (0: none).
+APPEND = Lua(_HELPERS + """
+local m = K.meta
 local e = redis.call('HMGET', m, 'soft', 'closed', 'tail', 'cby', 'ctn', 'lseq', 'size', 'qs')
 if not e[3] then return {'notfound'} end
 if e[1] == '1' then return {'gone'} end
-local keys = {m, KEYS[2], KEYS[3], KEYS[4]}
-local body, close, pid = ARGV[2], ARGV[4] == '1', ARGV[6]
+local keys = {m, K.data, K.producers, K.forks}
+local body, close, pid = A.body, A.close == '1', A.producer
 local tuple = ''
-if pid ~= '' then tuple = pid .. '\\n' .. ARGV[7] .. '\\n' .. ARGV[8] end
+if pid ~= '' then tuple = pid .. '\\n' .. A.epoch .. '\\n' .. A.seq end
 if e[2] == '1' then
   -- A producer retrying the request that closed the stream did succeed: same answer again.
-  if tuple ~= '' and tuple == e[4] then refresh(m, keys, KEYS[5]); return {'dup_closed', e[3]} end
-  if body == '' and close and pid == '' then refresh(m, keys, KEYS[5]); return {'closed_ok', e[3]} end
+  if tuple ~= '' and tuple == e[4] then refresh(m, keys, K.tenant); return {'dup_closed', e[3]} end
+  if body == '' and close and pid == '' then refresh(m, keys, K.tenant); return {'closed_ok', e[3]} end
   return {'closed', e[3]}
 end
-if body ~= '' and ARGV[3] ~= e[5] then return {'ct_mismatch', e[3]} end
+if body ~= '' and A.ctn ~= e[5] then return {'ct_mismatch', e[3]} end
 if pid ~= '' then
-  local st = redis.call('HGET', KEYS[3], pid)
-  local epoch, seq = tonumber(ARGV[7]), tonumber(ARGV[8])
+  local st = redis.call('HGET', K.producers, pid)
+  local epoch, seq = tonumber(A.epoch), tonumber(A.seq)
   if not st then
-    if seq ~= 0 then return {'gap', '0', ARGV[8]} end
+    if seq ~= 0 then return {'gap', '0', A.seq} end
   else
     local sp = string.find(st, ' ', 1, true)
     local se, ss = string.sub(st, 1, sp - 1), string.sub(st, sp + 1)
     if epoch < tonumber(se) then return {'stale', se} end
     if epoch == tonumber(se) then
       if seq <= tonumber(ss) then return {'dup', ss, e[3]} end
-      if seq ~= tonumber(ss) + 1 then return {'gap', string.format('%d', tonumber(ss) + 1), ARGV[8]} end
+      if seq ~= tonumber(ss) + 1 then return {'gap', string.format('%d', tonumber(ss) + 1), A.seq} end
     elseif seq ~= 0 then
       return {'bad_epoch'}
     end
   end
 end
-if ARGV[5] ~= '' and e[6] and cmp_bytes(ARGV[5], e[6]) <= 0 then return {'seq_conflict', e[6]} end
-if ARGV[9] ~= '1' then return {'bad_body'} end
+if A.stream_seq ~= '' and e[6] and cmp_bytes(A.stream_seq, e[6]) <= 0 then return {'seq_conflict', e[6]} end
+if A.valid ~= '1' then return {'bad_body'} end
 local tail = e[3]
 if body ~= '' then
-  local size = tonumber(e[7] or '0') + tonumber(ARGV[11])
-  if tonumber(ARGV[10]) > 0 and size > tonumber(ARGV[10]) then return {'too_big'} end
+  local size = tonumber(e[7] or '0') + tonumber(A.charge)
+  if tonumber(A.max_size) > 0 and size > tonumber(A.max_size) then return {'too_big'} end
   if e[8] then  -- the creator's quota (streams made before quotas have none)
     quota_sweep(e[8])
-    if not quota_room(e[8], tonumber(ARGV[11]), tonumber(ARGV[12])) then return {'quota'} end
+    if not quota_room(e[8], tonumber(A.charge), tonumber(A.storage_share)) then return {'quota'} end
   end
   tail = mint(tail)
-  redis.call('XADD', KEYS[2], tail, 'b', body)
+  redis.call('XADD', K.data, tail, 'b', body)
   redis.call('HSET', m, 'tail', tail, 'size', string.format('%d', size))
-  if e[8] then quota_charge(e[8], m, tonumber(ARGV[11])) end
+  if e[8] then quota_charge(e[8], m, tonumber(A.charge)) end
 end
-if ARGV[5] ~= '' then redis.call('HSET', m, 'lseq', ARGV[5]) end
-if pid ~= '' then redis.call('HSET', KEYS[3], pid, ARGV[7] .. ' ' .. ARGV[8]) end
+if A.stream_seq ~= '' then redis.call('HSET', m, 'lseq', A.stream_seq) end
+if pid ~= '' then redis.call('HSET', K.producers, pid, A.epoch .. ' ' .. A.seq) end
 local kind = 'a'
 if close then
   kind = 'c'
   redis.call('HSET', m, 'closed', '1')
   if tuple ~= '' then redis.call('HSET', m, 'cby', tuple) end
 end
-refresh(m, keys, KEYS[5])
-redis.call('PUBLISH', ARGV[1], tail .. '\\n' .. kind .. '\\n')
+refresh(m, keys, K.tenant)
+redis.call('PUBLISH', A.channel, tail .. '\\n' .. kind .. '\\n')
 return {'ok', tail}
-"""
+""", key_names=STREAM_KEYS,
+    arg_names=("channel", "body", "ctn", "close", "stream_seq", "producer", "epoch", "seq", "valid", "max_size",
+               "charge", "storage_share"))
 
 # Closes: a read seeing data without the close that made it final, or the close without all of the data
 # (tail, closed flag and entries come from one snapshot), and a TTL expiring between a read and its refresh.
-READ = _HELPERS + """
--- KEYS: meta, data, producers, forks, tenant ; ARGV: after ('-1' | 'now' | id), count, max bytes, refresh
-local m = KEYS[1]
+# A.after: '-1' | 'now' | an id; A.refresh: 1 to restart a sliding TTL.
+READ = Lua(_HELPERS + """
+local m = K.meta
 local e = redis.call('HMGET', m, 'soft', 'tail', 'closed', 'ct', 'json', 'gen', 'ttl')
 if not e[2] then return {'notfound'} end
 if e[1] == '1' then return {'gone'} end
-local after = ARGV[1]
+local after = A.after
 if after == 'now' then after = e[2] elseif after == '-1' then after = '0-0' end
 local out = {'ok', e[2], e[3] or '0', e[4], e[5] or '0', e[6], after, '0', e[7] or ''}
 if cmp_id(after, e[2]) < 0 then
-  local count, max = tonumber(ARGV[2]), tonumber(ARGV[3])
-  local entries = redis.call('XRANGE', KEYS[2], '(' .. after, '+', 'COUNT', count)
+  local count, max = tonumber(A.count), tonumber(A.max_bytes)
+  local entries = redis.call('XRANGE', K.data, '(' .. after, '+', 'COUNT', count)
   local total, taken = 0, 0
   for _, en in ipairs(entries) do
     local b = en[2][2]
@@ -244,65 +243,63 @@ if cmp_id(after, e[2]) < 0 then
   end
   if taken == count and cmp_id(out[#out - 1], e[2]) < 0 then out[8] = '1' end
 end
-if ARGV[4] == '1' then refresh(m, {m, KEYS[2], KEYS[3], KEYS[4]}, KEYS[5]) end
+if A.refresh == '1' then refresh(m, {m, K.data, K.producers, K.forks}, K.tenant) end
 return out
-"""
+""", key_names=STREAM_KEYS, arg_names=("after", "count", "max_bytes", "refresh"))
 
 # Closes: a delete racing a fork of the same stream (the fork's reference is either counted, and the
 # stream is only soft-deleted, or the fork finds it gone), and live readers missing the delete.
-DELETE = QUOTA_LUA + """
--- KEYS: meta, data, producers, forks, tenant ; ARGV: channel
-local m = KEYS[1]
+DELETE = Lua(QUOTA_LUA + """
+local m = K.meta
 local e = redis.call('HMGET', m, 'soft', 'from', 'tail', 'qs')
 if not e[3] then return {'notfound'} end
 if e[1] == '1' then return {'gone'} end
-redis.call('PUBLISH', ARGV[1], e[3] .. '\\nx\\n')
-if redis.call('SCARD', KEYS[4]) > 0 then
+redis.call('PUBLISH', A.channel, e[3] .. '\\nx\\n')
+if redis.call('SCARD', K.forks) > 0 then
   -- Forks still read through this name's history: keep it (data included) until the last one goes.
   redis.call('HSET', m, 'soft', '1')
-  redis.call('DEL', KEYS[3])
+  redis.call('DEL', K.producers)
   return {'soft'}
 end
-redis.call('DEL', m, KEYS[2], KEYS[3], KEYS[4])
-redis.call('ZREM', KEYS[5], m)
+redis.call('DEL', m, K.data, K.producers, K.forks)
+redis.call('ZREM', K.tenant, m)
 if e[4] then quota_release(e[4], m) end
 return {'deleted', e[2] or ''}
-"""
+""", key_names=STREAM_KEYS, arg_names=("channel",))
 
 # Closes: the last fork going away while its source is being deleted (the source is collected exactly once:
 # whichever of the two steps comes second sees no reference and a soft-deleted stream).
-UNREF = QUOTA_LUA + """
--- KEYS: meta, data, producers, forks, tenant ; ARGV: fork name
-redis.call('SREM', KEYS[4], ARGV[1])
-local e = redis.call('HMGET', KEYS[1], 'soft', 'from', 'qs')
-if e[1] == '1' and redis.call('SCARD', KEYS[4]) == 0 then
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-  redis.call('ZREM', KEYS[5], KEYS[1])
-  if e[3] then quota_release(e[3], KEYS[1]) end
+UNREF = Lua(QUOTA_LUA + """
+redis.call('SREM', K.forks, A.fork)
+local e = redis.call('HMGET', K.meta, 'soft', 'from', 'qs')
+if e[1] == '1' and redis.call('SCARD', K.forks) == 0 then
+  redis.call('DEL', K.meta, K.data, K.producers, K.forks)
+  redis.call('ZREM', K.tenant, K.meta)
+  if e[3] then quota_release(e[3], K.meta) end
   return {'collected', e[2] or ''}
 end
 return {'kept'}
-"""
+""", key_names=STREAM_KEYS, arg_names=("fork",))
 
 # Closes: a fork taken from a stream being deleted (the reference is added in the same step as the checks, so
 # the delete sees it and only soft-deletes), and a rejected fork pinning its source (every check comes first).
-FORK_REF = _HELPERS + """
--- KEYS: meta, data, forks ; ARGV: fork name, ctn ('' = inherit), fork offset ('' = the tail), sub-offset
-local e = redis.call('HMGET', KEYS[1], 'soft', 'tail', 'ct', 'ctn', 'json', 'ttl', 'exp', 'expms', 'gen')
+# A.ctn: '' = inherit; A.fork_offset: '' = the tail.
+FORK_REF = Lua(_HELPERS + """
+local e = redis.call('HMGET', K.meta, 'soft', 'tail', 'ct', 'ctn', 'json', 'ttl', 'exp', 'expms', 'gen')
 if not e[2] then return {'notfound'} end
 if e[1] == '1' then return {'soft'} end
-if ARGV[2] ~= '' and ARGV[2] ~= e[4] then return {'ct'} end
-local fo = ARGV[3]
+if A.ctn ~= '' and A.ctn ~= e[4] then return {'ct'} end
+local fo = A.fork_offset
 if fo == '' then fo = e[2] end
 if cmp_id(fo, e[2]) > 0 then return {'offset'} end
 local nb = ''
-if tonumber(ARGV[4]) > 0 then
-  local nx = redis.call('XRANGE', KEYS[2], '(' .. fo, '+', 'COUNT', 1)
+if tonumber(A.sub_offset) > 0 then
+  local nx = redis.call('XRANGE', K.data, '(' .. fo, '+', 'COUNT', 1)
   if #nx == 0 then return {'sub'} end
   nb = nx[1][2][2]
 end
-redis.call('SADD', KEYS[3], ARGV[1])
-local pttl = redis.call('PTTL', KEYS[1])
-if pttl > 0 then redis.call('PEXPIRE', KEYS[3], pttl) end
+redis.call('SADD', K.forks, A.fork)
+local pttl = redis.call('PTTL', K.meta)
+if pttl > 0 then redis.call('PEXPIRE', K.forks, pttl) end
 return {'ok', fo, e[3], e[4], e[5] or '0', e[6] or '', e[7] or '', e[8] or '', e[9], nb}
-"""
+""", key_names=("meta", "data", "forks"), arg_names=("fork", "ctn", "fork_offset", "sub_offset"))

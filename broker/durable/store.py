@@ -22,6 +22,7 @@ from broker.durable.format import JSON_TYPE, ZERO_ID, encode_json, json_array, n
 from broker.durable.keys import DurableKeys
 from broker.errors import Conflict, Expired, InvalidRequest, NotFound, OverStorageQuota, PayloadTooLarge, TooManyStreams
 from broker.redis.connection import RedisClient, register_script, reply_text
+from broker.redis.lua import Lua
 from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 
 #: What each stored message costs against a stream's size cap besides its bytes (Redis's bookkeeping per entry).
@@ -139,8 +140,8 @@ class DurableStore:
     def __init__(self, redis: RedisClient, partitions: int = 1) -> None:
         self.redis = redis
         self.partitions = partitions
-        def register(text: str) -> Any:
-            return register_script(redis, text)
+        def register(script: Lua) -> Any:
+            return register_script(redis, script.text)
 
         self._create = register(scripts.CREATE)
         self._append = register(scripts.APPEND)
@@ -189,16 +190,18 @@ class DurableStore:
                            quota: StorageQuota = NO_STORAGE_QUOTA) -> list[Any]:
         ttl = spec.ttl_s if ttl_s is None else ttl_s
         exp, expms = (spec.expires_at or "", str(spec.expires_ms or "")) if not expires[0] else expires
-        args: list[Any] = [
-            keys.name, spec.content_type if content_type is None else content_type, ctn, ctn_match,
-            "" if ttl is None else str(ttl), exp, expms, int(inherit), int(spec.closed),
-            fork.source.name if fork else "", fork_offset, int(bool(fork and fork.offset)),
-            fork.sub_offset if fork else 0, secrets.token_hex(6), int(probe), max_streams, size,
-            int(ctn == JSON_TYPE), quota.share(self.partitions)]
-        for entry_id, data in entries:
-            args += [entry_id, data]
+        script = scripts.CREATE
+        args = script.args({
+            "name": keys.name, "ct": spec.content_type if content_type is None else content_type, "ctn": ctn,
+            "ctn_match": ctn_match, "ttl": "" if ttl is None else str(ttl), "exp": exp, "expms": expms,
+            "inherit": int(inherit), "closed": int(spec.closed), "from": fork.source.name if fork else "",
+            "fork_offset": fork_offset, "offset_given": int(bool(fork and fork.offset)),
+            "sub_offset": fork.sub_offset if fork else 0, "gen": secrets.token_hex(6), "probe": int(probe),
+            "max_streams": max_streams, "size": size, "json": int(ctn == JSON_TYPE),
+            "storage_share": quota.share(self.partitions)},
+            *(part for entry in entries for part in entry))
         storage = storage_key(keys.partition, self.partitions, quota.principal)
-        res: list[Any] = await self._create(keys=[*keys.all, storage], args=args)
+        res: list[Any] = await self._create(keys=script.keys({**keys.script_keys, "storage": storage}), args=args)
         return res
 
     @staticmethod
@@ -228,8 +231,10 @@ class DurableStore:
         if reply_text(probe[0]) != "absent":
             return self._created(probe, spec)
         src = fork.source
-        ref = await self._fork_ref(keys=[src.meta, src.data, src.forks],
-                                   args=[keys.name, ctn_given, fork_offset, fork.sub_offset])
+        ref = await self._fork_ref(
+            keys=scripts.FORK_REF.keys({"meta": src.meta, "data": src.data, "forks": src.forks}),
+            args=scripts.FORK_REF.args({"fork": keys.name, "ctn": ctn_given, "fork_offset": fork_offset,
+                                        "sub_offset": fork.sub_offset}))
         tag = reply_text(ref[0])
         if tag == "notfound":
             raise NotFound("the fork's source stream does not exist")
@@ -315,10 +320,11 @@ class DurableStore:
         if body and ctn == JSON_TYPE:
             encoded = encode_json(body, allow_empty=False)
             stored, valid = (body, False) if encoded is None else (encoded, True)
-        res = await self._append(keys=keys.all, args=[
-            keys.channel, stored, ctn, int(close), stream_seq, producer.id if producer else "",
-            producer.epoch if producer else 0, producer.seq if producer else 0, int(valid), max_bytes,
-            len(stored) + ENTRY_CHARGE, quota.share(self.partitions)])
+        res = await self._append(keys=scripts.APPEND.keys(keys.script_keys), args=scripts.APPEND.args({
+            "channel": keys.channel, "body": stored, "ctn": ctn, "close": int(close), "stream_seq": stream_seq,
+            "producer": producer.id if producer else "", "epoch": producer.epoch if producer else 0,
+            "seq": producer.seq if producer else 0, "valid": int(valid), "max_size": max_bytes,
+            "charge": len(stored) + ENTRY_CHARGE, "storage_share": quota.share(self.partitions)}))
         tag = reply_text(res[0])
         if tag == "notfound":
             raise NotFound("no stream at this path")
@@ -344,7 +350,8 @@ class DurableStore:
     async def read(self, keys: DurableKeys, after: str, *, count: int, max_bytes: int, refresh: bool = True) -> Page:
         """Entries after ``after`` (an entry id, ``-1`` or ``now``), at most ``count`` and about ``max_bytes``
         (never fewer than one). ``refresh``: this read restarts a sliding TTL. Raises NotFound, Expired."""
-        res = await self._read(keys=keys.all, args=[after, count, max_bytes, int(refresh)])
+        res = await self._read(keys=scripts.READ.keys(keys.script_keys), args=scripts.READ.args(
+            {"after": after, "count": count, "max_bytes": max_bytes, "refresh": int(refresh)}))
         tag = reply_text(res[0])
         if tag == "notfound":
             raise NotFound("no stream at this path")
@@ -368,7 +375,8 @@ class DurableStore:
 
     async def delete(self, keys: DurableKeys) -> None:
         """Delete the stream (only soft-delete it while forks reference it). Raises NotFound, Expired."""
-        res = await self._delete(keys=keys.all, args=[keys.channel])
+        res = await self._delete(keys=scripts.DELETE.keys(keys.script_keys),
+                                 args=scripts.DELETE.args({"channel": keys.channel}))
         tag = reply_text(res[0])
         if tag == "notfound":
             raise NotFound("no stream at this path")
@@ -383,7 +391,8 @@ class DurableStore:
         """Drop a fork's reference on its source; a soft-deleted source left without forks is collected, and
         so on up the chain."""
         while True:
-            res = await self._unref(keys=source.all, args=[fork_name])
+            res = await self._unref(keys=scripts.UNREF.keys(source.script_keys),
+                                    args=scripts.UNREF.args({"fork": fork_name}))
             if reply_text(res[0]) != "collected" or not reply_text(res[1]):
                 return
             fork_name, source = source.name, DurableKeys.named(reply_text(res[1]), self.partitions)
@@ -397,7 +406,7 @@ class DurableStore:
             fork = DurableKeys.named(name, self.partitions)
             if reply_text(await self.redis.hget(fork.meta, "from")) == keys.name:
                 continue
-            res = await self._unref(keys=keys.all, args=[name])
+            res = await self._unref(keys=scripts.UNREF.keys(keys.script_keys), args=scripts.UNREF.args({"fork": name}))
             if reply_text(res[0]) == "collected":
                 if reply_text(res[1]):
                     await self._release(DurableKeys.named(reply_text(res[1]), self.partitions), keys.name)

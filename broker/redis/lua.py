@@ -3,7 +3,8 @@
 A script reads ``K.meta`` and ``A.fence``, not ``KEYS[1]`` and ``ARGV[9]``: ``Lua`` generates the table that maps
 each name to its position from the same tuple the Python caller fills by name (``keys()`` and ``args()``), so a
 script and its callers cannot disagree on an order, and adding an argument is one edit. Scripts that take a
-variable tail (one entry per stream of a batch) read it past the named ones (``#A_NAMES``).
+variable tail read it past the named ones (``A_NAMES``); a tail of records (one per stream of a batch) names
+their fields the same way, with ``record_reader``.
 
 Also the Lua every script shares to read the server's clock: ``SERVER_MS`` (time is the Redis server's, never a
 pod's, so that pods whose clocks disagree agree on leases, rates and ages).
@@ -23,6 +24,13 @@ local function server_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 """
+
+
+def record_reader(function: str, names: tuple[str, ...]) -> str:
+    """Lua ``function(t, i)``: the record of ``names`` that starts at ``t[i]``, as a table by name. A caller fills a
+    record with ``Lua.record(names, values)``, so both sides read the one tuple."""
+    fields = ", ".join(f"{name} = t[i + {n}]" for n, name in enumerate(names))
+    return f"local function {function}(t, i) return {{{fields}}} end\n"
 
 
 def _table(var: str, source: str, names: tuple[str, ...]) -> str:
@@ -56,6 +64,11 @@ class Lua:
     def args(self, named: Mapping[str, Any], *rest: Any) -> list[Any]:
         """ARGV in the declared order (every name given, no other), then ``rest``."""
         return _ordered(self.arg_names, named, "argument") + list(rest)
+
+
+def record(names: tuple[str, ...], named: Mapping[str, Any]) -> list[Any]:
+    """One record of a script's tail (read in Lua by ``record_reader(..., names)``), in the declared order."""
+    return _ordered(names, named, "record field")
 
 
 def _ordered(names: tuple[str, ...], named: Mapping[str, Any], what: str) -> list[Any]:

@@ -143,16 +143,16 @@ class ConversationStore:
         self.redis = store.redis
         self.partitions = store.partitions
         r = self.redis
-        self._read = register_script(r, scripts.READ)
-        self._create = register_script(r, scripts.CREATE)
-        self._begin = register_script(r, scripts.BEGIN)
-        self._fold_script = register_script(r, scripts.FOLD)
-        self._release = register_script(r, scripts.RELEASE)
-        self._branch = register_script(r, scripts.BRANCH)
-        self._append = register_script(r, scripts.APPEND)
-        self._update = register_script(r, scripts.UPDATE)
-        self._delete = register_script(r, scripts.DELETE)
-        self._take = register_script(r, scripts.TAKE)
+        self._read = register_script(r, scripts.READ.text)
+        self._create = register_script(r, scripts.CREATE.text)
+        self._begin = register_script(r, scripts.BEGIN.text)
+        self._fold_script = register_script(r, scripts.FOLD.text)
+        self._release = register_script(r, scripts.RELEASE.text)
+        self._branch = register_script(r, scripts.BRANCH.text)
+        self._append = register_script(r, scripts.APPEND.text)
+        self._update = register_script(r, scripts.UPDATE.text)
+        self._delete = register_script(r, scripts.DELETE.text)
+        self._take = register_script(r, scripts.TAKE.text)
 
     def keys(self, key_id: str, name: str) -> ConversationKeys:
         return ConversationKeys.of(key_id, name, self.partitions)
@@ -166,7 +166,8 @@ class ConversationStore:
 
     async def read(self, key_id: str, name: str, *, with_turns: bool = True) -> Conversation | None:
         k = self.keys(key_id, name)
-        raw = await self._read(keys=[k.meta, k.turns], args=[k.digest, int(with_turns)])
+        raw = await self._read(keys=scripts.READ.keys(k.named), args=scripts.READ.args(
+            {"digest": k.digest, "with_turns": int(with_turns)}))
         if not raw:
             return None
         created_at, version, count, size, pending, age, metadata = (reply_text(v) for v in raw[:7])
@@ -179,9 +180,13 @@ class ConversationStore:
         """Make a conversation with these first turns (items). False: one of this name exists. Raises
         TooManyConversations."""
         k = self.keys(key_id, name)
-        res = await self._create(keys=[k.meta, k.turns, k.owner(owner), self._storage(k, owner)], args=[
-            k.digest, limits.ttl_s, self._share(limits), f"{created_at:.6f}", orjson.dumps(metadata),
-            StorageQuota(owner, limits.storage_quota_bytes).share(self.partitions), *(t.to_json() for t in turns)])
+        script = scripts.CREATE
+        res = await self._create(
+            keys=script.keys({**k.named, "owner": k.owner(owner), "storage": self._storage(k, owner)}),
+            args=script.args({"digest": k.digest, "ttl_s": limits.ttl_s, "max_conversations": self._share(limits),
+                              "created_at": f"{created_at:.6f}", "metadata": orjson.dumps(metadata),
+                              "storage_share": StorageQuota(owner, limits.storage_quota_bytes).share(self.partitions)},
+                             *(t.to_json() for t in turns)))
         outcome = Begin(reply_text(res[0]))
         if outcome is Begin.FULL:
             raise TooManyConversations(limits.max_conversations)
@@ -194,27 +199,33 @@ class ConversationStore:
         """Reserve the conversation's next turn for ``stream_id`` on the history ``conv`` holds (``create``:
         make the conversation if ``conv`` is ``absent``). The pending stream id comes back with BUSY."""
         k = self.keys(conv.key_id, conv.name)
-        res = await self._begin(keys=[k.meta, k.turns, k.owner(owner), self._storage(k, owner)], args=[
-            k.digest, conv.version, conv.count, str(stream_id), limits.ttl_s, self._share(limits),
-            f"{created_at:.6f}", int(create)])
+        script = scripts.BEGIN
+        res = await self._begin(
+            keys=script.keys({**k.named, "owner": k.owner(owner), "storage": self._storage(k, owner)}),
+            args=script.args({"digest": k.digest, "version": conv.version, "turns": conv.count,
+                              "sid": str(stream_id), "ttl_s": limits.ttl_s, "max_conversations": self._share(limits),
+                              "created_at": f"{created_at:.6f}", "create": int(create)}))
         outcome = Begin(reply_text(res[0]))
         return outcome, uuid.UUID(reply_text(res[1])) if outcome is Begin.BUSY else None
 
     async def release(self, key_id: str, name: str, stream_id: uuid.UUID) -> bool:
         """Clear the reservation if it is still ``stream_id``'s."""
-        return bool(await self._release(keys=[self.keys(key_id, name).meta], args=[str(stream_id)]))
+        return bool(await self._release(keys=scripts.RELEASE.keys({"meta": self.keys(key_id, name).meta}),
+                                        args=scripts.RELEASE.args({"sid": str(stream_id)})))
 
     async def take(self, stream_id: uuid.UUID) -> bool:
         """Take a reserved stream id back from a create that never came: True when no stream has it (and none
         can be created under it any more), False when the stream exists after all."""
         k = self.store.keys(stream_id)
-        return bool(await self._take(keys=[k.meta, k.tombstone], args=[PENDING_TOMBSTONE_S]))
+        return bool(await self._take(keys=scripts.TAKE.keys({"meta": k.meta, "tombstone": k.tombstone}),
+                                     args=scripts.TAKE.args({"ttl_s": PENDING_TOMBSTONE_S})))
 
     async def branch(self, conv: Conversation, keep: int) -> tuple[Begin, int]:
         """Keep the first ``keep`` turns of ``conv`` (the history it read) and bump the version. Returns
         (RESERVED, the new version), or BUSY / CHANGED / GONE."""
         k = self.keys(conv.key_id, conv.name)
-        res = await self._branch(keys=[k.meta, k.turns], args=[k.digest, conv.version, conv.count, keep])
+        res = await self._branch(keys=scripts.BRANCH.keys(k.named), args=scripts.BRANCH.args(
+            {"digest": k.digest, "version": conv.version, "turns": conv.count, "keep": keep}))
         outcome = Begin(reply_text(res[0]))
         return outcome, int(res[1]) if outcome is Begin.RESERVED else conv.version
 
@@ -223,8 +234,9 @@ class ConversationStore:
         OverStorageQuota past its owner's ``storage_quota_bytes``."""
         k = self.keys(conv.key_id, conv.name)
         share = StorageQuota("", storage_quota_bytes).share(self.partitions)
-        res = await self._append(keys=[k.meta, k.turns], args=[k.digest, conv.version, conv.count, share,
-                                                               *(t.to_json() for t in turns)])
+        res = await self._append(keys=scripts.APPEND.keys(k.named), args=scripts.APPEND.args(
+            {"digest": k.digest, "version": conv.version, "turns": conv.count, "storage_share": share},
+            *(t.to_json() for t in turns)))
         outcome = Begin(reply_text(res[0]))
         if outcome is Begin.QUOTA:
             raise OverStorageQuota(storage_quota_bytes, self.partitions)
@@ -232,11 +244,13 @@ class ConversationStore:
 
     async def update(self, key_id: str, name: str, metadata: dict[str, Any]) -> bool:
         k = self.keys(key_id, name)
-        return bool(await self._update(keys=[k.meta, k.turns], args=[k.digest, orjson.dumps(metadata)]))
+        return bool(await self._update(keys=scripts.UPDATE.keys(k.named), args=scripts.UPDATE.args(
+            {"digest": k.digest, "metadata": orjson.dumps(metadata)})))
 
     async def delete(self, key_id: str, name: str) -> bool:
         k = self.keys(key_id, name)
-        return bool(await self._delete(keys=[k.meta, k.turns], args=[k.digest]))
+        return bool(await self._delete(keys=scripts.DELETE.keys(k.named),
+                                       args=scripts.DELETE.args({"digest": k.digest})))
 
     async def fold(self, stream_id: uuid.UUID) -> bool:
         """Fold a finished stream into the conversation it is a turn of (what a worker does once it finished
@@ -256,7 +270,8 @@ class ConversationStore:
         if turn is None:  # the meta says ended, the terminal event is not readable yet
             return False
         k = self.keys(history.tenant, history.conversation)
-        await self._fold_script(keys=[k.meta, k.turns], args=[k.digest, str(stream_id), turn.to_json()])
+        await self._fold_script(keys=scripts.FOLD.keys(k.named), args=scripts.FOLD.args(
+            {"digest": k.digest, "sid": str(stream_id), "record": turn.to_json()}))
         return True
 
     async def settle(self, conv: Conversation) -> tuple[Settled, StreamStatus | None]:

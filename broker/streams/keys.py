@@ -233,6 +233,11 @@ class ConversationKeys:
         """List: the conversation's finished turns, in order, one JSON record each (broker.streams.turns)."""
         return f"{self._tag}:c:{self.digest}:turns"
 
+    @property
+    def named(self) -> dict[str, str]:
+        """The KEYS of most conversation scripts, by name (broker.streams.conversation_scripts.CONVERSATION_KEYS)."""
+        return {"meta": self.meta, "turns": self.turns}
+
     def owner(self, principal: str) -> str:
         """Sorted set of the conversations one caller (``principal()``) holds in this partition, each scored
         by its expiry (Unix ms): counted against ``--max-conversations`` in the same step that creates one."""

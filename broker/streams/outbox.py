@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from broker.redis.connection import RedisClient, register_script, reply_text
-from broker.redis.lua import SERVER_MS
+from broker.redis.lua import SERVER_MS, Lua
 from broker.streams.keys import outbox_due_key, outbox_key
 
 #: The webhook event of each end: ``done`` that stopped at ``max_tokens`` (finish reason ``length``) is
@@ -65,39 +65,40 @@ local function hook_enqueue(outbox, due, meta, sid, status, reason, now_s)
 end
 """
 
-# Takes up to ARGV[3] events due by ARGV[1] (ms): each is due again a lease later (ARGV[2] ms), so no other pod
+#: The KEYS of the outbox's scripts: one partition's outbox.
+OUTBOX_KEYS = ("outbox", "due")
+
+# Takes up to A.count events due by A.now_ms: each is due again a lease later (A.lease_ms), so no other pod
 # takes it meanwhile. An id without its record (delivered by another pod whose reply was lost) is dropped.
-TAKE = """
--- KEYS: outbox, due ; ARGV: now_ms, lease_ms, count ; Reply: {id1, record1, id2, record2, ...}
+# Reply: {id1, record1, id2, record2, ...}
+TAKE = Lua("""
 local out = {}
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))) do
-  local record = redis.call('HGET', KEYS[1], id)
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', K.due, '-inf', A.now_ms, 'LIMIT', 0, tonumber(A.count))) do
+  local record = redis.call('HGET', K.outbox, id)
   if record then
-    redis.call('ZADD', KEYS[2], tonumber(ARGV[1]) + tonumber(ARGV[2]), id)
+    redis.call('ZADD', K.due, tonumber(A.now_ms) + tonumber(A.lease_ms), id)
     out[#out + 1] = id
     out[#out + 1] = record
   else
-    redis.call('ZREM', KEYS[2], id)
+    redis.call('ZREM', K.due, id)
   end
 end
 return out
-"""
+""", key_names=OUTBOX_KEYS, arg_names=("now_ms", "lease_ms", "count"))
 
 # Delivered, or given up: the event leaves the outbox.
-DONE = """
--- KEYS: outbox, due ; ARGV: id
-redis.call('HDEL', KEYS[1], ARGV[1])
-return redis.call('ZREM', KEYS[2], ARGV[1])
-"""
+DONE = Lua("""
+redis.call('HDEL', K.outbox, A.id)
+return redis.call('ZREM', K.due, A.id)
+""", key_names=OUTBOX_KEYS, arg_names=("id",))
 
-# Failed: the event, with its attempts counted (ARGV[2]), is due again at ARGV[3] (ms); unless it left meanwhile.
-RETRY = """
--- KEYS: outbox, due ; ARGV: id, record, due_ms
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+# Failed: the event, with its attempts counted (A.record), is due again at A.due_ms; unless it left meanwhile.
+RETRY = Lua("""
+if redis.call('HEXISTS', K.outbox, A.id) == 0 then return 0 end
+redis.call('HSET', K.outbox, A.id, A.record)
+redis.call('ZADD', K.due, A.due_ms, A.id)
 return 1
-"""
+""", key_names=OUTBOX_KEYS, arg_names=("id", "record", "due_ms"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,19 +123,21 @@ class Outbox:
     def __init__(self, redis: RedisClient, partitions: int) -> None:
         self.redis = redis
         self.partitions = partitions
-        self._take = register_script(redis, TAKE)
-        self._done = register_script(redis, DONE)
-        self._retry = register_script(redis, RETRY)
+        self._take = register_script(redis, TAKE.text)
+        self._done = register_script(redis, DONE.text)
+        self._retry = register_script(redis, RETRY.text)
 
     def _keys(self, partition: int) -> list[str]:
-        return [outbox_key(partition, self.partitions), outbox_due_key(partition, self.partitions)]
+        return TAKE.keys({"outbox": outbox_key(partition, self.partitions),
+                          "due": outbox_due_key(partition, self.partitions)})
 
     async def take(self, partition: int, now_ms: int, count: int, lease_ms: int = LEASE_MS) -> list[HookEvent]:
-        raw = await self._take(keys=self._keys(partition), args=[now_ms, lease_ms, count])
+        raw = await self._take(keys=self._keys(partition),
+                               args=TAKE.args({"now_ms": now_ms, "lease_ms": lease_ms, "count": count}))
         return [HookEvent(partition, reply_text(raw[i]), orjson.loads(raw[i + 1])) for i in range(0, len(raw), 2)]
 
     async def done(self, event: HookEvent) -> None:
-        await self._done(keys=self._keys(event.partition), args=[event.id])
+        await self._done(keys=self._keys(event.partition), args=DONE.args({"id": event.id}))
 
     async def retry(self, event: HookEvent, now_ms: int) -> bool:
         """Count the failed try; False when the event is past its day and given up (it left the outbox)."""
@@ -145,7 +148,8 @@ class Outbox:
             return False
         due = now_ms + int(retry_delay_s(attempts, age_s) * 1000)
         record = orjson.dumps({**event.record, "attempts": attempts})
-        await self._retry(keys=self._keys(event.partition), args=[event.id, record, due])
+        await self._retry(keys=self._keys(event.partition),
+                          args=RETRY.args({"id": event.id, "record": record, "due_ms": due}))
         return True
 
     async def pending(self) -> int:

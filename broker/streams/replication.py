@@ -37,6 +37,7 @@ from typing import Any
 from broker.backoff import Backoff
 from broker.events import Event, EventPage
 from broker.redis.connection import RedisClient, register_script
+from broker.redis.lua import Lua
 from broker.redis.replicas import ReplicaWaiter, no_replica
 from broker.streams.keys import StreamKeys
 from broker.streams.lua import PRELUDE
@@ -57,47 +58,47 @@ WAIT_RETRY_BACKOFF = Backoff(base_s=0.05, cap_s=2.0)
 # Makes the events up to ``upto`` visible: sets the watermark and publishes what it passes, from the stream
 # itself (so a payload is never built twice). Monotonic: an older ``upto`` changes nothing. Never creates a
 # meta hash (an expired stream stays gone).
-ADVANCE = PRELUDE + """
--- KEYS: meta, events ; ARGV: channel, upto ('' = the stream's last event)
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-local upto = ARGV[2]
+ADVANCE = Lua(PRELUDE + """
+-- A.upto: '' = the stream's last event
+if redis.call('EXISTS', K.meta) == 0 then return false end
+local upto = A.upto
 if upto == '' then
-  local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+  local last = redis.call('XREVRANGE', K.events, '+', '-', 'COUNT', 1)
   if #last == 0 then return false end
   upto = last[1][1]
 end
-local wm = redis.call('HGET', KEYS[1], 'wm') or '0-0'
-local entries = redis.call('XRANGE', KEYS[2], '(' .. wm, upto)
+local wm = redis.call('HGET', K.meta, 'wm') or '0-0'
+local entries = redis.call('XRANGE', K.events, '(' .. wm, upto)
 if #entries == 0 then return wm end
 for _, e in ipairs(entries) do
-  redis.call('PUBLISH', ARGV[1], entry_payload(e))
+  redis.call('PUBLISH', A.channel, entry_payload(e))
 end
 local top = entries[#entries][1]
-redis.call('HSET', KEYS[1], 'wm', top)
+redis.call('HSET', K.meta, 'wm', top)
 return top
-"""
+""", key_names=("meta", "events"), arg_names=("channel", "upto"))
 
 # A write whose only purpose is to move this connection's replication offset to "now", so that the WAIT that
 # follows covers every earlier write, whoever made it (a retried script that finds its work done, e.g. an append
 # whose first try landed before its reply was lost, writes nothing itself; a fresh connection has no offset).
-BUMP = """
--- KEYS: meta
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HINCRBY', KEYS[1], 'wb', 1) end
+# Called by broker.redis.replicas with its one key.
+BUMP = Lua("""
+if redis.call('EXISTS', K.meta) == 1 then redis.call('HINCRBY', K.meta, 'wb', 1) end
 return 0
-"""
+""", key_names=("meta",))
 
 # What readers may see at ``replicated``: the events after ``after`` up to the watermark, and (``check``)
 # whether ``after`` itself is in the stream (consumer.streaming.reader's reset rule).
-READ = """
--- KEYS: meta, events ; ARGV: after ('' = from the start), count, check
+READ = Lua("""
+-- A.after: '' = from the start
 local found = 1
-if ARGV[1] ~= '' and ARGV[3] == '1' then found = #redis.call('XRANGE', KEYS[2], ARGV[1], ARGV[1]) end
-local wm = redis.call('HGET', KEYS[1], 'wm')
+if A.after ~= '' and A.check == '1' then found = #redis.call('XRANGE', K.events, A.after, A.after) end
+local wm = redis.call('HGET', K.meta, 'wm')
 if not wm then return {found, {}} end
 local start = '-'
-if ARGV[1] ~= '' then start = '(' .. ARGV[1] end
-return {found, redis.call('XRANGE', KEYS[2], start, wm, 'COUNT', tonumber(ARGV[2]))}
-"""
+if A.after ~= '' then start = '(' .. A.after end
+return {found, redis.call('XRANGE', K.events, start, wm, 'COUNT', tonumber(A.count))}
+""", key_names=("meta", "events"), arg_names=("after", "count", "check"))
 
 def prepare(script: str, *, replicated: bool) -> str:
     """The script with its ``publish_event`` defined for the durability level."""
@@ -117,9 +118,9 @@ class ReplicaGate:
         self.patience_s = patience_s
         self.replicas = replicas
         self.wait_ms = max(1, wait_ms)
-        self._waiter = ReplicaWaiter(redis, redis.register_script(BUMP), wait_ms=wait_ms, replicas=replicas)
-        self._advance = register_script(redis, ADVANCE)
-        self._read = redis.register_script(READ)
+        self._waiter = ReplicaWaiter(redis, redis.register_script(BUMP.text), wait_ms=wait_ms, replicas=replicas)
+        self._advance = register_script(redis, ADVANCE.text)
+        self._read = redis.register_script(READ.text)
         self.paused = 0  # WAITs that found no replica (a metric: time spent paused ~ paused x wait_ms)
 
     async def aclose(self) -> None:
@@ -147,7 +148,8 @@ class ReplicaGate:
 
     async def advance(self, keys: StreamKeys, upto: str) -> None:
         """Make the stream's events up to ``upto`` ('' = its last) visible and publish them."""
-        await self._advance(keys=[keys.meta, keys.events], args=[keys.channel, upto])
+        await self._advance(keys=ADVANCE.keys({"meta": keys.meta, "events": keys.events}),
+                            args=ADVANCE.args({"channel": keys.channel, "upto": upto}))
 
     async def call(self, keys: StreamKeys, script: Any, script_keys: list[str], args: list[Any],
                    visible: Callable[[Any], str | None]) -> Any:
@@ -162,8 +164,9 @@ class ReplicaGate:
                    check: bool) -> tuple[Sequence[Event], bool]:
         """Visible events after ``after_id`` and whether ``after_id`` is in the stream (always True
         unless ``check``)."""
-        found, entries = await self._read(keys=[keys.meta, keys.events],
-                                          args=[after_id or "", count, "1" if check else "0"])
+        found, entries = await self._read(keys=READ.keys({"meta": keys.meta, "events": keys.events}),
+                                          args=READ.args({"after": after_id or "", "count": count,
+                                                          "check": "1" if check else "0"}))
         return EventPage(entries), bool(found)  # the script returns entries as XRANGE does
 
     async def watermark(self, keys: StreamKeys) -> str | None:

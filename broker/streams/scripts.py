@@ -42,7 +42,7 @@ that other concepts own (the storage quota, the usage ledger, budgets) are those
 from __future__ import annotations
 
 from broker.redis.connection import REFUSE_WHEN_FULL
-from broker.redis.lua import Lua
+from broker.redis.lua import Lua, record_reader
 from broker.redis.quota import QUOTA_LUA
 from broker.streams.budget import BUDGET_LUA
 from broker.streams.lua import APPEND_EVENT, PRELUDE
@@ -199,30 +199,36 @@ local function append_one(meta, events, fence, channel, seq_before, seq_after, f
 end
 """
 
-APPEND = PRELUDE + _APPEND_ONE + """
--- KEYS: meta, events ; ARGV: fence, channel, seq_before, seq_after, type1, data1, type2, data2, ...
-return append_one(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 5, #ARGV)
-"""
+APPEND = Lua(PRELUDE + _APPEND_ONE + """
+-- Past the named ARGV: type1, data1, type2, data2, ...
+return append_one(K.meta, K.events, A.fence, A.channel, A.seq_before, A.seq_after, A_NAMES + 1, #ARGV)
+""", key_names=("meta", "events"), arg_names=("fence", "channel", "seq_before", "seq_after"))
+
+#: APPEND_MANY's records: per stream, its KEYS, then its ARGV (``events``: how many (type, data) pairs follow).
+APPEND_MANY_KEYS = ("meta", "events")
+APPEND_MANY_ARGS = ("fence", "channel", "seq_before", "seq_after", "events")
 
 # The appends of many streams of one partition (one slot) in one call: a worker running many generations
 # at once sends one script call per partition per batch instead of one per stream (one per token at
 # 20 tokens/s). Each stream's append is checked and made exactly as APPEND does it (fence, seq), and
 # answered apart, in order. A refused first write (out of memory) refuses the whole call before anything
 # is written; a call whose reply was lost is retried stream by stream, each answered by its seq check.
-APPEND_MANY = PRELUDE + _APPEND_ONE + """
--- KEYS: meta1, events1, meta2, events2, ...
--- ARGV: per stream: fence, channel, seq_before, seq_after, n (its events), type1, data1, ..., typeN, dataN
--- Reply: one APPEND reply per stream, in order
-local out = {}
+APPEND_MANY = Lua(PRELUDE + _APPEND_ONE + record_reader("stream_keys", APPEND_MANY_KEYS)
+                  + record_reader("stream_args", APPEND_MANY_ARGS) + f"""
+-- KEYS: one APPEND_MANY_KEYS record per stream; ARGV: per stream, its APPEND_MANY_ARGS record and its events
+-- (type1, data1, ..., typeN, dataN). Reply: one APPEND reply per stream, in order
+local out = {{}}
 local a = 1
-for k = 1, #KEYS, 2 do
-  local n = tonumber(ARGV[a + 4])
-  out[#out + 1] = append_one(KEYS[k], KEYS[k + 1], ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], a + 5,
-    a + 4 + 2 * n)
-  a = a + 5 + 2 * n
+for k = 1, #KEYS, {len(APPEND_MANY_KEYS)} do
+  local s, r = stream_keys(KEYS, k), stream_args(ARGV, a)
+  local first = a + {len(APPEND_MANY_ARGS)}
+  local n = tonumber(r.events)
+  out[#out + 1] = append_one(s.meta, s.events, r.fence, r.channel, r.seq_before, r.seq_after, first,
+    first + 2 * n - 1)
+  a = first + 2 * n
 end
 return out
-"""
+""")
 
 # Closes: two terminal events (a zombie finishing after the new owner, or finish racing cancel-while-
 # queued), and a terminal event without its status/usage/expiry/abort record (a crash between writes).
@@ -302,10 +308,10 @@ return redis.call('HINCRBY', K.meta, 'wasted', A.tokens)
 # Records that a reader is connected (consumer pods call it every few seconds for each stream they
 # serve), for any number of streams of one partition (one slot) in one call. Never creates a hash:
 # touching an expired stream must not resurrect part of it.
-TOUCH = """
--- KEYS: meta, meta, ... (one partition) ; ARGV: now_s
+TOUCH = Lua("""
+-- KEYS: every stream's meta (one partition)
 for _, meta in ipairs(KEYS) do
-  if redis.call('EXISTS', meta) == 1 then redis.call('HSET', meta, 'seen', ARGV[1], 'read', 1) end
+  if redis.call('EXISTS', meta) == 1 then redis.call('HSET', meta, 'seen', A.now_s, 'read', 1) end
 end
 return 0
-"""
+""", arg_names=("now_s",))

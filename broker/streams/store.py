@@ -44,7 +44,7 @@ from broker.redis.connection import (
     reply_text,
     xrange_raw,
 )
-from broker.redis.lua import Lua
+from broker.redis.lua import Lua, record
 from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.request import GenerationRequest
 from broker.streams import queue_scripts, replication, scripts
@@ -102,9 +102,8 @@ class Store:
         self.gate = replication.ReplicaGate(redis, wait_ms=replica_wait_ms,
                                            patience_s=replica_patience_s) if replicated else None
 
-        def register(script: str | Lua) -> Any:
-            text = script.text if isinstance(script, Lua) else script
-            return register_script(redis, replication.prepare(text, replicated=replicated))
+        def register(script: Lua) -> Any:
+            return register_script(redis, replication.prepare(script.text, replicated=replicated))
 
         self._create = register(scripts.CREATE)
         self._claim = register(queue_scripts.CLAIM)
@@ -311,7 +310,7 @@ class Store:
             for i in range(0, len(metas), TOUCH_BATCH):
                 # Redis full: a mark is advisory (the next round makes it), and readers must go on reading.
                 with contextlib.suppress(StoreFull):
-                    await self._touch(keys=metas[i:i + TOUCH_BATCH], args=[now])
+                    await self._touch(keys=metas[i:i + TOUCH_BATCH], args=scripts.TOUCH.args({"now_s": now}))
 
     async def cancel(self, stream_id: uuid.UUID, reason: str) -> str | None:
         """Request a cancel. Returns the status after the request (None: unknown stream)."""
@@ -446,8 +445,10 @@ class Store:
                 for i in part:
                     claim, seq_before, seq_after, events = calls[i]
                     meta, stream, fence, channel = self._append_head(claim)
-                    keys += (meta, stream)
-                    args += (fence, channel, seq_before, seq_after, len(events))
+                    keys += record(scripts.APPEND_MANY_KEYS, {"meta": meta, "events": stream})
+                    args += record(scripts.APPEND_MANY_ARGS, {"fence": fence, "channel": channel,
+                                                              "seq_before": seq_before, "seq_after": seq_after,
+                                                              "events": len(events)})
                     for etype, data in events:
                         args += (etype, data)
                 packed.append((keys, args))
@@ -478,11 +479,10 @@ class Store:
     def _append_call(claim: Claim, seq_before: int, seq_after: int,
                      events: Sequence[tuple[str, bytes]]) -> tuple[list[str], list[Any]]:
         k = claim.keys
-        args: list[Any] = [claim.fence, k.channel, seq_before, seq_after]
-        for etype, data in events:
-            args.append(etype)
-            args.append(data)
-        return [k.meta, k.events], args
+        script = scripts.APPEND
+        return (script.keys({"meta": k.meta, "events": k.events}),
+                script.args({"fence": claim.fence, "channel": k.channel, "seq_before": seq_before,
+                             "seq_after": seq_after}, *(part for event in events for part in event)))
 
     @staticmethod
     def _append_result(raw: Any) -> AppendResult:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import cast
@@ -174,6 +175,24 @@ async def test_many_streams_appends_in_one_call_per_partition_keep_each_streams_
     assert [m["data"].split(b"\n", 2)[2] for m in published if m] == [
         encode_data({"text": "2a"}), encode_data({"text": "2b"})]
     pubsub.close()
+    await r.aclose()
+
+
+async def test_touch_marks_every_read_stream_in_one_call_per_partition_and_resurrects_none(
+        redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """TOUCH: what abandonment and cancel_on_disconnect count from. A stream gone (expired) stays gone."""
+    r = connect(redis_server.url)
+    store = Store(r, 4)
+    read = [uuid.uuid4() for _ in range(8)]
+    for sid in read:
+        await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
+    assert len({store.keys(sid).partition for sid in read}) > 1
+    gone = uuid.uuid4()  # never created, or expired: same keys, no meta
+    await store.touch([*read, gone])
+    for sid in read:
+        seen, was_read = redis_client.hmget(store.keys(sid).meta, ["seen", "read"])
+        assert was_read == b"1" and seen is not None and abs(float(seen) - time.time()) < 60
+    assert not redis_client.exists(store.keys(gone).meta)
     await r.aclose()
 
 
