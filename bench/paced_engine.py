@@ -43,6 +43,10 @@ class PacedEngine:
         self.period_s = 1.0 / tokens_per_s
         self.on_loop = on_loop
         self.caches_prompts = False
+        self.sequences = 0
+
+    def observe_steps(self, observer: object) -> None:
+        """Not a batching engine: no steps to observe."""
 
     def start(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int,
               stop: threading.Event, partial: PartialAnswer | None = None, cache_scope: str = "") -> Generation:

@@ -19,6 +19,8 @@ disable_created_metrics()
 
 TTFT_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 TPOT_BUCKETS_MS = (0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 QUEUE_WAIT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -44,8 +46,23 @@ class GeneratorMetrics:
             "model and service tier", ["model", "tier"], registry=r, buckets=QUEUE_WAIT_BUCKETS_S)
         self.takeovers = Counter("rsb_generator_takeovers_total", "jobs this worker continued after another attempt "
                                  "(a worker that died, stalled past its lease or handed the job over)", registry=r)
-        self.tpot = Histogram("rsb_generator_tpot_ms", "time per output token after the first, in ms", registry=r,
-                              buckets=TPOT_BUCKETS_MS)
+        self.tpot = Histogram("rsb_generator_tpot_ms", "time per output token after the first, in ms (one stream's "
+                              "tokens/s is 1000 / this)", registry=r, buckets=TPOT_BUCKETS_MS)
+        self.batch_sequences = Histogram(
+            "rsb_generator_batch_sequences", "sequences in each batched decoding step (--parallel)", registry=r,
+            buckets=BATCH_BUCKETS)
+        self.step_seconds = Histogram(
+            "rsb_generator_step_seconds", "time of each batched decoding step: every running sequence's next token "
+            "and a chunk of the prompts being prefilled", registry=r, buckets=STEP_BUCKETS_S)
+        self.prefill_tokens = Counter("rsb_generator_prefill_tokens_total",
+                                      "prompt tokens prefilled in batched steps", registry=r)
+
+    def batch_step(self, sequences: int, prefilled: int, seconds: float) -> None:
+        """One batched decoding step (called from the engine's batcher thread: prometheus_client locks)."""
+        self.batch_sequences.observe(sequences)
+        self.step_seconds.observe(seconds)
+        if prefilled:
+            self.prefill_tokens.inc(prefilled)
 
     def claimed(self, model: str, tier: str, attempts: int, waited_s: float) -> None:
         if attempts == 1:

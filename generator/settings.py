@@ -25,7 +25,13 @@ class EngineSettings(Settings):
     upstream_url: str | None = setting(
         None, "URL of an OpenAI-compatible or Ollama server to drive instead of a local model", flag="upstream")
     n_threads: int | None = setting(None, "llama.cpp threads (default: physical cores)")
-    n_ctx: int = setting(4096, "llama.cpp context size in tokens")
+    n_ctx: int = setting(4096, "llama.cpp context size in tokens (per sequence: see --parallel)")
+    parallel: int = setting(
+        8, "in-process llama.cpp: generations decoded together in one batch, each step advancing all of them "
+        "(llama.cpp server's -np; the worker runs this many at once, one slot per sequence, whatever "
+        "--concurrency says). 8: on 2 CPU cores the batch reaches ~1.8x one sequence's tokens/s in all and "
+        "still ~22 tokens/s per stream (docs/benchmarks.md); the KV cache costs --parallel x --n-ctx tokens. 1: "
+        "one generation at a time, with the prompt cache's exactness guarantee (docs/protocol.md)")
     ignore_eos: bool = setting(False, "never stop at end-of-sequence (benchmarks, tests)")
     prompt_cache_mib: int = setting(
         256, "RAM for the in-process llama.cpp prompt cache, in MiB: the KV state of recent prompts, so a "
@@ -71,7 +77,7 @@ class GeneratorSettings(Settings):
     handoff_tokens: int = setting(
         256, "tokens the inference thread may run ahead of Redis before it waits (the bounded hand-off)")
     concurrency: int = setting(
-        1, "generations one worker runs at once (in-process llama.cpp: 1; an --upstream server: more)")
+        1, "generations one worker runs at once with an --upstream server (in-process llama.cpp runs --parallel)")
     max_parked: int = setting(
         16, "durability replicated or Redis Cluster: generations a worker holds parked at once (their write waits for "
         "a replica, or for their shard's primary) after giving their slot back to streams that can go on; past "

@@ -50,9 +50,12 @@ class Worker:
         OUT_OF_MEMORY.on_refused = self.metrics.storage_full.inc
         # Many generations at once: their appends share pipelines. (Cluster pipelines would split by
         # node anyway; there each append goes on its own. At ``replicated`` each append waits for its replica.)
-        batch = settings.concurrency > 1 and not store.cluster and store.gate is None
+        #: Generations run at once: the engine's sequences (in-process llama.cpp), else --concurrency.
+        self.concurrency = engine.sequences or settings.concurrency
+        batch = self.concurrency > 1 and not store.cluster and store.gate is None
         appender: Appender = AppendBatcher(store, interval_s=settings.append_batch_ms / 1000) if batch else store
         self.runner = JobRunner(settings, engine, store, appender, self.metrics, self.worker_id)
+        engine.observe_steps(self.metrics.batch_step)
         self._background: set[asyncio.Task[Any]] = set()
         affinity_wait_s = settings.affinity_wait_s if engine.caches_prompts else 0.0
         self.poller = JobPoller(store, blocking, self.worker_id, (engine.name, *settings.engine.model_aliases),
@@ -111,7 +114,7 @@ class Worker:
         control = asyncio.create_task(listen_for_cancels(self.blocking, self.store.partitions, self._on_cancel_notice),
                                       name="cancel-listener")
         announcer = asyncio.create_task(self._announce_model(), name="announce-model")
-        slots = Slots(self.settings.concurrency, self.settings.max_parked)
+        slots = Slots(self.concurrency, self.settings.max_parked)
         self.slots = slots
         self.metrics.parked.set_function(lambda: slots.parked)
         jobs: set[asyncio.Task[None]] = set()

@@ -179,6 +179,10 @@ class Stack:
             args += ["--model-alias", ",".join(TEST_MODEL_NAMES)]
         if ignore_eos:
             args.append("--ignore-eos")
+        if not any(a.startswith("--parallel") for a in extra):
+            # One generation at a time, as these tests' expectations of a worker's queue are written (the
+            # batching tests, tests/generator/test_batch.py, and rsb up's test run the default).
+            args += ["--parallel", "1"]
         p = self._run("generator", args)
         if wait:
             deadline = time.monotonic() + 30

@@ -42,6 +42,8 @@ def build_engine(settings: EngineSettings) -> Engine:
     try:
         return LlamaEngine(str(model.path), n_threads=settings.n_threads, n_ctx=settings.n_ctx,
                            ignore_eos=settings.ignore_eos, name=model.name,
-                           prompt_cache_mib=settings.prompt_cache_mib)
+                           prompt_cache_mib=settings.prompt_cache_mib, parallel=settings.parallel)
     except ValueError as e:  # llama-cpp-python's "Failed to load model from file" (a corrupt or unsupported GGUF)
         raise EngineUnavailable(f"llama.cpp cannot load {model.path}: {e}") from None
+    except EngineError as e:  # no context of --parallel sequences (too many, or no memory for their KV)
+        raise EngineUnavailable(f"llama.cpp cannot run {model.path}: {e}") from None

@@ -73,9 +73,13 @@ class Generation:
     after: Callable[[str], None] | None = None
 
 
+#: Called after each batched decoding step with (sequences in the batch, prompt tokens it prefilled, seconds).
+StepObserver = Callable[[int, int, float], None]
+
+
 class Engine(Protocol):
-    """An engine class either subclasses this (and inherits ``on_loop = False``, ``caches_prompts = False``)
-    or declares both."""
+    """An engine class either subclasses this (and inherits ``on_loop = False``, ``caches_prompts = False``,
+    ``sequences = 0`` and a no-op ``observe_steps``) or declares them."""
 
     #: The model's name, as reported in ``started`` events and the status route.
     name: str
@@ -85,6 +89,10 @@ class Engine(Protocol):
     #: The engine keeps recent prompts' state (generator.engines.prompt_cache): a chat's next turn is worth
     #: sending to the worker that ran its last one (chat-affine claiming, generator.jobs).
     caches_prompts: bool = False
+    #: Generations the engine decodes together (llama.cpp's ``--parallel``): the worker runs exactly this many
+    #: at once, one slot per sequence. 0: as many as the worker's ``--concurrency`` (an upstream, which queues
+    #: or batches on its side).
+    sequences: int = 0
 
     def start(
         self,
@@ -107,6 +115,10 @@ class Engine(Protocol):
         routing key with): one tenant's, or everyone's (""). A prompt never gets a cached prefix, nor a quicker
         first token, from another scope's prompts (``--prompt-cache-scope``)."""
         ...
+
+    def observe_steps(self, observer: StepObserver) -> None:
+        """Have ``observer`` called after each decoding step of a batching engine (metrics); others never call it."""
+        return None
 
     def close(self) -> None: ...
 

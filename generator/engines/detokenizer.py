@@ -47,14 +47,13 @@ class LlamaPieces:
     """``PieceFn`` for a llama.cpp vocabulary, caching each piece on first use so the cost per token stays a
     list lookup. Control tokens render as "" (``special=False``), like llama's own detokenize."""
 
-    __slots__ = ("_buf", "_cache", "_to_piece", "_vocab")
+    __slots__ = ("_cache", "_to_piece", "_vocab")
 
     def __init__(self, vocab: Any, n_vocab: int) -> None:
         import llama_cpp
 
         self._vocab = vocab
         self._to_piece = llama_cpp.llama_token_to_piece
-        self._buf = ctypes.create_string_buffer(64)
         self._cache: list[bytes | None] = [None] * n_vocab
 
     @classmethod
@@ -75,9 +74,13 @@ class LlamaPieces:
         return piece
 
     def _lookup(self, token: int) -> bytes:
+        # A buffer per lookup, not one per vocabulary: generations look pieces up from their own threads (and
+        # the batcher from its), and ctypes lets go of the GIL inside the call, so a shared buffer handed one
+        # thread another token's bytes. Only a first use of a token gets here.
+        buf = ctypes.create_string_buffer(64)
         # lstrip=0: the raw piece, leading space included; llama's own detokenize strips it only after BOS.
-        n = self._to_piece(self._vocab, token, self._buf, len(self._buf), 0, False)
+        n = self._to_piece(self._vocab, token, buf, len(buf), 0, False)
         if n < 0:  # buffer too small: -n is the size needed
-            self._buf = ctypes.create_string_buffer(-n)
-            n = self._to_piece(self._vocab, token, self._buf, len(self._buf), 0, False)
-        return self._buf.raw[: max(n, 0)]
+            buf = ctypes.create_string_buffer(-n)
+            n = self._to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[: max(n, 0)]

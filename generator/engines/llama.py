@@ -6,7 +6,14 @@ Typed output. A ``response_format`` or a forced ``tool_choice`` constrains the a
 (generator.engines.grammar); tools the model may call are rendered into the prompt (generator.engines.chat)
 and its calls are read out of its text (generator.engines.tool_syntax). A continued generation replays the
 answer so far into the prompt as the model wrote it (calls included) and into the grammar, so it resumes
-mid-value: the final JSON is valid and nothing is written twice."""
+mid-value: the final JSON is valid and nothing is written twice.
+
+Batched (``parallel`` above 1), generations are decoded together by generator.engines.batch, in a context of
+its own; this class still tokenizes, builds each generation's sampler and decoder (generator.engines.decoding,
+shared by both ways) and owns the prompt cache.
+
+Long because it is the one class over llama-cpp-python's model: the vocabulary's tables, the one-sequence
+context with its prompt cache, and the set-up both decoders share."""
 
 from __future__ import annotations
 
@@ -24,8 +31,10 @@ import numpy.typing as npt
 
 from broker.events import FinishReason
 from broker.request import GenerationRequest, Message
-from generator.engines.base import Engine, EngineError, Generation, PromptTooLong
+from generator.engines.base import Engine, EngineError, Generation, PromptTooLong, StepObserver
+from generator.engines.batch import BatchedSequence, Batcher
 from generator.engines.chat import ChatTemplate
+from generator.engines.decoding import SequenceDecoder
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 from generator.engines.grammar import answer_grammar
 from generator.engines.pieces import PartialAnswer, Piece, TokenLogprob
@@ -43,6 +52,8 @@ _RANDOM_SEED = llama_cpp.LLAMA_DEFAULT_SEED
 PROGRESS_MIN_TOKENS = 512
 PROGRESS_CHUNK_TOKENS = 4 * BLOCK_TOKENS
 _DEFAULT_CACHE_MIB: int = EngineSettings().prompt_cache_mib
+# The context size of the Llama's own context when a batcher holds the sequences (it only warms up).
+_IDLE_CTX = 256
 _MIB = 1 << 20
 
 
@@ -58,9 +69,10 @@ def physical_cores() -> int:
 
 
 class LlamaEngine(Engine):
-    """``Engine`` over llama-cpp-python. Generations run one at a time: the context is held by a lock from
-    a generation's first ``next()`` until it ends or is closed; a generation the same thread left suspended
-    is ended when the next one starts.
+    """``Engine`` over llama-cpp-python. With ``parallel`` 1, generations run one at a time: the context is held
+    by a lock from a generation's first ``next()`` until it ends or is closed; a generation the same thread left
+    suspended is ended when the next one starts. With more, up to ``parallel`` run at once in one batch
+    (generator.engines.batch) and the rest wait for a free sequence.
 
     Sampling follows the request's temperature and top_p (temperature 0 is greedy), with ``top_k`` as a
     cost bound and no min_p/typical/repeat penalties. ``seed=None`` draws a random seed. A cancelled
@@ -77,13 +89,19 @@ class LlamaEngine(Engine):
         name: str | None = None,
         top_k: int = 40,
         prompt_cache_mib: int = _DEFAULT_CACHE_MIB,
+        parallel: int = 1,
     ) -> None:
         threads = n_threads or physical_cores()
+        parallel = max(1, parallel)
+        # Batched (parallel > 1), the Llama's own context only warms up: the batcher's holds the sequences.
         self._llm = llama_cpp.Llama(
-            model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+            model_path=model_path, n_ctx=n_ctx if parallel == 1 else _IDLE_CTX, n_threads=threads,
+            n_threads_batch=threads, verbose=False
         )
         llm = self._llm
         self.n_ctx: int = llm.n_ctx()
+        #: Generations decoded at once (``--parallel``): the worker runs this many, one slot per sequence.
+        self.sequences = parallel
         self.ignore_eos = ignore_eos
         self.top_k = top_k
         metadata: dict[str, str] = llm.metadata
@@ -127,6 +145,11 @@ class LlamaEngine(Engine):
         # The first decode allocates compute buffers; pay that here rather than in the first request.
         llm.eval([self._bos if self._bos >= 0 else 0])
         self._reset()
+        self._batcher: Batcher | None = None
+        if parallel > 1:
+            self._batcher = Batcher(llm, sequences=parallel, n_ctx=n_ctx,
+                                    cache=self._cache if self.caches_prompts else None)
+            self.n_ctx = self._batcher.n_ctx
 
     def _reset(self) -> None:
         # Through a typed alias: Llama.reset is unannotated.
@@ -178,6 +201,10 @@ class LlamaEngine(Engine):
         if len(tokens) > self.n_ctx - 1 - max_tokens:
             raise PromptTooLong(len(tokens), max_tokens, self.n_ctx)
         generation = Generation(prompt_tokens=len(tokens), pieces=iter(()))
+        if self._batcher is not None:
+            generation.pieces = self._run_batched(self._batcher, generation, request, tokens, max_tokens, stop,
+                                                  grammar, written, cache_scope)
+            return generation  # no next turn prepared: the batch is never idle for long enough to matter
         generation.pieces = self._run(generation, request, tokens, max_tokens, stop, grammar, written, cache_scope)
         if self.caches_prompts and request.messages is not None and not request.offers_tools and grammar is None:
             def after(answer: str) -> None:
@@ -251,87 +278,86 @@ class LlamaEngine(Engine):
                 raise RuntimeError("engine is closed")
             self._active = generation.pieces
             self._active_thread = threading.get_ident()
-            llm = self._llm
-            seed = request.seed
-            if seed is None:
-                seed = secrets.randbelow(_RANDOM_SEED)
-            elif seed == _RANDOM_SEED:
-                seed -= 1
             if not self._prefill(generation, tokens, stop, scope):
                 return
-            detok = IncrementalDetokenizer(
-                self._pieces,
-                strip_leading_space=self._space_prefix
-                and bool(llama_cpp.llama_vocab_is_control(self._vocab, tokens[-1])),
-            )
-            eog = self._eog
-            # Never decode past the context: llama.cpp fails there instead of stopping.
-            limit = min(max_tokens, self.n_ctx - len(tokens))
-            if limit <= 0:
-                generation.finish_reason = "length"
+            made = self._sequence(generation, request, tokens, max_tokens, grammar, written, self._llm.ctx)
+            if made is None:
                 return
-            # A grammar ends with end-of-generation, so ignore_eos does not apply to a constrained answer.
-            masked = self._never_utf8() if grammar is not None else self._eog if self.ignore_eos else ()
-            sampler = Sampler(llm, temperature=request.temperature, top_p=request.top_p, top_k=self.top_k,
-                              seed=seed, masked_ids=masked, grammar=grammar, pieces=self._pieces,
-                              utf8=self._utf8_masks() if grammar is not None else None, sampling=request.sampling)
-            if written and sampler.constrained:
-                sampler.accept_text(self._text_tokens(written))
-            syntax: ToolCallSyntax | None = None
-            if request.offers_tools:
-                syntax = ToolCallSyntax()
-                syntax.prime(written)
-            n = 0
-            finish = "length"
-            top = request.sampling.top_logprobs
+            sampler, decoder = made
             while True:
-                token = sampler.sample()
-                if token in eog:
-                    finish = "stop"
-                    break
-                n += 1
-                text = detok.push(token)
-                prob = self._logprob(sampler, token, top) if request.sampling.logprobs else None
-                if n >= limit:
-                    generation.finish_reason = "length"
-                    # Merged into the last token, so a length-limited answer is exactly `limit` pieces.
-                    text += detok.flush()
-                    if syntax is None:
-                        yield text
-                    else:
-                        yield from syntax.feed(text)
-                    if prob is not None:
-                        yield prob
-                    if syntax is not None:
-                        yield from syntax.end()
+                yield from decoder.take(sampler.sample())
+                if decoder.ended:
                     return
-                if syntax is None:
-                    yield text
-                else:
-                    yield from syntax.feed(text)
-                if prob is not None:
-                    yield prob
                 # Checked before the decode of this token (the next step).
                 if stop.is_set():
                     break
-                llm.eval([token])
-            tail = detok.flush()
-            if syntax is None:
-                if tail:
-                    yield tail
-            else:
-                if tail:
-                    yield from syntax.feed(tail)
-                yield from syntax.end()
-                if finish == "stop" and syntax.calls:
-                    finish = FinishReason.TOOL_CALLS
-            generation.finish_reason = finish
+                self._llm.eval([decoder.last])
+            yield from decoder.end()
         finally:
             if sampler is not None:
                 self.last_resampled = sampler.resampled
                 sampler.close()
             self._active = None
             self._lock.release()
+
+    def _run_batched(self, batcher: Batcher, generation: Generation, request: GenerationRequest, tokens: list[int],
+                     max_tokens: int, stop: threading.Event, grammar: str | None, written: str,
+                     scope: str) -> Iterator[Piece]:
+        """A generation among the batcher's sequences (generator.engines.batch): set up here, in its own
+        thread, then decoded by the batcher, whose pieces it hands on."""
+        if stop.is_set():
+            return
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        made = self._sequence(generation, request, tokens, max_tokens, grammar, written, batcher.ctx)
+        if made is None:
+            return
+        seq = BatchedSequence(tokens, scope, generation, stop, *made)
+        batcher.submit(seq)
+        try:
+            while (pieces := seq.pieces()) is not None:
+                yield from pieces
+        finally:
+            seq.abandoned = True  # read no further (or ended): the batcher drops it at its next step
+
+    def _sequence(self, generation: Generation, request: GenerationRequest, tokens: list[int], max_tokens: int,
+                  grammar: str | None, written: str, ctx: llama_cpp.llama_context_p,
+                  ) -> tuple[Sampler, SequenceDecoder] | None:
+        """The sampler (on ``ctx``) and decoder of a generation from ``tokens``; None when the context leaves
+        no room for a token (finish reason "length")."""
+        # Never decode past the context: llama.cpp fails there instead of stopping.
+        limit = min(max_tokens, self.n_ctx - len(tokens))
+        if limit <= 0:
+            generation.finish_reason = FinishReason.LENGTH
+            return None
+        seed = request.seed
+        if seed is None:
+            seed = secrets.randbelow(_RANDOM_SEED)
+        elif seed == _RANDOM_SEED:
+            seed -= 1
+        # A grammar ends with end-of-generation, so ignore_eos does not apply to a constrained answer.
+        masked = self._never_utf8() if grammar is not None else self._eog if self.ignore_eos else ()
+        sampler = Sampler(self._llm, temperature=request.temperature, top_p=request.top_p, top_k=self.top_k,
+                          seed=seed, masked_ids=masked, grammar=grammar, pieces=self._pieces,
+                          utf8=self._utf8_masks() if grammar is not None else None, sampling=request.sampling,
+                          ctx=ctx)
+        try:
+            if written and sampler.constrained:
+                sampler.accept_text(self._text_tokens(written))
+        except BaseException:
+            sampler.close()
+            raise
+        syntax: ToolCallSyntax | None = None
+        if request.offers_tools:
+            syntax = ToolCallSyntax()
+            syntax.prime(written)
+        detok = IncrementalDetokenizer(
+            self._pieces,
+            strip_leading_space=self._space_prefix and bool(llama_cpp.llama_vocab_is_control(self._vocab, tokens[-1])),
+        )
+        top = request.sampling.top_logprobs
+        logprob = (lambda token: self._logprob(sampler, token, top)) if request.sampling.logprobs else None
+        return sampler, SequenceDecoder(generation, detok, limit=limit, eog=self._eog, syntax=syntax, logprob=logprob)
 
     def _prefill(self, generation: Generation, tokens: list[int], stop: threading.Event, scope: str) -> bool:
         """Evaluate ``tokens`` from the longest prefix of whole blocks the prompt cache holds for ``scope``, block by
@@ -437,12 +463,18 @@ class LlamaEngine(Engine):
         except KeyError:
             raise GrammarError("the model's vocabulary lacks a token for a byte of the stored answer") from None
 
+    def observe_steps(self, observer: StepObserver) -> None:
+        if self._batcher is not None:
+            self._batcher.on_step = observer
+
     def close(self) -> None:
         if self._closed:
             return
         self._take_context()
         try:
             self._closed = True
+            if self._batcher is not None:
+                self._batcher.close()
             self._llm.close()
         finally:
             self._lock.release()

@@ -106,16 +106,21 @@ def _single_char_tokens(pieces: PieceFn, n_vocab: int) -> npt.NDArray[np.int32]:
 
 
 class Sampler:
-    """Samples the tokens of one generation from the context's last logits. ``close`` frees the samplers."""
+    """Samples the tokens of one generation from the logits at ``idx`` of its context's last decode (-1: the
+    last ones; a batch of many sequences sets each sequence's row before sampling it). ``close`` frees the
+    samplers."""
 
     def __init__(self, llm: llama_cpp.Llama, *, temperature: float, top_p: float, top_k: int, seed: int,
                  masked_ids: Iterable[int] = (), grammar: str | None = None, pieces: PieceFn | None = None,
-                 utf8: Sequence[npt.NDArray[np.bool_]] | None = None, sampling: Sampling = DEFAULT) -> None:
+                 utf8: Sequence[npt.NDArray[np.bool_]] | None = None, sampling: Sampling = DEFAULT,
+                 ctx: llama_cpp.llama_context_p | None = None) -> None:
         """``masked_ids``: tokens never to sample (end-of-generation for ``ignore_eos``; with a grammar, the
         tokens whose bytes no valid UTF-8 contains, which llama.cpp's grammar decoder does not refuse).
         ``sampling``: OpenAI's presence and frequency penalties (on the logits of tokens this generation wrote,
-        as OpenAI defines them) and ``logit_bias`` (added to the logits)."""
-        self._ctx = llm.ctx
+        as OpenAI defines them) and ``logit_bias`` (added to the logits). ``ctx``: the context it samples from,
+        if not ``llm``'s own (the batched engine's)."""
+        self._ctx = ctx if ctx is not None else llm.ctx
+        self.idx = -1
         self._n_vocab = llm.n_vocab()
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         self._presence = sampling.presence_penalty
@@ -173,7 +178,7 @@ class Sampler:
     def sample(self) -> int:
         counts = self._counts
         if counts:
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,))
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, self.idx), shape=(self._n_vocab,))
             ids = np.fromiter(counts, dtype=np.intp, count=len(counts))
             times = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
             logits[ids] -= times * self._frequency + self._presence  # in place: the next decode overwrites them
@@ -183,7 +188,7 @@ class Sampler:
         return token
 
     def _pick(self) -> int:
-        token: int = llama_cpp.llama_sampler_sample(self._chain, self._ctx, -1)
+        token: int = llama_cpp.llama_sampler_sample(self._chain, self._ctx, self.idx)
         grammar = self._grammar
         if grammar is None:
             return token
@@ -241,7 +246,7 @@ class Sampler:
     def _resample_once(self, grammar: llama_cpp.llama_sampler_p, utf8: npt.NDArray[np.bool_],
                        banned: list[int]) -> int:
         arr = self._all_array
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, self.idx), shape=(self._n_vocab,))
         masked = np.where(utf8, logits, -np.inf).astype(np.float32)
         if banned:
             masked[banned] = -np.inf
@@ -277,7 +282,7 @@ class Sampler:
     def logprobs(self, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
         """The log-probability of ``token`` under the model's last logits, and the ``top`` likeliest tokens'
         (before the chosen token's decode overwrites the logits)."""
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, self.idx), shape=(self._n_vocab,))
         peak = float(logits.max())
         norm = peak + math.log(float(np.exp(logits - peak).sum()))
         best: list[tuple[int, float]] = []

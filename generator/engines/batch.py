@@ -1,0 +1,330 @@
+"""Continuous batching for the in-process llama.cpp engine (``--parallel N``): one llama.cpp context holds N
+sequences, and one thread, the batcher, decodes them together in steps.
+
+A step is one ``llama_decode`` of one batch: the next token of every sequence that is answering, and up to
+``PREFILL_STEP_TOKENS`` tokens of the prompts still being prefilled, in order of arrival. On this CPU a step
+costs about what one token of one sequence does, whatever N (NOTES.md: one sequence decodes ~98 tokens/s, eight
+in one batch ~176 in all), so N answers advance at once where a context decoding one sequence at a time makes
+the Nth chat wait for N-1 whole answers. A new prompt enters the running batch in chunks, so the answers
+already running are never held up by more than a chunk's prefill per step (~0.25 s for 64 tokens of the default
+model) however long the prompt, and a sequence that ends (its last token, a cancel, its reader gone) leaves at
+the step it ends in: its place goes to the next prompt at once.
+
+Each sequence is a stream of its own in the context (``kv_unified`` off: its attention reads its own cells, not
+every sequence's), with ``n_ctx`` cells, so a sequence has the context ``--n-ctx`` says whatever the others
+hold; the KV cache costs N times a one-sequence context.
+
+The prompt cache (generator.engines.prompt_cache) works here as with one sequence, within the same scope: a
+new prompt starts from the longest prefix of whole prefilled blocks that a running sequence, or an entry of the
+LRU, holds, copied into its own sequence (``llama_state_seq_*``: a few ms for a thousand tokens) instead of
+prefilled again; a sequence that leaves copies its prompt's whole blocks into the LRU.
+
+What is not exact. llama.cpp computes a token's logits the same way whatever else is in its batch only as far
+as its kernels are batch-invariant; how often a seeded answer run inside a batch equals the same request run
+alone is measured in docs/benchmarks.md. ``--parallel 1`` does not use this module: it keeps the exactness the
+prompt cache promises (a seeded answer is the same text whatever the cache held).
+
+Threads: generations submit from their own inference threads and read their pieces from a queue
+(``BatchedSequence.out``); only the batcher touches the context, the samplers of running sequences and the
+prompt cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import llama_cpp
+
+from generator.engines.base import EngineError, Generation, StepObserver
+from generator.engines.decoding import SequenceDecoder
+from generator.engines.pieces import Piece
+from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, reusable, shared_blocks
+from generator.engines.sampler import Sampler
+
+log = logging.getLogger("rsb.generator")
+
+#: Prompt tokens one step prefills at most (across the prompts waiting): what bounds the time a step adds to
+#: the answers already running. One prefill block, so prefilled prompts stay in whole cacheable blocks.
+PREFILL_STEP_TOKENS = BLOCK_TOKENS
+# Prompts longer than this report their prefill progress, every PROGRESS_CHUNK_TOKENS tokens (as the
+# one-sequence engine does: generator.engines.llama).
+PROGRESS_MIN_TOKENS = 512
+PROGRESS_CHUNK_TOKENS = 4 * BLOCK_TOKENS
+
+# What the batcher puts on a sequence's queue: pieces, then None at the end, or the error it ended with.
+Outcome = list[Piece] | BaseException | None
+
+
+@dataclass(eq=False, slots=True)
+class BatchedSequence:
+    """One generation inside the batch. The submitting thread reads ``out`` until None (or an error) and sets
+    ``abandoned`` if it stops reading first; everything else is the batcher's."""
+
+    tokens: list[int]
+    scope: str
+    generation: Generation
+    stop: threading.Event
+    sampler: Sampler
+    decoder: SequenceDecoder
+    out: queue.SimpleQueue[Outcome] = field(default_factory=queue.SimpleQueue)
+    abandoned: bool = False
+    seq_id: int = -1
+    pos: int = 0  # positions its KV holds
+    begun: bool = False  # its cached prefix was chosen
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.tokens)
+
+    @property
+    def prompt_blocks(self) -> int:
+        """Leading prompt tokens whose KV is prefilled, in whole blocks (what a prefix may be copied from)."""
+        done = min(self.pos, len(self.tokens))
+        return done - done % BLOCK_TOKENS
+
+    def pieces(self) -> list[Piece] | None:
+        """The next pieces, blocking; None at the end. Raises the error the sequence ended with."""
+        item = self.out.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class Batcher:
+    """The context of ``sequences`` sequences of ``n_ctx`` tokens each over ``model``, and the thread that
+    decodes them. ``cache``: the prompt cache (None: every prompt prefilled in full)."""
+
+    def __init__(self, llm: llama_cpp.Llama, *, sequences: int, n_ctx: int, cache: PromptCache | None,
+                 on_step: StepObserver | None = None) -> None:
+        # The one-sequence context's own settings (threads, attention kernels, rope) but for the sequences: a
+        # default context would differ (flash attention "auto", which changes the numbers a step computes).
+        params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
+        params.n_ctx = n_ctx * sequences
+        params.n_batch = max(512, PREFILL_STEP_TOKENS + sequences)
+        params.n_ubatch = params.n_batch
+        params.n_seq_max = sequences
+        params.kv_unified = False
+        ctx = llama_cpp.llama_init_from_model(llm.model, params)
+        if not ctx:
+            raise EngineError(f"llama.cpp could not create a context of {sequences} sequences x {n_ctx} tokens")
+        self.ctx: llama_cpp.llama_context_p = ctx
+        self.sequences = sequences
+        self.n_ctx = llama_cpp.llama_n_ctx(ctx) // sequences
+        self._mem = llama_cpp.llama_get_memory(ctx)
+        self._batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+        self._cache = cache
+        self.on_step = on_step
+        self._cond = threading.Condition()
+        self._pending: deque[BatchedSequence] = deque()
+        self._running: list[BatchedSequence] = []
+        self._free_ids = list(range(sequences - 1, -1, -1))
+        self._closed = False
+        # The first decode allocates compute buffers; pay that here rather than in the first request.
+        self._add(0, 0, 0, 0, True)
+        self._batch.n_tokens = 1
+        llama_cpp.llama_decode(ctx, self._batch)
+        llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        # A daemon: idle, it waits on a condition, and must not keep a process from exiting. close() joins it.
+        self._thread = threading.Thread(target=self._loop, name="rsb-batcher", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def submit(self, seq: BatchedSequence) -> None:
+        """Queue ``seq``: it joins the batch at the next step a sequence is free. The batcher owns its sampler
+        from here (and closes it when the sequence leaves)."""
+        with self._cond:
+            if self._closed:
+                seq.sampler.close()
+                raise RuntimeError("engine is closed")
+            self._pending.append(seq)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+        llama_cpp.llama_batch_free(self._batch)
+        llama_cpp.llama_free(self.ctx)
+
+    # -- the batcher thread ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._pending and not self._running:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                self._admit()
+            try:
+                self._step()
+            except Exception as e:  # llama.cpp failed under every running sequence: each ends with the error
+                log.exception("a batched decoding step failed")
+                for seq in list(self._running):
+                    self._leave(seq, error=e)
+        closed = RuntimeError("engine is closed")
+        with self._cond:
+            pending, self._pending = list(self._pending), deque()
+        for seq in pending + list(self._running):
+            self._leave(seq, error=closed)
+
+    def _admit(self) -> None:
+        """Under the lock: waiting sequences cancelled meanwhile end now; the others take free sequence ids."""
+        kept: deque[BatchedSequence] = deque()
+        for seq in self._pending:
+            if seq.abandoned or seq.stop.is_set():
+                self._end(seq)
+            elif self._free_ids:
+                seq.seq_id = self._free_ids.pop()
+                self._running.append(seq)
+            else:
+                kept.append(seq)
+        self._pending = kept
+
+    def _add(self, i: int, token: int, pos: int, seq_id: int, logits: bool = False) -> None:
+        b = self._batch
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq_id
+        b.logits[i] = logits
+
+    def _step(self) -> None:
+        for seq in list(self._running):
+            if seq.abandoned:
+                self._leave(seq)
+            elif seq.stop.is_set():
+                # Stopped while answering: what its decoder holds still goes out (the one-sequence engine's
+                # order); stopped in its prefill: nothing was made.
+                self._leave(seq, None if seq.prefilling else seq.decoder.end())
+        sampled: list[tuple[int, BatchedSequence]] = []
+        n = 0
+        for seq in self._running:
+            if not seq.prefilling:
+                self._add(n, seq.decoder.last, seq.pos, seq.seq_id, True)
+                sampled.append((n, seq))
+                seq.pos += 1
+                n += 1
+        budget = PREFILL_STEP_TOKENS
+        prefilled: list[BatchedSequence] = []
+        for seq in self._running:
+            if budget <= 0:
+                break
+            if not seq.prefilling:
+                continue
+            if not seq.begun:
+                self._begin(seq)
+            take = min(budget, len(seq.tokens) - seq.pos, BLOCK_TOKENS - seq.pos % BLOCK_TOKENS)
+            for j in range(take):
+                pos = seq.pos + j
+                self._add(n, seq.tokens[pos], pos, seq.seq_id, pos == len(seq.tokens) - 1)
+                n += 1
+            seq.pos += take
+            budget -= take
+            prefilled.append(seq)
+            if not seq.prefilling:
+                sampled.append((n - 1, seq))
+        if n == 0:
+            return
+        self._batch.n_tokens = n
+        t0 = time.perf_counter()
+        ret = llama_cpp.llama_decode(self.ctx, self._batch)
+        if ret != 0:
+            raise EngineError(f"llama_decode failed ({ret}) on a batch of {n} tokens")
+        if self.on_step is not None:
+            self.on_step(len(self._running), PREFILL_STEP_TOKENS - budget, time.perf_counter() - t0)
+        for seq in prefilled:
+            on_progress = seq.generation.on_progress
+            total = len(seq.tokens)
+            if on_progress is not None and total > PROGRESS_MIN_TOKENS and seq.prefilling \
+                    and seq.pos % PROGRESS_CHUNK_TOKENS == 0:
+                on_progress(seq.pos, total)
+        for i, seq in sampled:
+            seq.sampler.idx = i
+            try:
+                pieces = seq.decoder.take(seq.sampler.sample())
+            except Exception as e:  # this sequence's grammar failed (or cost too much): it alone ends
+                self._leave(seq, error=e)
+                continue
+            if seq.decoder.ended:
+                self._leave(seq, pieces)
+            elif pieces:
+                seq.out.put(pieces)
+
+    def _begin(self, seq: BatchedSequence) -> None:
+        """The longest cached prefix of ``seq``'s prompt, in its scope, copied into its sequence."""
+        seq.begun = True
+        cache = self._cache
+        if cache is None:
+            return
+        limit = reusable(seq.tokens)
+        source: BatchedSequence | None = None
+        from_live = 0
+        for other in self._running:
+            if other is not seq and other.scope == seq.scope and other.seq_id >= 0:
+                n = shared_blocks(other.tokens[:other.prompt_blocks], seq.tokens, limit)
+                if n > from_live:
+                    source, from_live = other, n
+        entry, from_entry = cache.best(seq.tokens, limit, seq.scope)
+        reused = 0
+        if entry is not None and from_entry > from_live:
+            reused = from_entry if self._load(seq.seq_id, entry.state) else 0
+        elif source is not None:
+            state = self._state(source.seq_id)
+            reused = from_live if state is not None and self._load(seq.seq_id, state) else 0
+        if reused:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq.seq_id, reused, -1)
+        seq.pos = reused
+        seq.generation.cached_tokens = reused
+
+    def _state(self, seq_id: int) -> bytes | None:
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq_id)
+        return bytes(memoryview(buf)[:n]) if 0 < n <= size else None
+
+    def _load(self, seq_id: int, state: bytes) -> bool:
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(state), seq_id) == len(state):
+            return True
+        llama_cpp.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+        return False
+
+    def _leave(self, seq: BatchedSequence, pieces: list[Piece] | None = None,
+               error: BaseException | None = None) -> None:
+        """``seq`` leaves the batch: its prompt's whole blocks into the cache, its cells and id freed."""
+        if seq in self._running:
+            self._running.remove(seq)
+        sid = seq.seq_id
+        if sid >= 0:
+            keep = seq.prompt_blocks
+            cache = self._cache
+            prefix = seq.tokens[:keep]
+            if cache is not None and keep and cache.budget_bytes and not cache.holds(prefix, seq.scope):
+                llama_cpp.llama_memory_seq_rm(self._mem, sid, keep, -1)
+                state = self._state(sid)
+                if state is not None:
+                    cache.put(prefix, state, seq.scope)
+            llama_cpp.llama_memory_seq_rm(self._mem, sid, -1, -1)
+            seq.seq_id = -1
+            with self._cond:
+                self._free_ids.append(sid)
+        if pieces and not seq.abandoned:
+            seq.out.put(pieces)
+        self._end(seq, error)
+
+    def _end(self, seq: BatchedSequence, error: BaseException | None = None) -> None:
+        seq.sampler.close()
+        seq.out.put(error)

@@ -1,0 +1,191 @@
+"""Continuous batching (``--parallel N``, generator.engines.batch) on the real default model: free text, a
+json_schema answer and a forced tool call decoded in one batch, each valid;
+one cancelled mid-answer while the others run to their end; a prompt sharing a running one's prefix copies its
+KV; and a worker SIGKILLed in the middle of a batch, after which each generation continues exactly once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import redis
+from helpers import LLAMA_EXTRA, create, eventually, read_sse
+from servers import StackFactory
+
+pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
+
+from broker.redis.server import RedisServer
+from broker.request import GenerationRequest, RequestLimits, validate_create_body
+from generator.engines.base import Generation
+from generator.engines.llama import LlamaEngine
+from generator.engines.pieces import Piece, ToolCallStart
+
+pytestmark = pytest.mark.slow  # the real default model
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                         "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def request(content: str, **body: Any) -> GenerationRequest:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 48, "temperature": 0, **body}
+    return validate_create_body(body, RequestLimits(max_tokens=4096))[1]
+
+
+# Four kinds in one batch: free text (two, one seeded and sampled), a JSON answer, a forced tool call.
+MIXED = [
+    request("Write one sentence about rivers."),
+    request("Name three colours.", temperature=0.8, seed=7),
+    request("Describe Paris as JSON.", response_format={"type": "json_schema", "json_schema": {
+        "name": "city", "schema": CITY, "strict": True}}),
+    request("What is the weather in Oslo?", tools=[WEATHER], tool_choice="required"),
+    request("Tell me a short story about a lamp.", max_tokens=64),
+    request("Why is the sky blue?", temperature=0.9, top_p=0.9, seed=3),
+]
+
+
+def run(eng: LlamaEngine, req: GenerationRequest, stop: threading.Event | None = None,
+        seen: threading.Event | None = None) -> tuple[list[Piece], Generation]:
+    gen = eng.start(req, prefix_text="", max_tokens=req.max_tokens, stop=stop or threading.Event())
+    pieces: list[Piece] = []
+    for p in gen.pieces:
+        pieces.append(p)
+        if seen is not None:
+            seen.set()
+    return pieces, gen
+
+
+def text_of(pieces: list[Piece]) -> str:
+    return "".join(p for p in pieces if isinstance(p, str))
+
+
+@pytest.fixture(scope="module")
+def batched(default_gguf: Path) -> Iterator[LlamaEngine]:
+    eng = LlamaEngine(str(default_gguf), n_threads=2, n_ctx=1024, parallel=6)
+    yield eng
+    eng.close()
+
+
+def together(eng: LlamaEngine, reqs: list[GenerationRequest]) -> tuple[list[tuple[list[Piece], Generation]], int]:
+    """Every request at once; and the most sequences one step decoded (the batch really held them together)."""
+    widest = [0]
+
+    def step(sequences: int, prefilled: int, seconds: float) -> None:
+        widest[0] = max(widest[0], sequences)
+
+    eng.observe_steps(step)
+    out: list[Any] = [None] * len(reqs)
+    start = threading.Barrier(len(reqs))
+
+    def one(i: int) -> None:
+        start.wait()
+        out[i] = run(eng, reqs[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out, widest[0]
+
+
+def test_mixed_answers_in_one_batch_are_each_valid(batched: LlamaEngine) -> None:
+    got, widest = together(batched, MIXED)
+    assert widest == len(MIXED)  # all six were decoded in one batch at some step
+    # Not compared with each answer run alone: llama.cpp's kernels give a token's logits a rounding that
+    # depends on what else its batch held, so now and then a near tie goes the other way (how often:
+    # docs/benchmarks.md, "bench determinism"). Each answer must still be whole and valid.
+    for (pieces, gen), req in zip(got, MIXED, strict=True):
+        n = sum(1 for p in pieces if isinstance(p, str))
+        assert 0 < n <= req.max_tokens and gen.finish_reason in ("stop", "length", "tool_calls")
+        assert gen.prompt_tokens > 0
+    jsonschema.validate(json.loads(text_of(got[2][0])), CITY)
+    call = got[3][0]
+    starts = [i for i, p in enumerate(call) if isinstance(p, ToolCallStart)]
+    assert len(starts) == 1 and got[3][1].finish_reason == "tool_calls"
+    start = call[starts[0]]
+    assert isinstance(start, ToolCallStart) and start.name == "get_weather"
+    arguments = json.loads(text_of(call[starts[0] + 1:]))
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])  # type: ignore[index]
+
+
+def test_one_cancelled_mid_answer_leaves_at_once_and_the_others_run_to_their_end(default_gguf: Path) -> None:
+    eng = LlamaEngine(str(default_gguf), n_threads=2, n_ctx=1024, parallel=4, ignore_eos=True)
+    try:
+        reqs = [request(f"Count from {i} upwards.", max_tokens=60) for i in range(4)]
+        stop, seen = threading.Event(), threading.Event()
+        results: list[Any] = [None] * 4
+
+        def one(i: int) -> None:
+            results[i] = run(eng, reqs[i], stop if i == 0 else None, seen if i == 0 else None)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        assert seen.wait(120)  # the victim is answering, its batch-mates beside it
+        stop.set()
+        threads[0].join(30)
+        assert not threads[0].is_alive()
+        for t in threads[1:]:
+            t.join(300)
+        victim = sum(1 for p in results[0][0] if isinstance(p, str))
+        assert 0 < victim < 60
+        for pieces, gen in results[1:]:
+            assert sum(1 for p in pieces if isinstance(p, str)) == 60 and gen.finish_reason == "length"
+    finally:
+        eng.close()
+
+
+def test_a_prompt_sharing_a_running_ones_prefix_copies_its_kv(batched: LlamaEngine) -> None:
+    long = "Here is a list of words to remember: " + " ".join(f"word{i}" for i in range(150))
+    first = request(long + " Which is the first?", max_tokens=200)
+    stop, seen = threading.Event(), threading.Event()
+    t = threading.Thread(target=run, args=(batched, first, stop, seen))
+    t.start()
+    try:
+        assert seen.wait(120)  # its prompt is prefilled: it answers now, and holds the prefix
+        _, gen = run(batched, request(long + " Which is the last?"))
+        assert gen.cached_tokens >= 128 and gen.cached_tokens % 64 == 0
+        other = request("An unrelated question?")
+        assert run(batched, other)[1].cached_tokens == 0
+    finally:
+        stop.set()
+        t.join(60)
+
+
+def test_a_worker_sigkilled_mid_batch_continues_each_generation_exactly_once(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
+        default_gguf: Path) -> None:
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    victim = s.generator("--parallel", "4", "--lease-s", "1", model=default_gguf)
+    n, max_tokens = 4, 160
+    with s.client() as c:
+        sids = [create(c, messages=[{"role": "user", "content": f"Tell story number {i}."}],
+                       max_tokens=max_tokens, seed=i).json()["id"] for i in range(n)]
+
+        def all_answering() -> bool:
+            return all(int(redis_client.hget(f"rsb:{{p0}}:s:{sid}:meta", "seq") or 0) >= 5 for sid in sids)
+
+        eventually(all_answering, timeout_s=120)
+        victim.signal(signal.SIGKILL)
+        victim.wait(5)
+        s.generator("--parallel", "4", "--lease-s", "1", model=default_gguf)
+        for sid in sids:
+            read = read_sse(c, f"/v1/streams/{sid}/events")
+            types = [e.event for e in read.events]
+            assert types[0] == "queued" and types.count("started") == 1 and types[-1] == "done", types[:5]
+            ids = read.ids
+            assert len(ids) == len(set(ids))  # no event twice
+            assert redis_client.hget(f"rsb:{{p0}}:s:{sid}:meta", "attempts") == b"2"
+            usage = read.events[-1].data["usage"]
+            assert usage["completion_tokens"] == max_tokens
