@@ -246,6 +246,18 @@ def test_scripts_name_their_keys_and_arguments() -> None:
     assert not found, f"scripts reading KEYS or ARGV by number: {found}"
 
 
+def test_the_wheel_installs_rsbs_four_packages_and_not_bench() -> None:
+    """What ``pip install rsb`` puts on sys.path beside other packages: the four packages of the house (README:
+    "Installed names"), never the repository's bench/."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    top = {p.split(".")[0] for p in find_packages(str(ROOT), include=found["include"])}
+    assert top == set(PACKAGES)
+
+
 def test_the_public_client_is_exactly_rsb_all() -> None:
     import rsb
 

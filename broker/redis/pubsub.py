@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import hiredis
@@ -70,17 +70,26 @@ class _Shard:
         # Orders subscribe/unsubscribe commands with the checks that decide them (see unsubscribe).
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        # Side tasks (an unsubscribe, a reroute) held until they end: the loop keeps only weak references to
+        # tasks, so one nobody holds may be collected mid-run; stop() ends them with the shard.
+        self._side_tasks: set[asyncio.Task[None]] = set()
         self.reconnects = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"pubsub-{self.name or 'main'}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        here = asyncio.current_task()
+        tasks = [t for t in (self._task, *self._side_tasks) if t is not None and t is not here]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
 
     async def _close(self) -> None:
         ps, self._pubsub = self._pubsub, None
@@ -138,7 +147,7 @@ class _Shard:
         self.channels.discard(ch)
         ps = self._pubsub
         if ps is not None and self._connected.is_set():
-            asyncio.get_running_loop().create_task(self._unsubscribe(ps, ch))
+            self._spawn(self._unsubscribe(ps, ch))
 
     async def _unsubscribe(self, ps: PubSub, ch: bytes) -> None:
         # Under the lock: a subscribe of the same channel that comes meanwhile is either sent before this
@@ -274,7 +283,7 @@ class _Shard:
             elif ch in self.channels:
                 # Not ours: the server dropped the channel because its slot moved to another master.
                 self.owner.on_reset([ch])
-                asyncio.get_running_loop().create_task(self.owner.reroute(self))
+                self._spawn(self.owner.reroute(self))
 
 
 class Channels:

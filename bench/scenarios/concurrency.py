@@ -1,0 +1,258 @@
+"""concurrency: twenty chats at once on the default model and one generator: does continuous batching turn
+the CPU's headroom into throughput and quick first tokens?
+
+``--chats`` chats sent at once (each a system prompt and a different short question, a streamed OpenAI chat
+completion of at most ``--max-tokens`` greedy tokens, seed 0), from a load process of its own, after one
+untimed warm-up request. The same prompts go to each system, one system after another in one run:
+
+- rsb with one generator, once per ``--parallel-values`` entry: ``rsb up --generators 1 --parallel N``
+  (``default`` omits the flag: the default's own figure). ``1`` is today's one-generation-at-a-time worker: it
+  passes ``--parallel 1`` where ``rsb up`` has the flag and nothing where it has not (the same worker);
+- llama-cpp-python's own OpenAI server on the same model file, with the generator's threads
+  (``python -m llama_cpp.server --n_threads T --n_threads_batch T --interrupt_requests false``: it runs one
+  request at a time, the others wait; by default a new request would cut the running one off).
+
+Measured per system: aggregate tokens/s (completion tokens of all chats / wall time from the first request
+sent to the last stream's end), TTFT (each request sent to its first content chunk) p50 and p99 (of 20, the
+p99 is the slowest), per-stream tokens/s after the first token (completion tokens - 1 over first to last
+content chunk) p50 and min, and how many answers equal the first rsb system's (greedy: what batching changes).
+
+Goals (issue 31): the default's aggregate at least 1.7x ``--parallel 1``'s, its TTFT p99 at most a third of
+``--parallel 1``'s, and at least 20 tokens/s per stream (p50; the min is printed beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import time
+from typing import Any
+
+import httpx
+import orjson
+
+from bench import procs
+from bench.report import goal_row, print_goals, table
+from bench.stats import ratio, summarize
+from broker.redis.server import free_port
+
+SYSTEM = "You are a helpful assistant. Answer in a few clear sentences."
+QUESTIONS = (
+    "How does a rainbow form?",
+    "Why do leaves change color in autumn?",
+    "What makes bread rise?",
+    "How do bees make honey?",
+    "Why is the sky blue?",
+    "How does a compass work?",
+    "What causes the tides?",
+    "How do airplanes stay in the air?",
+    "Why do cats purr?",
+    "How is glass made?",
+    "What is a black hole?",
+    "How do vaccines work?",
+    "Why does ice float on water?",
+    "How does a refrigerator keep food cold?",
+    "What causes earthquakes?",
+    "How do plants make their food?",
+    "Why do we have seasons?",
+    "How does a battery store energy?",
+    "What makes a volcano erupt?",
+    "How do birds know where to migrate?",
+)
+SEED = 0
+WARMUP = "Say hello."
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chats", type=int, default=20, help="chats sent at once (default 20)")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each greedy answer (default 128)")
+    p.add_argument("--systems", default="rsb,peer",
+                   help="which to run, in order: rsb (once per --parallel-values entry), peer (default rsb,peer)")
+    p.add_argument("--parallel-values", default="1,default",
+                   help="rsb up --parallel values, in order; default omits the flag (default 1,default)")
+
+
+def question(i: int) -> str:
+    q = QUESTIONS[i % len(QUESTIONS)]
+    return q if i < len(QUESTIONS) else f"{q} (Question {i + 1}.)"
+
+
+# -- the load process ----------------------------------------------------------------------------------
+
+
+async def _chat(http: httpx.AsyncClient, model: str, text: str, max_tokens: int, t0: float) -> dict[str, Any]:
+    """One streamed chat completion; times are seconds from ``t0`` (the burst's start)."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "seed": SEED, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]}
+    sent = time.perf_counter() - t0
+    first: float | None = None
+    last = sent
+    pieces: list[str] = []
+    chunks = 0
+    usage_tokens: int | None = None
+    finish = None
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = orjson.loads(line[6:])
+            for choice in chunk.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    last = time.perf_counter() - t0
+                    if first is None:
+                        first = last
+                    pieces.append(piece)
+                    chunks += 1
+                finish = choice.get("finish_reason") or finish
+            if chunk.get("usage"):
+                usage_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+    end = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError(f"no content for {text!r}")
+    # A server that sends no usage chunk: one content chunk is one token (llama-cpp-python's server does so).
+    tokens = usage_tokens if usage_tokens is not None else chunks
+    return {"question": text, "sent_s": sent, "ttft_ms": (first - sent) * 1000, "first_s": first, "last_s": last,
+            "end_s": end, "tokens": tokens, "chunks": chunks, "usage": usage_tokens is not None,
+            "finish_reason": finish, "answer": "".join(pieces)}
+
+
+async def burst(ctl: Any, base: str, model: str, chats: int, max_tokens: int) -> dict[str, Any]:
+    """The load process: one warm-up chat, then ``chats`` at once."""
+    limits = httpx.Limits(max_connections=chats + 2, max_keepalive_connections=chats + 2)
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(900), limits=limits) as http:
+        await _chat(http, model, WARMUP, 8, time.perf_counter())
+        ctl.mark("start")
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_chat(http, model, question(i), max_tokens, t0) for i in range(chats)))
+    return {"wall_s": max(r["end_s"] for r in results), "chats": list(results)}
+
+
+# -- the systems -------------------------------------------------------------------------------------
+
+
+def _rsb_has_parallel() -> bool:
+    """Whether this checkout's ``rsb up`` has ``--parallel`` (continuous batching, issue 31)."""
+    out = subprocess.run(procs.python_module("rsb", "up", "--help"), capture_output=True, text=True,
+                         cwd=procs.ROOT, timeout=120).stdout
+    return "--parallel" in out
+
+
+def _served_model(base: str) -> str:
+    """The model the pod serves (its name is the model file's: issue 29's routing refuses any other)."""
+    r = httpx.get(f"{base}/v1/models", timeout=30)
+    r.raise_for_status()
+    return str(r.json()["data"][0]["id"])
+
+
+def _drive(base: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = procs.run_load("bench.scenarios.concurrency:burst", {
+        "base": base, "model": model, "chats": args.chats, "max_tokens": args.max_tokens}, timeout_s=1800)
+    return result
+
+
+def _rsb(args: argparse.Namespace, parallel: str, has_flag: bool) -> dict[str, Any]:
+    flag: tuple[str, ...] = ()
+    if parallel != "default" and (parallel != "1" or has_flag):
+        flag = ("--parallel", parallel)
+    port = free_port()
+    up = procs.Proc(procs.python_module("rsb", "up", "--generators", "1", "--port", str(port), "--log-level",
+                                        "info", *procs.UNLIMITED_LOAD, *flag), "rsb-up")
+    try:
+        procs.wait_http(f"http://127.0.0.1:{port}/healthz", up, 120)
+        up.wait_for_line("generator ready", 120)
+        out = _drive(f"http://127.0.0.1:{port}", _served_model(f"http://127.0.0.1:{port}"), args)
+    finally:
+        up.stop(30)
+    out["command"] = "rsb up --generators 1" + "".join(f" {f}" for f in flag)
+    return out
+
+
+def _peer(args: argparse.Namespace) -> dict[str, Any]:
+    from generator.engines.default_model import default_model_path
+    from generator.engines.llama import physical_cores
+
+    model = default_model_path()
+    assert model is not None, "the default model is not installed"
+    threads = str(physical_cores())  # what rsb's generator uses without --n-threads
+    port = free_port()
+    argv = ["--model", str(model), "--port", str(port), "--host", "127.0.0.1", "--n_threads", threads,
+            "--n_threads_batch", threads, "--n_ctx", "4096", "--interrupt_requests", "false", "--model_alias",
+            "peer"]
+    server = procs.Proc(procs.python_module("llama_cpp.server", *argv), "llama-cpp-server")
+    try:
+        procs.wait_http(f"http://127.0.0.1:{port}/v1/models", server, 120)
+        out = _drive(f"http://127.0.0.1:{port}", "peer", args)
+    finally:
+        server.stop(30)
+    out["command"] = "python -m llama_cpp.server " + " ".join(argv)
+    return out
+
+
+def summary(res: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
+    chats = res["chats"]
+    tokens = sum(c["tokens"] for c in chats)
+    per_stream = [(c["tokens"] - 1) / (c["last_s"] - c["first_s"]) for c in chats
+                  if c["tokens"] > 1 and c["last_s"] > c["first_s"]]
+    same = None
+    if reference is not None:
+        same = sum(a["answer"] == b["answer"] for a, b in zip(chats, reference["chats"], strict=True))
+    return {"completion_tokens": tokens, "wall_s": res["wall_s"], "aggregate_tps": tokens / res["wall_s"],
+            "ttft_ms": summarize([c["ttft_ms"] for c in chats]), "stream_tps": summarize(per_stream),
+            "stream_tps_min": min(per_stream, default=float("nan")),
+            "finish_reasons": {r: sum(c["finish_reason"] == r for c in chats)
+                               for r in sorted({str(c["finish_reason"]) for c in chats})},
+            "same_answer_as_first": same}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"params": {"chats": args.chats, "max_tokens": args.max_tokens, "system": SYSTEM,
+                                      "temperature": 0, "seed": SEED}}
+    systems = [s for s in args.systems.split(",") if s]
+    names: list[str] = []
+    has_flag = _rsb_has_parallel() if "rsb" in systems else False
+    out["rsb_has_parallel_flag"] = has_flag
+    for system in systems:
+        if system == "rsb":
+            for value in (v for v in args.parallel_values.split(",") if v):
+                name = f"rsb-p{value}" if value != "default" else "rsb-default"
+                out[name] = _rsb(args, value, has_flag)
+                names.append(name)
+        elif system == "peer":
+            out["peer"] = _peer(args)
+            names.append("peer")
+        else:
+            raise SystemExit(f"unknown system {system!r} (rsb, peer)")
+    first_rsb = next((n for n in names if n.startswith("rsb")), None)
+    rows = []
+    for name in names:
+        ref = out[first_rsb] if first_rsb and name != first_rsb else None
+        s = out[name]["summary"] = summary(out[name], ref)
+        rows.append([name, s["completion_tokens"], s["wall_s"], s["aggregate_tps"], s["ttft_ms"]["p50"],
+                     s["ttft_ms"]["p99"], s["stream_tps"]["p50"], s["stream_tps_min"],
+                     "-" if s["same_answer_as_first"] is None else f"{s['same_answer_as_first']}/{args.chats}"])
+    print(table(f"\n== {args.chats} chats at once, one generator, <= {args.max_tokens} greedy tokens each",
+                ["system", "tokens", "wall s", "aggregate tok/s", "TTFT p50 ms", "TTFT p99 ms", "stream tok/s p50",
+                 "stream tok/s min", f"same answer as {first_rsb}"], rows))
+    for name in names:
+        print(f"  {name}: {out[name]['command']}; finish reasons {out[name]['summary']['finish_reasons']}")
+    goals = []
+    if "rsb-default" in out:
+        mine = out["rsb-default"]["summary"]
+        if "rsb-p1" in out:
+            base = out["rsb-p1"]["summary"]
+            agg = out["aggregate_vs_p1"] = ratio(mine["aggregate_tps"], base["aggregate_tps"])
+            goals.append(goal_row("default / --parallel 1: aggregate tokens/s", agg, ">= 1.7", agg >= 1.7, "x"))
+            p99 = out["ttft_p99_vs_p1"] = ratio(mine["ttft_ms"]["p99"], base["ttft_ms"]["p99"])
+            goals.append(goal_row("default / --parallel 1: TTFT p99", p99, "<= 0.333", p99 <= 1 / 3, "x"))
+        p50 = mine["stream_tps"]["p50"]
+        goals.append(goal_row("default: per-stream tokens/s, p50", p50, ">= 20", p50 >= 20))
+        low = mine["stream_tps_min"]
+        goals.append(goal_row("default: per-stream tokens/s, min", low, ">= 20", low >= 20))
+    if goals:
+        print_goals("concurrency", goals)
+    return out
