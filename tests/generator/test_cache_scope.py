@@ -83,11 +83,14 @@ def test_a_global_scope_shares_the_cache_across_keys(
     assert got["bob_right"] > got["bob_wrong"], got
 
 
-def test_engine_scopes_keep_apart(demo_gguf: Path) -> None:
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_engine_scopes_keep_apart(demo_gguf: Path, parallel: int) -> None:
+    # Batched too: a sequence copies a prefix only from its own scope's running sequences and cache entries.
     from broker.request import GenerationRequest
     from generator.engines.llama import LlamaEngine
 
-    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True, prompt_cache_mib=64)
+    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True, prompt_cache_mib=64,
+                      parallel=parallel)
     try:
         req = GenerationRequest(messages=None, prompt="lamp river " * 150, model=None, max_tokens=4,
                                 temperature=0.0, top_p=1.0, seed=1, stop=(), cancel_on_disconnect=False)
@@ -97,9 +100,9 @@ def test_engine_scopes_keep_apart(demo_gguf: Path) -> None:
             return "".join(str(p) for p in gen.pieces), gen.cached_tokens
 
         first, c0 = run("alice")
-        theirs, c1 = run("bob")  # the live context holds alice's blocks: not bob's to reuse
+        theirs, c1 = run("bob")  # the cache holds alice's blocks: not bob's to reuse
         other, c2 = run("")  # nor everyone's
-        mine, c3 = run("alice")  # alice's, stashed in the LRU when bob's prompt replaced them
+        mine, c3 = run("alice")  # alice's own (live, or kept in the LRU when another prompt replaced them)
         assert (c0, c1, c2) == (0, 0, 0) and c3 > 0
         assert first == theirs == other == mine  # the same greedy answer, cached or not
     finally:
