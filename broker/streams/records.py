@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import enum
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker.events import TERMINAL_TYPES
+from broker.events import TERMINAL_TYPES, Event
 from broker.request import GenerationRequest
 from broker.streams.keys import QueueKeys, StreamKeys
 
@@ -106,6 +107,17 @@ class AppendResult:
     ok: bool
     cancel_reason: str
     seq: int | None = None  # the stored seq when the append was refused for a seq mismatch
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayPage:
+    """One read of a reader's range (``Store.replay``): the events after its point; or, when its point is no longer
+    in the stream (the reset rule: consumer.streaming.reader), ``reset`` and the newest event the stream still has
+    at or before it (``common``, None for none), after which the reader starts again."""
+
+    events: Sequence[Event]
+    reset: bool = False
+    common: str | None = None
 
 
 def empty_usage() -> dict[str, Any]:

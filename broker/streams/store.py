@@ -68,6 +68,7 @@ from broker.streams.records import (
     Claim,
     Created,
     Quota,
+    ReplayPage,
     StreamStatus,
     Unclaimable,
     empty_usage,
@@ -259,7 +260,18 @@ class Store:
             return (await self.gate.read(k, after_id, count, check=False))[0]
         return EventPage(await self._xrange(k.events, "-" if after_id is None else f"({after_id}", count))
 
-    async def read_after(self, stream_id: uuid.UUID, after_id: str, count: int) -> tuple[Sequence[Event], bool]:
+    async def replay(self, stream_id: uuid.UUID, after_id: str | None, count: int, *, check: bool) -> ReplayPage:
+        """What a reader reads of its range: up to ``count`` readable events after ``after_id`` (None: from the
+        start). ``check``: first make sure ``after_id`` is still in the stream (the reset rule), one round trip
+        unless it is gone (then a second finds the newest event at or before it)."""
+        if not check or after_id is None:
+            return ReplayPage(await self.read(stream_id, after_id, count=count))
+        events, found = await self._read_after(stream_id, after_id, count)
+        if found:
+            return ReplayPage(events)
+        return ReplayPage((), reset=True, common=await self._last_common_id(stream_id, after_id))
+
+    async def _read_after(self, stream_id: uuid.UUID, after_id: str, count: int) -> tuple[Sequence[Event], bool]:
         """Up to ``count`` readable events after ``after_id``, and whether ``after_id`` is in the stream (the
         reset rule: consumer.streaming.reader). One round trip: the range starts AT ``after_id`` (inclusive)
         and drops it when it is there; at ``replicated``, the gate's script reads up to the watermark."""
@@ -277,7 +289,7 @@ class Store:
             return await xrange_raw(self.redis, key, start, count)
         return await self._batch.execute("XRANGE", key, start, "+", "COUNT", count, keys=[key], **{RAW_ENTRIES: True})
 
-    async def last_common_id(self, stream_id: uuid.UUID, after_id: str) -> str | None:
+    async def _last_common_id(self, stream_id: uuid.UUID, after_id: str) -> str | None:
         """The newest event id of the stream that is not newer than ``after_id`` (None: no such event)."""
         entries: Any = await self.redis.xrevrange(self.keys(stream_id).events, max=after_id, min="-", count=1)
         return reply_text(entries[0][0]) if entries else None

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from broker.errors import StoreUnavailable
 from broker.events import RESET_FROM_START, Event, parse_event_id, reset_event
+from broker.streams.records import ReplayPage
 from broker.streams.store import Store
 from consumer.streaming.hub import LiveHub, Subscription
 
@@ -54,14 +55,48 @@ async def read_stream(
         await batches.aclose()  # type: ignore[attr-defined]
 
 
+class _Place:
+    """Where a reader is in its stream: the id of the last event it was sent (None: none yet) and that id as a
+    comparable key. The one place the reader parses an id: a live event at or before it was sent already (by the
+    replay of the range), and is skipped."""
+
+    __slots__ = ("id", "key")
+
+    def __init__(self, event_id: str | None) -> None:
+        self.id: str | None = None
+        self.key: tuple[int, int] | None = (0, 0)
+        self.move(event_id)
+
+    def move(self, event_id: str | None) -> None:
+        self.id = event_id
+        self.key = parse_event_id(event_id) if event_id else (0, 0)
+
+    def past(self, events: Sequence[Event]) -> list[Event]:
+        """The events after this place, up to a terminal one; the place moves to the last of them."""
+        fresh: list[Event] = []
+        for ev in events:
+            key = parse_event_id(ev.id)
+            if self.key is not None and key is not None and key <= self.key:
+                continue  # already replayed from the range
+            fresh.append(ev)
+            self.id, self.key = ev.id, key
+            if ev.is_terminal:
+                break
+        return fresh
+
+
 async def read_batches(
     store: Store, hub: LiveHub, stream_id: uuid.UUID, after_id: str | None, idle_s: float, *, watched: bool = True
 ) -> AsyncIterator[Sequence[Event] | None]:
     """``read_stream`` by the batch: a replay page, or all the live events that arrived together, so the
-    response can write them in one send (one syscall, one loop iteration) instead of one per event."""
+    response can write them in one send (one syscall, one loop iteration) instead of one per event.
+
+    One pass: the range after the reader's place is read from the stream (``Store.replay``: one read, which also
+    says when the place is gone), page by page; then the reader waits on its subscription and sends what is past
+    its place; a resync (or, on a cluster, a heartbeat) reads the range again."""
     keys = store.keys(stream_id)
     sub: Subscription | None = None
-    prefetch: asyncio.Future[Sequence[Event]] | None = None
+    prefetch: asyncio.Future[ReplayPage] | None = None
     try:
         # Inside the try: a reader that leaves at any await from here on (a page reload) unsubscribes, or the
         # pod would keep the channel and go on touching the stream as if it had a reader.
@@ -69,34 +104,24 @@ async def read_batches(
         if watched:
             with contextlib.suppress(StoreUnavailable):
                 await store.touch([stream_id])  # a reader is here now (cancel_on_disconnect counts from here)
-        last = None if after_id == RESET_FROM_START else after_id  # a client resuming after a reset to the start
-        last_key = parse_event_id(last) if last else (0, 0)
+        # A client resuming after a reset to the start resumes from the start.
+        place = _Place(None if after_id == RESET_FROM_START else after_id)
         need_range = True
         # Heartbeats are due idle_s after whatever was yielded last, event or heartbeat.
         next_beat = time.monotonic() + idle_s
         while True:
             if need_range:
-                # Replay (or catch up after a resync) from the stream itself, page by page.
-                check = last is not None
+                # Replay (or catch up after a resync) from the stream itself, page by page; the first read checks
+                # that the place is still in the stream (the reset rule, see the module doc).
+                check = place.id is not None
                 count = REPLAY_PAGE
                 while True:
                     try:
-                        if check and last is not None:
-                            page, found = await store.read_after(stream_id, last, count)
-                            if not found:  # the reset rule (see the module doc)
-                                common = await store.last_common_id(stream_id, last)
-                                reset = reset_event(common)
-                                yield [reset]
-                                next_beat = time.monotonic() + idle_s
-                                last, last_key = common, parse_event_id(reset.id)
-                                check = False
-                                continue
-                            check = False
-                        elif prefetch is not None:
+                        if prefetch is not None:
                             task, prefetch = prefetch, None
                             page = await task
                         else:
-                            page = await store.read(stream_id, last, count=count)
+                            page = await store.replay(stream_id, place.id, count, check=check)
                     except StoreUnavailable:
                         # Redis is away: keep the reader with heartbeats; the hub's reconnect resyncs us.
                         await sub.wait(min(RETRY_READ_S, max(0.0, next_beat - time.monotonic())))
@@ -105,21 +130,27 @@ async def read_batches(
                             next_beat = time.monotonic() + idle_s
                         sub.take()
                         continue
+                    check = False
+                    if page.reset:
+                        yield [reset_event(page.common)]
+                        next_beat = time.monotonic() + idle_s
+                        place.move(page.common)
+                        continue
+                    events = page.events
                     # Nothing is appended after a terminal event (FINISH closes the stream), so only a page's
                     # last event can be one.
-                    if page and page[-1].is_terminal:
-                        yield page
+                    if events and events[-1].is_terminal:
+                        yield events
                         return
-                    full = len(page) >= count
+                    full = len(events) >= count
                     if full:
                         # The next page is read while this one is sent: Redis's side of it overlaps ours.
                         count = min(2 * count, REPLAY_PAGE_MAX)
-                        prefetch = asyncio.ensure_future(store.read(stream_id, page[-1].id, count=count))
-                    if page:
-                        yield page
+                        prefetch = asyncio.ensure_future(store.replay(stream_id, events[-1].id, count, check=False))
+                    if events:
+                        yield events
                         next_beat = time.monotonic() + idle_s
-                        last = page[-1].id
-                        last_key = parse_event_id(last)
+                        place.move(events[-1].id)
                     if not full:
                         break
                 need_range = False
@@ -128,19 +159,11 @@ async def read_batches(
                 next_beat = time.monotonic() + idle_s
                 need_range = store.cluster  # see the module doc
                 continue
-            events, resync = sub.take()
+            live, resync = sub.take()
             if resync:
                 need_range = True
                 continue
-            fresh: list[Event] = []
-            for ev in events:
-                key = parse_event_id(ev.id)
-                if last_key is not None and key is not None and key <= last_key:
-                    continue  # already replayed from the range
-                fresh.append(ev)
-                last, last_key = ev.id, key
-                if ev.is_terminal:
-                    break
+            fresh = place.past(live)
             if fresh:
                 yield fresh
                 next_beat = time.monotonic() + idle_s
