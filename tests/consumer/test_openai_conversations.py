@@ -293,16 +293,19 @@ def test_tenants_see_only_their_own_conversations(stack_factory: StackFactory, r
 
 def test_the_upstream_gets_a_prompt_cache_key_stable_over_a_conversation(rsb: UpstreamStack) -> None:
     """OpenAI routes requests sharing a prompt_cache_key to the machine holding their prefix: a client's own key
-    is passed on; a conversation's turns (and a chat's, by its leading messages) share one of rsb's."""
+    is passed on as a digest within the tenant (two tenants naming one key share nothing through it: issue 31);
+    a conversation's turns (and a chat's, by its leading messages) share one of rsb's."""
     client = rsb.client()
     client.responses.create(model="m", input="hi", prompt_cache_key="my-key")
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], prompt_cache_key="other-key")
-    assert [b["prompt_cache_key"] for b in rsb.up.bodies()] == ["my-key", "other-key"]
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "bye"}], prompt_cache_key="my-key")
+    own = [b["prompt_cache_key"] for b in rsb.up.bodies()]
+    assert own[0] == own[2] != own[1] and all(k.startswith("rsb-") and "key" not in k for k in own)
     conv = client.conversations.create()
     for text_ in ("one", "two"):
         client.responses.create(model="m", conversation=conv.id, input=text_)
     other = client.conversations.create()
     client.responses.create(model="m", conversation=other.id, input="one")
-    keys = [b["prompt_cache_key"] for b in rsb.up.bodies()[2:]]
+    keys = [b["prompt_cache_key"] for b in rsb.up.bodies()[3:]]
     assert keys[0] == keys[1] != keys[2] and keys[0].startswith("rsb-")
     assert "one" not in keys[0] and conv.id not in keys[0]
