@@ -30,7 +30,8 @@ class EngineSettings(Settings):
         8, "in-process llama.cpp: generations decoded together in one batch, each step advancing all of them "
         "(llama.cpp server's -np; the worker runs this many at once, one slot per sequence, whatever "
         "--concurrency says). 8: on 2 CPU cores the batch reaches ~1.8x one sequence's tokens/s in all and "
-        "still ~22 tokens/s per stream (docs/benchmarks.md); the KV cache costs --parallel x --n-ctx tokens. 1: "
+        "still ~22 tokens/s per stream (llama-cpp-python on its main thread; rsb reaches less today: "
+        "docs/benchmarks.md); the KV cache costs --parallel x --n-ctx tokens. 1: "
         "one generation at a time, with the prompt cache's exactness guarantee (docs/protocol.md)")
     ignore_eos: bool = setting(False, "never stop at end-of-sequence (benchmarks, tests)")
     prompt_cache_mib: int = setting(
