@@ -27,12 +27,13 @@ class EngineSettings(Settings):
     n_threads: int | None = setting(None, "llama.cpp threads (default: physical cores)")
     n_ctx: int = setting(4096, "llama.cpp context size in tokens (per sequence: see --parallel)")
     parallel: int = setting(
-        8, "in-process llama.cpp: generations decoded together in one batch, each step advancing all of them "
+        4, "in-process llama.cpp: generations decoded together in one batch, each step advancing all of them "
         "(llama.cpp server's -np; the worker runs this many at once, one slot per sequence, whatever "
-        "--concurrency says). 8: on 2 CPU cores the batch reaches ~1.8x one sequence's tokens/s in all and "
-        "still ~22 tokens/s per stream (llama-cpp-python on its main thread; rsb reaches less today: "
-        "docs/benchmarks.md); the KV cache costs --parallel x --n-ctx tokens. 1: "
-        "one generation at a time, with the prompt cache's exactness guarantee (docs/protocol.md)")
+        "--concurrency says). 4: on 2 CPU cores each of 4 streams still gets ~20 tokens/s or more, while 8 or 16 "
+        "add little to the aggregate and halve or quarter each stream's speed (docs/benchmarks.md, bench "
+        "concurrency); more shortens the first-token wait of a burst of more than N chats. The KV cache costs "
+        "--parallel x --n-ctx tokens. 1: one generation at a time, with the prompt cache's exactness guarantee "
+        "(docs/protocol.md)")
     ignore_eos: bool = setting(False, "never stop at end-of-sequence (benchmarks, tests)")
     prompt_cache_mib: int = setting(
         256, "RAM for the in-process llama.cpp prompt cache, in MiB: the KV state of recent prompts, so a "

@@ -125,11 +125,6 @@ class Batcher:
         self._running: list[BatchedSequence] = []
         self._free_ids = list(range(sequences - 1, -1, -1))
         self._closed = False
-        # The first decode allocates compute buffers; pay that here rather than in the first request.
-        self._add(0, 0, 0, 0, True)
-        self._batch.n_tokens = 1
-        llama_cpp.llama_decode(ctx, self._batch)
-        llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
         # A daemon: idle, it waits on a condition, and must not keep a process from exiting. close() joins it.
         self._thread = threading.Thread(target=self._loop, name="rsb-batcher", daemon=True)
         self._thread.start()
@@ -161,6 +156,13 @@ class Batcher:
     # -- the batcher thread ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        # The first decode allocates compute buffers: paid here, before the first request's step, and on this
+        # thread, the only one that decodes in this context (an OpenMP llama.cpp decodes slower for every
+        # thread that has decoded and lives on: generator.engines.llama.on_a_thread_that_ends).
+        self._add(0, 0, 0, 0, True)
+        self._batch.n_tokens = 1
+        llama_cpp.llama_decode(self.ctx, self._batch)
+        llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
         while True:
             with self._cond:
                 while not self._closed and not self._pending and not self._running:

@@ -57,6 +57,31 @@ _IDLE_CTX = 256
 _MIB = 1 << 20
 
 
+def on_a_thread_that_ends(call: Callable[[], object]) -> None:
+    """Run ``call`` (a llama.cpp decode) on a thread of its own, and wait for it.
+
+    Why: llama.cpp built with OpenMP (the default build) decodes on libgomp's threads, and libgomp keeps a team
+    of them for every thread that has decoded, for as long as that thread lives. Once it manages more threads
+    than there are CPUs, its workers stop spinning between the graph's steps and sleep instead, and every decode
+    on any thread gets slower: on 2 cores, a decode from the main thread (the warm-up) made every later one on a
+    generation's thread 1.7x to 4x slower (docs/benchmarks.md). So this engine decodes only on threads that end
+    (a generation's, the warm-up's) or on the one that decodes everything (the batcher's), never on the caller's
+    (the event loop's)."""
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # re-raised in the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="rsb-llama-warm-up")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+
+
 def physical_cores() -> int:
     """Physical cores: llama.cpp gains nothing from hyperthreads and loses from oversubscription."""
     try:
@@ -142,8 +167,10 @@ class LlamaEngine(Engine):
         self._active_thread = 0
         self._closed = False
 
-        # The first decode allocates compute buffers; pay that here rather than in the first request.
-        llm.eval([self._bos if self._bos >= 0 else 0])
+        # The first decode allocates compute buffers; pay that here rather than in the first request (on a
+        # thread that ends: on_a_thread_that_ends says why).
+        warm_up = self._bos if self._bos >= 0 else 0
+        on_a_thread_that_ends(lambda: llm.eval([warm_up]))
         self._reset()
         self._batcher: Batcher | None = None
         if parallel > 1:

@@ -279,3 +279,35 @@ def test_penalties_and_logit_bias_change_what_is_sampled(engine: LlamaEngine) ->
     _, penalized = run(engine, dataclasses.replace(greedy, sampling=Sampling(presence_penalty=2.0,
                                                                              frequency_penalty=2.0)), 120)
     assert len(set(penalized)) > len(set(plain)), (len(set(penalized)), len(set(plain)))
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_the_engine_never_decodes_on_the_thread_that_made_it(demo_gguf: Path, parallel: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An OpenMP llama.cpp keeps a team of threads for every thread that has decoded, while it lives, and then
+    decodes slower on every other thread (generator.engines.llama.on_a_thread_that_ends): the generator makes its
+    engine on the main thread and generates on others, so neither the warm-ups nor a generation decode there."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as bindings
+
+    decoded_on: set[int] = set()
+    real = bindings.llama_decode
+
+    def recording(ctx: object, batch: object) -> int:
+        decoded_on.add(threading.get_ident())
+        return int(real(ctx, batch))
+
+    # Llama.eval calls the bindings' function, the batcher the package's re-export of it.
+    monkeypatch.setattr(bindings, "llama_decode", recording)
+    monkeypatch.setattr(llama_cpp, "llama_decode", recording)
+    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=512, ignore_eos=True, parallel=parallel)
+    try:
+        made: list[list[str]] = []
+        generating = threading.Thread(target=lambda: made.append(run(eng, request(), 4)[1]))
+        generating.start()
+        generating.join(timeout=60)
+        assert made and len(made[0]) == 4
+        assert decoded_on, "the recording saw no decode: it no longer sees the engine's calls"
+        assert threading.get_ident() not in decoded_on
+    finally:
+        eng.close()
