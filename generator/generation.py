@@ -30,8 +30,8 @@ from broker.streams.store import Store, started_event
 from generator.answer import AnswerEvents, AnswerSoFar
 from generator.engines import Engine, Generation, error_code
 from generator.engines.pieces import PartialAnswer
-from generator.handoff import StopSignal, TokenHandoff, produce
-from generator.lease import Run, keep_lease
+from generator.handoff import TokenHandoff, produce
+from generator.lease import Ending, Run, keep_lease
 from generator.metrics import GeneratorMetrics
 from generator.retry import until_done
 from generator.settings import GeneratorSettings
@@ -139,8 +139,7 @@ class JobRunner:
         """Run the claimed job in ``seat`` (its worker slot: given back while a write stalls, when the worker parks:
         see generator.slots)."""
         seat = seat or Seat(Slots(1, 0))
-        run = Run(claim)
-        run.watch = StallWatch(seat, self.park_after_s)
+        run = Run(claim, watch=StallWatch(seat, self.park_after_s))
         log.info("claimed", extra={"stream_id": str(claim.stream_id), "attempt": claim.attempts})
         self.metrics.claimed(claim.model, claim.tier, claim.attempts, claim.waited_s)
         if self.engine.caches_prompts:
@@ -191,26 +190,27 @@ class JobRunner:
             while await self._segment(run, progress):
                 # Parked, and the write it waited for has landed: go on, unless the stream ended meanwhile.
                 if _past(progress, s.max_generation_s):
-                    run.deadline_hit = True
-                if run.stopping or run.deadline_hit:
+                    run.hit_deadline()
+                if run.stopping:
                     break
                 await seat.resume()
                 if run.stopping:  # handed over (a shutdown) while it waited for a slot
                     break
                 log.info("resuming after a parked write", extra={"stream_id": str(run.claim.stream_id),
                                                                    "seq": progress.seq})
-                run.stop = StopSignal()  # the parked segment's was set to stop its engine
+                run.resume()
         finally:
-            run.generation_over = True  # the renewer's own stop flag: cancellation alone can be swallowed
+            run.end_generation()
             renewer.cancel()
             await asyncio.wait({renewer}, timeout=RENEWER_STOP_S)
         claim = run.claim
-        if run.fenced_out or run.handing_over:
+        ending = run.ending
+        if ending in (Ending.FENCED_OUT, Ending.HANDED_OVER):
             await self._report_wasted(run, progress.tokens - progress.seq)
-        if run.fenced_out:
+        if ending is Ending.FENCED_OUT:
             log.warning("lost the lease; another worker owns the stream", extra={"stream_id": str(claim.stream_id)})
             return
-        if run.handing_over:
+        if ending is Ending.HANDED_OVER:
             await self._hand_over(run)
             return
         wasted = progress.wasted()
@@ -218,11 +218,11 @@ class JobRunner:
         usage = progress.usage()
         deadline = s.max_generation_s
         error = progress.error
-        if run.failure is not None:
+        if ending is Ending.FAILED and run.failure is not None:  # (FAILED comes with its failure)
             await self._finish_error(run, INTERNAL, _describe(run.failure), usage, compute_s, wasted)
-        elif run.cancel_reason and not progress.stopped:
+        elif ending is Ending.CANCELLED and not progress.stopped:  # an answer complete before it: done
             await self._finish_cancelled(run, run.cancel_reason, usage, compute_s, wasted)
-        elif run.deadline_hit:
+        elif ending is Ending.DEADLINE:
             await self._finish_error(run, "deadline", f"generation exceeded {deadline:g} s", usage, compute_s, wasted)
         elif progress.undeclared is not None:
             await self._finish_error(run, "undeclared_tool", f"the model called {progress.undeclared[:64]!r}, a tool "
@@ -289,7 +289,7 @@ class JobRunner:
                     timeout = max(0.0, progress.t_start + deadline - time.monotonic())
                 batch = await handoff.get(timeout_s=timeout if timeout is not None else 1.0)
                 now = time.monotonic()
-                if batch.progress is not None and not batch.pieces and not run.fenced_out:
+                if batch.progress is not None and not batch.pieces and run.ending is not Ending.FENCED_OUT:
                     processed, total = batch.progress
                     note = [(EventType.PROGRESS, encode_data({"processed": processed, "prompt_tokens": total}))]
                     with watch:
@@ -308,18 +308,15 @@ class JobRunner:
                     progress.error = batch.error
                     if batch.error is None and not run.stop.is_set():
                         events += answer.flush()
-                if events and not run.fenced_out:
+                if events and run.ending is not Ending.FENCED_OUT:
                     with watch:
                         if not await self._append(run, seq, tokens, events):
                             break
                     seq = tokens
                     if parked:
                         break
-                if run.cancel_reason or run.fenced_out:
-                    run.stop.set()
                 if deadline > 0 and now - progress.t_start >= deadline and not batch.closed:
-                    run.deadline_hit = True
-                    run.stop.set()
+                    run.hit_deadline()
                 if batch.closed:
                     break
         finally:
@@ -344,7 +341,7 @@ class JobRunner:
     async def _hand_over(self, run: Run) -> None:
         released = await until_done(lambda: self.store.release(run.claim), "release failed")
         log.info("handed the job over", extra={"stream_id": str(run.claim.stream_id), "released": released})
-        run.fenced_out = True  # not ours any more: the next owner ends it
+        run.fence_out()  # not ours any more: the next owner ends it
 
     async def _append(self, run: Run, seq_before: int, seq_after: int,
                       events: Sequence[tuple[str, bytes]]) -> bool:
@@ -359,7 +356,7 @@ class JobRunner:
             # heartbeats), and goes on where it stopped once Redis takes writes again.
             res = await until_done(op, "append failed")
         if res.ok:
-            run.cancel_reason = run.cancel_reason or res.cancel_reason
+            run.cancel(res.cancel_reason)
             return True
         if res.seq is not None and res.seq == seq_after:
             return True  # an earlier try landed; its reply was lost
@@ -369,11 +366,9 @@ class JobRunner:
             # whoever claims it (this worker too) continues from what the stream has.
             log.warning("the stream lost its last appends (a Redis failover): handing the job over",
                         extra={"stream_id": str(run.claim.stream_id), "seq": res.seq, "expected": seq_before})
-            run.handing_over = True
-            run.stop.set()
+            run.hand_over()
             return False
-        run.cancel_reason = run.cancel_reason or res.cancel_reason
-        run.fenced_out = True
+        run.fence_out()
         return False
 
     # -- terminal events -----------------------------------------------------------------------
@@ -385,7 +380,7 @@ class JobRunner:
                 run.claim, etype, data, status=status, usage=usage, model=self.engine.name, reason=reason,
                 compute_s=compute_s, wasted_tokens=wasted), "finish failed")
         if eid is None:
-            run.fenced_out = True
+            run.fence_out()
         else:
             self.metrics.finished(status, usage, max(0, int(usage.get("completion_tokens") or 0) - run.claim.seq))
             await self._fold(run)

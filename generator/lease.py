@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import uuid
 from collections.abc import Callable
@@ -31,43 +32,79 @@ from generator.slots import StallWatch
 log = logging.getLogger("rsb.generator")
 
 
+class Ending(enum.IntEnum):
+    """Why a run makes no more tokens. A run reaches one, and a later one replaces it only if it ranks higher,
+    in this order: fenced out beats everything (the stream is another worker's now), a hand-over what would end
+    the stream (its next owner ends it), a bug a cancel, and a cancel the deadline."""
+
+    DEADLINE = 1  # --max-generation-s passed: the stream ends with error `deadline`
+    CANCELLED = 2  # the stream was cancelled (its client, abandoned, a disconnect): it ends `cancelled`
+    FAILED = 3  # a bug met while keeping the lease: it ends with error `internal`
+    HANDED_OVER = 4  # a shutdown past its grace, or the stream lost appends in a failover: released to the queue
+    FENCED_OUT = 5  # another worker owns the stream: this one writes nothing more to it
+
+
 @dataclass(slots=True)
 class Run:
-    """What the worker knows about one job in flight. ``stop`` tells the inference thread to stop."""
+    """One job in flight, as a state machine: it generates (in segments: a parked one resumes with a new
+    ``stop``) until it reaches an ``Ending`` or its answer ends by itself; then its generation is over (the
+    renewer's signal to stop) and the worker writes what the ending says (generator.generation). Its state
+    changes only through the methods below; each that ends the run sets ``stop``, which the inference thread
+    reads."""
 
     claim: Claim
-    stop: StopSignal = field(default_factory=StopSignal)
-    cancel_reason: str = ""
-    fenced_out: bool = False
-    deadline_hit: bool = False
-    handing_over: bool = False
-    generation_over: bool = False
-    #: A bug met while keeping the lease (a failing script, WRONGTYPE): the generation stops and its stream
-    #: ends with ``error`` (generator.generation), never a lease renewed by retrying the bug in silence.
-    failure: BaseException | None = None
     #: Parks the run while one of its writes stalls (generator.slots); by default it never does.
     watch: StallWatch = field(default_factory=StallWatch.never)
+    stop: StopSignal = field(default_factory=StopSignal)
+    ending: Ending | None = None
+    #: The stream's cancel reason, with CANCELLED (client, abandoned, disconnect).
+    cancel_reason: str = ""
+    #: The bug, with FAILED (a failing script, WRONGTYPE): the stream ends with ``error``, never a lease
+    #: renewed by retrying the bug in silence.
+    failure: BaseException | None = None
+    #: The generation has ended, in whatever way: the lease renewer stops (cancelling it alone can be swallowed).
+    generation_over: bool = False
 
     @property
     def stopping(self) -> bool:
         """Whatever the generation does next, it makes no more tokens."""
-        return bool(self.cancel_reason or self.fenced_out or self.handing_over or self.failure is not None)
+        return self.ending is not None
+
+    def _reach(self, ending: Ending) -> None:
+        if self.ending is None or ending > self.ending:
+            self.ending = ending
+        self.stop.set()
 
     def cancel(self, reason: str) -> None:
-        if reason and not self.cancel_reason:
-            self.cancel_reason = reason
-            self.stop.set()
+        """The stream was cancelled (what RENEW or APPEND replied; empty: it was not)."""
+        if reason:
+            self.cancel_reason = self.cancel_reason or reason
+            self._reach(Ending.CANCELLED)
 
-    def fence_out(self) -> None:
-        self.fenced_out = True
-        self.stop.set()
+    def hit_deadline(self) -> None:
+        self._reach(Ending.DEADLINE)
 
     def fail(self, error: BaseException) -> None:
         if self.failure is None:
             self.failure = error
             log.error("keeping the lease failed: %s", type(error).__name__, exc_info=error,
                       extra={"stream_id": str(self.claim.stream_id)})
-        self.stop.set()
+        self._reach(Ending.FAILED)
+
+    def hand_over(self) -> None:
+        self._reach(Ending.HANDED_OVER)
+
+    def fence_out(self) -> None:
+        self._reach(Ending.FENCED_OUT)
+
+    def resume(self) -> None:
+        """A parked run goes on in a new segment: a new ``stop`` (the parked segment's was set to stop its
+        engine)."""
+        assert self.ending is None, "an ended run does not resume"
+        self.stop = StopSignal()
+
+    def end_generation(self) -> None:
+        self.generation_over = True
 
 
 async def keep_lease(run: Run, store: Store, lease_s: float, disconnect_grace_s: float) -> None:

@@ -82,8 +82,7 @@ class Worker:
         worker continues it from the text already appended (a worker past its shutdown grace)."""
         self._stopping.set()
         for run in self.runner.running.values():
-            run.handing_over = True
-            run.stop.set()
+            run.hand_over()
 
     async def announce_now(self) -> None:
         """Tell the consumers which model (and aliases) this worker serves, once; raises what Redis raises."""
