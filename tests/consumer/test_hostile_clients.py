@@ -98,9 +98,12 @@ def test_half_open_connections_are_closed_after_the_header_timeout_and_others_ar
         lag = asyncio.create_task(probe(stop_probe))
         conns = []
         for _ in range(3000):
+            # Taken before the connect: the pod's timers start at its accept, never earlier, while this loop
+            # may resume from the connect well after it (0.7 s late once, on a busy machine).
+            opened = time.monotonic()
             reader, writer = await _connect(HOSTILE, port)
             writer.write(b"GET /v1/stre")  # half a request line, and nothing more, ever
-            conns.append((reader, writer, time.monotonic()))
+            conns.append((reader, writer, opened))
         watchers = [asyncio.create_task(_closed_after(r, t)) for r, _, t in conns]
         # An idle keep-alive connection (a whole request, then silence).
         r, w = await _connect(THIRD, port)
