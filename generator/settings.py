@@ -30,7 +30,7 @@ class EngineSettings(Settings):
         4, "in-process llama.cpp: generations decoded together in one batch, each step advancing all of them "
         "(llama.cpp server's -np; the worker runs this many at once, one slot per sequence, whatever "
         "--concurrency says). 4: on 2 CPU cores each of 4 streams still gets ~20 tokens/s or more, while 8 or 16 "
-        "add little to the aggregate and halve or quarter each stream's speed (docs/benchmarks.md, bench "
+        "add ~10% each to the aggregate and cost each stream ~40% of its speed (docs/benchmarks.md, bench "
         "concurrency); more shortens the first-token wait of a burst of more than N chats. The KV cache costs "
         "--parallel x --n-ctx tokens. 1: one generation at a time, with the prompt cache's exactness guarantee "
         "(docs/protocol.md)")
