@@ -507,7 +507,8 @@ def test_what_rsb_honours_or_echoes_is_accepted_and_shown_back(shared_stack: Sha
     follow = client.responses.create(model="m", max_output_tokens=2, background=True, input=[
         {"role": "user", "content": "hi"}, {"type": "item_reference", "id": item.id},
         {"role": "user", "content": "and?"}])
-    assert follow.status in ("queued", "in_progress", "completed")
+    # Two tokens may all be made before the create answers (a busy machine): then it is already "incomplete".
+    assert follow.status in ("queued", "in_progress", "completed", "incomplete")
 
 
 def test_a_prompt_past_the_context_is_a_400_for_a_completion(shared_stack: SharedStack) -> None:
