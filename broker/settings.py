@@ -176,6 +176,8 @@ class Settings:
             if opt.default not in (None, "", False, ()) and not opt.spec.secret:
                 help_text += f" (default: {opt.render(opt.default)})"
             help_text += f" [env {opt.env}]"
+            # argparse %-formats help (for its own "%(default)s"); a setting's help is plain text, "~10%" too.
+            help_text = help_text.replace("%", "%%")
             if opt.kind is bool:
                 group.add_argument(f"--{opt.flag}", dest=opt.dest, action=argparse.BooleanOptionalAction,
                                    default=default, help=help_text)

@@ -10,6 +10,7 @@ import json
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
@@ -21,7 +22,7 @@ from helpers import SSE, SSERead, create, eventually, read_sse, wait_status
 from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
-from broker.streams.keys import usage_log_key
+from broker.streams.keys import StreamKeys, usage_log_key
 
 pytestmark = pytest.mark.slow
 
@@ -113,15 +114,22 @@ def test_sigterm_past_the_grace_period_hands_the_job_over_at_once(stack_factory:
     with s.client() as c:
         sid = create(c, max_tokens=MAX_TOKENS).json()["id"]
 
+    term_at: list[float] = []
+    ready_at: list[float] = []
+
     def term() -> None:
+        term_at.append(time.time())
         leaving.signal(signal.SIGTERM)
         assert leaving.wait(10) == 0
         # A 30 s lease would delay a crash takeover; a handed-over job is taken at once.
         s.generator("--lease-s", "30", model=slow_model)
+        ready_at.append(time.time())
 
-    t0 = time.monotonic()
     stayed, resumed, after = _three_readers(s, sid, term)
-    assert time.monotonic() - t0 < 20
+    # Claimed by the new worker as soon as it polled (the last claim's time, Unix s, Redis's clock), not once the
+    # leaving worker's lease lapsed: well under 30 s however slow this machine was to start that worker.
+    claimed_at = float(redis_client.hget(StreamKeys.of(uuid.UUID(sid), 1).meta, "claimed_at") or 0)
+    assert term_at[0] < claimed_at < ready_at[0] + 10, (claimed_at - term_at[0], claimed_at - ready_at[0])
     _assert_seamless(after, MAX_TOKENS)
     assert [_key(e) for e in stayed.events] == [_key(e) for e in after.events] == [_key(e) for e in resumed.events]
     assert "handed the job over" in leaving.output()
@@ -179,9 +187,6 @@ def test_a_lease_renewal_that_fails_for_a_bug_ends_the_stream_with_an_error(
     """RENEW fails on a stream whose meta holds a value it cannot read (a failing script, not Redis away): the
     renewer does not go on renewing nothing in silence; the generation stops, and its stream ends with ``error``
     (code ``internal``) that readers see, and the generator logs why."""
-    import uuid
-
-    from broker.streams.keys import StreamKeys
 
     s = stack_factory(redis_server.url)
     s.consumer()
