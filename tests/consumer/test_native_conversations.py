@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 import redis
-from helpers import read_sse, wait_status
+from helpers import eventually, read_sse, wait_status
 from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
@@ -195,6 +195,8 @@ def test_a_turn_its_worker_did_not_fold_is_folded_by_the_next_read(
         k = ConversationKeys.of("", conv, 1)
         s.generator()
         wait_status(c, second, TERMINAL)
+        # The worker folds just after the finish: undone only once it has (else the pop takes the first turn).
+        eventually(lambda: redis_client.llen(k.turns) == 2, 10, "the worker folding the turn")
         redis_client.hset(k.meta, "pending", second)  # undo the worker's fold: remove its record, re-pend it
         redis_client.rpop(k.turns)
         redis_client.hincrby(k.meta, "turns", -1)
