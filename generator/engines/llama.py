@@ -22,6 +22,7 @@ import os
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -67,19 +68,9 @@ def on_a_thread_that_ends(call: Callable[[], object]) -> None:
     generation's thread 1.7x to 4x slower (docs/benchmarks.md). So this engine decodes only on threads that end
     (a generation's, the warm-up's) or on the one that decodes everything (the batcher's), never on the caller's
     (the event loop's)."""
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            call()
-        except BaseException as e:  # re-raised in the caller's thread
-            error.append(e)
-
-    thread = threading.Thread(target=run, name="rsb-llama-warm-up")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
+    # A one-thread pool: its thread ends at the shutdown that leaving the block waits for; result() re-raises.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rsb-llama-warm-up") as pool:
+        pool.submit(call).result()
 
 
 def physical_cores() -> int:
