@@ -106,8 +106,9 @@ def parse_sse_block(block: bytes) -> SSE | tuple[str, bytes]:
 
 def read_sse(client: httpx.Client, url: str, *, headers: dict[str, str] | None = None,
              params: dict[str, str] | None = None, stop_after: int | None = None,
-             timeout_s: float = 60.0) -> SSERead:
-    """Read an SSE response to its end (or ``stop_after`` events), checking the framing of every byte."""
+             timeout_s: float = 60.0, on_event: Callable[[SSE], None] | None = None) -> SSERead:
+    """Read an SSE response to its end (or ``stop_after`` events), checking the framing of every byte;
+    ``on_event`` is told of each event as it arrives."""
     events: list[SSE] = []
     comments: list[tuple[float, bytes]] = []
     retry: list[int] = []
@@ -119,6 +120,8 @@ def read_sse(client: httpx.Client, url: str, *, headers: dict[str, str] | None =
         for parsed in sse_blocks(r):
             if isinstance(parsed, SSE):
                 events.append(parsed)
+                if on_event is not None:
+                    on_event(parsed)
             elif parsed[0] == "comment":
                 comments.append((time.monotonic(), parsed[1]))
             else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import threading
 import time
 import uuid
 from typing import Any
@@ -315,14 +316,20 @@ def test_consumer_shuts_down_promptly_with_readers_connected(stack_factory: Stac
     with s.client() as c:
         sid = create(c).json()["id"]
     results: list[SSERead] = []
+    # Tailing, not only connected: the readers' gauge counts a reader from its request on, before its replay has
+    # sent "queued" (under load, a SIGTERM then met a reader still in replay).
+    tailing = threading.Semaphore(0)
 
     def reader() -> None:
         with httpx.Client(base_url=url) as cl:
-            results.append(read_sse(cl, f"/v1/streams/{sid}/events", timeout_s=30))
+            results.append(read_sse(cl, f"/v1/streams/{sid}/events", timeout_s=30,
+                                    on_event=lambda _: tailing.release()))
 
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         futures = [pool.submit(reader) for _ in range(5)]
-        eventually(lambda: _metric(url, "rsb_connected_readers") >= 5, 10, "5 connected readers")
+        for _ in futures:
+            assert tailing.acquire(timeout=30), "5 readers tailing"
+        assert _metric(url, "rsb_connected_readers") == 5
         t0 = time.monotonic()
         proc.signal(sig.SIGTERM)
         assert proc.wait(10) == 0
