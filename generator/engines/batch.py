@@ -17,7 +17,10 @@ hold; the KV cache costs N times a one-sequence context.
 The prompt cache (generator.engines.prompt_cache) works here as with one sequence, within the same scope: a
 new prompt starts from the longest prefix of whole prefilled blocks that a running sequence, or an entry of the
 LRU, holds, copied into its own sequence (``llama_state_seq_*``: a few ms for a thousand tokens) instead of
-prefilled again; a sequence that leaves copies its prompt's whole blocks into the LRU.
+prefilled again; a sequence that leaves copies its prompt's whole blocks into the LRU. After a chat's answer
+the batch prepares the chat's next turn (``prepare``: the whole blocks of its history, the answer and the next
+user message's opening, prefilled into the LRU) while no generation runs or waits, so that turn evaluates
+only its new message; a generation that comes meanwhile pauses the preparation, or takes its place.
 
 What is not exact. llama.cpp computes a token's logits the same way whatever else is in its batch only as far
 as its kernels are batch-invariant; how often a seeded answer run inside a batch equals the same request run
@@ -44,7 +47,7 @@ import llama_cpp
 from generator.engines.base import EngineError, Generation, StepObserver
 from generator.engines.decoding import SequenceDecoder
 from generator.engines.pieces import Piece
-from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, reusable, shared_blocks
+from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, reusable, shared_blocks, whole_blocks
 from generator.engines.sampler import Sampler
 
 log = logging.getLogger("rsb.generator")
@@ -59,6 +62,31 @@ PROGRESS_CHUNK_TOKENS = 4 * BLOCK_TOKENS
 
 # What the batcher puts on a sequence's queue: pieces, then None at the end, or the error it ended with.
 Outcome = list[Piece] | BaseException | None
+
+
+def prompt_blocks(pos: int, tokens: list[int]) -> int:
+    """Leading prompt tokens whose KV is prefilled, in whole blocks (what a prefix may be copied from)."""
+    done = min(pos, len(tokens))
+    return done - done % BLOCK_TOKENS
+
+
+@dataclass(eq=False, slots=True)
+class Preparation:
+    """A chat's next turn being prefilled into the cache: whole blocks only, never sampled."""
+
+    tokens: list[int]
+    scope: str
+    seq_id: int = -1
+    pos: int = 0
+    begun: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.tokens)
+
+    @property
+    def prompt_blocks(self) -> int:
+        return prompt_blocks(self.pos, self.tokens)
 
 
 @dataclass(eq=False, slots=True)
@@ -84,9 +112,7 @@ class BatchedSequence:
 
     @property
     def prompt_blocks(self) -> int:
-        """Leading prompt tokens whose KV is prefilled, in whole blocks (what a prefix may be copied from)."""
-        done = min(self.pos, len(self.tokens))
-        return done - done % BLOCK_TOKENS
+        return prompt_blocks(self.pos, self.tokens)
 
     def pieces(self) -> list[Piece] | None:
         """The next pieces, blocking; None at the end. Raises the error the sequence ended with."""
@@ -123,6 +149,10 @@ class Batcher:
         self._cond = threading.Condition()
         self._pending: deque[BatchedSequence] = deque()
         self._running: list[BatchedSequence] = []
+        # Next turns to prepare, the latest kept (a hint each: one that falls out costs only its next turn's
+        # prefill), and those holding a sequence id.
+        self._to_prepare: deque[Preparation] = deque(maxlen=sequences)
+        self._preparing: list[Preparation] = []
         self._free_ids = list(range(sequences - 1, -1, -1))
         self._closed = False
         # A daemon: idle, it waits on a condition, and must not keep a process from exiting. close() joins it.
@@ -142,6 +172,17 @@ class Batcher:
                 raise RuntimeError("engine is closed")
             self._pending.append(seq)
             self._cond.notify()
+
+    def prepare(self, tokens: list[int], scope: str) -> None:
+        """Prefill the whole blocks of ``tokens`` (a chat's next turn's opening) into the cache, in ``scope``,
+        when the batch is idle."""
+        tokens = tokens[:whole_blocks(tokens)]
+        if self._cache is None or not self._cache.budget_bytes or not tokens or len(tokens) > self.n_ctx:
+            return
+        with self._cond:
+            if not self._closed:
+                self._to_prepare.append(Preparation(tokens, scope))
+                self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
@@ -165,25 +206,37 @@ class Batcher:
         llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
         while True:
             with self._cond:
-                while not self._closed and not self._pending and not self._running:
+                while not (self._closed or self._pending or self._running or self._to_prepare or self._preparing):
                     self._cond.wait()
                 if self._closed:
                     break
                 self._admit()
+                waiting = bool(self._pending)
+            if waiting and self._preparing:
+                # A generation waits for a sequence id: the preparations give theirs up (what they prefilled so
+                # far goes to the cache), and the next round admits it.
+                for prep in list(self._preparing):
+                    self._release(prep)
+                continue
             try:
                 self._step()
             except Exception as e:  # llama.cpp failed under every running sequence: each ends with the error
                 log.exception("a batched decoding step failed")
                 for seq in list(self._running):
                     self._leave(seq, error=e)
+                for prep in list(self._preparing):
+                    self._release(prep, keep=False)
         closed = RuntimeError("engine is closed")
         with self._cond:
             pending, self._pending = list(self._pending), deque()
         for seq in pending + list(self._running):
             self._leave(seq, error=closed)
+        for prep in list(self._preparing):
+            self._release(prep, keep=False)
 
     def _admit(self) -> None:
-        """Under the lock: waiting sequences cancelled meanwhile end now; the others take free sequence ids."""
+        """Under the lock: waiting sequences cancelled meanwhile end now; the others take free sequence ids, and
+        with none running or waiting, the next turns to prepare."""
         kept: deque[BatchedSequence] = deque()
         for seq in self._pending:
             if seq.abandoned or seq.stop.is_set():
@@ -194,6 +247,10 @@ class Batcher:
             else:
                 kept.append(seq)
         self._pending = kept
+        while self._to_prepare and self._free_ids and not self._running and not self._pending:
+            prep = self._to_prepare.popleft()
+            prep.seq_id = self._free_ids.pop()
+            self._preparing.append(prep)
 
     def _add(self, i: int, token: int, pos: int, seq_id: int, logits: bool = False) -> None:
         b = self._batch
@@ -238,14 +295,37 @@ class Batcher:
             prefilled.append(seq)
             if not seq.prefilling:
                 sampled.append((n - 1, seq))
+        # A preparation only while no generation runs: its blocks would slow every answer's step.
+        prepared: list[Preparation] = []
+        for prep in self._preparing if not self._running else ():
+            if budget <= 0:
+                break
+            if not prep.begun:
+                prep.begun = True
+                prep.pos = self._copy_prefix(prep.seq_id, prep.tokens, len(prep.tokens), prep.scope)
+                if not prep.prefilling:
+                    prepared.append(prep)  # all of it was cached already
+                    continue
+            take = min(budget, len(prep.tokens) - prep.pos, BLOCK_TOKENS - prep.pos % BLOCK_TOKENS)
+            for j in range(take):
+                self._add(n, prep.tokens[prep.pos + j], prep.pos + j, prep.seq_id)
+                n += 1
+            prep.pos += take
+            budget -= take
+            if not prep.prefilling:
+                prepared.append(prep)
         if n == 0:
+            for prep in prepared:
+                self._release(prep)
             return
         self._batch.n_tokens = n
         t0 = time.perf_counter()
         ret = llama_cpp.llama_decode(self.ctx, self._batch)
         if ret != 0:
             raise EngineError(f"llama_decode failed ({ret}) on a batch of {n} tokens")
-        if self.on_step is not None:
+        for prep in prepared:
+            self._release(prep)
+        if self.on_step is not None and self._running:  # a preparation's step is no generation's
             self.on_step(len(self._running), PREFILL_STEP_TOKENS - budget, time.perf_counter() - t0)
         for seq in prefilled:
             on_progress = seq.generation.on_progress
@@ -266,30 +346,34 @@ class Batcher:
                 seq.out.put(pieces)
 
     def _begin(self, seq: BatchedSequence) -> None:
-        """The longest cached prefix of ``seq``'s prompt, in its scope, copied into its sequence."""
         seq.begun = True
+        seq.pos = seq.generation.cached_tokens = self._copy_prefix(seq.seq_id, seq.tokens, reusable(seq.tokens),
+                                                                   seq.scope)
+
+    def _copy_prefix(self, seq_id: int, tokens: list[int], limit: int, scope: str) -> int:
+        """The longest prefix of ``tokens`` (whole blocks, at most ``limit``) that a sequence in the batch or an
+        entry of the cache holds in ``scope``, copied into ``seq_id``: how many tokens."""
         cache = self._cache
         if cache is None:
-            return
-        limit = reusable(seq.tokens)
-        source: BatchedSequence | None = None
+            return 0
+        source: BatchedSequence | Preparation | None = None
         from_live = 0
-        for other in self._running:
-            if other is not seq and other.scope == seq.scope and other.seq_id >= 0:
-                n = shared_blocks(other.tokens[:other.prompt_blocks], seq.tokens, limit)
+        others: list[BatchedSequence | Preparation] = [*self._running, *self._preparing]
+        for other in others:
+            if other.seq_id != seq_id and other.scope == scope and other.seq_id >= 0:
+                n = shared_blocks(other.tokens[:other.prompt_blocks], tokens, limit)
                 if n > from_live:
                     source, from_live = other, n
-        entry, from_entry = cache.best(seq.tokens, limit, seq.scope)
+        entry, from_entry = cache.best(tokens, limit, scope)
         reused = 0
         if entry is not None and from_entry > from_live:
-            reused = from_entry if self._load(seq.seq_id, entry.state) else 0
+            reused = from_entry if self._load(seq_id, entry.state) else 0
         elif source is not None:
             state = self._state(source.seq_id)
-            reused = from_live if state is not None and self._load(seq.seq_id, state) else 0
+            reused = from_live if state is not None and self._load(seq_id, state) else 0
         if reused:
-            llama_cpp.llama_memory_seq_rm(self._mem, seq.seq_id, reused, -1)
-        seq.pos = reused
-        seq.generation.cached_tokens = reused
+            llama_cpp.llama_memory_seq_rm(self._mem, seq_id, reused, -1)
+        return reused
 
     def _state(self, seq_id: int) -> bytes | None:
         size = llama_cpp.llama_state_seq_get_size(self.ctx, seq_id)
@@ -309,23 +393,33 @@ class Batcher:
         """``seq`` leaves the batch: its prompt's whole blocks into the cache, its cells and id freed."""
         if seq in self._running:
             self._running.remove(seq)
-        sid = seq.seq_id
-        if sid >= 0:
-            keep = seq.prompt_blocks
-            cache = self._cache
-            prefix = seq.tokens[:keep]
-            if cache is not None and keep and cache.budget_bytes and not cache.holds(prefix, seq.scope):
-                llama_cpp.llama_memory_seq_rm(self._mem, sid, keep, -1)
-                state = self._state(sid)
-                if state is not None:
-                    cache.put(prefix, state, seq.scope)
-            llama_cpp.llama_memory_seq_rm(self._mem, sid, -1, -1)
-            seq.seq_id = -1
-            with self._cond:
-                self._free_ids.append(sid)
+        self._free(seq)
         if pieces and not seq.abandoned:
             seq.out.put(pieces)
         self._end(seq, error)
+
+    def _release(self, prep: Preparation, *, keep: bool = True) -> None:
+        """A preparation ends (done, or giving way): what it prefilled into the cache, its id freed."""
+        self._preparing.remove(prep)
+        self._free(prep, keep=keep)
+
+    def _free(self, seq: BatchedSequence | Preparation, *, keep: bool = True) -> None:
+        """``seq``'s id and cells freed, its prompt's whole blocks first copied into the cache (``keep``)."""
+        sid = seq.seq_id
+        if sid < 0:
+            return
+        blocks = seq.prompt_blocks
+        cache = self._cache
+        prefix = seq.tokens[:blocks]
+        if keep and cache is not None and blocks and cache.budget_bytes and not cache.holds(prefix, seq.scope):
+            llama_cpp.llama_memory_seq_rm(self._mem, sid, blocks, -1)
+            state = self._state(sid)
+            if state is not None:
+                cache.put(prefix, state, seq.scope)
+        llama_cpp.llama_memory_seq_rm(self._mem, sid, -1, -1)
+        seq.seq_id = -1
+        with self._cond:
+            self._free_ids.append(sid)
 
     def _end(self, seq: BatchedSequence, error: BaseException | None = None) -> None:
         seq.sampler.close()

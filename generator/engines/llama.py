@@ -219,30 +219,42 @@ class LlamaEngine(Engine):
         if len(tokens) > self.n_ctx - 1 - max_tokens:
             raise PromptTooLong(len(tokens), max_tokens, self.n_ctx)
         generation = Generation(prompt_tokens=len(tokens), pieces=iter(()))
-        if self._batcher is not None:
-            generation.pieces = self._run_batched(self._batcher, generation, request, tokens, max_tokens, stop,
+        batcher = self._batcher
+        if batcher is not None:
+            generation.pieces = self._run_batched(batcher, generation, request, tokens, max_tokens, stop,
                                                   grammar, written, cache_scope)
-            return generation  # no next turn prepared: the batch is never idle for long enough to matter
-        generation.pieces = self._run(generation, request, tokens, max_tokens, stop, grammar, written, cache_scope)
+        else:
+            generation.pieces = self._run(generation, request, tokens, max_tokens, stop, grammar, written,
+                                          cache_scope)
         if self.caches_prompts and request.messages is not None and not request.offers_tools and grammar is None:
             def after(answer: str) -> None:
-                self._prepare_next_turn(request, answer, cache_scope)
+                tokens = self._next_turn_tokens(request, answer)
+                if tokens is None:
+                    return
+                if batcher is not None:
+                    batcher.prepare(tokens, cache_scope)
+                else:
+                    self._prepare_next_turn(tokens, cache_scope)
 
             generation.after = after
         return generation
 
-    def _prepare_next_turn(self, request: GenerationRequest, answer: str, scope: str) -> None:
-        """After a chat's answer, while nothing else wants the context: prefill the whole blocks of what the
-        chat's next turn will start with (its messages, this answer, the next user message's opening), so that
-        turn evaluates only its new message, not also the tail of this prompt and this answer. Exact like any
-        prefill block (generator.engines.prompt_cache); stopped between blocks as soon as a generation waits
-        for the context, and skipped if one holds it."""
+    def _next_turn_tokens(self, request: GenerationRequest, answer: str) -> list[int] | None:
+        """What a chat's next turn will start with: its messages, this answer, the next user message's opening
+        (None: the template refuses an empty message)."""
         assert request.messages is not None
         messages = (*request.messages, Message("assistant", answer), Message("user", ""))
         try:
-            tokens = self.tokenize_prompt(replace(request, messages=messages))
-        except EngineError:  # the template refuses an empty message: nothing to prepare
-            return
+            return self.tokenize_prompt(replace(request, messages=messages))
+        except EngineError:
+            return None
+
+    def _prepare_next_turn(self, tokens: list[int], scope: str) -> None:
+        """After a chat's answer, while nothing else wants the context: prefill the whole blocks of the chat's
+        next turn's opening (``_next_turn_tokens``), so that turn evaluates only its new message, not also the
+        tail of this prompt and this answer. Exact like any prefill block (generator.engines.prompt_cache);
+        stopped between blocks as soon as a generation waits for the context, and skipped if one holds it.
+        Batched, the batcher does this (generator.engines.batch: ``Batcher.prepare``)."""
         if not self._lock.acquire(blocking=False):
             return
         try:

@@ -22,6 +22,7 @@ from servers import TEST_MODEL_NAMES, StackFactory
 
 from broker.redis.server import RedisServer
 from broker.streams.keys import QueueKeys
+from consumer.edge.guards import REFUSED_HEAD_TIMEOUT_S
 from consumer.server import who_can_reach
 
 pytestmark = pytest.mark.slow
@@ -383,9 +384,12 @@ def test_a_read_flood_is_refused_at_the_cap_and_nothing_is_lost_for_others(
     with s.client() as c:
         sid = create(c, max_tokens=200).json()["id"]  # queued: no generator yet
 
-    async def reader(local: str) -> tuple[int, bytes]:
+    async def reader(local: str) -> tuple[int, bytes, float]:
+        t0 = time.monotonic()
         r, w = await _connect(local, port)
         w.write(f"GET /v1/streams/{sid}/events HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
+        # At most how long after the pod accepted the connection its head was sent (it accepted after t0).
+        head_after_s = time.monotonic() - t0
         got = b""
         with contextlib.suppress(ConnectionError):
             while chunk := await r.read(65536):
@@ -393,9 +397,9 @@ def test_a_read_flood_is_refused_at_the_cap_and_nothing_is_lost_for_others(
                 if not got.startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in got:
                     break  # a refusal: its status is all that matters here
         w.close()
-        return int(got[9:12] or 0), got
+        return int(got[9:12] or 0), got, head_after_s
 
-    async def run() -> tuple[list[tuple[int, bytes]], list[str]]:
+    async def run() -> tuple[list[tuple[int, bytes, float]], list[str]]:
         tasks = [asyncio.create_task(reader(HOSTILE)) for _ in range(1500)]
         async def refusals_answered() -> bool:  # every refusal answered: the admitted ones are reading
             return sum(t.done() for t in tasks) >= 500
@@ -411,11 +415,15 @@ def test_a_read_flood_is_refused_at_the_cap_and_nothing_is_lost_for_others(
         return list(await asyncio.gather(*tasks)), other_ids
 
     results, other_ids = asyncio.run(run())
-    statuses = [code for code, _ in results]
-    admitted = [body for code, body in results if code == 200]
+    statuses = [code for code, _, _ in results]
+    admitted = [body for code, body, _ in results if code == 200]
+    # A refused connection has REFUSED_HEAD_TIMEOUT_S to send its head, then is closed unanswered: on a busy
+    # machine this test's own loop, opening 1,500 connections at once, sent some heads later than that.
+    late = [head_after_s for code, _, head_after_s in results if code == 0]
     print(f"\nread flood: 1,500 connects from one address: {statuses.count(200)} admitted, "
-          f"{statuses.count(429)} refused 429, {statuses.count(503)} refused 503")
-    assert statuses.count(200) == 1000 and statuses.count(429) + statuses.count(503) == 500
+          f"{statuses.count(429)} refused 429, {statuses.count(503)} refused 503, {len(late)} closed unanswered")
+    assert all(head_after_s >= REFUSED_HEAD_TIMEOUT_S for head_after_s in late), "a head in time went unanswered"
+    assert statuses.count(200) == 1000 and statuses.count(429) + statuses.count(503) + len(late) == 500
     assert other_ids and all(body.count(b"\nid: ") + body.count(b"\r\nid: ") >= 1 for body in admitted)
     for body in admitted:  # each admitted reader got every event, in order, exactly once
         ids = [line.split(b": ", 1)[1].decode() for line in body.split(b"\n") if line.startswith(b"id: ")]

@@ -162,6 +162,69 @@ def test_a_prompt_sharing_a_running_ones_prefix_copies_its_kv(batched: LlamaEngi
         t.join(60)
 
 
+def chat(*contents: str, max_tokens: int = 100) -> GenerationRequest:
+    """A chat of alternating user and assistant messages (the last one the user's)."""
+    roles = ("user", "assistant")
+    return request("", messages=[{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)],
+                   max_tokens=max_tokens)
+
+
+def test_a_chats_next_turn_is_prepared_while_the_batch_is_idle(default_gguf: Path) -> None:
+    """After a chat's answer the batcher prefills the whole blocks its next turn starts with (the history, this
+    answer, the next user message's opening) into the cache while no generation runs: the next turn reuses every
+    whole block it shares with them, the answer's included, not only the last prompt's."""
+    eng = LlamaEngine(str(default_gguf), n_threads=2, n_ctx=1024, parallel=2)
+    try:
+        # A 211-token prompt and an answer of up to 70: the next turn shares the block past the prompt's last.
+        first = chat("Here are some words: " + " ".join(f"w{i}" for i in range(60)) + ". Tell a long story.",
+                     max_tokens=70)
+        pieces, gen = run(eng, first)
+        answer = text_of(pieces)
+        assert gen.after is not None
+        gen.after(answer)
+        opening = eng._next_turn_tokens(first, answer)
+        assert opening is not None
+        whole = opening[:len(opening) // 64 * 64]
+        assert eng._cache is not None
+        eventually(lambda: eng._cache.holds(whole), 60, "the next turn prepared")
+        assert first.messages is not None
+        second = chat(*(m.content for m in first.messages), answer, "And then?", max_tokens=4)
+        _, gen2 = run(eng, second)
+        tokens = eng.tokenize_prompt(second)
+        common = next(i for i, (a, b) in enumerate(zip(tokens, opening, strict=False)) if a != b)
+        last_prompt = len(eng.tokenize_prompt(first))
+        assert gen2.cached_tokens == common // 64 * 64 > last_prompt
+    finally:
+        eng.close()
+
+
+def test_a_generation_takes_the_sequence_id_a_preparation_holds(default_gguf: Path) -> None:
+    """Two next turns being prepared hold both sequences of a --parallel 2 batch: two new generations still run
+    (the preparations give their ids up), and every id is free again once all is done."""
+    eng = LlamaEngine(str(default_gguf), n_threads=2, n_ctx=1024, parallel=2)
+    batcher = eng._batcher
+    assert batcher is not None
+    try:
+        for n in (1, 2):  # long openings: each preparation takes seconds to prefill
+            words = " ".join(f"item{n}x{i}" for i in range(150))  # ~750 tokens (of a 1,024-token sequence)
+            opening = eng._next_turn_tokens(chat(f"Remember these: {words}"), "Done.")
+            assert opening is not None
+            batcher.prepare(opening, "")
+        eventually(lambda: len(batcher._preparing) == 2, 30, "both preparations holding a sequence")
+        results: list[tuple[list[Piece], Generation]] = []
+        threads = [threading.Thread(target=lambda q=q: results.append(run(eng, request(q, max_tokens=8))))
+                   for q in ("Name a colour.", "Name a fruit.")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(results) == 2 and all(text_of(p) for p, _ in results)
+        eventually(lambda: not batcher._preparing and not batcher._running and sorted(batcher._free_ids) == [0, 1],
+                   60, "every sequence id free again")
+    finally:
+        eng.close()
+
+
 def test_a_worker_sigkilled_mid_batch_continues_each_generation_exactly_once(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis,
         default_gguf: Path) -> None:
