@@ -64,14 +64,26 @@ PROGRESS_CHUNK_TOKENS = 4 * BLOCK_TOKENS
 Outcome = list[Piece] | BaseException | None
 
 
-def prompt_blocks(pos: int, tokens: list[int]) -> int:
-    """Leading prompt tokens whose KV is prefilled, in whole blocks (what a prefix may be copied from)."""
-    done = min(pos, len(tokens))
-    return done - done % BLOCK_TOKENS
+class Prefilled:
+    """What a sequence of the batch (a generation, or a preparation) has prefilled of its ``tokens``."""
+
+    __slots__ = ()
+    tokens: list[int]
+    pos: int  # positions its KV holds
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.tokens)
+
+    @property
+    def prompt_blocks(self) -> int:
+        """Leading prompt tokens whose KV is prefilled, in whole blocks (what a prefix may be copied from)."""
+        done = min(self.pos, len(self.tokens))
+        return done - done % BLOCK_TOKENS
 
 
 @dataclass(eq=False, slots=True)
-class Preparation:
+class Preparation(Prefilled):
     """A chat's next turn being prefilled into the cache: whole blocks only, never sampled."""
 
     tokens: list[int]
@@ -80,17 +92,9 @@ class Preparation:
     pos: int = 0
     begun: bool = False
 
-    @property
-    def prefilling(self) -> bool:
-        return self.pos < len(self.tokens)
-
-    @property
-    def prompt_blocks(self) -> int:
-        return prompt_blocks(self.pos, self.tokens)
-
 
 @dataclass(eq=False, slots=True)
-class BatchedSequence:
+class BatchedSequence(Prefilled):
     """One generation inside the batch. The submitting thread reads ``out`` until None (or an error) and sets
     ``abandoned`` if it stops reading first; everything else is the batcher's."""
 
@@ -105,14 +109,6 @@ class BatchedSequence:
     seq_id: int = -1
     pos: int = 0  # positions its KV holds
     begun: bool = False  # its cached prefix was chosen
-
-    @property
-    def prefilling(self) -> bool:
-        return self.pos < len(self.tokens)
-
-    @property
-    def prompt_blocks(self) -> int:
-        return prompt_blocks(self.pos, self.tokens)
 
     def pieces(self) -> list[Piece] | None:
         """The next pieces, blocking; None at the end. Raises the error the sequence ended with."""
