@@ -118,6 +118,13 @@ class RateLimited(RetryLater):
     code = "rate_limited"
 
 
+class TooManyRefusals(RetryLater):
+    """A client address's requests were refused (4xx) faster than its refusal budget refills (counted per pod,
+    consumer.edge.limits.RefusalBudget): its requests wait until the budget is whole again."""
+
+    code = "too_many_refusals"
+
+
 class Overloaded(RetryLater):
     """The pod holds as many connections as it may (consumer.edge.guards): another pod, or later, may serve."""
 

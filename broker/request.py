@@ -50,7 +50,7 @@ from broker.tools import (
 __all__ = ["JSON_FORMATS", "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_CALLS", "MAX_TOOL_CALL_ID_CHARS",
            "MAX_TOOL_DESCRIPTION_CHARS", "TOOL_CHOICES", "TOOL_NAME", "GenerationRequest", "Message",
            "RequestLimits", "ResponseFormat", "Tool", "ToolCall", "ToolChoice", "check_integer", "parse_create_body",
-           "parse_json_object", "parse_stream_id", "validate_create_body"]
+           "parse_json_object", "parse_stream_id", "prompt_token_bound", "validate_create_body"]
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 _FIELDS = frozenset(
@@ -285,6 +285,15 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("body must be a JSON object")
     return body
+
+
+def prompt_token_bound(canonical_request: bytes) -> int:
+    """An upper bound of a request's prompt tokens, with no tokenizer: the bytes of its canonical form. Every
+    token of a byte-level or byte-fallback tokenizer is at least one byte, and the JSON around each message is
+    longer than a chat template's markers. What a budget reserves for the prompt (broker.streams.budget), and
+    what a generation is charged for it when its engine never learns the real count (an upstream cut off
+    before its usage record, or one that reports none)."""
+    return len(canonical_request)
 
 
 def parse_create_body(raw: bytes, limits: RequestLimits) -> tuple[uuid.UUID | None, GenerationRequest]:

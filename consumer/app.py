@@ -24,8 +24,8 @@ from consumer.edge.auth import ApiKeys
 from consumer.edge.errors import HANDLERS, OUT_OF_MEMORY, ShutdownBoundary
 from consumer.edge.front import FrontDoor
 from consumer.edge.hosts import HostCheck, allowed_names
-from consumer.edge.limits import ConnectionLimiter
-from consumer.edge.middleware import AuthMiddleware
+from consumer.edge.limits import ConnectionLimiter, RefusalBudget
+from consumer.edge.middleware import AuthMiddleware, RefusalLimit
 from consumer.metrics import Metrics
 from consumer.settings import ConsumerSettings
 from consumer.state import STATE_KEY, State
@@ -147,5 +147,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
     if not api_keys.enabled:
         # Open API: only the names it is legitimately reached by (DNS rebinding; consumer.edge.hosts).
         front = HostCheck(front, allowed_names(settings.host, settings.allowed_hosts))
+    # Before any check or route: an address that keeps sending what is refused waits, whatever it sends.
+    front = RefusalLimit(front, RefusalBudget(settings.refusal_burst, settings.refusal_rate_per_s))
     # Outermost: past the drain's grace period, a request uvicorn cancels answers 503, not 500.
     return ShutdownBoundary(front, drain)

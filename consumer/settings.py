@@ -37,6 +37,11 @@ class ConsumerSettings(Settings):
     create_rate_per_s: float = setting(
         5.0, "sustained creates per second of one caller, once its burst is used (a key's "
         "limits.create_rate_per_s overrides)")
+    refusal_burst: int = setting(
+        600, "refused requests (4xx) one client address (an IPv6 /64) may cost this pod at once, each 1 unit and 1 "
+        "more per 64 KiB of its body; past it they refill at --refusal-rate-per-s and every request of that address "
+        "gets 429 too_many_refusals before any work (0 = no limit)")
+    refusal_rate_per_s: float = setting(60.0, "units of refusal per second one client address regains")
     abandon_after_s: float = setting(0.0, "cancel generations nobody has read for this long (0 = off)")
     retention_s: int = setting(3600, "how long a finished stream stays readable")
     redis_pool_size: int = setting(

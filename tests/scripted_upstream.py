@@ -14,7 +14,8 @@ so a test can check what it was sent (the tools, the history, a continuation).
         assert up.requests[0].body["tools"] == [...]
 
 Replies are served in the order they were scripted, one per request; with none left, ``respond`` answers
-(a function of the request body: by default a short text). A reply can also fail (an HTTP status), cut the stream after some chunks (no finish, as a
+(a function of the request body: by default a short text). A request's ``max_tokens`` is honoured as vLLM does (the reply's first deltas, then
+``finish_reason: length``). A reply can also fail (an HTTP status), cut the stream after some chunks (no finish, as a
 crashing server does), or hold the stream open until the client leaves (``hold``, recorded in
 ``disconnects``).
 """
@@ -22,6 +23,7 @@ crashing server does), or hold the stream open until the client leaves (``hold``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -176,7 +178,7 @@ class ScriptedUpstream:
     async def _answer(self, request: Request, *, chat: bool) -> Response:
         body = orjson.loads(await request.body())
         self.requests.append(Received(request.url.path, body))
-        reply = self._next(body)
+        reply = _within(self._next(body), body.get("max_completion_tokens") or body.get("max_tokens"))
         if reply.status != 200:
             return JSONResponse({"error": {"message": reply.error, "type": "BadRequestError", "code": reply.status}},
                                 status_code=reply.status)
@@ -255,6 +257,15 @@ class ScriptedUpstream:
             message[self.reasoning_field] = thought
         return {"id": "chatcmpl-scripted", "object": "chat.completion", "model": MODEL, "usage": usage,
                 "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason}]}
+
+
+def _within(reply: Reply, max_tokens: object) -> Reply:
+    """The reply as vLLM answers a request's ``max_tokens``: its first deltas, then ``finish_reason: length``
+    (the usage counts what was sent; a scripted ``usage`` keeps its prompt count)."""
+    if not isinstance(max_tokens, int) or len(reply.deltas) <= max_tokens:
+        return reply
+    usage = None if reply.usage is None else {**reply.usage, "completion_tokens": max_tokens}
+    return dataclasses.replace(reply, deltas=reply.deltas[:max_tokens], finish_reason="length", usage=usage)
 
 
 def _calls(deltas: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:

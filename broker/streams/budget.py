@@ -1,9 +1,8 @@
 """Token budgets per API key (``token_budget`` and ``budget_period`` in the keys file): what a key's generations
 may use per UTC day or month, shared by every pod.
 
-A create reserves its worst case, ``reservation``: an upper bound of its prompt's tokens (the bytes of its
-canonical request: every token of a byte-level or byte-fallback tokenizer is at least one byte, and the JSON
-around each message is longer than a chat template's markers) plus ``max_tokens``. The reservation is counted in
+A create reserves its worst case, ``reservation``: an upper bound of its prompt's tokens (broker.request.
+prompt_token_bound: the bytes of its canonical request) plus ``max_tokens``. The reservation is counted in
 the create's own script (CREATE, ``budget_reserve``), refused when the period's used and reserved tokens and it
 would pass the budget; so concurrent creates, on any pods, never reserve past it. When the generation ends, its
 terminal event's script (FINISH, CANCEL: ``budget_settle``) takes the reservation back and counts what it really
@@ -24,6 +23,8 @@ import calendar
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
+
+from broker.request import prompt_token_bound
 
 #: How long a period's hash outlives the period: the longest a generation of it may still be running.
 SETTLE_GRACE_S = 2 * 86_400
@@ -59,7 +60,7 @@ NO_BUDGET = Budget()
 
 def reservation(canonical_request: bytes, max_tokens: int) -> int:
     """A create's worst case: an upper bound of its prompt's tokens, and all of its answer."""
-    return len(canonical_request) + max_tokens
+    return prompt_token_bound(canonical_request) + max_tokens
 
 
 #: Lua of the budget, for CREATE (``budget_reserve``) and the terminal events' scripts (``budget_settle``).

@@ -1,16 +1,19 @@
-"""Per-pod admission limits on open SSE connections, per API key and per client address, and what an
-address is: the group one client controls (an IPv4 address, an IPv6 /64), seen through trusted proxies.
+"""Per-pod admission limits: open SSE connections per API key and per client address, what refused requests
+cost their sender (``RefusalBudget``), and what an address is: the group one client controls (an IPv4 address, an
+IPv6 /64), seen through trusted proxies.
 
-Counted in this process: a pod's resources are what they protect (sockets, memory). Limits across pods
-scale with the number of pods behind the balancer, which spreads each client's connections.
+Counted in this process: a pod's resources are what they protect (sockets, memory, its event loop). Limits across
+pods scale with the number of pods behind the balancer, which spreads each client's connections.
 """
 
 from __future__ import annotations
 
 import functools
 import ipaddress
+import math
+import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from broker.errors import TooManyConnections
 
@@ -92,3 +95,55 @@ class ConnectionLimiter:
             counter[k] -= 1
             if counter[k] <= 0:
                 del counter[k]
+
+
+#: A refused request's cost: 1, and 1 more per this many body bytes the pod received (parsing is what it costs).
+REFUSAL_BYTES_PER_UNIT = 64 * 1024
+
+
+class RefusalBudget:
+    """What refused requests (4xx) cost the address that sent them: a token bucket per address group, ``burst``
+    units, refilled at ``rate_per_s``; each refusal takes 1 unit and 1 more per REFUSAL_BYTES_PER_UNIT of body
+    received. While an address's bucket is empty its requests are refused before any work (429
+    too_many_refusals, with the seconds until it holds a unit again), so a loop of invalid requests costs its
+    sender, not the pod. Requests answered 2xx/3xx cost nothing. ``burst`` 0: no budget."""
+
+    def __init__(self, burst: int, rate_per_s: float, *, max_senders: int = 65536,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst = float(burst)
+        self.rate_per_s = rate_per_s
+        self.max_senders = max_senders
+        self._clock = clock
+        self._senders: dict[str, tuple[float, float]] = {}  # address group -> (units left, when)
+
+    @property
+    def enabled(self) -> bool:
+        return self.burst > 0
+
+    def _level(self, who: str, now: float) -> float:
+        left, at = self._senders.get(who, (self.burst, now))
+        return min(self.burst, left + (now - at) * self.rate_per_s)
+
+    def retry_after_s(self, who: str) -> int | None:
+        """None: ``who`` may send; else the seconds until its bucket holds a unit again."""
+        if who not in self._senders:
+            return None
+        level = self._level(who, self._clock())
+        if level > 0:
+            return None
+        return max(1, math.ceil((1 - level) / self.rate_per_s)) if self.rate_per_s > 0 else 3600
+
+    def charge(self, who: str, body_bytes: int) -> None:
+        """``who`` was refused a request whose body had ``body_bytes``."""
+        now = self._clock()
+        self._senders[who] = (self._level(who, now) - 1 - body_bytes // REFUSAL_BYTES_PER_UNIT, now)
+        if len(self._senders) > self.max_senders:
+            self._forget_whole(now)
+
+    def _forget_whole(self, now: float) -> None:
+        """Bounded memory: drop the senders whose bucket has refilled (they are as if never seen); if that is not
+        enough, the oldest half."""
+        self._senders = {w: v for w, v in self._senders.items() if self._level(w, now) < self.burst}
+        if len(self._senders) > self.max_senders:
+            keep = sorted(self._senders.items(), key=lambda item: item[1][1])[len(self._senders) // 2:]
+            self._senders = dict(keep)

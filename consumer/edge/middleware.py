@@ -1,5 +1,5 @@
-"""ASGI middleware: authentication of the API routes (``/v1/...`` and the AI SDK view's ``/api/...``),
-before any handler runs."""
+"""ASGI middleware: what refused requests cost their sender (``RefusalLimit``), and authentication of the API
+routes (``/v1/...`` and the AI SDK view's ``/api/...``), before any handler runs."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from urllib.parse import parse_qs
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker.ascii import parse_uuid
-from broker.errors import Unauthorized
+from broker.errors import TooManyRefusals, Unauthorized
 from consumer.edge.auth import ApiKeys
-from consumer.edge.errors import error_for
+from consumer.edge.errors import error_for, refusal
+from consumer.edge.limits import RefusalBudget, address_group
 
 # The paths that need an API key when keys are configured (the page, its assets and the probes do not).
 _API_PREFIXES = ("/v1/", "/api/")
@@ -22,6 +23,58 @@ _API_PREFIXES = ("/v1/", "/api/")
 METRICS_PATH = "/metrics"
 # The routes a read token opens (EventSource and a status poll): GET only, one stream.
 _READABLE = re.compile(r"\A/v1/streams/([0-9a-fA-F-]{36})(/events)?\Z")
+
+
+# Requests without a body: refused by an address's empty budget like any other, but not watched (no wrapper on
+# each event an SSE reader is sent; their refusals cost the pod a lookup, not a parse).
+_BODILESS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Probes and scrapes are answered whatever their address sent: a pod is not unready because a client misbehaves.
+_ALWAYS = frozenset({"/healthz", "/readyz", METRICS_PATH})
+
+
+class RefusalLimit:
+    """Outside every route and check: a request from an address whose refusal budget is spent is answered 429
+    ``too_many_refusals`` before anything reads it; a request with a body that ends in a 4xx (429 aside: those
+    are limits of their own) charges its address (consumer.edge.limits.RefusalBudget)."""
+
+    def __init__(self, app: ASGIApp, budget: RefusalBudget) -> None:
+        self.app = app
+        self.budget = budget
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.budget.enabled or scope["path"] in _ALWAYS:
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        who = address_group(client[0]) if client else ""
+        wait_s = self.budget.retry_after_s(who)
+        if wait_s is not None:
+            err = TooManyRefusals("too many refused requests from this address; retry later", wait_s)
+            await refusal(err)(scope, receive, send)
+            return
+        if scope["method"] in _BODILESS:
+            await self.app(scope, receive, send)
+            return
+        received = status = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+            return message
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        finally:
+            if 400 <= status < 500 and status != 429:
+                self.budget.charge(who, received)
 
 
 class AuthMiddleware:

@@ -463,3 +463,109 @@ def test_an_open_api_says_so_at_start_and_to_whom(stack_factory: StackFactory, r
         "anyone who can reach port 8000 of this machine (it listens on every interface)")
     assert who_can_reach("::1", 8000).startswith("programs on this machine only")
     assert who_can_reach("10.1.2.3", 8000) == "anyone who can reach 10.1.2.3:8000"
+
+
+def _calls_input(pairs: int) -> list[dict[str, str]]:
+    """A Responses input of ``pairs`` function calls, each answered by its output: ~64 bytes an item."""
+    items: list[dict[str, str]] = []
+    for i in range(pairs):
+        items.append({"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"})
+        items.append({"type": "function_call_output", "call_id": f"c{i}", "output": "ok"})
+    return items
+
+
+class _Heartbeats:
+    """An SSE reader of a queued stream that records when each heartbeat comes (the pod's event loop is what
+    sends them: a stall shows as a gap)."""
+
+    def __init__(self, url: str, stream_id: str) -> None:
+        self.url, self.stream_id = url, stream_id
+        self.at: list[float] = []
+
+    async def run(self) -> None:
+        async with _aclient(self.url, PROBE) as ac, ac.stream("GET", f"/v1/streams/{self.stream_id}/events") as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith(":"):
+                    self.at.append(time.monotonic())
+
+    async def count(self, n: int, timeout_s: float = 60.0) -> None:
+        async def reached() -> bool:
+            return len(self.at) >= n
+
+        await eventually_async(reached, timeout_s)
+
+    def max_gap(self, since: int) -> float:
+        return max(b - a for a, b in zip(self.at[since:], self.at[since + 1:], strict=False))
+
+
+def test_a_huge_responses_input_is_refused_before_any_per_item_work(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """Issue 42's finding: 8,000 function calls and their 8,000 outputs (~1 MB, under the body limit) spent 5.6 s
+    of the pod's event loop in a quadratic call-id check before their 400, and every reader's heartbeat waited
+    as long. Now the item count is checked before any per-item work (the input's documented maxItems), and the
+    check that each output answers a call is linear: the heartbeats of a reader on the same pod keep their pace."""
+    s = stack_factory(redis_server.url)
+    _, url = s.consumer("--heartbeat-s", "0.2")
+    body = {"model": TEST_MODEL_NAMES[0], "input": _calls_input(7_600)}  # 15,200 items
+    assert len(orjson.dumps(body)) < 1024 * 1024
+
+    async def run() -> tuple[httpx.Response, float, float, float]:
+        async with _aclient(url, OTHER) as ac:
+            sid = (await ac.post("/v1/streams", json={"prompt": "hi", "max_tokens": 4})).json()["id"]
+        beats = _Heartbeats(url, sid)
+        reader = asyncio.create_task(beats.run())
+        await beats.count(6)
+        before = beats.max_gap(1)  # this machine's pace now, the first beat aside
+        n = len(beats.at)
+        async with _aclient(url, HOSTILE) as ac:
+            t0 = time.monotonic()
+            refused = await ac.post("/v1/responses", json=body)
+            took = time.monotonic() - t0
+        await beats.count(n + 4)
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        return refused, took, before, beats.max_gap(n - 1)
+
+    refused, took, before, during = asyncio.run(run())
+    print(f"\n15,200 items refused in {took:.2f} s; heartbeat gaps: {before:.2f} s before, {during:.2f} s around it")
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "input" and "at most 1024 items" in refused.json()["error"]["message"]
+    assert during < max(3 * before, before + 1.0), (before, during)
+
+    # Within the bound, a long list of calls and outputs is read in linear time and created.
+    with _client(url, OTHER) as c:
+        ok = c.post("/v1/responses", json={"model": TEST_MODEL_NAMES[0], "input": [
+            *_calls_input(511), {"type": "message", "role": "user", "content": "go on"}], "background": True})
+        assert ok.status_code == 200, ok.text
+
+
+def test_a_loop_of_refused_requests_costs_its_sender(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """With no flag set: an address that keeps sending requests that are refused (here 1 MB bodies that are not
+    JSON) spends its refusal budget (600 units, 1 a refusal and 1 more per 64 KiB) and is then refused before its
+    body is read (429 too_many_refusals, Retry-After), until the budget refills; another address is served
+    meanwhile, and 2xx answers cost nothing."""
+    s = stack_factory(redis_server.url)
+    _, url = s.consumer()
+    junk = b"x" * (1024 * 1024 - 1)
+    with _client(url, HOSTILE) as c:
+        for _ in range(3):  # answered creates cost nothing
+            assert create(c, max_tokens=4).status_code == 201
+        codes: list[int] = []
+        while not codes or codes[-1] == 400:
+            assert len(codes) < 100, "the refusals were never limited"
+            r = c.post("/v1/streams", content=junk, headers={"Content-Type": "application/json"})
+            codes.append(r.status_code)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_refusals", r.text
+        wait_s = int(r.headers["retry-after"])
+        # 600 units at 17 a refusal: 36 (the budget refills meanwhile: a few more on a slow machine).
+        assert 35 <= codes.count(400) <= 60 and 1 <= wait_s <= 2, (codes.count(400), wait_s)
+        assert c.get("/v1/models").status_code == 429  # whatever it sends, until the budget refills
+        assert c.get("/readyz").status_code == 200  # but probes
+        with _client(url, OTHER) as other:
+            assert create(other, max_tokens=4).status_code == 201
+        # Once refilled, the address is served again (a valid create) and refused as it deserves (a 400).
+        eventually(lambda: create(c, max_tokens=4).status_code == 201, 30)
+        assert c.post("/v1/streams", content=b"{", headers={"Content-Type": "application/json"}).status_code == 400

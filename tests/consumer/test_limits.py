@@ -16,7 +16,7 @@ from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key
-from consumer.edge.limits import TrustedProxies, address_group
+from consumer.edge.limits import REFUSAL_BYTES_PER_UNIT, RefusalBudget, TrustedProxies, address_group
 
 
 def _keys_file(tmp_path: Path, alice_limits: dict[str, Any]) -> tuple[Path, str, str]:
@@ -261,3 +261,23 @@ def test_an_address_group_is_an_ipv4_address_or_an_ipv6_64() -> None:
     assert "127.0.0.1" in proxies and "10.1.2.3" in proxies and "fd12::1" in proxies
     assert "/run/nginx.sock" in proxies and "127.0.0.2" not in proxies and "11.0.0.1" not in proxies
     assert "8.8.8.8" in TrustedProxies(["*"])
+
+
+def test_a_refusal_budget_charges_refusals_by_their_size_refills_and_stays_bounded() -> None:
+    now = [0.0]
+    budget = RefusalBudget(10, 2.0, max_senders=4, clock=lambda: now[0])
+    assert budget.enabled and not RefusalBudget(0, 1.0).enabled
+    for _ in range(9):
+        budget.charge("a", 100)
+    assert budget.retry_after_s("a") is None  # one unit left
+    budget.charge("a", 2 * REFUSAL_BYTES_PER_UNIT)  # 3 units: 2 in debt
+    assert budget.retry_after_s("a") == 2  # (1 - (-2)) / 2 per s, rounded up
+    assert budget.retry_after_s("b") is None  # another address has its own
+    now[0] += 1.0
+    assert budget.retry_after_s("a") == 1
+    now[0] += 0.6
+    assert budget.retry_after_s("a") is None
+    now[0] += 100
+    for who in "bcdef":  # past max_senders: those refilled are forgotten first
+        budget.charge(who, 0)
+    assert budget.retry_after_s("a") is None and len(budget._senders) <= 4

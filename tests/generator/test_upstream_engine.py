@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis
 from helpers import SSE, create, read_sse, wait_status
@@ -31,7 +32,7 @@ from servers import StackFactory
 
 from bench.procs import wait_serving
 from broker.redis.server import RedisServer, free_port
-from broker.request import GenerationRequest, Message
+from broker.request import GenerationRequest, Message, prompt_token_bound
 from generator.engines import Generation, UpstreamError
 from generator.engines.pieces import Piece
 from generator.engines.upstream import UpstreamEngine, detect_api
@@ -748,3 +749,87 @@ def test_an_openai_chunk_s_logprobs_become_markers_after_its_text() -> None:
             {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}, {"token": "Yo", "logprob": -2.0}]}]}}]}), chat=True)
     assert chunk.piece == "Hi" and chunk.logprobs == (
         TokenLogprob("Hi", -0.5, (72, 105), (("Hi", -0.5, (72, 105)), ("Yo", -2.0, ()))),)
+
+
+# -- the prompt is always counted (usage after the finish chunk; a cancel before any usage) ------------------
+
+
+async def test_an_answer_that_spends_its_budget_reads_on_for_the_upstreams_usage() -> None:
+    """vLLM and OpenAI send ``usage`` after the finish chunk: an answer cut by max_tokens still gets the prompt's
+    count from it (the engine reads a bounded tail), not 0."""
+    from scripted_upstream import Reply, ScriptedUpstream, text
+
+    with ScriptedUpstream() as up:
+        up.script(Reply([text(f" w{i}") for i in range(10)], usage={"prompt_tokens": 4321, "completion_tokens": 10}))
+        engine = UpstreamEngine(up.url, model="scripted-model")
+        request = _request(messages=(Message("user", "x" * 20_000),), max_tokens=2)
+        gen = engine.start(request, prefix_text="", max_tokens=2, stop=StopSignal())
+        pieces = await collect(gen)
+    assert pieces == [" w0", " w1"] and gen.finish_reason == "length"
+    assert gen.prompt_tokens == 4321
+
+
+async def test_a_stream_with_no_usage_charges_the_prompts_bound() -> None:
+    """An upstream that reports no usage (llama-cpp-python's server when streaming) charges the prompt's bound,
+    never 0."""
+    from scripted_upstream import Reply, ScriptedUpstream, text
+
+    with ScriptedUpstream() as up:
+        up.script(Reply([text("a"), text("b")], include_usage=False))
+        engine = UpstreamEngine(up.url, model="scripted-model")
+        request = _request(messages=(Message("user", "x" * 5_000),), max_tokens=1)
+        gen = engine.start(request, prefix_text="", max_tokens=1, stop=StopSignal())
+        assert await collect(gen) == ["a"]
+    assert gen.prompt_tokens == prompt_token_bound(request.canonical_json()) > 5_000
+
+
+@pytest.mark.slow
+def test_budgets_and_the_ledger_count_an_upstreams_prompt(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
+    """Issue 42's finding: large requests with max_tokens 1 were charged 1 token each (the usage came after the
+    finish chunk, unread), so a budget admitted far more of them than it holds. Now each is charged the upstream's
+    prompt count, the report shows it, and a cancelled generation, which gets no usage from the upstream, is
+    charged its prompt's bound; the create that would pass the budget is refused."""
+    from scripted_upstream import Reply, ScriptedUpstream, text
+
+    from consumer.edge.auth import new_key
+
+    prompt_tokens, big = 5_000, "word " * 4_000  # 20 KB of text, 5,000 tokens as the upstream counts them
+    alice, entry = new_key("alice")
+    reserve = prompt_token_bound(orjson.dumps(big)) + 200  # about what one create reserves (its JSON is a bit more)
+    # Two settled (5,001 each) and one reservation fit; once that one is charged its bound, another does not.
+    budget = 2 * (prompt_tokens + 1) + reserve + reserve // 2
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [{**entry, "token_budget": budget, "budget_period": "day"}]}))
+    with ScriptedUpstream() as up:
+        up.respond = lambda body: Reply([text(" yes")] * 5, usage={"prompt_tokens": prompt_tokens,
+                                                                   "completion_tokens": 5})
+        s = stack_factory(redis_server.url)
+        s.consumer("--api-keys", str(keys))
+        s.generator("--upstream", up.url, ignore_eos=False)
+        with s.client() as c:
+            c.headers["Authorization"] = f"Bearer {alice}"
+            for _ in range(2):
+                r = create(c, messages=[{"role": "user", "content": big}], max_tokens=1)
+                assert r.status_code == 201, r.text
+                done = read_sse(c, f"/v1/streams/{r.json()['id']}/events").events[-1]
+                assert done.event == "done" and done.data["finish_reason"] == "length"
+                assert (done.data["usage"]["prompt_tokens"], done.data["usage"]["completion_tokens"]) == (prompt_tokens, 1)
+            # A third, held by an upstream that never ends, then cancelled: no usage ever comes from the upstream.
+            up.script(Reply([text(" held")], hold=True))
+            held = create(c, messages=[{"role": "user", "content": big}], max_tokens=1)
+            assert held.status_code == 201, held.text
+            hid = held.json()["id"]
+            stored = redis_client.hget(f"rsb:{{p0}}:s:{hid}:meta", "req")
+            assert isinstance(stored, bytes)
+            up.wait_requests(3)
+            assert c.post(f"/v1/streams/{hid}/cancel").status_code == 202
+            end = read_sse(c, f"/v1/streams/{hid}/events").events[-1]
+            # Charged 2 x 5,001 and the cancelled one's bound: the next create's reservation would pass the budget.
+            refused = create(c, messages=[{"role": "user", "content": big}], max_tokens=1)
+            report = c.get("/v1/reports/usage").json()["total"]
+    assert end.event == "cancelled"
+    bound = prompt_token_bound(stored)
+    assert end.data["usage"]["prompt_tokens"] == bound > prompt_tokens
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "budget_exceeded", refused.text
+    assert report["streams"] == 3 and report["prompt_tokens"] == 2 * prompt_tokens + bound

@@ -128,23 +128,27 @@ def _string(item: dict[str, Any], name: str, i: int) -> str:
     return value
 
 
-def _add_call(messages: list[dict[str, Any]], i: int, item: dict[str, Any]) -> None:
+def _add_call(messages: list[dict[str, Any]], i: int, item: dict[str, Any]) -> str:
     """A ``function_call`` item as a tool call of the assistant message it belongs to: the one right before
-    it (the text and calls of one answer are one assistant message), or a new one."""
-    call = {"id": _string(item, "call_id", i), "type": "function",
+    it (the text and calls of one answer are one assistant message), or a new one. Returns its call id."""
+    call_id = _string(item, "call_id", i)
+    call = {"id": call_id, "type": "function",
             "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant":
         last.setdefault("tool_calls", []).append(call)
     else:
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    return call_id
 
 
 def _input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The input's items as rsb messages (their number is bounded by the caller: ``check_item_count``)."""
     # With history (previous_response_id, conversation) a function_call_output may answer a call made there: it
     # is checked once the history is in front (consumer.views.openai.response_history).
     with_history = body.get("previous_response_id") is not None or body.get("conversation") is not None
     messages: list[dict[str, Any]] = []
+    calls: set[str] = set()  # the call ids made so far: each output is checked in O(1), the input in O(n)
     instructions = body.get("instructions")
     if instructions is not None:
         messages.append({"role": "system", "content": instructions})
@@ -160,9 +164,8 @@ def _input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise invalid(f"input[{i}]: only {', '.join(INPUT_ITEMS)} items are supported, not {kind!r}", "input")
         assert isinstance(item, dict)
         if kind == "function_call":
-            _add_call(messages, i, item)
+            calls.add(_add_call(messages, i, item))
         elif kind == "function_call_output":
-            calls = {c["id"] for m in messages for c in m.get("tool_calls", ())}
             call_id = _string(item, "call_id", i)
             if call_id not in calls and not with_history:
                 raise invalid(f"input[{i}]: no function_call with call_id {call_id[:64]!r} comes before this "
@@ -232,10 +235,19 @@ async def _serve_events(request: Request, slot: Slot, stream_id: uuid.UUID, st: 
                        shutdown_frame=b"", on_close=slot.release)
 
 
+def check_item_count(raw: list[Any], max_items: int, param: str = "input") -> None:
+    """Before any loop over the items: at most ``max_items`` (a request's messages bound; function calls fold into
+    the message before them, so an input has at least as many items as messages)."""
+    if len(raw) > max_items:
+        raise invalid(f"'{param}' takes at most {max_items} items", param)
+
+
 async def create_response(request: Request) -> ASGIApp:
     body = await read_json(request)
     if isinstance(body.get("input"), list):
-        body["input"] = await resolve_references(state_of(request).service, caller_of(request), body["input"])
+        service, caller = state_of(request).service, caller_of(request)
+        check_item_count(body["input"], service.limits_for(caller).max_messages)
+        body["input"] = await resolve_references(service, caller, body["input"])
     rsb_body = _responses_body(body)
     stream, background = bool(body.get("stream")), bool(body.get("background"))
     renames = {**PHRASES, "max_tokens": "max_output_tokens", "messages": "input"}

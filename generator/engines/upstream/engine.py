@@ -14,6 +14,8 @@ stops computing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -22,12 +24,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from broker.request import GenerationRequest
+from broker.request import GenerationRequest, prompt_token_bound
 from generator.engines.base import Engine, Generation, UpstreamError
 from generator.engines.pieces import PartialAnswer, Piece
 from generator.engines.upstream.ollama import OLLAMA
 from generator.engines.upstream.openai import OPENAI
 from generator.engines.upstream.protocol import (
+    LineReader,
     Replay,
     UpstreamGeneration,
     UpstreamPieces,
@@ -42,6 +45,11 @@ PROTOCOLS: dict[str, UpstreamProtocol] = {p.name: p for p in (OPENAI, OLLAMA)}
 
 # Bytes of an upstream error body kept for the stream's `error` message.
 _ERROR_BODY_LIMIT = 2048
+# After the last piece kept (the budget spent), how much more of the upstream's stream is read for its usage
+# record: vLLM, OpenAI and llama.cpp's server send it after the finish chunk. A server asked for that budget
+# ends at once; one that ignores it is cut after these, and the prompt is counted by its bound.
+USAGE_TAIL_RECORDS = 16
+USAGE_TAIL_S = 5.0
 
 
 def detect_api(url: str, api: str | None = None) -> UpstreamProtocol:
@@ -157,7 +165,11 @@ class UpstreamEngine(Engine):
             async with self._client_for_loop().stream("POST", self.base_url + call.path, json=call.body) as response:
                 if response.status_code >= 400:
                     raise UpstreamError(await self._http_error(response))
-                async for line in response.aiter_lines():
+                # The upstream took the prompt. Until it reports its count, the prompt's bound: a generation cut
+                # before the usage record (cancelled, or a server that reports none) is charged that, never 0.
+                generation.prompt_tokens = prompt_token_bound(request.canonical_json())
+                lines = response.aiter_lines()
+                async for line in lines:
                     chunk = reader.feed(line)
                     if chunk is None:
                         continue
@@ -165,6 +177,8 @@ class UpstreamEngine(Engine):
                         yield piece
                     if pieces.over:
                         break
+                if pieces.awaits_usage:
+                    await _read_usage(lines, reader, pieces)
             for piece in pieces.end():
                 yield piece
         except httpx.HTTPError as e:
@@ -197,3 +211,19 @@ class UpstreamEngine(Engine):
         keep-alive connections are left to close with the process (``close`` is synchronous; an
         AsyncClient closes by awaiting)."""
         self._client = None
+
+
+async def _read_usage(lines: AsyncIterator[str], reader: LineReader, pieces: UpstreamPieces) -> None:
+    """The rest of a stream whose answer is over, read for its usage record only (bounded: USAGE_TAIL_*). Text
+    past the budget is dropped; an error record there ends nothing (the answer is whole)."""
+    records = 0
+    with contextlib.suppress(TimeoutError, UpstreamError):
+        async with asyncio.timeout(USAGE_TAIL_S):
+            async for line in lines:
+                chunk = reader.feed(line)
+                if chunk is None:
+                    continue
+                pieces.count(chunk)
+                records += 1
+                if not pieces.awaits_usage or records >= USAGE_TAIL_RECORDS:
+                    return

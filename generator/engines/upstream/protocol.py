@@ -7,9 +7,11 @@ exactly: they hold back a token that ends inside a UTF-8 character or might star
 merged with the next one, and some send empty deltas that are no token. When the upstream reports usage at
 the end (``stream_options.include_usage``: vLLM, llama.cpp's server, OpenAI, Ollama's /v1; ``eval_count``:
 Ollama's native API), the tokens that came merged follow as empty pieces, so the worker's count is the
-upstream's; that count is also kept in ``UpstreamGeneration.completion_tokens``. llama-cpp-python's server
-reports no usage when streaming: with it ``completion_tokens`` is the number of deltas with text (a few less
-than the tokens) and ``prompt_tokens`` is 0.
+upstream's; that count is also kept in ``UpstreamGeneration.completion_tokens``. The usage record comes after
+the finish chunk, so an answer that spends its budget is read on for it (a bounded tail: UpstreamEngine). Until
+an upstream reports the prompt's count, ``prompt_tokens`` is its bound (broker.request.prompt_token_bound): what a
+cancelled generation is charged, and a generation of llama-cpp-python's server, which reports no usage when
+streaming (with it ``completion_tokens`` is the number of deltas with text, a few less than the tokens).
 
 Typed output. Reasoning (``reasoning_content`` / ``reasoning``; Ollama's ``thinking``) and tool calls
 (``tool_calls`` pieces keyed by index, id and name first) become the markers of generator.engines.pieces.
@@ -246,13 +248,29 @@ class UpstreamPieces:
         self._joiners: dict[Channel | int, SurrogateJoiner] = {}
         self._replay = replay
         self._token = False
+        self._reported = False  # the upstream reported the prompt's count
+        self._done = False  # the upstream's stream said it ended
 
-    def feed(self, chunk: Chunk) -> list[Piece]:
+    def count(self, chunk: Chunk) -> None:
+        """The counts a record reports, if any (the usage record; Ollama's last line)."""
         gen = self.generation
         if chunk.prompt_tokens is not None:
             gen.prompt_tokens = chunk.prompt_tokens
+            self._reported = True
         if chunk.completion_tokens is not None:
             gen.completion_tokens = chunk.completion_tokens
+        if chunk.done:
+            self._done = True
+
+    @property
+    def awaits_usage(self) -> bool:
+        """The answer is over (its budget spent) while the upstream's stream goes on, its usage record not read
+        yet: worth reading on for it (UpstreamEngine reads a bounded tail), so the prompt's count is the upstream's."""
+        return self.over and not self._done and not self._reported and not self.stop.is_set()
+
+    def feed(self, chunk: Chunk) -> list[Piece]:
+        gen = self.generation
+        self.count(chunk)
         out: list[Piece] = []
         self._token = False  # one token per record: a second text in it (reasoning and text) is Extra
         if chunk.reasoning:
