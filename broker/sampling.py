@@ -1,6 +1,6 @@
-"""OpenAI's sampling and tool-count parameters beyond temperature and top_p, as a create carries them: presence and
-frequency penalties, ``logit_bias``, ``parallel_tool_calls``, ``max_tool_calls``, ``logprobs`` and
-``top_logprobs``. Validated here (OpenAI's
+"""Sampling and tool-count parameters beyond temperature and top_p, as a create carries them: OpenAI's presence and
+frequency penalties, ``logit_bias``, ``parallel_tool_calls``, ``max_tool_calls``, ``logprobs`` and ``top_logprobs``,
+and ``top_k`` (Anthropic's, vLLM's, Ollama's: sample among the k likeliest tokens). Validated here (OpenAI's
 ranges), stored in the canonical request only when set (so a request without them keeps its hash), honoured by the
 engines (generator.engines.sampler applies the penalties and biases to the logits; the answer stops at the call
 past ``max_calls``, generator.answer) and echoed by the views."""
@@ -16,8 +16,10 @@ from broker.errors import InvalidRequest
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_TOOL_CALLS = 128
 MAX_TOP_LOGPROBS = 20
+#: Past any vocabulary: a bound on what a request may say, not on what it means (k over the vocabulary, or 0: all).
+MAX_TOP_K = 1_000_000
 FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "parallel_tool_calls", "max_tool_calls", "logprobs",
-          "top_logprobs")
+          "top_logprobs", "top_k")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,8 @@ class Sampling:
     #: The log-probability of each text token (and of the ``top_logprobs`` likeliest in its place): logprobs events.
     logprobs: bool = False
     top_logprobs: int = 0
+    #: Sample among the k likeliest tokens (0: among all); None: the engine's default.
+    top_k: int | None = None
 
     @property
     def max_calls(self) -> int | None:
@@ -57,6 +61,8 @@ class Sampling:
             out["logprobs"] = True
         if self.top_logprobs:
             out["top_logprobs"] = self.top_logprobs
+        if self.top_k is not None:
+            out["top_k"] = self.top_k
         return out
 
     @classmethod
@@ -64,7 +70,7 @@ class Sampling:
         return cls(d.get("presence_penalty", 0.0), d.get("frequency_penalty", 0.0),
                    tuple((int(t), float(b)) for t, b in (d.get("logit_bias") or {}).items()),
                    d.get("parallel_tool_calls", True), d.get("max_tool_calls"), d.get("logprobs", False),
-                   d.get("top_logprobs", 0))
+                   d.get("top_logprobs", 0), d.get("top_k"))
 
 
 DEFAULT = Sampling()
@@ -111,5 +117,10 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
         raise InvalidRequest(f"'top_logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}")
     if top and not want:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
+    top_k = body.get("top_k")
+    if isinstance(top_k, float) and top_k.is_integer():
+        top_k = int(top_k)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K):
+        raise InvalidRequest(f"'top_k' must be an integer between 0 and {MAX_TOP_K}")
     return Sampling(_penalty(body, "presence_penalty"), _penalty(body, "frequency_penalty"), tuple(sorted(bias)),
-                    parallel is not False, most, bool(want), top or 0)
+                    parallel is not False, most, bool(want), top or 0, top_k)

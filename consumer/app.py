@@ -35,6 +35,7 @@ from consumer.streaming.service import StreamService
 from consumer.streaming.sse import Drain
 from consumer.streaming.webhooks import Deliverer, signing_key
 from consumer.views import ROUTES
+from consumer.views.anthropic import REQUEST_HEADERS as ANTHROPIC_HEADERS
 from consumer.views.durable import protocol as durable_protocol
 from consumer.views.native import stream_events
 from consumer.views.ops import render_metrics
@@ -138,10 +139,12 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
     app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
     app.add_middleware(AuthMiddleware, keys=api_keys, metrics_token=settings.metrics_token)
     if settings.cors_origins:  # outermost, so preflights and 401s carry the CORS headers too
-        # The Durable Streams view (consumer/views/durable) adds its methods and its Stream-*/Producer-* headers.
+        # The Durable Streams view (consumer/views/durable) adds its methods and its Stream-*/Producer-* headers;
+        # Anthropic's clients send their key as X-Api-Key, with their version headers.
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                            allow_methods=list(durable_protocol.METHODS),
-                           allow_headers=sorted({"Last-Event-ID", *durable_protocol.REQUEST_HEADERS}),
+                           allow_headers=sorted({"Last-Event-ID", "Idempotency-Key", *durable_protocol.REQUEST_HEADERS,
+                                                 *ANTHROPIC_HEADERS}),
                            expose_headers=list(durable_protocol.RESPONSE_HEADERS), max_age=600)
     front: ASGIApp = FrontDoor(app, stream_events, api_keys, cors=bool(settings.cors_origins))
     if not api_keys.enabled:

@@ -48,6 +48,11 @@ class AnswerEvents:
         self.capped = False
 
     @property
+    def stop_sequence(self) -> str | None:
+        """The stop sequence that ended the answer's text, if one did."""
+        return self._stops.matched
+
+    @property
     def stopped(self) -> bool:
         """A stop sequence appeared in the text, or a call past the bound began (neither is emitted, nor
         anything after it)."""

@@ -94,6 +94,7 @@ class _Progress:
     compute_s: float = 0.0  # engine time, parked time left out
     error: BaseException | None = None
     stopped: bool = False  # a stop sequence ended it (or a call past max_tool_calls: capped)
+    stop_sequence: str | None = None  # the one that did
     capped: bool = False
     undeclared: str | None = None  # a call of a tool the request did not offer began
     finish_reason: str | None = None
@@ -235,8 +236,10 @@ class JobRunner:
             reason = FinishReason.TOOL_CALLS if progress.capped else FinishReason.STOP if progress.stopped else (
                 progress.finish_reason or FinishReason.STOP)
             u = usage.as_dict()
-            await self._finish(run, EventType.DONE, {"finish_reason": reason, "usage": u}, "done", u, reason,
-                               compute_s, wasted)
+            done: dict[str, object] = {"finish_reason": reason, "usage": u}
+            if progress.stop_sequence is not None and not progress.capped:
+                done["stop_sequence"] = progress.stop_sequence  # which one (Anthropic's stop_sequence)
+            await self._finish(run, EventType.DONE, done, "done", u, reason, compute_s, wasted)
 
     async def _segment(self, run: Run, progress: _Progress) -> bool:
         """Run the engine from what the stream holds until the generation ends, or parks: True when it parked
@@ -333,6 +336,8 @@ class JobRunner:
         if gen_holder:
             progress.finish_reason = gen_holder[0].finish_reason
         progress.stopped = answer.stopped
+        engine_stop = gen_holder[0].stop_sequence if gen_holder else None
+        progress.stop_sequence = answer.stop_sequence or (engine_stop if engine_stop in req.stop else None)
         progress.capped = answer.capped
         progress.undeclared = answer.undeclared
         progress.tokens = tokens

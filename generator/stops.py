@@ -9,16 +9,21 @@ class StopFilter:
         self._stops = stops
         self._held = ""
         self.stopped = False
+        #: The stop sequence that appeared (the first in the text; of two at one place, the first given).
+        self.matched: str | None = None
 
     def feed(self, text: str) -> str:
-        """Text safe to emit now. Sets ``stopped`` when a stop sequence appeared (it is not emitted)."""
+        """Text safe to emit now. Sets ``stopped`` and ``matched`` when a stop sequence appeared (it is not
+        emitted)."""
         if not self._stops:
             return text
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, n) for n, i in enumerate(buf.find(s) for s in self._stops) if i >= 0]
+        if found:
+            cut, n = min(found)
             self._held = ""
             self.stopped = True
+            self.matched = self._stops[n]
             return buf[:cut]
         hold = 0
         for s in self._stops:

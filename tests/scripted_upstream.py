@@ -87,6 +87,7 @@ class Reply:
     cut_after: int | None = None  # close the stream after this many deltas: no finish, no [DONE]
     hold: bool = False  # after the deltas, keep the stream open (no finish) until the client leaves
     include_usage: bool = True  # the include_usage record (when the request asks for it)
+    stop_reason: str | None = None  # vLLM's: the stop string that ended the answer (the last record's)
 
     def completion_tokens(self) -> int:
         return len(self.deltas)
@@ -230,8 +231,9 @@ class ScriptedUpstream:
             await asyncio.sleep(reply.delay_s)
         # vLLM's last record: an empty content with the finish reason.
         last = {"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": reply.finish_reason,
-                "stop_reason": None} if chat else {"index": 0, "text": "", "logprobs": None,
-                                                   "finish_reason": reply.finish_reason, "stop_reason": None}
+                "stop_reason": reply.stop_reason} if chat else {"index": 0, "text": "", "logprobs": None,
+                                                                "finish_reason": reply.finish_reason,
+                                                                "stop_reason": reply.stop_reason}
         yield self._record(last, chat)
         if usage:
             u = reply.usage or {"prompt_tokens": 10, "completion_tokens": reply.completion_tokens()}

@@ -21,6 +21,8 @@ from consumer.edge.limits import RefusalBudget, address_group
 _API_PREFIXES = ("/v1/", "/api/")
 # With keys, the metrics too: they count every tenant's streams and aborted work (docs/security.md).
 METRICS_PATH = "/metrics"
+# Anthropic's Messages view (consumer/views/anthropic): its 401 is in Anthropic's error shape.
+ANTHROPIC_PREFIX = "/v1/messages"
 # The routes a read token opens (EventSource and a status poll): GET only, one stream.
 _READABLE = re.compile(r"\A/v1/streams/([0-9a-fA-F-]{36})(/events)?\Z")
 
@@ -94,7 +96,7 @@ class AuthMiddleware:
             else:
                 scope["rsb.key_id"] = await authenticate(self.keys, scope)
         except Unauthorized as e:
-            await unauthorized(e)(scope, receive, send)
+            await unauthorized(e, scope["path"])(scope, receive, send)
             return
         except Exception as exc:  # the read-token key's first read found Redis away: 503, as any route would
             await (await error_for(Request(scope, receive), exc))(scope, receive, send)
@@ -102,20 +104,28 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-def unauthorized(e: Unauthorized) -> JSONResponse:
-    # Before any route runs, so before anyone knows which protocol is spoken: the body carries both rsb's
-    # fields (code, message) and OpenAI's (type, param), which every view's clients read.
-    body = {"error": {"code": e.code, "message": e.message, "type": "invalid_request_error", "param": None}}
+def unauthorized(e: Unauthorized, path: str = "") -> JSONResponse:
+    # Before any route runs: the body carries both rsb's fields (code, message) and OpenAI's (type, param), which
+    # every view's clients read, except on Anthropic's routes, whose clients read Anthropic's error shape.
+    if path.startswith(ANTHROPIC_PREFIX):
+        body: dict[str, object] = {"type": "error", "error": {"type": "authentication_error", "message": e.message}}
+    else:
+        body = {"error": {"code": e.code, "message": e.message, "type": "invalid_request_error", "param": None}}
     return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 async def authenticate(keys: ApiKeys, scope: Scope) -> str:
-    """The caller's key id, from the Authorization header or a read token; raises Unauthorized."""
-    authorization = None
+    """The caller's key id, from the Authorization header (else an ``x-api-key`` header, as Anthropic's clients
+    send the same key) or a read token; raises Unauthorized."""
+    authorization = api_key = None
     for name, value in scope["headers"]:
         if name == b"authorization":
             authorization = value.decode("latin-1")
             break
+        if name == b"x-api-key" and api_key is None:
+            api_key = value.decode("latin-1")
+    if authorization is None and api_key is not None:
+        authorization = f"Bearer {api_key}"
     if authorization is None and scope["method"] == "GET":
         m = _READABLE.match(scope["path"])
         token = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from starlette.routing import BaseRoute
 
-from consumer.views import aisdk, durable, native, openai, ops, web
+from consumer.views import aisdk, anthropic, durable, native, openai, ops, web
 
-ROUTES: list[BaseRoute] = [*native.ROUTES, *ops.ROUTES, *openai.ROUTES, *aisdk.ROUTES, *durable.ROUTES,
-                           *web.ROUTES]
+ROUTES: list[BaseRoute] = [*native.ROUTES, *ops.ROUTES, *openai.ROUTES, *anthropic.ROUTES, *aisdk.ROUTES,
+                           *durable.ROUTES, *web.ROUTES]

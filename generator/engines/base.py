@@ -71,6 +71,9 @@ class Generation:
     #: Called by the inference thread with the answer's text once a plain-text answer ended and its end was
     #: handed on (so nothing waits for it): an engine with a prompt cache prepares the chat's next turn.
     after: Callable[[str], None] | None = None
+    #: The stop sequence that ended the answer when the engine applied it itself (an upstream that says which:
+    #: vLLM's ``stop_reason``); a stop sequence rsb's own filter meets is the worker's to know.
+    stop_sequence: str | None = None
 
 
 #: Called after each batched decoding step with (sequences in the batch, prompt tokens it prefilled, seconds).

@@ -90,9 +90,10 @@ class LlamaEngine(Engine):
     suspended is ended when the next one starts. With more, up to ``parallel`` run at once in one batch
     (generator.engines.batch) and the rest wait for a free sequence.
 
-    Sampling follows the request's temperature and top_p (temperature 0 is greedy), with ``top_k`` as a
-    cost bound and no min_p/typical/repeat penalties. ``seed=None`` draws a random seed. A cancelled
-    generation (``stop`` set) ends without touching ``finish_reason``: the caller knows why it stopped.
+    Sampling follows the request's temperature, top_p and top_k (temperature 0 is greedy), with ``top_k`` (the
+    engine's, unless the request sets one) as a cost bound and no min_p/typical/repeat penalties. ``seed=None``
+    draws a random seed. A cancelled generation (``stop`` set) ends without touching ``finish_reason``: the caller
+    knows why it stopped.
     ``ignore_eos`` masks every end-of-generation token, so answers run to ``max_tokens``."""
 
     def __init__(
@@ -367,7 +368,8 @@ class LlamaEngine(Engine):
             seed -= 1
         # A grammar ends with end-of-generation, so ignore_eos does not apply to a constrained answer.
         masked = self._never_utf8() if grammar is not None else self._eog if self.ignore_eos else ()
-        sampler = Sampler(self._llm, temperature=request.temperature, top_p=request.top_p, top_k=self.top_k,
+        top_k = self.top_k if request.sampling.top_k is None else request.sampling.top_k
+        sampler = Sampler(self._llm, temperature=request.temperature, top_p=request.top_p, top_k=top_k,
                           seed=seed, masked_ids=masked, grammar=grammar, pieces=self._pieces,
                           utf8=self._utf8_masks() if grammar is not None else None, sampling=request.sampling,
                           ctx=ctx)

@@ -41,12 +41,11 @@ from consumer.state import caller_of, state_of
 from consumer.streaming.service import Caller
 from consumer.streaming.sse import STREAM_ID_HEADER as STREAM_ID_HEADER  # re-exported, as DONE_FRAME
 from consumer.streaming.sse import Draining, Gone, race
+from consumer.views import idempotency
 
-# Lets a client find the rsb stream behind an OpenAI object (to resume it over /v1/streams/{id}/events).
-IDEMPOTENCY_HEADER = "idempotency-key"
-MAX_IDEMPOTENCY_KEY = 256
-# Stream ids made from Idempotency-Key headers live in their own namespace (uuid5 of caller and key).
-_IDEMPOTENCY_NS = uuid.UUID("6f1c2a0e-5d3b-4c1e-9b7a-2e4f8d9c0a11")
+# Idempotency-Key (consumer.views.idempotency), named for the OpenAPI document.
+IDEMPOTENCY_HEADER = idempotency.HEADER
+MAX_IDEMPOTENCY_KEY = idempotency.MAX_CHARS
 # The parameter an rsb validation message is about: "'max_tokens' must be ...", "messages[3].role ..." or
 # "response_format.json_schema.name ...".
 _PARAM = re.compile(r"\A'?([a-z_]+)(?:'|\[|\.|:)")
@@ -220,12 +219,10 @@ def check_results_answer_calls(messages: list[dict[str, Any]], param: str) -> No
 def stream_id_for(request: Request, caller: Caller) -> uuid.UUID:
     """A new stream per call, unless the client sends an Idempotency-Key: then retries of the call land on
     the same stream (one generation). The caller is part of the name, so tenants never share one."""
-    key = request.headers.get(IDEMPOTENCY_HEADER)
-    if key is None:
-        return uuid.uuid4()
-    if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY:
-        raise invalid(f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters", code="invalid_header")
-    return uuid.uuid5(_IDEMPOTENCY_NS, f"{caller.key_id}\n{key}")
+    try:
+        return idempotency.stream_id_for_key(request.headers.get(IDEMPOTENCY_HEADER), caller)
+    except InvalidRequest as e:
+        raise invalid(e.message, code="invalid_header") from None
 
 
 def validated(request: Request, rsb_body: dict[str, Any], renames: Mapping[str, str], *,
@@ -293,6 +290,15 @@ class DeferredResponse(Response):
         self.stream_id = str(stream_id)
         self.on_close = on_close
 
+    def shutting_down(self) -> Response:
+        """The answer when the pod drains before the generation ends (a view in another protocol overrides it)."""
+        return error_json(503, "this server is shutting down; retry", type_="server_error", code="shutting_down",
+                          headers={"Retry-After": "1"})
+
+    def failed(self, err: RsbError) -> Response:
+        """The answer to an rsb error raised while waiting (a view in another protocol overrides it)."""
+        return error_response(err)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             try:
@@ -300,13 +306,12 @@ class DeferredResponse(Response):
             except Gone:
                 return
             except Draining:
-                response = error_json(503, "this server is shutting down; retry", type_="server_error",
-                                      code="shutting_down", headers={"Retry-After": "1"})
+                response = self.shutting_down()
             except Exception as e:
                 err = as_rsb_error(e)
                 if err is None:
                     raise
-                response = error_response(err)
+                response = self.failed(err)
             response.headers[STREAM_ID_HEADER] = self.stream_id
             await response(scope, receive, send)
         finally:

@@ -54,6 +54,8 @@ class OllamaProtocol(UpstreamProtocol):
             options["presence_penalty"] = sampling.presence_penalty
         if sampling.frequency_penalty:
             options["frequency_penalty"] = sampling.frequency_penalty
+        if sampling.top_k is not None:
+            options["top_k"] = sampling.top_k
         if request.stop:
             options["stop"] = list(request.stop)
         body: dict[str, Any] = {"model": model or "", "stream": True, "options": options}

@@ -144,10 +144,12 @@ def parse_event(data: str, *, chat: bool) -> Chunk:
     # servers send an empty one after the last token.
     if finish is not None and not text:
         text = None
+    # vLLM names the stop string that ended the answer (or the stop token's id, a number: not a stop sequence).
+    stop_reason = choice.get("stop_reason")
     return Chunk(piece=text if isinstance(text, str) else None,
                  finish_reason=map_finish_reason(finish) if finish is not None else None,
                  prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, reasoning=thought or None,
-                 calls=calls, logprobs=probs)
+                 calls=calls, logprobs=probs, stop_sequence=stop_reason if isinstance(stop_reason, str) else None)
 
 
 def _logprobs(raw: object) -> tuple[TokenLogprob, ...]:

@@ -95,6 +95,7 @@ class Chunk:
     reasoning: str | None = None
     calls: tuple[CallPiece, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()  # of the text's tokens (an OpenAI-compatible server's logprobs.content)
+    stop_sequence: str | None = None  # the stop string that ended the answer, when the server says (vLLM)
 
 
 class UpstreamRefused(EngineError):
@@ -285,6 +286,7 @@ class UpstreamPieces:
             return out
         if chunk.finish_reason is not None:
             gen.finish_reason = chunk.finish_reason
+            gen.stop_sequence = chunk.stop_sequence
             self._ended = True
         if chunk.done:
             self.over = True
