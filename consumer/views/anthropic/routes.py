@@ -24,10 +24,11 @@ from consumer.edge.http import read_body
 from consumer.state import caller_of, state_of
 from consumer.streaming.service import StreamService
 from consumer.streaming.sse import SSE_HEADERS, STREAM_ID_HEADER, SSEResponse
-from consumer.views import idempotency
 from consumer.views.anthropic.errors import NO_RETRY, AnthropicError, error_json, error_object, error_response, invalid
 from consumer.views.anthropic.message import EventKey, MessageView, parse_message_id, parse_resume_id, terminal_error
 from consumer.views.anthropic.request import parse_messages_request
+from consumer.views.idempotency import HEADER as IDEMPOTENCY_HEADER
+from consumer.views.idempotency import stream_id_for_key
 from consumer.views.openai.common import DeferredResponse
 
 
@@ -105,7 +106,7 @@ async def create_message(request: Request) -> ASGIApp:
     caller = caller_of(request)
     req = parse_messages_request(await read_json(request), service.limits_for(caller))
     try:
-        stream_id = idempotency.stream_id_for_key(request.headers.get(idempotency.HEADER), caller)
+        stream_id = stream_id_for_key(request.headers.get(IDEMPOTENCY_HEADER), caller)
     except InvalidRequest as e:
         raise invalid(e.message) from None
     with service.connection(caller) as slot:

@@ -41,11 +41,9 @@ from consumer.state import caller_of, state_of
 from consumer.streaming.service import Caller
 from consumer.streaming.sse import STREAM_ID_HEADER as STREAM_ID_HEADER  # re-exported, as DONE_FRAME
 from consumer.streaming.sse import Draining, Gone, race
-from consumer.views import idempotency
+from consumer.views.idempotency import HEADER as IDEMPOTENCY_HEADER
+from consumer.views.idempotency import stream_id_for_key
 
-# Idempotency-Key (consumer.views.idempotency), named for the OpenAPI document.
-IDEMPOTENCY_HEADER = idempotency.HEADER
-MAX_IDEMPOTENCY_KEY = idempotency.MAX_CHARS
 # The parameter an rsb validation message is about: "'max_tokens' must be ...", "messages[3].role ..." or
 # "response_format.json_schema.name ...".
 _PARAM = re.compile(r"\A'?([a-z_]+)(?:'|\[|\.|:)")
@@ -220,7 +218,7 @@ def stream_id_for(request: Request, caller: Caller) -> uuid.UUID:
     """A new stream per call, unless the client sends an Idempotency-Key: then retries of the call land on
     the same stream (one generation). The caller is part of the name, so tenants never share one."""
     try:
-        return idempotency.stream_id_for_key(request.headers.get(IDEMPOTENCY_HEADER), caller)
+        return stream_id_for_key(request.headers.get(IDEMPOTENCY_HEADER), caller)
     except InvalidRequest as e:
         raise invalid(e.message, code="invalid_header") from None
 

@@ -15,8 +15,10 @@ from typing import Any
 
 from broker.request import RequestLimits
 from consumer.schema import LOGPROBS_RULE, RETRY_AFTER, error_response, json_response, nullable, sse_response
+from consumer.views.idempotency import HEADER as IDEMPOTENCY_HEADER
+from consumer.views.idempotency import MAX_CHARS as MAX_IDEMPOTENCY_KEY
 from consumer.views.openai import chat, responses
-from consumer.views.openai.common import IDEMPOTENCY_HEADER, MAX_IDEMPOTENCY_KEY, ROLES, STREAM_ID_HEADER
+from consumer.views.openai.common import ROLES, STREAM_ID_HEADER
 from consumer.views.openai.conversation_schema import conversation_paths
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
