@@ -8,20 +8,22 @@ compared with what the model streamed, every request the model got is checked.""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
+import redis
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import MessageParam, TextBlock, ThinkingBlock, ToolParam, ToolUseBlock
-from helpers import SSE, sse_blocks
+from helpers import SSE, eventually, sse_blocks
 from scripted_upstream import Reply, ScriptedUpstream, reasoning, text, tool_call_pieces
-from servers import SharedStack
+from servers import SharedStack, Stack, StackFactory
 
 from broker.redis.server import RedisServer
 from consumer.edge.auth import new_key
@@ -94,13 +96,25 @@ def _weather_call(call_id: str, *, thought: bool = True, **kw: Any) -> Reply:
                   *tool_call_pieces(0, call_id, "get_weather", ARGS, 4)], finish_reason="tool_calls", **kw)
 
 
-def _post_raw(stack: SharedStack, key: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-              stop: Any = None) -> tuple[httpx.Response, list[SSE]]:
-    """A streamed create read on the wire (``stop``: a predicate on the events so far that cuts the read)."""
-    events: list[SSE] = []
-    with httpx.Client(base_url=stack.base_url, timeout=60) as c, c.stream(
+Stop = Callable[[list[SSE]], bool]
+
+
+def _auth(key: str | None) -> dict[str, str]:
+    return {} if key is None else {"x-api-key": key}
+
+
+def _inputs(events: list[SSE]) -> list[SSE]:
+    return [e for e in events if e.data.get("delta", {}).get("type") == "input_json_delta"]
+
+
+def _post_raw(stack: Stack, key: str | None, body: dict[str, Any], headers: dict[str, str] | None = None,
+              stop: Stop | None = None, sink: list[SSE] | None = None) -> tuple[httpx.Response, list[SSE]]:
+    """A streamed create read on the wire (``stop``: a predicate on the events so far that cuts the read; ``sink``:
+    the list the events go to as they arrive)."""
+    events: list[SSE] = [] if sink is None else sink
+    with httpx.Client(base_url=stack.base_url, timeout=120) as c, c.stream(
             "POST", "/v1/messages", json={**body, "stream": True},
-            headers={"x-api-key": key, "anthropic-version": "2023-06-01", **(headers or {})}) as r:
+            headers={**_auth(key), "anthropic-version": "2023-06-01", **(headers or {})}) as r:
         if r.status_code != 200:
             r.read()
             return r, []
@@ -112,17 +126,23 @@ def _post_raw(stack: SharedStack, key: str, body: dict[str, Any], headers: dict[
     return r, events
 
 
-def _read_raw(stack: SharedStack, key: str, message_id: str, last_event_id: str | None = None
-              ) -> tuple[int, list[SSE]]:
-    headers = {"x-api-key": key, "accept": "text/event-stream"}
+def _read_raw(stack: Stack, key: str | None, message_id: str, last_event_id: str | None = None,
+              stop: Stop | None = None) -> tuple[int, list[SSE]]:
+    headers = {**_auth(key), "accept": "text/event-stream"}
     if last_event_id is not None:
         headers["last-event-id"] = last_event_id
-    with httpx.Client(base_url=stack.base_url, timeout=60) as c, c.stream(
+    events: list[SSE] = []
+    with httpx.Client(base_url=stack.base_url, timeout=120) as c, c.stream(
             "GET", f"/v1/messages/{message_id}/events", headers=headers) as r:
         if r.status_code != 200:
             r.read()
             return r.status_code, []
-        return 200, [p for p in sse_blocks(r) if isinstance(p, SSE)]
+        for parsed in sse_blocks(r):
+            if isinstance(parsed, SSE):
+                events.append(parsed)
+                if stop is not None and stop(events):
+                    break
+    return 200, events
 
 
 def _accumulate(events: list[SSE]) -> Any:
@@ -264,11 +284,7 @@ def test_a_stream_cut_mid_input_json_delta_resumes_into_the_same_message(stack: 
     body = {"model": MODEL, "max_tokens": 4096, "messages": ASK, "tools": [WEATHER_TOOL],
             "thinking": {"type": "enabled", "budget_tokens": 2048}}
 
-    def mid_call(events: list[SSE]) -> bool:
-        deltas = [e for e in events if e.data.get("delta", {}).get("type") == "input_json_delta"]
-        return len(deltas) >= 2
-
-    _, first = _post_raw(stack, keys.alice, body, stop=mid_call)
+    _, first = _post_raw(stack, keys.alice, body, stop=lambda events: len(_inputs(events)) >= 2)
     message_id = first[0].data["message"]["id"]
     status, rest = _read_raw(stack, keys.alice, message_id, last_event_id=first[-1].id)
     assert status == 200
@@ -372,3 +388,48 @@ def test_an_unknown_model_is_anthropics_404(stack: SharedStack, keys: Keys) -> N
         _client(stack, keys.alice).messages.create(model="claude-sonnet-4-5", max_tokens=8, messages=ASK)
     assert isinstance(e.value.body, dict) and e.value.body["error"]["type"] == "not_found_error"
     assert "claude-sonnet-4-5" in e.value.body["error"]["message"]
+
+
+# -- a generator SIGKILLed during an Anthropic stream ------------------------------------------------------------
+
+NOTES_TOOL: ToolParam = {"name": "save_notes", "description": "Save notes", "input_schema": {
+    "type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "minLength": 12,
+                                                                          "maxLength": 24},
+                                               "minItems": 30, "maxItems": 30}},
+    "required": ["notes"], "additionalProperties": False}}
+
+
+def test_a_generator_sigkilled_mid_stream_is_continued_exactly_once(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path) -> None:
+    """In-process llama.cpp (the demo model, slow enough to kill mid-answer) writes a forced tool call; its worker
+    is SIGKILLed in the middle of the call's input and another takes the job over. The stream that stayed
+    connected, a reader that resumed from its last id across the crash and a read afterwards are the same events
+    with the same ids, and the SDK's accumulator makes of them one tool_use whose input is valid, once."""
+    s = stack_factory(redis_server.url)
+    s.consumer()
+    victim = s.generator("--lease-s", "1", model=slow_model)
+    body = {"model": MODEL, "max_tokens": 3000, "messages": [{"role": "user", "content": "Take notes"}],
+            "tools": [NOTES_TOOL], "tool_choice": {"type": "tool", "name": "save_notes"}}
+    connected: list[SSE] = []
+    t = threading.Thread(target=lambda: _post_raw(s, None, body, sink=connected))
+    t.start()
+    eventually(lambda: len(_inputs(connected)) >= 1, 60, "the call's first input piece")
+    message_id = connected[0].data["message"]["id"]
+    _, head = _read_raw(s, None, message_id, stop=lambda events: len(_inputs(events)) >= 3)
+    assert head[-1].data["delta"]["type"] == "input_json_delta"
+    victim.signal(signal.SIGKILL)
+    victim.wait(5)
+    s.generator("--lease-s", "1", model=slow_model)
+    _, tail = _read_raw(s, None, message_id, last_event_id=head[-1].id)
+    t.join(180)
+    assert redis_client.hget(f"rsb:{{p0}}:s:{uuid.UUID(hex=message_id[4:])}:meta", "attempts") == b"2"
+    _, after = _read_raw(s, None, message_id)
+    assert after[-1].event == "message_stop"
+    assert [(e.id, e.data) for e in connected] == [(e.id, e.data) for e in after]
+    assert [(e.id, e.data) for e in head + tail] == [(e.id, e.data) for e in after]
+    message = _accumulate(after)
+    [call] = message.content
+    assert isinstance(call, ToolUseBlock) and call.name == "save_notes" and message.stop_reason == "tool_use"
+    notes = call.input["notes"]
+    assert isinstance(notes, list) and len(notes) == 30 and all(12 <= len(n) <= 24 for n in notes)
+    assert len(_inputs(head)) < len(_inputs(after))  # it went on from where it stopped
