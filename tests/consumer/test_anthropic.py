@@ -433,3 +433,52 @@ def test_a_generator_sigkilled_mid_stream_is_continued_exactly_once(
     notes = call.input["notes"]
     assert isinstance(notes, list) and len(notes) == 30 and all(12 <= len(n) <= 24 for n in notes)
     assert len(_inputs(head)) < len(_inputs(after))  # it went on from where it stopped
+
+
+# -- LangChain's ChatAnthropic (langchain-anthropic, pinned in the [test] extra) -----------------------------------
+
+
+def test_langchain_chat_anthropic_tool_loop_streaming_and_structured_output(stack: SharedStack,
+                                                                           upstream: ScriptedUpstream,
+                                                                           keys: Keys) -> None:
+    from langchain_anthropic import ChatAnthropic
+    from langchain_core.messages import AIMessageChunk, HumanMessage, ToolMessage
+    from pydantic import BaseModel
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "18 C"
+
+    chat = ChatAnthropic(model_name=MODEL, base_url=stack.base_url, api_key=keys.alice, max_retries=0,  # type: ignore[arg-type]
+                         timeout=60, stop=None)
+    bound = chat.bind_tools([get_weather])
+    upstream.script(Reply(tool_call_pieces(0, "call_l1", "get_weather", '{"city": "Paris"}'),
+                          finish_reason="tool_calls"), Reply([text("18 C "), text("in Paris.")]))
+    ask = HumanMessage("Weather in Paris?")
+    ai = bound.invoke([ask])
+    assert ai.tool_calls == [{"name": "get_weather", "args": {"city": "Paris"}, "id": "call_l1", "type": "tool_call"}]
+    assert ai.response_metadata["stop_reason"] == "tool_use"
+    done = bound.invoke([ask, ai, ToolMessage("18 C", tool_call_id="call_l1")])
+    assert done.text == "18 C in Paris."
+    history = upstream.bodies()[-1]["messages"]
+    assert [m["role"] for m in history] == ["user", "assistant", "tool"] and history[2]["content"] == "18 C"
+
+    # Streamed: the chunks add up to the call (input_json_delta pieces) and the usage of message_delta.
+    upstream.script(Reply(tool_call_pieces(0, "call_l2", "get_weather", '{"city": "Oslo"}'),
+                          finish_reason="tool_calls"))
+    total: AIMessageChunk | None = None
+    for chunk in bound.stream([HumanMessage("Weather in Oslo?")]):
+        assert isinstance(chunk, AIMessageChunk)
+        total = chunk if total is None else total + chunk
+    assert total is not None and total.tool_calls[0]["args"] == {"city": "Oslo"}
+    assert total.usage_metadata is not None and total.usage_metadata["output_tokens"] == 5
+
+    class City(BaseModel):
+        city: str
+        population: int
+
+    upstream.script(Reply(tool_call_pieces(0, "call_l3", "City", '{"city": "Oslo", "population": 709000}'),
+                          finish_reason="tool_calls"))
+    assert chat.with_structured_output(City).invoke("Tell me about Oslo.") == City(city="Oslo", population=709000)
+    sent = upstream.bodies()[-1]
+    assert sent["tool_choice"] == {"type": "function", "function": {"name": "City"}}
