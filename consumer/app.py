@@ -19,6 +19,7 @@ from broker.scrape import serve_scrapes
 from broker.streams.outbox import Outbox
 from broker.streams.read_token_secret import shared_read_token_secret
 from broker.streams.store import Store
+from broker.streams.token_counts import TokenCounts
 from broker.streams.usage import Prices
 from consumer.edge.auth import ApiKeys
 from consumer.edge.errors import HANDLERS, OUT_OF_MEMORY, ShutdownBoundary
@@ -105,7 +106,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, conversations=ConversationService(service, service.conversations),
                       durable=DurableStore(redis, b.partitions), draining=drain, prices=prices,
-                      outbox=Outbox(redis, b.partitions))
+                      outbox=Outbox(redis, b.partitions), token_counts=TokenCounts(redis))
         # A read stream must never look unread for abandon_after_s: touch well within it.
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)

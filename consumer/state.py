@@ -10,6 +10,7 @@ from starlette.requests import HTTPConnection
 from broker.durable.store import DurableStore
 from broker.streams.outbox import Outbox
 from broker.streams.store import Store
+from broker.streams.token_counts import TokenCounts
 from broker.streams.usage import Prices
 from consumer.edge.auth import ApiKeys
 from consumer.edge.limits import ConnectionLimiter, address_group
@@ -43,6 +44,8 @@ class State:
     prices: Prices | None = None
     #: The webhook events not delivered yet (consumer.streaming.webhooks delivers them).
     outbox: Outbox | None = None
+    #: Token counts asked of the generators (POST /v1/messages/count_tokens), this pod's waits bounded.
+    token_counts: TokenCounts | None = None
 
 
 def state_of(conn: HTTPConnection) -> State:

@@ -24,6 +24,7 @@ from broker.streams.served_models import ANNOUNCE_INTERVAL_S, ServedModels
 from broker.streams.store import Store
 from generator.appends import AppendBatcher
 from generator.engines import Engine
+from generator.engines.base import TokenCounter
 from generator.generation import Appender, JobRunner
 from generator.jobs import JobPoller
 from generator.lease import check_cancel, listen_for_cancels
@@ -31,6 +32,7 @@ from generator.metrics import GeneratorMetrics
 from generator.retry import OUT_OF_MEMORY
 from generator.settings import GeneratorSettings
 from generator.slots import Seat, Slots
+from generator.token_counts import answer_token_counts
 
 log = logging.getLogger("rsb.generator")
 
@@ -113,6 +115,10 @@ class Worker:
         control = asyncio.create_task(listen_for_cancels(self.blocking, self.store.partitions, self._on_cancel_notice),
                                       name="cancel-listener")
         announcer = asyncio.create_task(self._announce_model(), name="announce-model")
+        helpers = [control, announcer]
+        if isinstance(self.engine, TokenCounter):  # POST /v1/messages/count_tokens for this model
+            helpers.append(asyncio.create_task(answer_token_counts(self.engine, self.store.redis, self.engine.name),
+                                               name="token-counts"))
         slots = Slots(self.concurrency, self.settings.max_parked)
         self.slots = slots
         self.metrics.parked.set_function(lambda: slots.parked)
@@ -157,9 +163,9 @@ class Worker:
         finally:
             if jobs:  # finished within the grace period, or handed over by hand_over()
                 await asyncio.gather(*jobs, return_exceptions=True)
-            control.cancel()
-            announcer.cancel()
-            await asyncio.gather(control, announcer, *self._background, return_exceptions=True)
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, *self._background, return_exceptions=True)
 
     async def _claim_unless_stopping(self) -> Claim | None:
         if self._stopping.is_set():  # never claim (take over) a job just handed over by this very worker

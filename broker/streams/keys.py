@@ -267,6 +267,38 @@ def model_tag(model: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenCountKeys:
+    """The token counts of one model (broker.streams.token_counts): outside every partition, only single-key
+    commands touch them."""
+
+    model: str
+
+    @property
+    def prefix(self) -> str:
+        return f"{PREFIX}:tc:{model_tag(self.model)}"
+
+    @property
+    def questions(self) -> str:
+        """List: the ids of the questions waiting for a generator of the model (bounded, expiring when idle)."""
+        return self.prefix + ":q"
+
+    @property
+    def counters(self) -> str:
+        """String with a TTL: present while a generator that counts this model's tokens is alive."""
+        return self.prefix + ":live"
+
+
+def token_count_question_key(question_id: str) -> str:
+    """String with a TTL: a question's request (its canonical JSON), for as long as its asker waits."""
+    return f"{PREFIX}:tc:ask:{question_id}"
+
+
+def token_count_answer_key(question_id: str) -> str:
+    """List with a TTL: the answer to a question, which its asker waits on (BLPOP)."""
+    return f"{PREFIX}:tc:ans:{question_id}"
+
+
+@dataclass(frozen=True, slots=True)
 class QueueKeys:
     """The job queue of one model in one partition (broker.streams.queue_scripts says how a job moves through
     it). Every key starts with ``prefix``, which the scripts also store in a stream's meta (``qp``) to reach the

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from broker.request import GenerationRequest
 from generator.engines.pieces import PartialAnswer, Piece
@@ -74,6 +74,17 @@ class Generation:
     #: The stop sequence that ended the answer when the engine applied it itself (an upstream that says which:
     #: vLLM's ``stop_reason``); a stop sequence rsb's own filter meets is the worker's to know.
     stop_sequence: str | None = None
+
+
+@runtime_checkable
+class TokenCounter(Protocol):
+    """An engine that counts a request's prompt tokens itself (it holds the tokenizer and the chat template): its
+    worker answers the token counts asked of its model (generator.token_counts; an upstream's engine does not)."""
+
+    def count_tokens(self, request: GenerationRequest) -> int:
+        """The tokens of the prompt a generation of ``request`` would evaluate. Raises EngineError (the chat
+        template refuses the conversation, ...). Safe beside running generations: it decodes nothing."""
+        ...
 
 
 #: Called after each batched decoding step with (sequences in the batch, prompt tokens it prefilled, seconds).

@@ -197,6 +197,11 @@ class LlamaEngine(Engine):
             raise EngineError("the prompt is empty and the model adds no BOS token")
         return tokens
 
+    def count_tokens(self, request: GenerationRequest) -> int:
+        """generator.engines.base.TokenCounter: the tokenizer and the template are read-only, so this runs on any
+        thread, beside the inference thread."""
+        return len(self.tokenize_prompt(request))
+
     def start(
         self,
         request: GenerationRequest,

@@ -482,3 +482,45 @@ def test_langchain_chat_anthropic_tool_loop_streaming_and_structured_output(stac
     assert chat.with_structured_output(City).invoke("Tell me about Oslo.") == City(city="Oslo", population=709000)
     sent = upstream.bodies()[-1]
     assert sent["tool_choice"] == {"type": "function", "function": {"name": "City"}}
+
+
+# -- count_tokens: asked of a generator of the model, through Redis --------------------------------------------------
+
+
+def test_count_tokens_is_the_prompt_a_generation_evaluates(stack_factory: StackFactory, redis_server: RedisServer,
+                                                           redis_client: redis.Redis) -> None:
+    s = stack_factory(redis_server.url)
+    s.generator()  # in-process llama.cpp: its tokenizer and chat template count
+    s.consumer()
+    client = anthropic.Anthropic(base_url=s.base_url, api_key="unused", max_retries=0)
+    messages: list[MessageParam] = [{"role": "user", "content": "What is the weather in Paris? " * 20},
+                                    {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Oslo?"}]
+    counted = client.messages.count_tokens(model=MODEL, system="Be brief.", messages=messages, tools=[WEATHER_TOOL])
+    generated = client.messages.create(model=MODEL, max_tokens=1, system="Be brief.", messages=messages,
+                                       tools=[WEATHER_TOOL])
+    usage = generated.usage
+    assert counted.input_tokens > 200
+    assert counted.input_tokens == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+    assert client.messages.count_tokens(model=MODEL, messages=ASK).input_tokens < counted.input_tokens
+    # Nothing of the prompts stays in Redis: each question went with its answer.
+    assert list(redis_client.scan_iter("rsb:tc:ask:*")) == [] and list(redis_client.scan_iter("rsb:tc:ans:*")) == []
+
+
+def test_count_tokens_where_no_generator_can_answer(stack: SharedStack, keys: Keys) -> None:
+    client = _client(stack, keys.alice)
+    # The generators of an upstream count nothing: said at once.
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.count_tokens(model=MODEL, messages=ASK)
+    assert isinstance(e.value.body, dict) and "counts tokens" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="claude-sonnet-4-5", messages=ASK)
+    # A generator that said it counts and then answers nothing: the wait is bounded and leaves nothing behind.
+    stack.redis.set("rsb:tc:scripted-model:live", "1", ex=30)
+    try:
+        with pytest.raises(anthropic.InternalServerError) as over:
+            client.messages.count_tokens(model=MODEL, messages=ASK)
+        assert over.value.status_code == 529 and over.value.response.headers["retry-after"] == "1"
+        assert isinstance(over.value.body, dict) and over.value.body["error"]["type"] == "overloaded_error"
+        assert list(stack.redis.scan_iter("rsb:tc:ask:*")) == []
+    finally:
+        stack.redis.delete("rsb:tc:scripted-model:live", "rsb:tc:scripted-model:q")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from starlette.routing import BaseRoute, Route
 
 from consumer.views.anthropic.errors import anthropic_route
-from consumer.views.anthropic.routes import create_message, message_events
+from consumer.views.anthropic.routes import count_tokens, create_message, message_events
 
 #: The request headers Anthropic's clients send besides Content-Type (what a CORS preflight must allow).
 REQUEST_HEADERS = ("X-Api-Key", "Anthropic-Version", "Anthropic-Beta")
@@ -19,4 +19,5 @@ REQUEST_HEADERS = ("X-Api-Key", "Anthropic-Version", "Anthropic-Beta")
 ROUTES: list[BaseRoute] = [
     Route("/v1/messages", anthropic_route(create_message), methods=["POST"]),
     Route("/v1/messages/{message_id}/events", anthropic_route(message_events), methods=["GET"]),
+    Route("/v1/messages/count_tokens", anthropic_route(count_tokens), methods=["POST"]),
 ]

@@ -31,6 +31,10 @@ from consumer.views.idempotency import HEADER as IDEMPOTENCY_HEADER
 from consumer.views.idempotency import stream_id_for_key
 from consumer.views.openai.common import DeferredResponse
 
+#: How long a token count waits for a generator's answer: well under the pooled Redis client's socket timeout, which
+#: a blocking command does not extend (NOTES.md).
+COUNT_WAIT_S = 4.0
+
 
 async def read_json(request: Request) -> dict[str, Any]:
     raw = await read_body(request, state_of(request).settings.max_body_bytes)
@@ -169,3 +173,33 @@ async def message_events(request: Request) -> ASGIApp:
 
 def _replay(view: MessageView, events: Sequence[Event], after: EventKey | None) -> bytes:
     return b"".join(_encode(ev, view.feed(ev), after) for ev in events)
+
+
+async def count_tokens(request: Request) -> ASGIApp:
+    """``POST /v1/messages/count_tokens``: ``{"input_tokens": n}``, the tokens of the prompt a create with this body
+    would evaluate, counted by a generator of its model (its tokenizer and chat template; broker.streams.token_counts).
+    ``404`` when no generator of the model can count (an upstream's generators cannot), ``529`` when none answers
+    within COUNT_WAIT_S."""
+    state = state_of(request)
+    service, counts = state.service, state.token_counts
+    assert counts is not None
+    caller = caller_of(request)
+    body = await read_json(request)
+    limits = service.limits_for(caller)
+    # Anthropic's count takes a create's body without max_tokens: any allowed value makes the same prompt.
+    req = parse_messages_request({**body, "max_tokens": body.get("max_tokens") or limits.max_tokens}, limits)
+    model = await service.resolve_model(req.generation.model)
+    if not await counts.counted(model):
+        raise AnthropicError(404, f"no generator of model {model!r} counts tokens (in-process llama.cpp generators "
+                                  "do; those of an upstream server do not)")
+    with service.connection(caller) as slot:
+        try:
+            answer = await counts.ask(model, req.generation, COUNT_WAIT_S)
+        finally:
+            slot.release()
+    if answer is None:
+        raise AnthropicError(529, f"no generator of model {model!r} answered within {COUNT_WAIT_S:g} s; retry",
+                             {"Retry-After": "1"})
+    if "error" in answer:
+        raise invalid(f"{answer['error'].get('code', 'engine')}: {answer['error'].get('message', '')}")
+    return JSONResponse({"input_tokens": int(answer["input_tokens"])})
