@@ -52,7 +52,11 @@ class RefusalLimit:
         wait_s = self.budget.retry_after_s(who)
         if wait_s is not None:
             err = TooManyRefusals("too many refused requests from this address; retry later", wait_s)
-            await refusal(err)(scope, receive, send)
+            if scope["path"].startswith(ANTHROPIC_PREFIX):  # in the shape its clients read
+                answer = anthropic_error(429, "rate_limit_error", err.message, {"Retry-After": str(wait_s)})
+            else:
+                answer = refusal(err)
+            await answer(scope, receive, send)
             return
         if scope["method"] in _BODILESS:
             await self.app(scope, receive, send)
@@ -104,14 +108,21 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
+def anthropic_error(status: int, type_: str, message: str, headers: dict[str, str]) -> JSONResponse:
+    """An answer before any route runs, on Anthropic's routes: in Anthropic's error shape (its view,
+    consumer.views.anthropic.errors, answers every other)."""
+    return JSONResponse({"type": "error", "error": {"type": type_, "message": message}}, status_code=status,
+                        headers=headers)
+
+
 def unauthorized(e: Unauthorized, path: str = "") -> JSONResponse:
     # Before any route runs: the body carries both rsb's fields (code, message) and OpenAI's (type, param), which
     # every view's clients read, except on Anthropic's routes, whose clients read Anthropic's error shape.
+    headers = {"WWW-Authenticate": "Bearer"}
     if path.startswith(ANTHROPIC_PREFIX):
-        body: dict[str, object] = {"type": "error", "error": {"type": "authentication_error", "message": e.message}}
-    else:
-        body = {"error": {"code": e.code, "message": e.message, "type": "invalid_request_error", "param": None}}
-    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return anthropic_error(401, "authentication_error", e.message, headers)
+    body = {"error": {"code": e.code, "message": e.message, "type": "invalid_request_error", "param": None}}
+    return JSONResponse(body, status_code=401, headers=headers)
 
 
 async def authenticate(keys: ApiKeys, scope: Scope) -> str:
