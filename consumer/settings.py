@@ -58,7 +58,8 @@ class ConsumerSettings(Settings):
     default_model: str | None = setting(
         None, "model name recorded for requests that name none (default: the model the generators serve)")
     api_keys_file: str | None = setting(
-        None, "JSON file of API keys; when set, every /v1 and /api route needs 'Authorization: Bearer'",
+        None, "JSON file of API keys; when set, every /v1 and /api route needs 'Authorization: Bearer' (or "
+              "'x-api-key', as Anthropic's clients send it)",
         flag="api-keys")
     read_token_secret: str | None = setting(
         None, "secret signing read tokens, the same on every pod (default: a random one made once and kept in "
