@@ -178,3 +178,16 @@ def test_stop_sequences_and_endings_without_an_answer() -> None:
                                                      "message": "context_length_exceeded: too long"}}
     view, out = _fold(False, [_ev(1, "queued"), _ev(2, "cancelled", reason="client")])
     assert out[-1][1]["error"]["type"] == "conflict_error"
+
+
+def test_what_the_translation_walks_is_bounded_before_it_walks() -> None:
+    small = RequestLimits(max_messages=4)
+    many = [{"role": "user", "content": "x"}] * 5
+    with pytest.raises(AnthropicError, match="at most 4 messages"):
+        parse_messages_request({"model": "m", "max_tokens": 8, "messages": many}, small)
+    blocks = [{"role": "user", "content": [{"type": "text", "text": "x"}] * 33}]  # 8 per message allowed on average
+    with pytest.raises(AnthropicError, match="at most 32 content blocks"):
+        parse_messages_request({"model": "m", "max_tokens": 8, "messages": blocks}, small)
+    with pytest.raises(AnthropicError, match="at most 128 tools"):
+        parse_messages_request({"model": "m", "max_tokens": 8, "messages": many[:1],
+                                "tools": [{"name": "f", "input_schema": {"type": "object"}}] * 129}, small)

@@ -46,9 +46,9 @@ _EVENT_ID = re.compile(r"\A([0-9]{1,20}-[0-9]{1,20})(?::([0-9]{1,9}))?\Z")
 #: Where an id that names an rsb event alone (``<ms>-<seq>``, as the native view sends it) resumes: after every
 #: Anthropic event that rsb event made.
 _WHOLE_EVENT = 10**9
-#: The status and Anthropic error type of a stream that ended without an answer: its request's fault (the prompt
-#: does not fit the model's context, the model's template refuses the conversation), cancelled, or rsb's.
-TERMINAL_ERRORS = {"context_length_exceeded": 400, "invalid_request": 400, "deadline": 504, EventType.CANCELLED: 409}
+#: The status (and so the Anthropic error type) of a generation that failed: its request's fault (the prompt does not
+#: fit the model's context, the model's template refuses the conversation), past --max-generation-s, else rsb's (500).
+FAILURES = {"context_length_exceeded": 400, "invalid_request": 400, "deadline": 504}
 
 
 def message_id(stream_id: uuid.UUID, thinking: bool) -> str:
@@ -82,7 +82,7 @@ def terminal_error(ev: Event) -> tuple[int, dict[str, Any]]:
         status, message = 409, f"the generation was cancelled ({data.get('reason', 'client')})"
     else:
         code = str(data.get("code", "engine"))
-        status, message = TERMINAL_ERRORS.get(code, 500), f"{code}: {data.get('message', 'the generation failed')}"
+        status, message = FAILURES.get(code, 500), f"{code}: {data.get('message', 'the generation failed')}"
     return status, error_object(TYPES[status], message)
 
 
@@ -91,7 +91,7 @@ class _Block:
     kind: str
     index: int
     pieces: list[str] = field(default_factory=list)
-    id: str = ""
+    call_id: str = ""  # a tool_use block's
     name: str = ""
 
     def start(self) -> dict[str, Any]:
@@ -100,7 +100,7 @@ class _Block:
             return {"type": TEXT, "text": ""}
         if self.kind == THINKING:
             return {"type": THINKING, "thinking": "", "signature": ""}
-        return {"type": TOOL_USE, "id": self.id, "name": self.name, "input": {}}
+        return {"type": TOOL_USE, "id": self.call_id, "name": self.name, "input": {}}
 
     def json(self) -> dict[str, Any]:
         """The block as the Message shows it."""
@@ -113,7 +113,8 @@ class _Block:
             value = orjson.loads(text) if text else {}
         except orjson.JSONDecodeError:
             value = {}  # arguments a model (through an upstream) wrote badly: the stream shows them as they are
-        return {"type": TOOL_USE, "id": self.id, "name": self.name, "input": value if isinstance(value, dict) else {}}
+        return {"type": TOOL_USE, "id": self.call_id, "name": self.name,
+                "input": value if isinstance(value, dict) else {}}
 
 
 class MessageView:
@@ -164,7 +165,7 @@ class MessageView:
                 self._text(THINKING, "thinking_delta", "thinking", ev.json()["text"], out)
         elif ev.type == EventType.TOOL_CALL:
             data = ev.json()
-            self.calls[data["index"]] = self._open(TOOL_USE, out, id=data["id"], name=data["name"])
+            self.calls[data["index"]] = self._open(TOOL_USE, out, call_id=data["id"], name=data["name"])
         elif ev.type == EventType.TOOL_ARGS:
             data = ev.json()
             block = self.calls.get(data["index"])
@@ -176,9 +177,9 @@ class MessageView:
             self._end(ev, out)
         return [(f"{ev.id}:{n}", e) for n, e in enumerate(out)]
 
-    def _open(self, kind: str, out: list[dict[str, Any]], id: str = "", name: str = "") -> _Block:
+    def _open(self, kind: str, out: list[dict[str, Any]], call_id: str = "", name: str = "") -> _Block:
         self._close(out)
-        block = _Block(kind, len(self.blocks), id=id, name=name)
+        block = _Block(kind, len(self.blocks), call_id=call_id, name=name)
         self.blocks.append(block)
         self.open = block
         out.append({"type": "content_block_start", "index": block.index, "content_block": block.start()})

@@ -36,13 +36,17 @@ from typing import Any
 import orjson
 
 from broker.errors import InvalidRequest
-from broker.request import GenerationRequest, RequestLimits, validate_create_body
+from broker.request import MAX_TOOLS, GenerationRequest, RequestLimits, validate_create_body
 from consumer.views.anthropic.errors import AnthropicError, invalid
 
 #: Anthropic's lower bound on a thinking budget (its API reference); the budget is a target the model's own
 #: reasoning is not held to (rsb cannot stop a model's reasoning early): validated as Anthropic does, not enforced.
 MIN_THINKING_BUDGET = 1024
 MAX_USER_ID_CHARS = 256
+#: Content blocks per message allowed on average (text, tool calls and their results: an agent's turn has a few).
+BLOCKS_PER_MESSAGE = 8
+#: Text blocks of one system prompt or tool result, at most.
+MAX_TEXT_BLOCKS = 1024
 #: The name rsb's response_format gives the schema of ``output_config.format`` (Anthropic's has none).
 OUTPUT_SCHEMA_NAME = "output"
 #: Parameters of Anthropic's API for platform features rsb does not have: refused unless null.
@@ -91,6 +95,7 @@ def parse_messages_request(body: dict[str, Any], limits: RequestLimits) -> Messa
                                     or not 0 <= temperature <= 1):
         raise invalid("temperature: must be a number between 0 and 1")
     _cache_control(body.get("cache_control"), "cache_control")
+    _bounded(body, limits)
     tools = _tools(body.get("tools"))
     rsb: dict[str, Any] = {
         "model": body["model"], "max_tokens": body["max_tokens"], "temperature": temperature,
@@ -107,6 +112,25 @@ def parse_messages_request(body: dict[str, Any], limits: RequestLimits) -> Messa
             message = message.replace(ours, theirs)
         raise invalid(message) from None
     return MessagesRequest(generation, bool(stream), _thinking(body.get("thinking"), generation.max_tokens))
+
+
+def _bounded(body: dict[str, Any], limits: RequestLimits) -> None:
+    """What the loops below walk, bounded before any of them runs (rsb's own limits apply again to the create)."""
+    messages, tools, system = body["messages"], body.get("tools"), body.get("system")
+    if isinstance(messages, list) and len(messages) > limits.max_messages:
+        raise invalid(f"messages: at most {limits.max_messages} messages")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise invalid(f"tools: at most {MAX_TOOLS} tools")
+    blocks = (len(system) if isinstance(system, list) else 0) + sum(
+        len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)) \
+        if isinstance(messages, list) else 0
+    if blocks > max_blocks(limits):
+        raise invalid(f"messages: at most {max_blocks(limits)} content blocks in all")
+
+
+def max_blocks(limits: RequestLimits) -> int:
+    """The content blocks a request may hold in all (its messages', its system's, a tool result's)."""
+    return BLOCKS_PER_MESSAGE * limits.max_messages
 
 
 def _object(value: object, where: str) -> dict[str, Any]:
@@ -155,8 +179,8 @@ def _texts(content: object, where: str) -> str:
     """A string, or text blocks (joined)."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise invalid(f"{where}: must be a string or a list of text blocks")
+    if not isinstance(content, list) or len(content) > MAX_TEXT_BLOCKS:
+        raise invalid(f"{where}: must be a string or a list of at most {MAX_TEXT_BLOCKS} text blocks")
     out = []
     for j, block in enumerate(content):
         kind = _kind(block, f"{where}.{j}")

@@ -17,8 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
-from broker.errors import Conflict, Expired, InvalidRequest, NotFound, RsbError
+from broker.errors import Conflict, Expired, NotFound, RsbError
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
+from broker.request import parse_json_object
 from broker.sse import frame
 from consumer.edge.http import read_body
 from consumer.state import caller_of, state_of
@@ -37,14 +38,8 @@ COUNT_WAIT_S = 4.0
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    raw = await read_body(request, state_of(request).settings.max_body_bytes)
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise invalid("the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise invalid("the body must be a JSON object")
-    return body
+    """The body, a JSON object (else a 400 invalid_request_error; past --max-body-bytes a 413 request_too_large)."""
+    return parse_json_object(await read_body(request, state_of(request).settings.max_body_bytes))
 
 
 def _error_frame(type_: str, message: str) -> bytes:
@@ -109,10 +104,7 @@ async def create_message(request: Request) -> ASGIApp:
     service = state.service
     caller = caller_of(request)
     req = parse_messages_request(await read_json(request), service.limits_for(caller))
-    try:
-        stream_id = stream_id_for_key(request.headers.get(IDEMPOTENCY_HEADER), caller)
-    except InvalidRequest as e:
-        raise invalid(e.message) from None
+    stream_id = stream_id_for_key(request.headers.get(IDEMPOTENCY_HEADER), caller)  # InvalidRequest: a 400
     with service.connection(caller) as slot:
         try:
             await service.create(caller, req.generation, stream_id)
