@@ -43,8 +43,12 @@ class Keys:
     def __init__(self, tmp: Path) -> None:
         self.alice, alice = new_key("alice")
         self.bob, bob = new_key("bob")
+        self.carol, carol = new_key("carol")  # a small token budget
+        self.dave, dave = new_key("dave")  # priority by default
         self.path = tmp / "keys.json"
-        self.path.write_text(json.dumps({"keys": [alice, bob]}))
+        self.path.write_text(json.dumps({"keys": [
+            alice, bob, {**carol, "token_budget": 100, "budget_period": "day"},
+            {**dave, "service_tier": "priority", "service_tiers": ["priority", "default"]}]}))
 
 
 @pytest.fixture(scope="module")
@@ -347,6 +351,26 @@ def test_an_idempotency_key_joins_the_same_generation(stack: SharedStack, upstre
     upstream.script(Reply([text("bob's")]))
     bobs = _client(stack, keys.bob).messages.create(model=MODEL, max_tokens=64, messages=ASK, extra_headers=headers)
     assert bobs.id != again.id and isinstance(bobs.content[0], TextBlock) and bobs.content[0].text == "bob's"
+
+
+def test_the_same_budgets_tiers_and_ledger_as_every_view(stack: SharedStack, upstream: ScriptedUpstream,
+                                                          keys: Keys) -> None:
+    # A budget that cannot hold the create: Anthropic's 429, which the SDK must not retry (the budget renews later).
+    with pytest.raises(anthropic.RateLimitError) as spent:
+        _client(stack, keys.carol).messages.create(model=MODEL, max_tokens=200, messages=ASK)
+    assert spent.value.response.headers["x-should-retry"] == "false" and "retry-after" in spent.value.response.headers
+    assert isinstance(spent.value.body, dict) and spent.value.body["error"]["type"] == "rate_limit_error"
+    # The key's tier, and standard_only asking for the default one.
+    upstream.script(Reply([text("fast")]), Reply([text("slow")]))
+    dave = _client(stack, keys.dave)
+    assert dave.messages.create(model=MODEL, max_tokens=8, messages=ASK).usage.service_tier == "priority"
+    assert dave.messages.create(model=MODEL, max_tokens=8, messages=ASK,
+                                service_tier="standard_only").usage.service_tier == "standard"
+    # Every message is in the key's usage ledger, as every view's generations are.
+    with httpx.Client(base_url=stack.base_url, timeout=30) as c:
+        report = c.get("/v1/reports/usage", params={"group_by": "tier"}, headers={"x-api-key": keys.dave}).json()
+    assert {(r["tier"], r["streams"], r["completion_tokens"]) for r in report["rows"]} == {("priority", 1, 1),
+                                                                                          ("default", 1, 1)}
 
 
 @pytest.mark.parametrize(("body", "expected"), [

@@ -26,7 +26,14 @@ from consumer.state import caller_of, state_of
 from consumer.streaming.service import StreamService
 from consumer.streaming.sse import SSE_HEADERS, STREAM_ID_HEADER, SSEResponse
 from consumer.views.anthropic.errors import NO_RETRY, AnthropicError, error_json, error_object, error_response, invalid
-from consumer.views.anthropic.message import EventKey, MessageView, parse_message_id, parse_resume_id, terminal_error
+from consumer.views.anthropic.message import (
+    EventKey,
+    MessageView,
+    message_id,
+    parse_message_id,
+    parse_resume_id,
+    terminal_error,
+)
 from consumer.views.anthropic.request import parse_messages_request
 from consumer.views.idempotency import HEADER as IDEMPOTENCY_HEADER
 from consumer.views.idempotency import stream_id_for_key
@@ -107,7 +114,9 @@ async def create_message(request: Request) -> ASGIApp:
     stream_id = stream_id_for_key(request.headers.get(IDEMPOTENCY_HEADER), caller)  # InvalidRequest: a 400
     with service.connection(caller) as slot:
         try:
-            await service.create(caller, req.generation, stream_id)
+            # Its webhook event names the message as its client knows it.
+            await service.create(caller, req.generation, stream_id,
+                                 hook_name=lambda sid: message_id(sid, req.thinking))
         except Conflict:
             raise AnthropicError(409, "this Idempotency-Key was used with a different request", NO_RETRY) from None
         except Expired:
