@@ -4,9 +4,11 @@ every request the document allows accepted and every one it forbids refused. It 
 command line, as a user would, with a fixed seed so a failure reproduces.
 
 Not in the document, so not fuzzed here: the AI SDK view (/api/chat...), whose contract is the `ai`
-package's transport and UI message stream, driven with the real client (ai@5 and ai@6) in test_aisdk.py; and
-the Durable Streams view (/v1/stream/{path}), whose contract is the protocol's own conformance suite
-(test_durable_conformance.py), its behaviours tested in test_durable_streams.py."""
+package's transport and UI message stream, driven with the real client (ai@5 and ai@6) in test_aisdk.py; the
+Durable Streams view (/v1/stream/{path}), whose contract is the protocol's own conformance suite
+(test_durable_conformance.py), its behaviours tested in test_durable_streams.py; and Anthropic's Messages view
+(/v1/messages...), whose contract is Anthropic's API, driven with its own SDKs and the frameworks that speak it in
+test_anthropic.py and test_anthropic_js.py."""
 
 from __future__ import annotations
 
