@@ -27,3 +27,11 @@ def test_earliest_of_several_stop_sequences_wins() -> None:
 
 def test_no_stops_passes_everything_through() -> None:
     assert feed_all((), ["a", "b"]) == ("ab", False)
+
+
+def test_the_filter_says_which_stop_sequence_ended_the_text() -> None:
+    f = StopFilter(("END", "\n\n", "xy"))
+    assert f.feed("one two\n") == "one two" and f.matched is None  # held: it may begin "\n\n"
+    assert f.feed("\nEND") == "" and f.stopped and f.matched == "\n\n"  # the earliest in the text
+    g = StopFilter(("abc", "ab"))
+    assert g.feed("xxabc") == "xx" and g.matched == "abc"  # two at one place: the first given

@@ -239,7 +239,12 @@ def test_openai_stream_records_are_read_as_tokens_ends_and_usage() -> None:
     partial = parse_event('{"choices":[{"delta":{"content":""},"finish_reason":null}]}', chat=True)
     assert partial.piece == ""  # a token that ends inside a character still counts
     end = parse_event('{"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}', chat=True)
-    assert end.piece is None and end.finish_reason == "length"
+    assert end.piece is None and end.finish_reason == "length" and end.stop_sequence is None
+    # vLLM names the stop string that ended the answer (a stop token's id is a number: no stop sequence).
+    stopped = parse_event('{"choices":[{"index":0,"delta":{},"finish_reason":"stop","stop_reason":"END"}]}', chat=True)
+    assert (stopped.finish_reason, stopped.stop_sequence) == ("stop", "END")
+    token = parse_event('{"choices":[{"index":0,"delta":{},"finish_reason":"stop","stop_reason":128001}]}', chat=True)
+    assert token.stop_sequence is None
     last = parse_event('{"choices":[{"index":0,"text":"!","finish_reason":"eos"}]}', chat=False)
     assert last.piece == "!" and last.finish_reason == "stop"
     usage = parse_event('{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":30}}', chat=True)
