@@ -20,7 +20,7 @@ import httpx
 import pytest
 import redis
 from anthropic.lib.streaming._messages import accumulate_event
-from anthropic.types import MessageParam, TextBlock, ThinkingBlock, ToolParam, ToolUseBlock
+from anthropic.types import MessageParam, RawMessageStreamEvent, TextBlock, ThinkingBlock, ToolParam, ToolUseBlock
 from helpers import SSE, eventually, sse_blocks
 from scripted_upstream import Reply, ScriptedUpstream, reasoning, text, tool_call_pieces
 from servers import SharedStack, Stack, StackFactory
@@ -300,6 +300,12 @@ def test_a_stream_cut_mid_input_json_delta_resumes_into_the_same_message(stack: 
     assert resumed.model_dump() == full.model_dump()
     assert resumed.content[1].input == {"city": "Paris", "unit": "celsius"}
     assert resumed.content[0].thinking == "".join(THOUGHT) and resumed.stop_reason == "tool_use"
+    # The SDK reads the same route with its own stream class (what a Python client resumes with).
+    client = _client(stack, keys.alice)
+    sdk_rest = client.get(f"/v1/messages/{message_id}/events", cast_to=RawMessageStreamEvent, stream=True,
+                          stream_cls=anthropic.Stream[RawMessageStreamEvent],
+                          options={"headers": {"Last-Event-ID": first[-1].id}})
+    assert [e.to_dict() for e in sdk_rest] == [e.data for e in rest]
     # After the last event of a message that ended: nothing more (204), as EventSource expects.
     assert _read_raw(stack, keys.alice, message_id, last_event_id=whole[-1].id)[0] == 204
     assert _read_raw(stack, keys.alice, message_id, last_event_id="bogus")[0] == 400
