@@ -302,7 +302,8 @@ def test_a_stream_cut_mid_input_json_delta_resumes_into_the_same_message(stack: 
     assert resumed.content[0].thinking == "".join(THOUGHT) and resumed.stop_reason == "tool_use"
     # The SDK reads the same route with its own stream class (what a Python client resumes with).
     client = _client(stack, keys.alice)
-    sdk_rest = client.get(f"/v1/messages/{message_id}/events", cast_to=RawMessageStreamEvent, stream=True,
+    event_type: type[Any] = RawMessageStreamEvent  # type: ignore[assignment]  # a union, as the SDK casts to it
+    sdk_rest = client.get(f"/v1/messages/{message_id}/events", cast_to=event_type, stream=True,
                           stream_cls=anthropic.Stream[RawMessageStreamEvent],
                           options={"headers": {"Last-Event-ID": first[-1].id}})
     assert [e.to_dict() for e in sdk_rest] == [e.data for e in rest]
