@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -61,6 +62,12 @@ def refusal(err: RetryLater, headers: dict[str, str] | None = None) -> JSONRespo
     """The response of a RetryLater: its status, code and message, and its ``Retry-After``."""
     return error_response(status_of(err), err.code, err.message, {"Retry-After": str(err.retry_after_s),
                                                                   **(headers or {})})
+
+
+def anthropic_error_object(type_: str, message: str) -> dict[str, Any]:
+    """Anthropic's error shape, which its clients read on the Messages view's routes (consumer.views.anthropic):
+    the body of an error answer there, and the data of a stream's ``event: error``."""
+    return {"type": "error", "error": {"type": type_, "message": message}}
 
 
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:

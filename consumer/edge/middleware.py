@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from broker.ascii import parse_uuid
 from broker.errors import TooManyRefusals, Unauthorized
 from consumer.edge.auth import ApiKeys
-from consumer.edge.errors import error_for, refusal
+from consumer.edge.errors import anthropic_error_object, error_for, refusal
 from consumer.edge.limits import RefusalBudget, address_group
 
 # The paths that need an API key when keys are configured (the page, its assets and the probes do not).
@@ -111,8 +111,7 @@ class AuthMiddleware:
 def anthropic_error(status: int, type_: str, message: str, headers: dict[str, str]) -> JSONResponse:
     """An answer before any route runs, on Anthropic's routes: in Anthropic's error shape (its view,
     consumer.views.anthropic.errors, answers every other)."""
-    return JSONResponse({"type": "error", "error": {"type": type_, "message": message}}, status_code=status,
-                        headers=headers)
+    return JSONResponse(anthropic_error_object(type_, message), status_code=status, headers=headers)
 
 
 def unauthorized(e: Unauthorized, path: str = "") -> JSONResponse:

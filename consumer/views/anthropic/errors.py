@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
 from broker.errors import BudgetExceeded, Conflict, OverStorageQuota, RetryLater, RsbError
+from consumer.edge.errors import anthropic_error_object as error_object
 from consumer.edge.errors import as_rsb_error, status_of
 
 log = logging.getLogger("rsb.consumer")
@@ -44,11 +44,6 @@ class AnthropicError(RsbError):
 def invalid(message: str) -> AnthropicError:
     """A 400 ``invalid_request_error``: the request cannot be served as it is."""
     return AnthropicError(400, message)
-
-
-def error_object(type_: str, message: str) -> dict[str, Any]:
-    """The body of an error answer, and the data of a stream's ``error`` event."""
-    return {"type": "error", "error": {"type": type_, "message": message}}
 
 
 def error_json(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:

@@ -37,7 +37,8 @@ import orjson
 
 from broker.events import Event, EventType, parse_event_id
 from broker.streams.records import StreamStatus
-from consumer.views.anthropic.errors import TYPES, error_object
+from consumer.edge.errors import anthropic_error_object as error_object
+from consumer.views.anthropic.errors import TYPES
 
 TEXT, THINKING, TOOL_USE = "text", "thinking", "tool_use"
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}

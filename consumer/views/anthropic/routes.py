@@ -21,11 +21,12 @@ from broker.errors import Conflict, Expired, NotFound, RsbError
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
 from broker.request import parse_json_object
 from broker.sse import frame
+from consumer.edge.errors import anthropic_error_object as error_object
 from consumer.edge.http import read_body
 from consumer.state import caller_of, state_of
 from consumer.streaming.service import StreamService
 from consumer.streaming.sse import SSE_HEADERS, STREAM_ID_HEADER, SSEResponse
-from consumer.views.anthropic.errors import NO_RETRY, AnthropicError, error_json, error_object, error_response, invalid
+from consumer.views.anthropic.errors import NO_RETRY, AnthropicError, error_json, error_response, invalid
 from consumer.views.anthropic.message import (
     EventKey,
     MessageView,
