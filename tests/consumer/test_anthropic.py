@@ -305,7 +305,7 @@ def test_a_stream_cut_mid_input_json_delta_resumes_into_the_same_message(stack: 
     event_type: type[Any] = RawMessageStreamEvent  # type: ignore[assignment]  # a union, as the SDK casts to it
     sdk_rest = client.get(f"/v1/messages/{message_id}/events", cast_to=event_type, stream=True,
                           stream_cls=anthropic.Stream[RawMessageStreamEvent],
-                          options={"headers": {"Last-Event-ID": first[-1].id}})
+                          options={"headers": {"Last-Event-ID": str(first[-1].id)}})
     assert [e.to_dict() for e in sdk_rest] == [e.data for e in rest]
     # After the last event of a message that ended: nothing more (204), as EventSource expects.
     assert _read_raw(stack, keys.alice, message_id, last_event_id=whole[-1].id)[0] == 204
