@@ -19,7 +19,7 @@ from broker.scrape import serve_scrapes
 from broker.streams.outbox import Outbox
 from broker.streams.read_token_secret import shared_read_token_secret
 from broker.streams.store import Store
-from broker.streams.token_counts import TokenCounts
+from broker.streams.token_counts import MAX_ASKING, TokenCounts
 from broker.streams.usage import Prices
 from consumer.edge.auth import ApiKeys
 from consumer.edge.errors import HANDLERS, OUT_OF_MEMORY, ShutdownBoundary
@@ -88,6 +88,9 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         # Standalone: the hub's one pub/sub connection comes from here. Cluster: the hub opens one per master
         # itself and uses this client only for the slot map.
         blocking = connect_blocking(b.url, cluster=b.cluster)
+        # Token counts wait for a generator's answer (BLPOP): on connections of their own, as many as may wait at
+        # once, so a burst of counts never holds the pool every create and read needs.
+        counting = connect_blocking(b.url, max_connections=MAX_ASKING, cluster=b.cluster)
         hub = LiveHub(blocking, max_buffered=settings.live_buffer_events)
         await hub.start()
         metrics = Metrics()
@@ -106,7 +109,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, conversations=ConversationService(service, service.conversations),
                       durable=DurableStore(redis, b.partitions), draining=drain, prices=prices,
-                      outbox=Outbox(redis, b.partitions), token_counts=TokenCounts(redis))
+                      outbox=Outbox(redis, b.partitions), token_counts=TokenCounts(counting))
         # A read stream must never look unread for abandon_after_s: touch well within it.
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)
@@ -136,6 +139,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
             await store.aclose()
             await redis.aclose()
             await blocking.aclose()
+            await counting.aclose()
 
     app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
     app.add_middleware(AuthMiddleware, keys=api_keys, metrics_token=settings.metrics_token)

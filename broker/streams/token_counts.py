@@ -31,8 +31,9 @@ COUNTERS_TTL_S = 35
 MAX_WAITING = 256
 LIST_TTL_MS = 60_000
 ANSWER_TTL_MS = 10_000
-#: Questions one process waits on at once, by default: each holds a pooled Redis connection while it waits.
-MAX_ASKING = 16
+#: Questions one process waits on at once, by default: each holds a Redis connection while it waits (a consumer
+#: gives them connections of their own, this many: consumer.app).
+MAX_ASKING = 8
 _ID = re.compile(r"\A[0-9a-f]{32}\Z")
 
 
