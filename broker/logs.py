@@ -1,5 +1,6 @@
 """Structured JSON logs, one object per line. Extras (``stream_id``, ...) become fields; no prompt or
-answer text is ever passed to a logger by rsb's own code."""
+answer text is ever passed to a logger by rsb's own code. A line logged while a span is current (OpenTelemetry on:
+broker.telemetry) carries its ``trace_id`` and ``span_id``, so it leads to its trace."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 import time
 
 import orjson
+
+from broker import telemetry
 
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -23,6 +26,9 @@ class JsonFormatter(logging.Formatter):
         for k, v in vars(record).items():
             if k not in _STANDARD and not k.startswith("_"):
                 out[k] = v
+        ids = telemetry.log_ids()
+        if ids is not None:
+            out["trace_id"], out["span_id"] = ids
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(out, default=str).decode()

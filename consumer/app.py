@@ -12,6 +12,7 @@ from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
+from broker import telemetry
 from broker.durable.store import DurableStore
 from broker.errors import StoreUnavailable
 from broker.redis.connection import connect, connect_blocking
@@ -27,6 +28,7 @@ from consumer.edge.front import FrontDoor
 from consumer.edge.hosts import HostCheck, allowed_names
 from consumer.edge.limits import ConnectionLimiter, RefusalBudget
 from consumer.edge.middleware import AuthMiddleware, RefusalLimit
+from consumer.edge.tracing import TracingMiddleware
 from consumer.metrics import Metrics
 from consumer.settings import ConsumerSettings
 from consumer.state import STATE_KEY, State
@@ -157,5 +159,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         front = HostCheck(front, allowed_names(settings.host, settings.allowed_hosts))
     # Before any check or route: an address that keeps sending what is refused waits, whatever it sends.
     front = RefusalLimit(front, RefusalBudget(settings.refusal_burst, settings.refusal_rate_per_s))
-    # Outermost: past the drain's grace period, a request uvicorn cancels answers 503, not 500.
-    return ShutdownBoundary(front, drain)
+    # Past the drain's grace period, a request uvicorn cancels answers 503, not 500.
+    bounded: ASGIApp = ShutdownBoundary(front, drain)
+    # Outermost, and only with traces exported: each request's server span (consumer.edge.tracing).
+    return TracingMiddleware(bounded) if telemetry.TRACER is not None else bounded

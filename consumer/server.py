@@ -12,7 +12,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from broker import runtime
+from broker import runtime, telemetry
 from broker.redis.eviction import check_eviction_policy
 from consumer.app import create_app
 from consumer.edge.guards import Guards, guarded, open_file_limit, stall_guarded
@@ -89,7 +89,12 @@ def build_server(settings: ConsumerSettings, *, expect_model: bool = False, **uv
 def run_consumer(settings: ConsumerSettings) -> None:
     # allkeys-* could evict unfinished streams: refused before serving (EvictionPolicyRefused, said by rsb.cli).
     check_eviction_policy(settings.broker.url, cluster=settings.broker.cluster, role="rsb consumer")
-    server = build_server(settings)
-    runtime.tune_gc()
-    log.info("consumer listening", extra={"url": f"http://{settings.host}:{settings.port}", "stack": runtime.stack()})
-    server.run()
+    tracing = telemetry.setup("rsb-consumer")  # before the app is built: it wraps it (TelemetryMissing: rsb.cli)
+    try:
+        server = build_server(settings)
+        runtime.tune_gc()
+        log.info("consumer listening", extra={"url": f"http://{settings.host}:{settings.port}",
+                                              "stack": runtime.stack()})
+        server.run()
+    finally:
+        tracing.shutdown()

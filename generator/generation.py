@@ -36,6 +36,7 @@ from generator.metrics import GeneratorMetrics
 from generator.retry import until_done
 from generator.settings import GeneratorSettings
 from generator.slots import Seat, Slots, StallWatch
+from generator.telemetry import GenerationTrace, attempt
 
 log = logging.getLogger("rsb.generator")
 
@@ -46,6 +47,8 @@ AFFINITY_TTL_S = 1800
 RENEWER_STOP_S = 1.0
 # The ``error`` code of a generation ended by a bug of rsb's own (not the engine's): broker.errors' base code.
 INTERNAL = RsbError.code
+# The endings after which another worker writes the stream's terminal event.
+_UNWRITTEN = (Ending.FENCED_OUT, Ending.HANDED_OVER)
 
 
 def _describe(error: BaseException) -> str:
@@ -138,9 +141,16 @@ class JobRunner:
 
     async def run(self, claim: Claim, seat: Seat | None = None) -> None:
         """Run the claimed job in ``seat`` (its worker slot: given back while a write stalls, when the worker parks:
-        see generator.slots)."""
+        see generator.slots), inside its spans when tracing is on (generator.telemetry)."""
         seat = seat or Seat(Slots(1, 0))
-        run = Run(claim, watch=StallWatch(seat, self.park_after_s))
+        trace = GenerationTrace.start(claim, self.engine.name, self.worker_id, upstream=self.engine.on_loop)
+        run = Run(claim, watch=StallWatch(seat, self.park_after_s), trace=trace)
+        # Ended without a terminal event of its own: the stream went to another worker (its span says which way).
+        with attempt(trace, lambda: run.ending.name.lower() if run.ending in _UNWRITTEN else None):
+            await self._run(run, seat)
+
+    async def _run(self, run: Run, seat: Seat) -> None:
+        claim = run.claim
         log.info("claimed", extra={"stream_id": str(claim.stream_id), "attempt": claim.attempts})
         self.metrics.claimed(claim.model, claim.tier, claim.attempts, claim.waited_s)
         if self.engine.caches_prompts:
@@ -301,6 +311,8 @@ class JobRunner:
                 if batch.pieces:
                     if progress.first_token_at is None:
                         progress.first_token_at = now
+                        if run.trace is not None:
+                            run.trace.first_token()
                     progress.last_token_at = now
                     tokens += batch.tokens
                 events = answer.feed(batch.pieces, batch.markers)
@@ -354,12 +366,15 @@ class JobRunner:
         def op() -> Awaitable[AppendResult]:
             return self.appender.append(run.claim, seq_before, seq_after, events)
 
+        t0 = time.monotonic() if run.trace is not None else 0.0
         try:  # once directly (the path of every token), then by the retry policy, which logs and classifies
             res = await op()
         except Exception:  # an append is safe to make twice (its seq check answers a landed one)
             # Redis away or full: the generation pauses here (its lease kept by the renewer, its readers sent
             # heartbeats), and goes on where it stopped once Redis takes writes again.
             res = await until_done(op, "append failed")
+        if run.trace is not None:
+            run.trace.appended(time.monotonic() - t0, events)
         if res.ok:
             run.cancel(res.cancel_reason)
             return True
@@ -388,6 +403,9 @@ class JobRunner:
             run.fence_out()
         else:
             self.metrics.finished(status, usage, max(0, int(usage.get("completion_tokens") or 0) - run.claim.seq))
+            self.metrics.served(run.claim, self.engine.name, status, reason, usage, time.monotonic() - run.started_at)
+            if run.trace is not None:
+                await run.trace.finished(status, reason, usage, lambda: self._answer_so_far(run.claim))
             await self._fold(run)
         log.info("finished", extra={"stream_id": str(run.claim.stream_id), "status": status,
                                     "completion_tokens": usage.get("completion_tokens")})

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from broker.streams.store import Store
 from generator.handoff import StopSignal
 from generator.retry import OUT_OF_MEMORY
 from generator.slots import StallWatch
+from generator.telemetry import GenerationTrace
 
 log = logging.getLogger("rsb.generator")
 
@@ -64,6 +66,9 @@ class Run:
     failure: BaseException | None = None
     #: The generation has ended, in whatever way: the lease renewer stops (cancelling it alone can be swallowed).
     generation_over: bool = False
+    #: This attempt's spans (generator.telemetry; None: tracing off) and when it began (monotonic s).
+    trace: GenerationTrace | None = None
+    started_at: float = field(default_factory=time.monotonic)
 
     @property
     def stopping(self) -> bool:

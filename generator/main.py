@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 
-from broker import runtime
+from broker import runtime, telemetry
 from broker.errors import StoreTransient
 from broker.redis.connection import connect, connect_blocking
 from broker.redis.eviction import check_eviction_policy
@@ -75,6 +75,10 @@ def run_generator(settings: GeneratorSettings) -> None:
     # allkeys-* could evict the job queues and unfinished streams: refused before any model loads.
     check_eviction_policy(settings.broker.url, cluster=settings.broker.cluster, role="rsb generator")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    engine = build_engine(settings.engine)
-    runtime.tune_gc()
-    runtime.run(serve(settings, engine))
+    tracing = telemetry.setup("rsb-generator")  # TelemetryMissing: one line, said by rsb.cli
+    try:
+        engine = build_engine(settings.engine)
+        runtime.tune_gc()
+        runtime.run(serve(settings, engine))
+    finally:
+        tracing.shutdown()

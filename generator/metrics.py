@@ -12,7 +12,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from broker import genai, telemetry
 from broker.scrape import serve_scrapes
+from broker.streams.records import Claim
+from generator.telemetry import operation
 
 # No ``<name>_created`` series beside each counter and histogram: nothing reads them.
 disable_created_metrics()
@@ -21,7 +24,9 @@ TTFT_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 TPOT_BUCKETS_MS = (0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-QUEUE_WAIT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+QUEUE_WAIT_BUCKETS_S = genai.QUEUE_WAIT.buckets
+# The attributes (labels) of the GenAI histograms, in this order (then error.type or gen_ai.token.type).
+SERVED_LABELS = (genai.OPERATION, genai.PROVIDER, genai.REQUEST_MODEL, genai.RESPONSE_MODEL)
 
 
 class GeneratorMetrics:
@@ -57,6 +62,50 @@ class GeneratorMetrics:
         self.prefill_tokens = Counter("rsb_generator_prefill_tokens_total",
                                       "prompt tokens prefilled in batched steps", registry=r)
 
+        # The GenAI conventions' model-server histograms (broker.genai), here under the names OpenTelemetry's Prometheus
+        # translation gives them, and sent over OTLP too when metrics are exported (broker.telemetry).
+        labels = [genai.label(a) for a in SERVED_LABELS]
+        self.genai = {h.name: Histogram(genai.prometheus_name(h), h.description, labels, registry=r, buckets=h.buckets)
+                      for h in (genai.TIME_TO_FIRST_TOKEN, genai.TIME_PER_OUTPUT_TOKEN)}
+        self.genai[genai.REQUEST_DURATION.name] = Histogram(
+            genai.prometheus_name(genai.REQUEST_DURATION), genai.REQUEST_DURATION.description,
+            [*labels, genai.label(genai.ERROR_TYPE)], registry=r, buckets=genai.REQUEST_DURATION.buckets)
+        self.genai[genai.TOKEN_USAGE.name] = Histogram(
+            genai.prometheus_name(genai.TOKEN_USAGE), genai.TOKEN_USAGE.description,
+            [*labels, genai.label(genai.TOKEN_TYPE)], registry=r, buckets=genai.TOKEN_USAGE.buckets)
+        meter = telemetry.METER
+        self.otel: dict[str, Any] = {} if meter is None else {
+            h.name: meter.create_histogram(h.name, unit=h.unit, description=h.description,
+                                           explicit_bucket_boundaries_advisory=list(h.buckets))
+            for h in (genai.TIME_TO_FIRST_TOKEN, genai.TIME_PER_OUTPUT_TOKEN, genai.REQUEST_DURATION,
+                      genai.TOKEN_USAGE, genai.QUEUE_WAIT)}
+
+    def _observe(self, h: genai.Histogram, value: float, attributes: dict[str, str]) -> None:
+        prom = self.genai.get(h.name)
+        if prom is not None:
+            prom.labels(*attributes.values()).observe(value)
+        otel = self.otel.get(h.name)
+        if otel is not None:  # no error.type on a success (the conventions' attribute is for errors)
+            otel.record(value, {k: v for k, v in attributes.items() if v != ""})
+
+    def served(self, claim: Claim, response_model: str, status: str, code: str, usage: dict[str, Any],
+               elapsed_s: float) -> None:
+        """A generation's terminal event landed, ``elapsed_s`` after this attempt's claim: the GenAI histograms.
+        Durations count from the create (the queue wait included, as the conventions' server TTFT does); the first
+        token's time only for a first attempt's (a continuation's first token came from an earlier attempt)."""
+        attrs = {genai.OPERATION: operation(claim.request), genai.PROVIDER: genai.PROVIDER_RSB,
+                 genai.REQUEST_MODEL: claim.model, genai.RESPONSE_MODEL: response_model}
+        waited = max(0.0, claim.waited_s)
+        if status == "done":
+            if usage.get("ttft_ms") is not None and claim.attempts == 1:
+                self._observe(genai.TIME_TO_FIRST_TOKEN, waited + float(usage["ttft_ms"]) / 1000, attrs)
+            if usage.get("tpot_ms") is not None:
+                self._observe(genai.TIME_PER_OUTPUT_TOKEN, float(usage["tpot_ms"]) / 1000, attrs)
+        error = "" if status == "done" else "cancelled" if status == "cancelled" else code
+        self._observe(genai.REQUEST_DURATION, waited + elapsed_s, {**attrs, genai.ERROR_TYPE: error})
+        for kind, field in ((genai.INPUT, "prompt_tokens"), (genai.OUTPUT, "completion_tokens")):
+            self._observe(genai.TOKEN_USAGE, int(usage.get(field) or 0), {**attrs, genai.TOKEN_TYPE: kind})
+
     def batch_step(self, sequences: int, prefilled: int, seconds: float) -> None:
         """One batched decoding step (called from the engine's batcher thread: prometheus_client locks)."""
         self.batch_sequences.observe(sequences)
@@ -67,6 +116,9 @@ class GeneratorMetrics:
     def claimed(self, model: str, tier: str, attempts: int, waited_s: float) -> None:
         if attempts == 1:
             self.queue_wait.labels(model, tier).observe(max(0.0, waited_s))
+            otel = self.otel.get(genai.QUEUE_WAIT.name)
+            if otel is not None:
+                otel.record(max(0.0, waited_s), {genai.REQUEST_MODEL: model, genai.TIER: tier})
         else:
             self.takeovers.inc()
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from broker.logs import setup_logging
 from broker.redis.eviction import EvictionPolicyRefused
 from broker.settings import Settings
+from broker.telemetry import TelemetryMissing
 from consumer.settings import ConsumerSettings
 from generator.settings import GeneratorSettings
 from rsb import commands
@@ -43,7 +44,7 @@ def _run_consumer(args: argparse.Namespace) -> int:
     setup_logging(settings.log.log_level)
     try:
         run_consumer(settings)
-    except (EvictionPolicyRefused, WebhookRefused) as e:
+    except (EvictionPolicyRefused, WebhookRefused, TelemetryMissing) as e:
         print(f"rsb consumer: {e}", file=sys.stderr)
         return 2
     return 0
@@ -57,7 +58,7 @@ def _run_generator(args: argparse.Namespace) -> int:
     setup_logging(settings.log.log_level)
     try:
         run_generator(settings)
-    except (EngineUnavailable, EvictionPolicyRefused) as e:
+    except (EngineUnavailable, EvictionPolicyRefused, TelemetryMissing) as e:
         print(f"rsb generator: {e}", file=sys.stderr)
         return 2
     return 0

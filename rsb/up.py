@@ -293,6 +293,7 @@ def browser_url(host: str, port: int) -> str:
 
 
 def run_stack(settings: UpSettings) -> int:
+    from broker import telemetry
     from broker.logs import setup_logging
     from consumer.server import build_server
     from generator.engines.default_model import ModelNotFound, resolve_model
@@ -304,9 +305,14 @@ def run_stack(settings: UpSettings) -> int:
     supervisor: Supervisor | None = None
     stopping = threading.Event()
     failure: list[str] = []
+    tracing = telemetry.NOTHING
     try:
         check_port_free(api.host, api.port)
         check_webhooks(api)
+        try:  # the API's, here; each generator sets up its own from the same environment
+            tracing = telemetry.setup("rsb-consumer")
+        except telemetry.TelemetryMissing as e:
+            raise StackError(str(e)) from None
         gen = settings.generator
         engine = gen.engine
         if not engine.upstream_url:
@@ -362,6 +368,7 @@ def run_stack(settings: UpSettings) -> int:
             supervisor.stop()
         if server is not None:
             server.stop()
+        tracing.shutdown()
     if failure:
         print(f"rsb up: {failure[0]}", file=sys.stderr)
         return 1

@@ -4,8 +4,8 @@ chat completions exactly as vLLM does, with what each test scripts.
 It plays an engine whose output must be exact: reasoning (``delta.reasoning_content``, or ``delta.reasoning``
 as vLLM 0.10+ names it), text, and tool calls in pieces (``delta.tool_calls[{index, id, type, function: {name,
 arguments}}]``: id and name first, then the arguments in pieces), then the finish reason (``tool_calls`` after
-calls), the ``include_usage`` record and ``[DONE]``. Every request body it receives is recorded (``requests``),
-so a test can check what it was sent (the tools, the history, a continuation).
+calls), the ``include_usage`` record and ``[DONE]``. Every request body it receives is recorded (``requests``), with
+its headers, so a test can check what it was sent (the tools, the history, a continuation, a traceparent).
 
     with ScriptedUpstream() as up:
         up.script(Reply([reasoning("Let me think."), call(0, "call_1", "get_weather"),
@@ -102,6 +102,7 @@ class Received:
     path: str
     body: dict[str, Any]
     at: float = field(default_factory=time.monotonic)
+    headers: dict[str, str] = field(default_factory=dict)  # lower-case names (a traceparent, an authorization)
 
 
 class ScriptedUpstream:
@@ -178,7 +179,7 @@ class ScriptedUpstream:
 
     async def _answer(self, request: Request, *, chat: bool) -> Response:
         body = orjson.loads(await request.body())
-        self.requests.append(Received(request.url.path, body))
+        self.requests.append(Received(request.url.path, body, headers=dict(request.headers)))
         reply = _within(self._next(body), body.get("max_completion_tokens") or body.get("max_tokens"))
         if reply.status != 200:
             return JSONResponse({"error": {"message": reply.error, "type": "BadRequestError", "code": reply.status}},

@@ -168,7 +168,7 @@ end
 
 -- Claim one stream for ``worker`` (its job out of line already, or running under a lapsed lease): every earlier
 -- claimant is fenced out. Reply: {{'claimed', sid, fence, attempts, req, cancel, model, seq, tenant key, tier,
--- created_at, claimed_at}} (both server time, s).
+-- created_at, claimed_at (both server time, s), traceparent ('': not traced)}}.
 local function claim_stream(meta, sid, worker, now_s, now_ms, lease_ms, was_queued)
   local m = redis.call('HMGET', meta, 'qp', 'tier')
   local qp, tier = m[1], m[2]
@@ -185,9 +185,9 @@ local function claim_stream(meta, sid, worker, now_s, now_ms, lease_ms, was_queu
     redis.call('HSET', meta, 'cancel', 'abandoned')
   end
   redis.call('ZADD', qp .. 'leases', now_ms + lease_ms, sid)
-  local r = redis.call('HMGET', meta, 'req', 'cancel', 'model', 'seq', 'tenant', 'created_at')
+  local r = redis.call('HMGET', meta, 'req', 'cancel', 'model', 'seq', 'tenant', 'created_at', 'tp')
   return {{'claimed', sid, fence, attempts, r[1], r[2] or '', r[3] or '', r[4] or '0', r[5] or '', tier, r[6] or now_s,
-    now_s}}
+    now_s, r[7] or ''}}
 end
 """
 

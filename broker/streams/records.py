@@ -76,6 +76,8 @@ class Claim:
     # From create to this claim (s): the consumer pod's create time to Redis's clock (what a user waited, give or
     # take the clocks' skew).
     waited_s: float = 0.0
+    # The W3C traceparent of the create's span ('': not traced): this attempt's generation span is its child.
+    trace: str = ""
 
     @property
     def queue(self) -> QueueKeys:

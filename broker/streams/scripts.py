@@ -10,6 +10,8 @@ appended), ``cancel`` (reason of a pending cancel), ``last_id`` (terminal event 
 ``seen`` (last time a reader was connected, refreshed by consumer pods), ``read`` (ever read), ``tenant`` (the
 key of the creating caller's counters, ``StreamKeys.tenant``), ``wm``/``wb`` (broker.streams.replication),
 ``wasted`` (tokens lost attempts computed and did not keep: for the usage record, broker.streams.usage);
+``tp`` (the W3C traceparent of the create's span, when tracing is on: broker.telemetry; every attempt's generation
+span is its child);
 where its job waits: ``qp``, ``tier``, ``who``, ``aff`` (broker.streams.queue_scripts, which holds the job
 queue's scripts: claim, renew, release, give back).
 
@@ -116,7 +118,8 @@ CREATE = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + BUDGET_LUA + QUEUE + """
 --   the body is read back after the end; A.storage_share: this partition's share of the caller's bytes (0: none);
 --   A.affinity: the chat's key (chat-affine claiming); A.budget_share (0: none), A.reservation, A.period_end (Unix
 --   s); A.hook: the webhook URL ('': none), A.hid: the id its event names (broker.streams.outbox); A.tier, A.who:
---   the job's tier and tenant (broker.tiers, broker.streams.keys.principal)
+--   the job's tier and tenant (broker.tiers, broker.streams.keys.principal); A.trace: the create span's traceparent
+--   ('': not traced)
 -- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'storage_quota'}
 --   | {'rate_limited', early_ms, ema, busy}
 --   | {'too_many_generations', max_active, ema, busy} | {'queue_full', waiting, ema, busy, 'count' | 'wait'}
@@ -168,6 +171,7 @@ redis.call('HSET', K.meta, 'status', 'queued', 'rh', A.rh, 'req', A.req, 'create
   'aff', A.affinity)
 quota_charge(K.storage, K.meta, #A.req)
 if A.hook ~= '' then redis.call('HSET', K.meta, 'hook', A.hook, 'hid', A.hid) end
+if A.trace ~= '' then redis.call('HSET', K.meta, 'tp', A.trace) end
 redis.call('HINCRBY', K.tenant, 'active', 1)
 if interval > 0 then redis.call('HSET', K.tenant, 'tat', string.format('%.0f', tat + interval)) end
 redis.call('PERSIST', K.tenant)  -- it had an expiry while the caller had nothing unfinished
@@ -178,7 +182,7 @@ return {'created'}
     arg_names=("sid", "rh", "req", "created_at", "max_queue", "model", "max_tokens", "channel", "key_id",
                "retention_s", "abandon_s", "cod", "max_active", "burst", "interval_ms", "max_wait_s", "keep",
                "storage_share", "affinity", "budget_share", "reservation", "period_end", "hook", "hid", "qp",
-               "tier", "who", "position_updates"))
+               "tier", "who", "position_updates", "trace"))
 
 # Closes: a zombie (a worker that lost its lease) appending after the new owner, and an append landing
 # after the terminal event. Fence and status are checked in the same step as the XADD. ``seq`` (the

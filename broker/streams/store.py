@@ -145,6 +145,7 @@ class Store:
         storage: StorageQuota = NO_STORAGE_QUOTA,
         budget: Budget = NO_BUDGET,
         webhook: tuple[str, str] | None = None,
+        trace: str = "",
     ) -> Created:
         """Create the stream and enqueue its job in ``model``'s queue (a served model's name: the consumer resolved
         the request's) in ``tier`` (broker.tiers), or recognise a retry of the same request (which no limit
@@ -153,7 +154,8 @@ class Store:
         each partition holds ceil(max_queue / P) of them), or an estimated wait over ``max_queue_wait_s``
         (waiting jobs x average job time / running jobs; 0: no bound; no estimate before a job finished), or
         BudgetExceeded: the key's ``budget`` cannot hold this create's worst case (broker.streams.budget).
-        ``webhook``: (URL, the id its event names) where the end is POSTed (broker.streams.outbox)."""
+        ``webhook``: (URL, the id its event names) where the end is POSTed (broker.streams.outbox). ``trace``: the
+        create span's W3C traceparent, stored with the stream for its generation's spans (broker.telemetry)."""
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
@@ -179,7 +181,7 @@ class Store:
                 "budget_share": budget.share(self.partitions),
                 "reservation": reservation(canonical, request.max_tokens), "period_end": f"{period_end:.0f}",
                 "hook": (webhook or ("", ""))[0], "hid": (webhook or ("", ""))[1], "qp": q.prefix, "tier": tier,
-                "who": who or "-", "position_updates": POSITION_UPDATES}),
+                "who": who or "-", "position_updates": POSITION_UPDATES, "trace": trace}),
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
@@ -235,6 +237,11 @@ class Store:
             abandon_s=float(raw[8] or 0),
             tier=reply_text(raw[9]),
         )
+
+    async def trace_of(self, stream_id: uuid.UUID) -> tuple[str, str]:
+        """The stream's stored traceparent ('': not traced) and model: what a read's span links to."""
+        raw = await self._batch.execute("HMGET", self.keys(stream_id).meta, "tp", "model")
+        return reply_text(raw[0]) if raw[0] else "", reply_text(raw[1]) if raw[1] else ""
 
     async def request_of(self, stream_id: uuid.UUID) -> GenerationRequest | None:
         """The request as stored at create (None: no such stream, or one that ended and kept only its digest)."""
@@ -406,12 +413,12 @@ class Store:
         return self._claimed(res)
 
     def _claimed(self, res: Any) -> Claim:
-        _, sid, fence, attempts, req, cancel, model, seq, tenant, tier, created_at, claimed_at = res
+        _, sid, fence, attempts, req, cancel, model, seq, tenant, tier, created_at, claimed_at, trace = res
         k = self.keys(uuid.UUID(reply_text(sid)))
         return Claim(k.stream_id, k, int(fence), int(attempts), GenerationRequest.from_canonical(req),
                      reply_text(cancel), reply_text(model), int(seq), reply_text(tier),
                      tenant=k.principal_of(reply_text(tenant)),
-                     waited_s=float(reply_text(claimed_at)) - float(reply_text(created_at)))
+                     waited_s=float(reply_text(claimed_at)) - float(reply_text(created_at)), trace=reply_text(trace))
 
     def wake_keys(self, model: str, worker_id: str) -> dict[int, list[str]]:
         """Per partition, the lists an idle worker of ``model`` blocks on: its queue's wake tokens and its own."""

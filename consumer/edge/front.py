@@ -23,6 +23,9 @@ from broker.errors import Unauthorized
 from consumer.edge.auth import ApiKeys
 from consumer.edge.errors import error_for
 from consumer.edge.middleware import authenticate, unauthorized
+from consumer.edge.tracing import ROUTE_KEY
+
+EVENTS_ROUTE = "/v1/streams/{stream_id}/events"
 
 _EVENTS = re.compile(r"\A/v1/streams/([^/]+)/events\Z")
 
@@ -51,6 +54,7 @@ class FrontDoor:
     async def _respond(self, scope: Scope, receive: Receive, stream_id: str) -> Response:
         """The route's response, or its error's (a 401 before anything else)."""
         scope["path_params"] = {"stream_id": stream_id}
+        scope[ROUTE_KEY] = EVENTS_ROUTE
         request = Request(scope, receive)
         try:
             if self.keys.enabled:

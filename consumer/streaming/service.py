@@ -14,8 +14,9 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
+from broker import telemetry
 from broker.errors import (
     BudgetExceeded,
     Expired,
@@ -42,8 +43,11 @@ from consumer.metrics import Metrics
 from consumer.settings import ConsumerSettings
 from consumer.streaming.hub import LiveHub
 from consumer.streaming.reader import REPLAY_PAGE, read_batches, read_stream
+from consumer.streaming.spans import EVENTS_SERVED, read_span
 
 log = logging.getLogger("rsb.consumer")
+
+T = TypeVar("T")
 
 # How long a lookup of the served models is reused: creates record the model, and what the generators
 # serve changes with a deployment, not per request.
@@ -259,7 +263,8 @@ class StreamService:
                                               retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
                                               key_id=caller.key_id, quota=self.quota(caller),
                                               storage=self.storage_quota(caller), budget=self.budget(caller),
-                                              webhook=self.webhook(caller, stream_id, hook_name))
+                                              webhook=self.webhook(caller, stream_id, hook_name),
+                                              trace=telemetry.traceparent())
         except RetryLater as e:
             self.metrics.creates_rejected.inc()
             if isinstance(e, BudgetExceeded):
@@ -306,14 +311,16 @@ class StreamService:
         pass ``reset`` events on (a view whose protocol can say "drop what came after this id"); else the
         batches end just before one, so that the response ends and its client re-syncs."""
         batches = read_batches(self.store, self.hub, stream_id, after_id, self.settings.heartbeat_s, watched=watched)
-        return batches if resets else _until_reset(batches)
+        out = batches if resets else _until_reset(batches)
+        return out if telemetry.TRACER is None else self._fetched(stream_id, after_id, out, _batch_size)
 
     def tail(self, stream_id: uuid.UUID) -> AsyncGenerator[Event | None, None]:
         """The stream from its first event, live ones included: ``None`` for each heartbeat due; it ends
         before a ``reset`` (the views that tail cannot take text back: their response ends, and the client
         re-syncs). Close it (``aclosing``) so its live subscription ends with the reader, not at garbage
         collection."""
-        return _events_until_reset(read_stream(self.store, self.hub, stream_id, None, self.settings.heartbeat_s))
+        events = _events_until_reset(read_stream(self.store, self.hub, stream_id, None, self.settings.heartbeat_s))
+        return events if telemetry.TRACER is None else self._fetched(stream_id, None, events, _one)
 
     async def fold(self, stream_id: uuid.UUID, feed: Callable[[Event], object],
                    timeout_s: float | None = None) -> bool:
@@ -324,8 +331,10 @@ class StreamService:
         ended = False
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
-                async with aclosing(cast(AsyncGenerator[Event | None, None], read_stream(
-                        self.store, self.hub, stream_id, None, self.settings.heartbeat_s))) as events:
+                source = read_stream(self.store, self.hub, stream_id, None, self.settings.heartbeat_s)
+                if telemetry.TRACER is not None:
+                    source = self._fetched(stream_id, None, source, _one)
+                async with aclosing(cast(AsyncGenerator[Event | None, None], source)) as events:
                     async for ev in events:
                         if ev is None:
                             continue
@@ -340,6 +349,29 @@ class StreamService:
         for ev in kept:
             feed(ev)
         return ended
+
+    async def _fetched(self, stream_id: uuid.UUID, after_id: str | None, source: AsyncIterator[T],
+                       size: Callable[[T], int]) -> AsyncGenerator[T, None]:
+        """``source``, a read of the stream, inside its ``fetch_response`` span (tracing on: consumer.edge.tracing's
+        request span its parent), linked to the span of the create whose generation it reads, with the resume
+        point and the events served (``size`` of each item)."""
+        try:
+            tp, model = await self.store.trace_of(stream_id)
+        except Exception:  # Redis away: the read meets it too, and says so; the span goes without its link
+            tp = model = ""
+        span = read_span(stream_id, after_id, tp, model)
+        served = 0
+        try:
+            async for item in source:
+                served += size(item)
+                yield item
+        except Exception as e:
+            telemetry.mark_error(span, type(e).__qualname__)
+            raise
+        finally:
+            span.set_attribute(EVENTS_SERVED, served)
+            span.end()
+            await cast(AsyncGenerator[T, None], source).aclose()
 
     async def page(self, stream_id: uuid.UUID, after_id: str | None, count: int = REPLAY_PAGE) -> Sequence[Event]:
         """Up to ``count`` events after ``after_id`` (None: from the start), without waiting for more."""
@@ -359,6 +391,14 @@ class StreamService:
             if len(page) < REPLAY_PAGE:
                 return out
             last = page[-1].id
+
+
+def _batch_size(batch: Sequence[Event] | None) -> int:
+    return len(batch) if batch else 0
+
+
+def _one(event: Event | None) -> int:
+    return 0 if event is None else 1
 
 
 async def _until_reset(batches: AsyncIterator[Sequence[Event] | None]

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -38,6 +39,7 @@ from generator.engines.upstream.protocol import (
     error_message,
     replays,
 )
+from generator.telemetry import end_upstream, upstream_headers, upstream_span
 
 log = logging.getLogger("rsb.generator")
 
@@ -161,8 +163,12 @@ class UpstreamEngine(Engine):
                                            model=self._model, ignore_eos=self.ignore_eos, cache_scope=cache_scope)
         pieces = UpstreamPieces(generation=generation, max_tokens=max_tokens, stop=stop, replay=replay)
         reader = self.protocol.reader(chat=call.chat)
+        span = upstream_span(self.protocol.name, self.base_url, self._model)  # None: tracing off
+        status: int | None = None
         try:
-            async with self._client_for_loop().stream("POST", self.base_url + call.path, json=call.body) as response:
+            async with self._client_for_loop().stream("POST", self.base_url + call.path, json=call.body,
+                                                       headers=upstream_headers(span)) as response:
+                status = response.status_code
                 if response.status_code >= 400:
                     raise UpstreamError(await self._http_error(response))
                 # The upstream took the prompt. Until it reports its count, the prompt's bound: a generation cut
@@ -187,6 +193,8 @@ class UpstreamEngine(Engine):
             if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
                 raise UpstreamError(f"upstream unreachable at {self.base_url}: {e}") from e
             raise UpstreamError(f"upstream request failed: {type(e).__name__}: {e}") from e
+        finally:
+            end_upstream(span, status, sys.exc_info()[1])
 
     @staticmethod
     async def _http_error(response: httpx.Response) -> str:

@@ -1,0 +1,378 @@
+"""OpenTelemetry, for real: rsb's processes (``rsb up``, and a separate consumer and generator) export to a real
+OTLP/HTTP receiver (tests/otlp_receiver.py, decoding the protobuf with opentelemetry-proto), configured only by the
+SDK's own variables. One trace per generation: the client's traceparent, the create's span, the generation's spans
+in whichever generator claims it (a continuation after a SIGKILL is attempt 2 of the same trace), the upstream's
+request; a resume is a ``fetch_response`` span linked to it. Disabled, nothing is sent; a collector that is down
+costs the streams nothing. And the switches themselves (broker.telemetry.wanted / check), without processes."""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from helpers import create, read_sse
+from otlp_receiver import Blackhole, OtlpReceiver, Span
+from servers import Stack
+
+from bench.procs import Proc
+from broker import genai, telemetry
+from broker.redis.server import RedisServer, free_port
+
+SERVER, CLIENT = 2, 3  # OTLP span kinds
+ERROR = 2  # OTLP status code
+
+
+def traceparent() -> tuple[str, str, str]:
+    """A client's traceparent: (header, trace id, span id)."""
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
+
+
+def exporting_to(url: str, **more: str) -> dict[str, str]:
+    """The SDK's variables, as an operator sets them: an endpoint, and short export intervals for a test."""
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "300", **more}
+
+
+class TracedStack(Stack):
+    """A Stack whose processes run with ``env`` added to this one's."""
+
+    def __init__(self, redis_url: str, model: Path, tmp: Path, env: dict[str, str]) -> None:
+        super().__init__(redis_url, model, tmp)
+        self.env = env
+
+    def _run(self, name: str, args: list[str]) -> Proc:
+        p = Proc([sys.executable, "-m", "rsb", *args], name, log_path=self.tmp / f"{name}-{len(self.procs)}.log",
+                 env=self.env)
+        self.procs.append(p)
+        return p
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    r = OtlpReceiver().start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def traced(receiver: OtlpReceiver, demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A consumer and a generator, separate processes as deployed, exporting to ``receiver``."""
+    server = RedisServer().start()
+    s = TracedStack(server.url, demo_model, tmp_path_factory.mktemp("traced"), exporting_to(receiver.url))
+    try:
+        s.generator()
+        s.consumer()
+        yield s
+    finally:
+        s.close()
+        server.cleanup()
+
+
+def _one(spans: list[Span], name: str) -> Span:
+    found = [s for s in spans if s.name == name]
+    assert len(found) == 1, f"{name}: {[(s.service, s.name) for s in spans]}"
+    return found[0]
+
+
+def _generation(s: Span) -> bool:
+    return s.attributes.get(genai.OPERATION) in (genai.CHAT, genai.TEXT_COMPLETION) and s.service == "rsb-generator" \
+        and s.kind != CLIENT
+
+
+@pytest.mark.slow
+def test_a_create_with_a_traceparent_is_one_trace_across_consumer_and_generator(
+        traced: Stack, receiver: OtlpReceiver) -> None:
+    header, trace_id, client_span = traceparent()
+    with traced.client() as c:
+        r = c.post("/v1/streams", headers={"traceparent": header}, json={
+            "messages": [{"role": "user", "content": "Tell me a long story"}], "max_tokens": 4000,
+            "temperature": 0.5})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        read = read_sse(c, f"/v1/streams/{sid}/events")
+    done = read.events[-1]
+    assert done.event == "done", read.events[-1]
+    usage = done.data["usage"]
+    model = next(e.data["model"] for e in read.events if e.event == "started")
+
+    # The create's server span continues the client's span; the generation's spans continue the create's.
+    create_span = receiver.wait_spans(lambda s: s.trace_id == trace_id and s.name == "POST /v1/streams")[0]
+    assert (create_span.service, create_span.kind, create_span.parent_id) == ("rsb-consumer", SERVER, client_span)
+    assert create_span.attributes["http.response.status_code"] == 201
+    assert create_span.attributes["http.route"] == "/v1/streams"
+    gen = receiver.wait_spans(lambda s: s.trace_id == trace_id and _generation(s))[0]
+    claimed_model = gen.attributes[genai.REQUEST_MODEL]
+    assert gen.name == f"chat {claimed_model}" and gen.parent_id == create_span.span_id
+    assert gen.attributes[genai.PROVIDER] == "rsb" and gen.attributes[genai.RESPONSE_MODEL] == model
+    assert gen.attributes[genai.RESPONSE_ID] == sid and gen.attributes[genai.MAX_TOKENS] == 4000
+    assert gen.attributes[genai.TEMPERATURE] == 0.5 and gen.attributes[genai.ATTEMPT] == 1
+    assert gen.attributes[genai.INPUT_TOKENS] == usage["prompt_tokens"]
+    assert gen.attributes[genai.OUTPUT_TOKENS] == usage["completion_tokens"] > 1000
+    assert gen.attributes[genai.FINISH_REASONS] == [done.data["finish_reason"]]
+    assert genai.INPUT_MESSAGES not in gen.attributes and genai.OUTPUT_MESSAGES not in gen.attributes  # not opted in
+    assert gen.status != ERROR and genai.ERROR_TYPE not in gen.attributes
+    # Queue wait, prefill, decode and the appends, readable however long the answer: a few spans and events.
+    spans = receiver.wait_spans(lambda s: s.trace_id == trace_id and s.service == "rsb-generator", 4)
+    assert _one(spans, "queue wait").parent_id == create_span.span_id
+    prefill, decode = _one(spans, "prefill"), _one(spans, "decode")
+    assert prefill.parent_id == decode.parent_id == gen.span_id and prefill.end_ns <= decode.start_ns
+    assert gen.start_ns <= prefill.start_ns and decode.end_ns <= gen.end_ns
+    assert [e[0] for e in gen.events] == ["gen_ai.first_token", "rsb.first_text_appended",
+                                          "rsb.terminal_event_appended"]
+    assert gen.attributes[genai.APPENDS] >= 3 and gen.attributes[genai.APPEND_MAX_SECONDS] > 0
+    assert len(receiver.trace(trace_id)) <= 8, [s.name for s in receiver.trace(trace_id)]
+    # The read: its own trace (the client sent none), linked to the create's span, with what it served.
+    read_span = receiver.wait_spans(lambda s: s.attributes.get(genai.RESPONSE_ID) == sid
+                                    and s.attributes.get(genai.OPERATION) == genai.FETCH_RESPONSE)[0]
+    assert read_span.links == [(trace_id, create_span.span_id)] and read_span.trace_id != trace_id
+    assert read_span.attributes[genai.EVENTS_SERVED] == len(read.events)
+    assert genai.RESUME_FROM not in read_span.attributes and genai.INPUT_TOKENS not in read_span.attributes
+    assert read_span.parent_id  # under its request's span: GET /v1/streams/{stream_id}/events
+    get = receiver.wait_spans(lambda s: s.span_id == read_span.parent_id)[0]
+    assert get.name == "GET /v1/streams/{stream_id}/events" and get.attributes["http.response.status_code"] == 200
+    # The generator's log lines of the generation lead to it.
+    logged = [orjson.loads(line) for line in traced.procs[0].output().splitlines() if sid in line]
+    assert any(rec.get("msg") == "finished" and rec.get("trace_id") == trace_id for rec in logged), logged
+
+
+@pytest.mark.slow
+def test_a_resume_is_a_fetch_response_span_linked_to_the_generation(traced: Stack, receiver: OtlpReceiver) -> None:
+    header, trace_id, _ = traceparent()
+    read_header, read_trace, read_parent = traceparent()
+    with traced.client() as c:
+        sid = c.post("/v1/streams", headers={"traceparent": header},
+                     json={"prompt": "Hi", "max_tokens": 40}).json()["id"]
+        first = read_sse(c, f"/v1/streams/{sid}/events")
+        resume_at = first.ids[3]
+        again = read_sse(c, f"/v1/streams/{sid}/events", headers={"Last-Event-ID": resume_at,
+                                                                  "traceparent": read_header})
+    assert again.ids == first.ids[4:]
+    create_span = receiver.wait_spans(lambda s: s.trace_id == trace_id and s.name == "POST /v1/streams")[0]
+    resumed = receiver.wait_spans(lambda s: s.trace_id == read_trace and s.name.startswith("fetch_response"))[0]
+    assert resumed.attributes[genai.RESUME_FROM] == resume_at
+    assert resumed.attributes[genai.EVENTS_SERVED] == len(again.events)
+    assert resumed.links == [(trace_id, create_span.span_id)]
+    get = receiver.wait_spans(lambda s: s.span_id == resumed.parent_id)[0]
+    assert get.parent_id == read_parent  # the reader's own trace, continued
+
+
+@pytest.mark.slow
+def test_the_generation_metrics_go_out_under_the_conventions_names(traced: Stack, receiver: OtlpReceiver) -> None:
+    with traced.client() as c:
+        sid = create(c, max_tokens=20).json()["id"]
+        assert read_sse(c, f"/v1/streams/{sid}/events").events[-1].event == "done"
+    wanted = {h.name for h in (genai.TIME_TO_FIRST_TOKEN, genai.TIME_PER_OUTPUT_TOKEN, genai.REQUEST_DURATION,
+                               genai.TOKEN_USAGE, genai.QUEUE_WAIT)}
+    deadline = time.monotonic() + 30
+    while not wanted <= receiver.metric_names("rsb-generator"):
+        assert time.monotonic() < deadline, receiver.metric_names()
+        time.sleep(0.05)
+    types = {attrs.get(genai.TOKEN_TYPE) for _, name, attrs in receiver.metrics if name == genai.TOKEN_USAGE.name}
+    assert types == {"input", "output"}
+
+
+@pytest.mark.slow
+def test_a_generator_killed_mid_answer_continues_as_attempt_2_of_the_same_trace_and_the_upstream_sees_it(
+        demo_model: Path, tmp_path: Path, receiver: OtlpReceiver) -> None:
+    from scripted_upstream import Reply, ScriptedUpstream, text
+
+    answer = "".join(f"w{i} " for i in range(80))
+
+    def respond(body: dict[str, object]) -> Reply:
+        """The answer's rest after what the prompt holds (a continuation asks with the answer so far after it)."""
+        so_far = str(body["prompt"]).removeprefix("Count")
+        assert answer.startswith(so_far), so_far
+        return Reply([text(w + " ") for w in answer[len(so_far):].split()], delay_s=0.03)
+
+    header, trace_id, _ = traceparent()
+    server = RedisServer().start()
+    s = TracedStack(server.url, demo_model, tmp_path, exporting_to(receiver.url))
+    try:
+        with ScriptedUpstream() as up:
+            up.respond = respond
+            s.consumer()
+            victim = s.generator("--upstream", up.url, "--lease-s", "1", ignore_eos=False)
+            with s.client() as c:
+                sid = c.post("/v1/streams", headers={"traceparent": header},
+                             json={"prompt": "Count", "max_tokens": 500, "temperature": 0}).json()["id"]
+                head = read_sse(c, f"/v1/streams/{sid}/events", stop_after=8)
+                assert head.events[-1].event == "delta"
+                victim.signal(signal.SIGKILL)
+                victim.wait(5)
+                s.generator("--upstream", up.url, "--lease-s", "1", ignore_eos=False)
+                read = read_sse(c, f"/v1/streams/{sid}/events")
+            requests = up.requests
+    finally:
+        s.close()
+        server.cleanup()
+    assert read.events[-1].event == "done"
+    assert "".join(e.data["text"] for e in read.events if e.event == "delta") == answer
+    create_span = receiver.wait_spans(lambda x: x.trace_id == trace_id and x.name == "POST /v1/streams")[0]
+    second = receiver.wait_spans(lambda x: x.trace_id == trace_id and _generation(x)
+                                 and x.attributes[genai.ATTEMPT] == 2)[0]
+    assert second.parent_id == create_span.span_id and second.attributes[genai.CONTINUED_FROM] > 0
+    assert second.attributes[genai.OUTPUT_TOKENS] == read.events[-1].data["usage"]["completion_tokens"]
+    assert _one(receiver.trace(trace_id), "time to first token").parent_id == second.span_id
+    # Each attempt's request carried the trace to the upstream; the second's parent is its client span.
+    chats = [r for r in requests if r.path == "/v1/chat/completions" or r.path == "/v1/completions"]
+    assert len(chats) == 2
+    assert all(r.headers["traceparent"].split("-")[1] == trace_id for r in chats), [r.headers for r in chats]
+    client_span = receiver.wait_spans(lambda x: x.span_id == chats[1].headers["traceparent"].split("-")[2])[0]
+    assert client_span.kind == CLIENT and client_span.parent_id == second.span_id
+    assert client_span.attributes[genai.SERVER_PORT] == up.port and client_span.attributes[genai.PROVIDER] == "openai"
+    assert client_span.attributes["http.response.status_code"] == 200
+
+
+def _workload(s: Stack, streams: int = 3, max_tokens: int = 300) -> float:
+    """Streams one after the other, each read to its end: the seconds they took in all."""
+    t0 = time.monotonic()
+    with s.client() as c:
+        for _ in range(streams):
+            header, _, _ = traceparent()
+            sid = c.post("/v1/streams", headers={"traceparent": header},
+                         json={"prompt": "Go on", "max_tokens": max_tokens}).json()["id"]
+            read = read_sse(c, f"/v1/streams/{sid}/events")
+            assert read.events[-1].event == "done" and read.events[-1].data["usage"]["completion_tokens"] == max_tokens
+    return time.monotonic() - t0
+
+
+def _stop(procs: list[Proc]) -> float:
+    """SIGTERM each, as an orchestrator does: the seconds until the last exited (each with status 0)."""
+    t0 = time.monotonic()
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    for p in procs:
+        assert p.wait(30) == 0, p.output()[-2000:]
+    return time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_disabled_nothing_is_sent_and_a_collector_that_is_down_costs_the_streams_nothing(
+        demo_model: Path, tmp_path: Path) -> None:
+    """The same streams, on a stack with the SDK disabled (nothing reaches a receiver that is up, nothing fails),
+    then on one exporting to a collector that accepts connections and never answers: they take no longer than on
+    the first stack by more than the machine's noise, and the processes still stop promptly."""
+    quiet = OtlpReceiver().start()
+    hole = Blackhole()
+    server = RedisServer().start()
+    (tmp_path / "off").mkdir()
+    (tmp_path / "down").mkdir()
+    off = TracedStack(server.url, demo_model, tmp_path / "off", exporting_to(quiet.url, OTEL_SDK_DISABLED="true"))
+    down = TracedStack(server.url, demo_model, tmp_path / "down", exporting_to(
+        hole.url, OTEL_BSP_SCHEDULE_DELAY="20", OTEL_EXPORTER_OTLP_TIMEOUT="20"))
+    try:
+        gen = off.generator()
+        api, _ = off.consumer()
+        _workload(off, streams=1)  # warm: the first model load and connections
+        baseline = _workload(off)
+        baseline_stop = _stop([gen, api])
+        assert quiet.requests == 0 and quiet.spans == []  # a clean stop flushes whatever a live SDK held: none
+        assert "trace_id" not in gen.output() and "trace_id" not in api.output()
+
+        gen = down.generator()
+        api, _ = down.consumer()
+        _workload(down, streams=1)
+        stalled = _workload(down)
+        assert hole.connections >= 1  # the exporters did try, and hang there
+        # A stall would cost an export timeout (20 s) per export; the machine's noise costs a fraction of the run.
+        assert stalled < 2 * baseline + 2.0, (stalled, baseline)
+        # Exits wait for the last export a bounded time (broker.telemetry.SHUTDOWN_TIMEOUT_S), not the timeout.
+        assert _stop([gen, api]) < baseline_stop + 3 * telemetry.SHUTDOWN_TIMEOUT_S + 2.0
+    finally:
+        off.close()
+        down.close()
+        server.cleanup()
+        hole.close()
+        quiet.stop()
+
+
+@pytest.mark.slow
+def test_rsb_up_exports_one_trace_per_generation(demo_model: Path, tmp_path: Path, receiver: OtlpReceiver) -> None:
+    port = free_port()
+    up = Proc([sys.executable, "-m", "rsb", "up", "--port", str(port), "--model", str(demo_model), "--ignore-eos"],
+              "up", log_path=tmp_path / "up.log", env={"RSB_CACHE_DIR": str(tmp_path / "cache"),
+                                                      **exporting_to(receiver.url)})
+    try:
+        up.wait_for_line(f"rsb is up: http://127.0.0.1:{port}", 60)
+        header, trace_id, client_span = traceparent()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            sid = c.post("/v1/streams", headers={"traceparent": header},
+                         json={"prompt": "Hi", "max_tokens": 30}).json()["id"]
+            assert read_sse(c, f"/v1/streams/{sid}/events").events[-1].event == "done"
+        spans = receiver.wait_spans(lambda s: s.trace_id == trace_id and s.name in ("POST /v1/streams", "decode"), 2)
+        by_name = {s.name: s for s in spans}
+        assert by_name["POST /v1/streams"].parent_id == client_span
+        assert by_name["POST /v1/streams"].service == "rsb-consumer" and by_name["decode"].service == "rsb-generator"
+    finally:
+        up.signal(signal.SIGTERM)
+        up.wait(30)
+        up.kill()
+
+
+@pytest.mark.slow
+def test_rsb_up_with_an_endpoint_and_no_sdk_says_what_to_install(tmp_path: Path) -> None:
+    port = free_port()
+    code = "import sys; sys.modules['opentelemetry'] = None; from rsb.cli import main; sys.exit(main())"
+    p = Proc([sys.executable, "-c", code, "up", "--port", str(port)], "up", log_path=tmp_path / "up.log",
+             env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
+    try:
+        assert p.wait(60) == 1
+    finally:
+        p.kill()
+    out = p.output()
+    assert out.rstrip().splitlines()[-1] == ("rsb up: OTEL_EXPORTER_OTLP_ENDPOINT asks for OpenTelemetry and its SDK "
+                                            "is not installed: pip install 'rsb[otel]'"), out
+    assert "Traceback" not in out
+
+
+# -- the switches ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("env", "traces", "metrics"), [
+    ({}, (), ()),  # nothing configured: off (the SDK alone would send to localhost:4318)
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, ("otlp",), ("otlp",)),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, ("otlp",), ()),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_METRICS_EXPORTER": "none"}, ("otlp",), ()),
+    ({"OTEL_TRACES_EXPORTER": "console"}, ("console",), ()),
+    ({"OTEL_TRACES_EXPORTER": "otlp,console", "OTEL_METRICS_EXPORTER": "otlp"}, ("otlp", "console"), ("otlp",)),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_SDK_DISABLED": "true"}, (), ()),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "TRUE"}, (), ()),
+])
+def test_what_the_sdk_variables_turn_on(env: dict[str, str], traces: tuple[str, ...],
+                                        metrics: tuple[str, ...]) -> None:
+    want = telemetry.wanted(env)
+    assert (want.traces, want.metrics) == (traces, metrics)
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({"OTEL_TRACES_EXPORTER": "zipkin"}, "unknown OpenTelemetry exporter 'zipkin': rsb exports otlp, console or none"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+     "OTEL_EXPORTER_OTLP_PROTOCOL=http/json is not supported: use http/protobuf (or grpc)"),
+])
+def test_what_rsb_cannot_send_is_one_line(env: dict[str, str], says: str) -> None:
+    with pytest.raises(telemetry.TelemetryMissing) as e:
+        telemetry.check(env)
+    assert str(e.value) == says
+
+
+def test_off_it_costs_one_test_and_imports_nothing() -> None:
+    """Without an exporter configured, setup starts nothing: no tracer, no meter, no traceparent, no log ids."""
+    assert telemetry.setup("rsb-test", env={}) is telemetry.NOTHING
+    assert telemetry.TRACER is None and telemetry.METER is None
+    assert telemetry.traceparent() == "" and telemetry.log_ids() is None and telemetry.remote_parent("00-x") is None
+
+
+def test_the_prometheus_names_are_what_a_collector_makes_of_the_conventions_names() -> None:
+    assert genai.prometheus_name(genai.TIME_TO_FIRST_TOKEN) == "gen_ai_server_time_to_first_token_seconds"
+    assert genai.prometheus_name(genai.TOKEN_USAGE) == "gen_ai_client_token_usage"
+    assert genai.prometheus_name(genai.QUEUE_WAIT) == "rsb_generator_queue_wait_seconds"
+    assert genai.label(genai.REQUEST_MODEL) == "gen_ai_request_model"
+
