@@ -165,6 +165,21 @@ def test_a_resume_is_a_fetch_response_span_linked_to_the_generation(traced: Stac
 
 
 @pytest.mark.slow
+def test_a_cancelled_generation_has_its_error_type(traced: Stack, receiver: OtlpReceiver) -> None:
+    header, trace_id, _ = traceparent()
+    with traced.client() as c:
+        sid = c.post("/v1/streams", headers={"traceparent": header},
+                     json={"prompt": "Go on forever", "max_tokens": 4000}).json()["id"]
+        read = read_sse(c, f"/v1/streams/{sid}/events",
+                        on_event=lambda e: e.event == "delta" and c.post(f"/v1/streams/{sid}/cancel"))
+    assert read.events[-1].event == "cancelled"
+    gen = receiver.wait_spans(lambda s: s.trace_id == trace_id and _generation(s))[0]
+    assert (gen.attributes[genai.ERROR_TYPE], gen.attributes["rsb.cancel.reason"], gen.status) == (
+        "cancelled", "client", ERROR)
+    assert gen.attributes[genai.OUTPUT_TOKENS] == read.events[-1].data["usage"]["completion_tokens"] < 4000
+
+
+@pytest.mark.slow
 def test_the_generation_metrics_go_out_under_the_conventions_names(traced: Stack, receiver: OtlpReceiver) -> None:
     with traced.client() as c:
         sid = create(c, max_tokens=20).json()["id"]
@@ -194,7 +209,9 @@ def test_a_generator_killed_mid_answer_continues_as_attempt_2_of_the_same_trace_
 
     header, trace_id, _ = traceparent()
     server = RedisServer().start()
-    s = TracedStack(server.url, demo_model, tmp_path, exporting_to(receiver.url))
+    # The operator opted in to content on spans (the conventions' switch).
+    s = TracedStack(server.url, demo_model, tmp_path, exporting_to(
+        receiver.url, OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT="true"))
     try:
         with ScriptedUpstream() as up:
             up.respond = respond
@@ -209,6 +226,11 @@ def test_a_generator_killed_mid_answer_continues_as_attempt_2_of_the_same_trace_
                 victim.wait(5)
                 s.generator("--upstream", up.url, "--lease-s", "1", ignore_eos=False)
                 read = read_sse(c, f"/v1/streams/{sid}/events")
+                up.script(Reply([], status=500, error="the model is on fire"))
+                failed_header, failed_trace, _ = traceparent()
+                failed = c.post("/v1/streams", headers={"traceparent": failed_header},
+                                json={"prompt": "Count", "max_tokens": 50}).json()["id"]
+                error = read_sse(c, f"/v1/streams/{failed}/events").events[-1]
             requests = up.requests
     finally:
         s.close()
@@ -222,13 +244,23 @@ def test_a_generator_killed_mid_answer_continues_as_attempt_2_of_the_same_trace_
     assert second.attributes[genai.OUTPUT_TOKENS] == read.events[-1].data["usage"]["completion_tokens"]
     assert _one(receiver.trace(trace_id), "time to first token").parent_id == second.span_id
     # Each attempt's request carried the trace to the upstream; the second's parent is its client span.
-    chats = [r for r in requests if r.path == "/v1/chat/completions" or r.path == "/v1/completions"]
-    assert len(chats) == 2
+    chats = [r for r in requests if r.path == "/v1/completions"][:2]  # (the third: the failing stream's)
     assert all(r.headers["traceparent"].split("-")[1] == trace_id for r in chats), [r.headers for r in chats]
     client_span = receiver.wait_spans(lambda x: x.span_id == chats[1].headers["traceparent"].split("-")[2])[0]
     assert client_span.kind == CLIENT and client_span.parent_id == second.span_id
     assert client_span.attributes[genai.SERVER_PORT] == up.port and client_span.attributes[genai.PROVIDER] == "openai"
     assert client_span.attributes["http.response.status_code"] == 200
+    # Opted in: the prompt and the whole answer (the lost attempt's part included, read back from the stream).
+    assert orjson.loads(second.attributes[genai.INPUT_MESSAGES]) == [
+        {"role": "user", "parts": [{"type": "text", "content": "Count"}]}]
+    assert orjson.loads(second.attributes[genai.OUTPUT_MESSAGES]) == [
+        {"role": "assistant", "parts": [{"type": "text", "content": answer}], "finish_reason": "stop"}]
+    # A failure: error.type on the generation (its error event's code) and on the upstream call (the HTTP status).
+    assert error.event == "error"
+    failing = receiver.wait_spans(lambda x: x.trace_id == failed_trace and _generation(x))[0]
+    assert (failing.attributes[genai.ERROR_TYPE], failing.status) == (error.data["code"], ERROR)
+    call = receiver.wait_spans(lambda x: x.trace_id == failed_trace and x.kind == CLIENT)[0]
+    assert (call.attributes[genai.ERROR_TYPE], call.status) == ("500", ERROR)
 
 
 def _workload(s: Stack, streams: int = 3, max_tokens: int = 300) -> float:
