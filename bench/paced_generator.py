@@ -22,7 +22,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 
 from bench.paced_engine import PacedEngine
 from bench.procs import raise_nofile
-from broker import runtime
+from broker import runtime, telemetry
 from broker.logs import setup_logging
 from broker.redis.connection import connect
 from broker.settings import BrokerSettings
@@ -100,7 +100,11 @@ def main() -> None:
     raise_nofile()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # thread stacks on demand, for diagnosis
     setup_logging(args.log_level)
-    runtime.run(serve(args))
+    tracing = telemetry.setup("rsb-generator")  # as `rsb generator` does: off unless OTEL_* variables ask
+    try:
+        runtime.run(serve(args))
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

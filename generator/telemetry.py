@@ -171,7 +171,7 @@ def attempt(trace: GenerationTrace | None, unwritten: Callable[[], str | None]) 
         trace.end(unwritten())
 
 
-def upstream_span(protocol: str, url: str, model: str | None) -> Span | None:
+def upstream_span(protocol: str, url: str, model: str | None, *, chat: bool) -> Span | None:
     """The client span of a request to an upstream server (None: tracing off); ``headers_of(span)`` makes the
     upstream continue it. A child of the current span: the attempt's."""
     tracer = telemetry.TRACER
@@ -180,13 +180,14 @@ def upstream_span(protocol: str, url: str, model: str | None) -> Span | None:
     from opentelemetry.trace import SpanKind
 
     parts = urlsplit(url)
-    attributes: dict[str, Any] = {genai.OPERATION: genai.CHAT, genai.PROVIDER: protocol,
+    op = genai.CHAT if chat else genai.TEXT_COMPLETION
+    attributes: dict[str, Any] = {genai.OPERATION: op, genai.PROVIDER: protocol,
                                   genai.SERVER_ADDRESS: parts.hostname or "", genai.STREAM: True}
     if parts.port:
         attributes[genai.SERVER_PORT] = parts.port
     if model:
         attributes[genai.REQUEST_MODEL] = model
-    return tracer.start_span(f"{genai.CHAT} {model or parts.hostname}", kind=SpanKind.CLIENT, attributes=attributes)
+    return tracer.start_span(f"{op} {model or parts.hostname}", kind=SpanKind.CLIENT, attributes=attributes)
 
 
 def upstream_headers(span: Span | None) -> dict[str, str] | None:

@@ -7,6 +7,8 @@ costs the streams nothing. And the switches themselves (broker.telemetry.wanted 
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import secrets
 import signal
 import sys
@@ -17,7 +19,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from helpers import create, read_sse
+from helpers import SSE, create, read_sse
 from otlp_receiver import Blackhole, OtlpReceiver, Span
 from servers import Stack
 
@@ -170,8 +172,12 @@ def test_a_cancelled_generation_has_its_error_type(traced: Stack, receiver: Otlp
     with traced.client() as c:
         sid = c.post("/v1/streams", headers={"traceparent": header},
                      json={"prompt": "Go on forever", "max_tokens": 4000}).json()["id"]
-        read = read_sse(c, f"/v1/streams/{sid}/events",
-                        on_event=lambda e: e.event == "delta" and c.post(f"/v1/streams/{sid}/cancel"))
+
+        def cancel_at_the_first_delta(event: SSE) -> None:
+            if event.event == "delta":
+                c.post(f"/v1/streams/{sid}/cancel")
+
+        read = read_sse(c, f"/v1/streams/{sid}/events", on_event=cancel_at_the_first_delta)
     assert read.events[-1].event == "cancelled"
     gen = receiver.wait_spans(lambda s: s.trace_id == trace_id and _generation(s))[0]
     assert (gen.attributes[genai.ERROR_TYPE], gen.attributes["rsb.cancel.reason"], gen.status) == (
@@ -222,6 +228,7 @@ def test_a_generator_killed_mid_answer_continues_as_attempt_2_of_the_same_trace_
                              json={"prompt": "Count", "max_tokens": 500, "temperature": 0}).json()["id"]
                 head = read_sse(c, f"/v1/streams/{sid}/events", stop_after=8)
                 assert head.events[-1].event == "delta"
+                killed_ns = time.time_ns()
                 victim.signal(signal.SIGKILL)
                 victim.wait(5)
                 s.generator("--upstream", up.url, "--lease-s", "1", ignore_eos=False)
@@ -255,6 +262,15 @@ def test_a_generator_killed_mid_answer_continues_as_attempt_2_of_the_same_trace_
         {"role": "user", "parts": [{"type": "text", "content": "Count"}]}]
     assert orjson.loads(second.attributes[genai.OUTPUT_MESSAGES]) == [
         {"role": "assistant", "parts": [{"type": "text", "content": answer}], "finish_reason": "stop"}]
+    if os.environ.get("RSB_TRACE_DUMP"):  # docs/operations.md's picture: scripts/trace_waterfall.py draws it
+        reads = receiver.wait_spans(lambda x: any(link[0] == trace_id for link in x.links), 2)
+        Path(os.environ["RSB_TRACE_DUMP"]).write_text(orjson.dumps({
+            "title": "one generation: created, queued, attempt 1 SIGKILLed mid-answer, continued by attempt 2",
+            "spans": [dataclasses.asdict(x) for x in receiver.trace(trace_id) + reads],
+            "marks": [("generator SIGKILLed", killed_ns)],
+            "lost": [("attempt 1 (SIGKILLed)",
+                      _one(receiver.trace(trace_id), "queue wait").end_ns, killed_ns)]},
+            option=orjson.OPT_INDENT_2).decode())
     # A failure: error.type on the generation (its error event's code) and on the upstream call (the HTTP status).
     assert error.event == "error"
     failing = receiver.wait_spans(lambda x: x.trace_id == failed_trace and _generation(x))[0]

@@ -163,7 +163,7 @@ class UpstreamEngine(Engine):
                                            model=self._model, ignore_eos=self.ignore_eos, cache_scope=cache_scope)
         pieces = UpstreamPieces(generation=generation, max_tokens=max_tokens, stop=stop, replay=replay)
         reader = self.protocol.reader(chat=call.chat)
-        span = upstream_span(self.protocol.name, self.base_url, self._model)  # None: tracing off
+        span = upstream_span(self.protocol.name, self.base_url, self._model, chat=call.chat)  # None: not traced
         status: int | None = None
         try:
             async with self._client_for_loop().stream("POST", self.base_url + call.path, json=call.body,
