@@ -4,10 +4,10 @@
     .venv/bin/python scripts/trace_waterfall.py docs/trace-crash.json docs/trace-crash.svg
 
 The JSON is what tests/broker/test_telemetry.py's crash test wrote: the spans of its trace (the create, the queue
-wait, the generations of every attempt that lived to export, the upstream calls), the reads linked to it, and
-``marks`` (moments the test made happen, such as the SIGKILL) and ``lost`` (what an attempt that died held: from
-its claim, the end of its queue wait, to its SIGKILL; its spans died with it). Each span is a bar under its parent, colored by
-the process that sent it; no styling library, no browser: plain SVG text.
+wait, the generations of every attempt that lived to export, the upstream calls), the reads linked to it, ``marks``
+(moments the test made happen, such as the SIGKILL) and ``lost`` (what an attempt that died held, from its claim
+to its SIGKILL: its spans died with it). Each span is a bar under its parent, colored by the process that sent it;
+no styling library, no browser: plain SVG text.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def render(dump: dict[str, Any]) -> str:
     height = ROW * (len(rows) + len(dump.get("lost", [])) + 3)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + FACTS}" height="{height}" '
            f'font-family="monospace" font-size="{TEXT}">',
-           f'<rect width="100%" height="100%" fill="white"/>',
+           '<rect width="100%" height="100%" fill="white"/>',
            f'<text x="8" y="16" font-weight="bold">{html.escape(dump["title"])}</text>']
     for step in range(0, 11):  # a time axis, tenths of the trace
         x = LEFT + WIDTH * step / 10
