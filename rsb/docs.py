@@ -16,6 +16,10 @@ Generated from the settings behind the `rsb` command line (`python3 -m rsb.docs 
 test keeps it in sync. Every flag has an environment twin, `RSB_` + the flag in upper case with `_` for `-`
 (`--heartbeat-s` is `RSB_HEARTBEAT_S`); the flag wins over the variable. Switches (`--ignore-eos`) also
 take a `--no-` form, and their variable takes `true`/`false`.
+
+OpenTelemetry (traces and GenAI metrics) has no flag: every process reads the SDK's own `OTEL_*` variables
+(`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SDK_DISABLED`, ...), off unless an exporter is configured: see
+docs/operations.md, "Traces and GenAI metrics".
 """
 
 
