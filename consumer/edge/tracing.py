@@ -15,6 +15,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker import telemetry
 
+# Probes and scrapes: every few seconds from an orchestrator, nothing a trace would explain.
+UNTRACED = frozenset({"/healthz", "/readyz", "/metrics"})
 # Where the front door (consumer.edge.front), which serves the readers' route below Starlette's router, says
 # which route it served.
 ROUTE_KEY = "rsb.route"
@@ -35,7 +37,7 @@ class TracingMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tracer = telemetry.TRACER
-        if scope["type"] != "http" or tracer is None:
+        if scope["type"] != "http" or tracer is None or scope["path"] in UNTRACED:
             await self.app(scope, receive, send)
             return
         from opentelemetry.trace import SpanKind

@@ -140,6 +140,7 @@ def test_a_create_with_a_traceparent_is_one_trace_across_consumer_and_generator(
     assert read_span.parent_id  # under its request's span: GET /v1/streams/{stream_id}/events
     get = receiver.wait_spans(lambda s: s.span_id == read_span.parent_id)[0]
     assert get.name == "GET /v1/streams/{stream_id}/events" and get.attributes["http.response.status_code"] == 200
+    assert not receiver.where(lambda s: s.attributes.get("url.path") == "/healthz")  # probes: no spans
     # The generator's log lines of the generation lead to it.
     logged = [orjson.loads(line) for line in traced.procs[0].output().splitlines() if sid in line]
     assert any(rec.get("msg") == "finished" and rec.get("trace_id") == trace_id for rec in logged), logged
