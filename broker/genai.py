@@ -40,6 +40,7 @@ ATTEMPT = "rsb.generation.attempt"  # 1, then 2... for a continuation after a cr
 CONTINUED_FROM = "rsb.generation.continued_from_tokens"  # tokens the stream held when this attempt began
 WORKER = "rsb.worker.id"
 TIER = "rsb.service_tier"
+CANCEL_REASON = "rsb.cancel.reason"  # with error.type cancelled: client, disconnect, abandoned, shutdown
 RESUME_FROM = "rsb.read.last_event_id"  # a read's resume point (absent: from the start)
 EVENTS_SERVED = "rsb.read.events"  # events a read served
 APPENDS = "rsb.appends"  # appends (Redis round trips) of an attempt's events

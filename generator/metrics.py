@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from broker import genai, telemetry
 from broker.scrape import serve_scrapes
 from broker.streams.records import Claim
-from generator.telemetry import operation
+from generator.telemetry import error_type, operation
 
 # No ``<name>_created`` series beside each counter and histogram: nothing reads them.
 disable_created_metrics()
@@ -101,8 +101,7 @@ class GeneratorMetrics:
                 self._observe(genai.TIME_TO_FIRST_TOKEN, waited + float(usage["ttft_ms"]) / 1000, attrs)
             if usage.get("tpot_ms") is not None:
                 self._observe(genai.TIME_PER_OUTPUT_TOKEN, float(usage["tpot_ms"]) / 1000, attrs)
-        error = "" if status == "done" else "cancelled" if status == "cancelled" else code
-        self._observe(genai.REQUEST_DURATION, waited + elapsed_s, {**attrs, genai.ERROR_TYPE: error})
+        self._observe(genai.REQUEST_DURATION, waited + elapsed_s, {**attrs, genai.ERROR_TYPE: error_type(status, code)})
         for kind, field in ((genai.INPUT, "prompt_tokens"), (genai.OUTPUT, "completion_tokens")):
             self._observe(genai.TOKEN_USAGE, int(usage.get(field) or 0), {**attrs, genai.TOKEN_TYPE: kind})
 

@@ -41,6 +41,12 @@ def operation(request: GenerationRequest) -> str:
     return genai.TEXT_COMPLETION if request.messages is None else genai.CHAT
 
 
+def error_type(status: str, code: str) -> str:
+    """A generation's ``error.type``: '' when it is done, ``cancelled`` (whatever the reason), else the code of its
+    ``error`` event (``engine``, ``deadline``, ``worker_lost``...: docs/protocol.md)."""
+    return "" if status == "done" else "cancelled" if status == "cancelled" else code
+
+
 def _input_messages(request: GenerationRequest) -> str:
     if request.messages is None:
         return orjson.dumps([{"role": "user", "parts": [{"type": "text", "content": request.prompt or ""}]}]).decode()
@@ -123,13 +129,13 @@ class GenerationTrace:
         span.set_attributes({genai.INPUT_TOKENS: int(usage.get("prompt_tokens") or 0),
                              genai.OUTPUT_TOKENS: int(usage.get("completion_tokens") or 0),
                              genai.CACHED_INPUT_TOKENS: int(usage.get("cached_tokens") or 0)})
-        if status == "done":
+        error = error_type(status, code)
+        if not error:
             span.set_attribute(genai.FINISH_REASONS, [code])
-        elif status == "cancelled":
-            span.set_attribute("rsb.cancel.reason", code)
-            telemetry.mark_error(span, "cancelled")
         else:
-            telemetry.mark_error(span, code)
+            telemetry.mark_error(span, error)
+            if status == "cancelled":
+                span.set_attribute(genai.CANCEL_REASON, code)
         if telemetry.CAPTURE_CONTENT:
             with contextlib.suppress(Exception):  # best effort: the stream is finished and safe
                 text = (await answer()).text

@@ -181,7 +181,7 @@ def test_a_cancelled_generation_has_its_error_type(traced: Stack, receiver: Otlp
         read = read_sse(c, f"/v1/streams/{sid}/events", on_event=cancel_at_the_first_delta)
     assert read.events[-1].event == "cancelled"
     gen = receiver.wait_spans(lambda s: s.trace_id == trace_id and _generation(s))[0]
-    assert (gen.attributes[genai.ERROR_TYPE], gen.attributes["rsb.cancel.reason"], gen.status) == (
+    assert (gen.attributes[genai.ERROR_TYPE], gen.attributes[genai.CANCEL_REASON], gen.status) == (
         "cancelled", "client", ERROR)
     assert gen.attributes[genai.OUTPUT_TOKENS] == read.events[-1].data["usage"]["completion_tokens"] < 4000
 
