@@ -358,6 +358,8 @@ class JobRunner:
     async def _hand_over(self, run: Run) -> None:
         released = await until_done(lambda: self.store.release(run.claim), "release failed")
         log.info("handed the job over", extra={"stream_id": str(run.claim.stream_id), "released": released})
+        if run.trace is not None:
+            run.trace.handed_over()  # (its span's error.type: the fence below would say fenced_out)
         run.fence_out()  # not ours any more: the next owner ends it
 
     async def _append(self, run: Run, seq_before: int, seq_after: int,

@@ -16,6 +16,7 @@ With tracing off (broker.telemetry.TRACER None) nothing here runs: ``GenerationT
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -57,8 +58,8 @@ def _input_messages(request: GenerationRequest) -> str:
 class GenerationTrace:
     """The spans of one attempt of a generation (see the module's docstring)."""
 
-    __slots__ = ("_first_ns", "_prefill", "_shown", "_start_ns", "_tracer", "append_max_s", "append_s", "appends",
-                 "span")
+    __slots__ = ("_first_ns", "_handed_over", "_prefill", "_shown", "_start_ns", "_tracer", "append_max_s",
+                 "append_s", "appends", "span")
 
     def __init__(self, tracer: Any, span: Span, start_ns: int, prefill: str) -> None:
         self._tracer = tracer
@@ -67,6 +68,7 @@ class GenerationTrace:
         self._prefill = prefill  # the first phase's name
         self._first_ns: int | None = None
         self._shown = False
+        self._handed_over = False
         self.appends = 0
         self.append_s = 0.0
         self.append_max_s = 0.0
@@ -143,11 +145,15 @@ class GenerationTrace:
                     "role": "assistant", "parts": [{"type": "text", "content": text}],
                     "finish_reason": code if status == "done" else status}]).decode())
 
+    def handed_over(self) -> None:
+        """The attempt released its job for another worker to continue (a shutdown past its grace, a failover)."""
+        self._handed_over = True
+
     def end(self, ending: str | None) -> None:
         """The attempt is over. ``ending``: why it stopped without a terminal event of its own (fenced out, handed
         over: generator.lease.Ending), None when it wrote one."""
         if ending is not None:
-            telemetry.mark_error(self.span, ending)
+            telemetry.mark_error(self.span, "handed_over" if self._handed_over else ending)
         self.span.set_attributes({genai.APPENDS: self.appends, genai.APPEND_SECONDS: round(self.append_s, 6),
                                   genai.APPEND_MAX_SECONDS: round(self.append_max_s, 6)})
         # The phases are drawn now, from the times kept: an attempt that dies (SIGKILL) leaves no span behind whose
@@ -208,6 +214,6 @@ def end_upstream(span: Span | None, status_code: int | None, error: BaseExceptio
         span.set_attribute("http.response.status_code", status_code)
     if status_code is not None and status_code >= 400:  # the HTTP conventions' error.type: the status code
         telemetry.mark_error(span, str(status_code))
-    elif error is not None and not isinstance(error, GeneratorExit):  # a cancel closes the generator: no error
+    elif error is not None and not isinstance(error, GeneratorExit | asyncio.CancelledError):  # rsb's own stop
         telemetry.mark_error(span, type(error).__qualname__)
     span.end()

@@ -280,6 +280,40 @@ def test_a_generator_killed_mid_answer_continues_as_attempt_2_of_the_same_trace_
     assert (call.attributes[genai.ERROR_TYPE], call.status) == ("500", ERROR)
 
 
+@pytest.mark.slow
+def test_a_job_handed_over_at_shutdown_ends_its_attempt_and_the_next_continues_the_trace(
+        demo_model: Path, tmp_path: Path, receiver: OtlpReceiver) -> None:
+    """A generator stopped past its grace hands the job over: its attempt's span ends (handed_over) and leaves with
+    the process's last export; the next generator's attempt 2 is the same trace's."""
+    from scripted_upstream import Reply, ScriptedUpstream, text
+
+    header, trace_id, _ = traceparent()
+    server = RedisServer().start()
+    s = TracedStack(server.url, demo_model, tmp_path, exporting_to(receiver.url))
+    try:
+        with ScriptedUpstream() as up:
+            up.respond = lambda body: Reply([text(f"w{i} ") for i in range(60)], delay_s=0.03)
+            s.consumer()
+            first = s.generator("--upstream", up.url, "--generator-grace-s", "0.2", ignore_eos=False)
+            with s.client() as c:
+                sid = c.post("/v1/streams", headers={"traceparent": header},
+                             json={"messages": [{"role": "user", "content": "Count"}], "max_tokens": 500}).json()["id"]
+                read_sse(c, f"/v1/streams/{sid}/events", stop_after=6)
+                first.signal(signal.SIGTERM)
+                assert first.wait(30) == 0
+                s.generator("--upstream", up.url, ignore_eos=False)
+                assert read_sse(c, f"/v1/streams/{sid}/events").events[-1].event == "done"
+    finally:
+        s.close()
+        server.cleanup()
+    attempts = receiver.wait_spans(lambda x: x.trace_id == trace_id and _generation(x), 2)
+    by_attempt = {x.attributes[genai.ATTEMPT]: x for x in attempts}
+    assert by_attempt[1].attributes[genai.ERROR_TYPE] == "handed_over" and by_attempt[1].status == ERROR
+    assert genai.ERROR_TYPE not in by_attempt[2].attributes
+    assert by_attempt[1].parent_id == by_attempt[2].parent_id  # both under the create's span
+    assert by_attempt[1].end_ns <= by_attempt[2].start_ns
+
+
 def _workload(s: Stack, streams: int = 3, max_tokens: int = 300) -> float:
     """Streams one after the other, each read to its end: the seconds they took in all."""
     t0 = time.monotonic()
