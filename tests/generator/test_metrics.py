@@ -39,3 +39,11 @@ def test_generator_metrics_count_what_was_generated_and_wasted(stack_factory: St
     assert _value(text, "rsb_generator_ttft_ms_count") == 2
     assert _value(text, "rsb_generator_running") == 0
     assert httpx.get(f"http://127.0.0.1:{port}/nope").status_code == 404
+    # The GenAI conventions' histograms, under the names a collector's Prometheus exporter gives them (broker.genai):
+    # the first token's time for the answer that succeeded, the duration of both (the cancel with its error.type).
+    ttft = [line for line in text.splitlines() if line.startswith("gen_ai_server_time_to_first_token_seconds_count")]
+    assert len(ttft) == 1 and 'gen_ai_operation_name="text_completion"' in ttft[0] and ttft[0].endswith(" 1.0")
+    assert 'gen_ai_server_request_duration_seconds_count{' in text and 'error_type="cancelled"' in text
+    output = [line for line in text.splitlines()
+              if line.startswith("gen_ai_client_token_usage_sum") and 'gen_ai_token_type="output"' in line]
+    assert len(output) == 1 and float(output[0].split()[-1]) == 30 + wasted
