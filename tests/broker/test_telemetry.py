@@ -341,8 +341,9 @@ def _stop(procs: list[Proc]) -> float:
 def test_disabled_nothing_is_sent_and_a_collector_that_is_down_costs_the_streams_nothing(
         demo_model: Path, tmp_path: Path) -> None:
     """The same streams, on a stack with the SDK disabled (nothing reaches a receiver that is up, nothing fails),
-    then on one exporting to a collector that accepts connections and never answers: they take no longer than on
-    the first stack by more than the machine's noise, and the processes still stop promptly."""
+    then on one exporting to a collector that accepts connections and never answers (exports time out after 60 s):
+    they take about as long as on the first stack, never an export's timeout, and the processes still stop
+    promptly."""
     quiet = OtlpReceiver().start()
     hole = Blackhole()
     server = RedisServer().start()
@@ -350,7 +351,7 @@ def test_disabled_nothing_is_sent_and_a_collector_that_is_down_costs_the_streams
     (tmp_path / "down").mkdir()
     off = TracedStack(server.url, demo_model, tmp_path / "off", exporting_to(quiet.url, OTEL_SDK_DISABLED="true"))
     down = TracedStack(server.url, demo_model, tmp_path / "down", exporting_to(
-        hole.url, OTEL_BSP_SCHEDULE_DELAY="20", OTEL_EXPORTER_OTLP_TIMEOUT="20"))
+        hole.url, OTEL_BSP_SCHEDULE_DELAY="20", OTEL_EXPORTER_OTLP_TIMEOUT="60"))
     try:
         gen = off.generator()
         api, _ = off.consumer()
@@ -365,10 +366,11 @@ def test_disabled_nothing_is_sent_and_a_collector_that_is_down_costs_the_streams
         _workload(down, streams=1)
         stalled = _workload(down)
         assert hole.connections >= 1  # the exporters did try, and hang there
-        # A stall would cost an export timeout (20 s) per export; the machine's noise costs a fraction of the run.
-        assert stalled < 2 * baseline + 2.0, (stalled, baseline)
-        # Exits wait for the last export a bounded time (broker.telemetry.SHUTDOWN_TIMEOUT_S), not the timeout.
-        assert _stop([gen, api]) < baseline_stop + 3 * telemetry.SHUTDOWN_TIMEOUT_S + 2.0
+        # A stream that waited on an export would wait its timeout (60 s); a busy machine slows the run a few times.
+        assert stalled < 4 * baseline + 10.0, (stalled, baseline)
+        # An exit waits for its last exports a bounded time (broker.telemetry.SHUTDOWN_TIMEOUT_S per signal), not the
+        # SDK's 30 s nor the export's timeout.
+        assert _stop([gen, api]) < baseline_stop + 2 * telemetry.SHUTDOWN_TIMEOUT_S + 10.0
     finally:
         off.close()
         down.close()
