@@ -118,10 +118,10 @@ class StreamKeys:
 
 
 def principal(key_id: str, address: str) -> str:
-    """Whom a create is charged to: the API key (ids are validated, ``[A-Za-z0-9_-]{1,64}``, when the keys
-    file is loaded), else the client's address group, as ``a:`` and a digest: an address may come from a
-    forwarded header, and nothing a client sent reaches a key name. Key ids hold no ``:``, so the two
-    never meet."""
+    """Whom a create is charged to: the API key (ids are validated, ``[A-Za-z0-9_][A-Za-z0-9_-]{0,63}``, when the
+    keys file is loaded: never ``-``, the keyless share's name in keys below), else the client's address group, as
+    ``a:`` and a digest: an address may come from a forwarded header, and nothing a client sent reaches a key name.
+    Key ids hold no ``:``, so the two never meet."""
     if key_id:
         return key_id
     return "a:" + hashlib.blake2b(address.encode(), digest_size=12).hexdigest()

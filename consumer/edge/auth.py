@@ -31,7 +31,10 @@ from broker.ascii import decimal
 from broker.errors import NotFound, StoreUnavailable, Unauthorized
 
 ANONYMOUS = ""
-_KEY_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
+# A key id never starts with '-': Redis key names spell the keyless caller's share '-' (broker.streams.keys,
+# broker.durable.keys, broker.redis.quota: ``key_id or '-'``), so a key named '-' read the usage, budgets, Durable
+# Streams and conversations of an open deployment's callers. Nor does it look like a command-line flag.
+_KEY_ID = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_-]{0,63}\Z")
 
 
 BUDGET_PERIODS = ("day", "month")
@@ -60,7 +63,8 @@ class ApiKey:
         """One entry of the keys file, checked: a wrong type is a ValueError naming the key and the field."""
         key_id = entry["id"]
         if not isinstance(key_id, str) or not _KEY_ID.match(key_id):
-            raise ValueError(f"api key id {key_id!r}: use letters, digits, '_' and '-' (at most 64)")
+            raise ValueError(f"api key id {key_id!r}: use letters, digits, '_' and '-' (at most 64), and start with a "
+                             "letter, a digit or '_'")
         admin, budget = entry.get("admin", False), entry.get("token_budget", 0)
         period, hook = entry.get("budget_period", "month"), entry.get("webhook_url")
         if not isinstance(admin, bool):
