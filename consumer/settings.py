@@ -125,7 +125,8 @@ class ConsumerSettings(Settings):
     # The usage ledger (broker/streams/usage.py, docs/protocol.md "Usage").
     prices_file: str | None = setting(
         None, "JSON file of prices per model ({\"<model>\": {\"input_per_mtok\", \"cached_input_per_mtok\", "
-        "\"output_per_mtok\"}}, USD per million tokens): usage reports then carry cost_usd", flag="prices")
+        "\"output_per_mtok\", \"tiers\"?: {\"priority\": {...the same fields}}}}, USD per million tokens): usage "
+        "reports then carry cost_usd, and keys may have a usd_budget", flag="prices")
     # Webhooks (consumer/streaming/webhooks.py, docs/protocol.md "Webhooks").
     webhook_url: str | None = setting(
         None, "POST a signed event (Standard Webhooks; OpenAI's response.completed, .cancelled, .failed, .incomplete) "

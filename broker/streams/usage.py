@@ -40,6 +40,8 @@ from broker.errors import InvalidRequest
 from broker.redis.connection import RedisClient, reply_text
 from broker.redis.lua import SERVER_MS
 from broker.streams.keys import usage_index_key, usage_log_key
+from broker.tiers import DEFAULT as DEFAULT_TIER
+from broker.tiers import TIERS
 
 #: Days a usage record is kept: this month's bill and the two before.
 RETENTION_DAYS = 93
@@ -99,27 +101,34 @@ Record = dict[str, str]
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """USD per million tokens of one model."""
+    """USD per million tokens of one model (in one service tier)."""
 
     input_per_mtok: float
     cached_input_per_mtok: float
     output_per_mtok: float
 
-    def cost(self, record: Record) -> float:
-        """What a record's tokens cost: its uncached prompt tokens, its cached ones and its completion. The tokens a
-        lost attempt wasted are rsb's loss, not the caller's: not charged."""
-        prompt, cached = _int(record, "prompt_tokens"), _int(record, "cached_tokens")
+    def cost_of(self, prompt: int, cached: int, completion: int) -> float:
+        """What these tokens cost: the uncached prompt tokens, the cached ones and the completion."""
         cached = min(cached, prompt)
         return ((prompt - cached) * self.input_per_mtok + cached * self.cached_input_per_mtok
-                + _int(record, "completion_tokens") * self.output_per_mtok) / 1e6
+                + completion * self.output_per_mtok) / 1e6
+
+    def cost(self, record: Record) -> float:
+        """What a record's tokens cost. The tokens a lost attempt wasted are rsb's loss, not the caller's: not
+        charged."""
+        return self.cost_of(_int(record, "prompt_tokens"), _int(record, "cached_tokens"),
+                            _int(record, "completion_tokens"))
 
 
 class Prices:
     """``--prices FILE``: ``{"<model>": {"input_per_mtok": float, "cached_input_per_mtok": float,
-    "output_per_mtok": float}}`` (``cached_input_per_mtok`` defaults to the input price)."""
+    "output_per_mtok": float, "tiers"?: {"<tier>": {...the same fields}}}}`` (``cached_input_per_mtok`` defaults to
+    the input price; a tier's fields each default to the model's own): a generation is priced at its model's
+    price in the service tier it ran in (broker.tiers)."""
 
-    def __init__(self, by_model: dict[str, Price]) -> None:
+    def __init__(self, by_model: dict[str, Price], by_tier: dict[tuple[str, str], Price] | None = None) -> None:
         self.by_model = by_model
+        self.by_tier = by_tier or {}
 
     @classmethod
     def parse(cls, raw: bytes, source: str = "prices") -> Prices:
@@ -130,24 +139,44 @@ class Prices:
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected an object of models, each {{{', '.join(_PRICE_FIELDS)}}}")
         out: dict[str, Price] = {}
+        tiered: dict[tuple[str, str], Price] = {}
         for model, entry in data.items():
-            if not isinstance(entry, dict) or set(entry) - set(_PRICE_FIELDS):
-                raise ValueError(f"{source}: {model!r}: expected an object with {', '.join(_PRICE_FIELDS)}")
-            values = {**{"cached_input_per_mtok": entry.get("input_per_mtok")}, **entry}
-            for name in _PRICE_FIELDS:
-                v = values.get(name)
-                if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                    raise ValueError(f"{source}: {model!r}: {name} must be a number of USD, 0 or more")
-            out[model] = Price(*(float(values[n]) for n in _PRICE_FIELDS))
-        return cls(out)
+            if not isinstance(entry, dict) or set(entry) - {*_PRICE_FIELDS, "tiers"}:
+                raise ValueError(f"{source}: {model!r}: expected an object with {', '.join(_PRICE_FIELDS)} (and "
+                                 "'tiers')")
+            base = out[model] = _price(entry, {"cached_input_per_mtok": entry.get("input_per_mtok")},
+                                       f"{source}: {model!r}")
+            by_tier = entry.get("tiers", {})
+            if not isinstance(by_tier, dict) or set(by_tier) - set(TIERS):
+                raise ValueError(f"{source}: {model!r}: 'tiers' is an object of {', '.join(TIERS)}")
+            for tier, fields in by_tier.items():
+                if not isinstance(fields, dict) or set(fields) - set(_PRICE_FIELDS):
+                    raise ValueError(f"{source}: {model!r}: tier {tier!r}: expected an object of "
+                                     f"{', '.join(_PRICE_FIELDS)}")
+                defaults = {n: getattr(base, n) for n in _PRICE_FIELDS}
+                tiered[(model, tier)] = _price(fields, defaults, f"{source}: {model!r}: tier {tier!r}")
+        return cls(out, tiered)
 
     @classmethod
     def load(cls, path: str | Path) -> Prices:
         return cls.parse(Path(path).read_bytes(), str(path))
 
+    def price(self, model: str, tier: str = DEFAULT_TIER) -> Price | None:
+        """The price of ``model`` in ``tier`` (None: the model is not priced)."""
+        return self.by_tier.get((model, tier)) or self.by_model.get(model)
+
     def cost(self, record: Record) -> float | None:
-        price = self.by_model.get(record.get("model", ""))
+        price = self.price(record.get("model", ""), record.get("tier") or DEFAULT_TIER)
         return None if price is None else price.cost(record)
+
+
+def _price(entry: dict[str, Any], defaults: dict[str, Any], where: str) -> Price:
+    values = {**defaults, **entry}
+    for name in _PRICE_FIELDS:
+        v = values.get(name)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{where}: {name} must be a number of USD, 0 or more")
+    return Price(*(float(values[n]) for n in _PRICE_FIELDS))
 
 
 def _int(record: Record, name: str) -> int:

@@ -46,7 +46,7 @@ class ApiKey:
     usage), ``token_budget`` (tokens its generations may use per ``budget_period``, UTC; 0: no budget) and
     ``webhook_url`` (where its generations' ends are POSTed, instead of --webhook-url), ``service_tier`` (the tier
     of its creates that ask for ``auto`` or none: broker.tiers) and ``service_tiers`` (the tiers it may ask for;
-    empty: every one)."""
+    empty: every one but ``priority``, which only a key that names it gets: broker.tiers)."""
 
     id: str
     sha256: bytes
@@ -82,6 +82,8 @@ class ApiKey:
             raise ValueError(f"api key {key_id}: 'service_tiers' must be a list of {', '.join(tiers.TIERS)}")
         if tier and allowed and tier not in allowed:
             raise ValueError(f"api key {key_id}: its 'service_tier' is not one of its 'service_tiers'")
+        if tier == tiers.PRIORITY and tiers.PRIORITY not in allowed:  # else it would be served default in silence
+            raise ValueError(f"api key {key_id}: 'service_tier' priority needs \"priority\" in its 'service_tiers'")
         return cls(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {})), admin, budget, period,
                    hook or None, tier, tuple(allowed))
 

@@ -36,9 +36,9 @@ async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIt
 
 
 async def _run(store: Store, key_id: str = "", *, status: str = "done", reason: str = "stop", prompt: int = 10,
-               completion: int = 20, cached: int = 0, wasted: int = 0) -> uuid.UUID:
+               completion: int = 20, cached: int = 0, wasted: int = 0, tier: str = "default") -> uuid.UUID:
     sid = uuid.uuid4()
-    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id=key_id)
+    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id=key_id, tier=tier)
     claim = await store.claim(sid, "w")
     assert isinstance(claim, Claim)
     u = {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached, "ttft_ms": 12.5,
@@ -135,6 +135,25 @@ async def test_the_report_groups_scopes_and_prices(store: Store) -> None:
                                         "wasted_tokens,compute_s,cost_usd,unpriced_streams")
     assert len(csv_text.splitlines()) == 4
     assert "total" in usage.render_table(everyone)
+
+
+async def test_prices_may_weight_tiers(store: Store) -> None:
+    """``tiers`` in a model's price: a generation is priced in the tier it ran in; a tier's fields default to the
+    model's own; an unlisted tier pays the model's price."""
+    await _run(store, "alice", prompt=1_000_000, completion=1_000_000, tier="priority")
+    await _run(store, "alice", prompt=1_000_000, completion=1_000_000, tier="flex")
+    await _run(store, "alice", prompt=1_000_000, completion=1_000_000)
+    prices = Prices.parse(b'{"demo": {"input_per_mtok": 1.0, "output_per_mtok": 4.0, "tiers": {'
+                          b'"priority": {"input_per_mtok": 2.0, "output_per_mtok": 8.0}, "flex": {"output_per_mtok": 2}}}}')
+    rows = {r["tier"]: r["cost_usd"] for r in (await usage_report(store.redis, 1, group_by=("tier",),
+                                                                  prices=prices))["rows"]}
+    assert rows == {"priority": pytest.approx(10.0), "flex": pytest.approx(3.0), "default": pytest.approx(5.0)}
+    for raw in (b'{"m": {"input_per_mtok": 1, "output_per_mtok": 1, "tiers": {"scale": {}}}}',
+                b'{"m": {"input_per_mtok": 1, "output_per_mtok": 1, "tiers": {"priority": {"extra": 1}}}}',
+                b'{"m": {"input_per_mtok": 1, "output_per_mtok": 1, "tiers": {"priority": {"input_per_mtok": -1}}}}',
+                b'{"m": {"input_per_mtok": 1, "output_per_mtok": 1, "tiers": []}}'):
+        with pytest.raises(ValueError):
+            Prices.parse(raw)
 
 
 def test_group_by_and_prices_refuse_what_they_do_not_know() -> None:
