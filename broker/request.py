@@ -22,6 +22,7 @@ from broker.ascii import parse_uuid
 from broker.echo import FIELDS as ECHO_FIELDS
 from broker.echo import parse_echo
 from broker.errors import InvalidRequest
+from broker.grammar_size import GrammarSize
 from broker.history import History
 from broker.json_schema import check_enforceable, json_depth
 from broker.sampling import DEFAULT as DEFAULT_SAMPLING
@@ -375,11 +376,13 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
         raise InvalidRequest("a 'response_format' and a 'tool_choice' that forces a call exclude each other: "
                              "the answer is a call, not JSON text")
     if tool_choice is not None and tool_choice.mode in ("required", "function"):
-        # The answer is constrained to a call of one of these, with arguments valid against its parameters.
+        # The answer is constrained to a call of one of these, with arguments valid against its parameters: one
+        # grammar for them all, its size added up over them.
+        size = GrammarSize("the tools the forced tool_choice allows (one grammar)")
         for i, tool in enumerate(tools):
             if tool_choice.mode == "required" or tool.name == tool_choice.name:
                 if tool.parameters is not None:
-                    check_enforceable(tool.parameters, f"tools[{i}].function.parameters")
+                    check_enforceable(tool.parameters, f"tools[{i}].function.parameters", size)
 
     cache_key = body.get("prompt_cache_key")
     if cache_key is not None and (not isinstance(cache_key, str)
