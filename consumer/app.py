@@ -16,6 +16,7 @@ from broker.durable.store import DurableStore
 from broker.errors import StoreUnavailable
 from broker.redis.connection import connect, connect_blocking
 from broker.scrape import serve_scrapes
+from broker.streams.budget import Teams
 from broker.streams.outbox import Outbox
 from broker.streams.read_token_secret import shared_read_token_secret
 from broker.streams.store import Store
@@ -76,6 +77,8 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
                 else ApiKeys.disabled())
     limiter = ConnectionLimiter(settings.max_streams_per_ip)
     prices = Prices.load(settings.prices_file) if settings.prices_file else None  # a broken file stops the start
+    teams = Teams.load(settings.teams_file) if settings.teams_file else None
+    api_keys.check_budgets(teams, prices is not None)
     # Webhook destinations and their secret, checked before serving (WebhookRefused: one line, said by rsb.cli).
     hook_key = signing_key(settings.webhook_url, settings.webhook_secret, api_keys.webhook_urls(),
                            allow_private=settings.webhook_allow_private)
@@ -105,7 +108,8 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
                       replica_patience_s=REPLICA_PATIENCE_S)
         if api_keys.enabled and not settings.read_token_secret:
             api_keys.set_secret_source(lambda: shared_read_token_secret(redis), settings.read_token_key_refresh_s)
-        service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model)
+        service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model,
+                                prices=prices, teams=teams)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, conversations=ConversationService(service, service.conversations),
                       durable=DurableStore(redis, b.partitions), draining=drain, prices=prices,

@@ -127,6 +127,10 @@ class ConsumerSettings(Settings):
         None, "JSON file of prices per model ({\"<model>\": {\"input_per_mtok\", \"cached_input_per_mtok\", "
         "\"output_per_mtok\", \"tiers\"?: {\"priority\": {...the same fields}}}}, USD per million tokens): usage "
         "reports then carry cost_usd, and keys may have a usd_budget", flag="prices")
+    teams_file: str | None = setting(
+        None, "JSON file of teams' budgets ({\"<name>\": {\"token_budget\"?, \"usd_budget\"?, \"budget_period\": "
+        "\"day\" | \"month\"}}): a key's \"team\" in the keys file falls under its team's budget besides its own",
+        flag="teams")
     # Webhooks (consumer/streaming/webhooks.py, docs/protocol.md "Webhooks").
     webhook_url: str | None = setting(
         None, "POST a signed event (Standard Webhooks; OpenAI's response.completed, .cancelled, .failed, .incomplete) "

@@ -6,8 +6,9 @@ Anthropic's clients send it: consumer.edge.middleware); a stream belongs to the 
 created it, and any other key is told it does not exist (404, no existence leak).
 
 The keys file is JSON: ``{"keys": [{"id": "alice", "sha256": "<hex sha256 of the secret>",
-"limits": {...}, "admin"?, "token_budget"?, "budget_period"?, "webhook_url"?}]}`` (ApiKey). Secrets are
-never stored, only their hashes, compared in constant time.
+"limits": {...}, "admin"?, "token_budget"?, "usd_budget"?, "budget_period"?, "team"?, "webhook_url"?,
+"webhook_secret"?, "service_tier"?, "service_tiers"?}]}`` (ApiKey). Secrets are never stored, only their hashes,
+compared in constant time.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import orjson
 from broker import tiers
 from broker.ascii import decimal
 from broker.errors import NotFound, StoreUnavailable, Unauthorized
+from broker.streams.budget import NO_BUDGET, TEAM_NAME, Budget, Teams, parse_budget
 
 ANONYMOUS = ""
 # A key id never starts with '-': Redis key names spell the keyless caller's share '-' (broker.streams.keys,
@@ -37,13 +39,12 @@ ANONYMOUS = ""
 _KEY_ID = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_-]{0,63}\Z")
 
 
-BUDGET_PERIODS = ("day", "month")
-
 
 @dataclass(frozen=True, slots=True)
 class ApiKey:
     """A key of the keys file. Beside ``id``, ``sha256`` and ``limits``: ``admin`` (its reports show every key's
-    usage), ``token_budget`` (tokens its generations may use per ``budget_period``, UTC; 0: no budget) and
+    usage), ``budget`` (``token_budget`` and ``usd_budget``, what its generations may use per ``budget_period``,
+    UTC; 0: none: broker.streams.budget), ``team`` (the team whose budget it falls under too, in --teams),
     ``webhook_url`` (where its generations' ends are POSTed, instead of --webhook-url), ``service_tier`` (the tier
     of its creates that ask for ``auto`` or none: broker.tiers) and ``service_tiers`` (the tiers it may ask for;
     empty: every one but ``priority``, which only a key that names it gets: broker.tiers)."""
@@ -52,11 +53,11 @@ class ApiKey:
     sha256: bytes
     limits: dict[str, Any] = field(default_factory=dict)
     admin: bool = False
-    token_budget: int = 0
-    budget_period: str = "month"
+    budget: Budget = NO_BUDGET
     webhook_url: str | None = None
     service_tier: str = ""
     service_tiers: tuple[str, ...] = ()
+    team: str = ""
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> ApiKey:
@@ -65,14 +66,12 @@ class ApiKey:
         if not isinstance(key_id, str) or not _KEY_ID.match(key_id):
             raise ValueError(f"api key id {key_id!r}: use letters, digits, '_' and '-' (at most 64), and start with a "
                              "letter, a digit or '_'")
-        admin, budget = entry.get("admin", False), entry.get("token_budget", 0)
-        period, hook = entry.get("budget_period", "month"), entry.get("webhook_url")
+        admin, hook, team = entry.get("admin", False), entry.get("webhook_url"), entry.get("team", "")
         if not isinstance(admin, bool):
             raise ValueError(f"api key {key_id}: 'admin' must be true or false")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError(f"api key {key_id}: 'token_budget' must be a whole number of tokens (0: none)")
-        if period not in BUDGET_PERIODS:
-            raise ValueError(f"api key {key_id}: 'budget_period' must be one of {', '.join(BUDGET_PERIODS)}")
+        budget = parse_budget(entry, key_id, "this API key's", f"api key {key_id}")
+        if not isinstance(team, str) or (team and not TEAM_NAME.match(team)):
+            raise ValueError(f"api key {key_id}: 'team' must be a team's name (letters, digits, '_' and '-')")
         if hook is not None and not isinstance(hook, str):
             raise ValueError(f"api key {key_id}: 'webhook_url' must be a URL")
         tier, allowed = entry.get("service_tier", ""), entry.get("service_tiers", [])
@@ -84,8 +83,8 @@ class ApiKey:
             raise ValueError(f"api key {key_id}: its 'service_tier' is not one of its 'service_tiers'")
         if tier == tiers.PRIORITY and tiers.PRIORITY not in allowed:  # else it would be served default in silence
             raise ValueError(f"api key {key_id}: 'service_tier' priority needs \"priority\" in its 'service_tiers'")
-        return cls(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {})), admin, budget, period,
-                   hook or None, tier, tuple(allowed))
+        return cls(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {})), admin, budget,
+                   hook or None, tier, tuple(allowed), team)
 
 
 class ApiKeys:
@@ -133,6 +132,18 @@ class ApiKeys:
 
     def webhook_urls(self) -> list[str]:
         return [k.webhook_url for k in self._by_id.values() if k.webhook_url]
+
+    def check_budgets(self, teams: Teams | None, priced: bool) -> None:
+        """At start: every key's ``team`` is in --teams, and budgets in USD have --prices. Raises ValueError naming
+        the key (or team) and the flag."""
+        for k in self._by_id.values():
+            if k.team and (teams is None or teams.get(k.team) is None):
+                raise ValueError(f"api key {k.id}: its team {k.team!r} is not in --teams")
+            if k.budget.usd > 0 and not priced:
+                raise ValueError(f"api key {k.id}: a 'usd_budget' needs --prices (what a generation costs)")
+        for name, budget in (teams.budgets.items() if teams is not None else ()):
+            if budget.usd > 0 and not priced:
+                raise ValueError(f"team {name}: a 'usd_budget' needs --prices (what a generation costs)")
 
     @classmethod
     def disabled(cls) -> ApiKeys:
