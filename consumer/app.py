@@ -113,7 +113,8 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, conversations=ConversationService(service, service.conversations),
                       durable=DurableStore(redis, b.partitions), draining=drain, prices=prices,
-                      outbox=Outbox(redis, b.partitions), token_counts=TokenCounts(counting))
+                      outbox=Outbox(redis, b.partitions), token_counts=TokenCounts(counting),
+                      reports=RefusalBudget(settings.report_burst, settings.report_rate_per_min / 60))
         # A read stream must never look unread for abandon_after_s: touch well within it.
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from broker.request import RequestLimits
 from broker.settings import BrokerSettings, LogSettings, Settings, setting
+from broker.streams import usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +124,11 @@ class ConsumerSettings(Settings):
         "storage_quota (default: an eighth of Redis's maxmemory, re-read every minute, at most 256 MiB; 256 MiB "
         "without maxmemory; 0 = no bound; a key's limits.storage_quota_bytes overrides)")
     # The usage ledger (broker/streams/usage.py, docs/protocol.md "Usage").
+    usage_retention_days: int = setting(usage.RETENTION_DAYS, usage.RETENTION_HELP)
+    report_burst: int = setting(
+        10, "usage and aborted reports one caller (an API key, or without keys an address) may ask for at once on "
+        "this pod; past it they refill at --report-rate-per-min and the rest get 429 rate_limited (0 = no limit)")
+    report_rate_per_min: float = setting(6.0, "reports per minute one caller may ask for once its burst is used")
     prices_file: str | None = setting(
         None, "JSON file of prices per model ({\"<model>\": {\"input_per_mtok\", \"cached_input_per_mtok\", "
         "\"output_per_mtok\", \"tiers\"?: {\"priority\": {...the same fields}}}}, USD per million tokens): usage "

@@ -109,6 +109,10 @@ class StreamKeys:
         return usage_log_prefix(self.partition, self.partitions)
 
     @property
+    def usage_rollups_since(self) -> str:
+        return usage_rollups_since_key(self.partition, self.partitions)
+
+    @property
     def aborted_totals(self) -> str:
         return aborted_totals_key(self.partition, self.partitions)
 
@@ -159,14 +163,30 @@ def aborted_log_key(partition: int, partitions: int) -> str:
 
 
 def usage_log_prefix(partition: int, partitions: int) -> str:
-    """``<prefix><key id or '-'>``: Redis Stream of the usage records of one API key's generations in this
-    partition (broker.streams.usage), written by the terminal event's own script, which builds the name from the
-    stream's ``key_id``."""
+    """The prefix of the usage ledger's keys in this partition (broker.streams.usage), which the terminal event's own
+    script extends with the stream's ``key_id`` ('-' for none): ``<prefix><key>`` the Redis Stream of one key's
+    billed records, ``<prefix>free:<key>`` of its free ones (no tokens), ``<prefix>day:<key>:<day>`` the hash of
+    its records' sums on one UTC day (days since the epoch). Key ids hold no ``:``, so none of these meet."""
     return f"{tagged(partition, partitions)}:usage:"
 
 
 def usage_log_key(partition: int, partitions: int, key_id: str) -> str:
     return f"{usage_log_prefix(partition, partitions)}{key_id or '-'}"
+
+
+def usage_free_key(partition: int, partitions: int, key_id: str) -> str:
+    return f"{usage_log_prefix(partition, partitions)}free:{key_id or '-'}"
+
+
+def usage_day_key(partition: int, partitions: int, key_id: str, day: int) -> str:
+    return f"{usage_log_prefix(partition, partitions)}day:{key_id or '-'}:{day}"
+
+
+def usage_rollups_since_key(partition: int, partitions: int) -> str:
+    """String: the last day (days since the epoch) whose records have no complete day hashes in this partition (the
+    day the ledger was upgraded to them; -1 on a new deployment): reports read the records of that day and before,
+    and the day hashes after."""
+    return f"{tagged(partition, partitions)}:usage-rollups-since"
 
 
 def usage_index_key(partition: int, partitions: int) -> str:

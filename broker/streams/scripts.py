@@ -65,7 +65,7 @@ end
 
 # Shared Lua: close a stream: terminal event, status, expiry of the stream and a tombstone that outlives
 # it (so an expired id answers 410, not 404, for another retention period, then vanishes too).
-_CLOSE = QUOTA_LUA + """
+_CLOSE = """
 local function close_stream(meta, events, tomb, channel, etype, data, status, usage, now, retention)
   -- The creating caller's count of unfinished generations in this partition (same slot as the stream).
   -- With none left, its hash lives only while its rate limiter still remembers something (``tat`` ahead
@@ -171,7 +171,7 @@ redis.call('HSET', K.meta, 'status', 'queued', 'rh', A.rh, 'req', A.req, 'create
   'model', A.model, 'max_tokens', A.max_tokens, 'jid', jid, 'fence', 0, 'attempts', 0, 'key_id', A.key_id,
   'retention_s', A.retention_s, 'abandon_s', A.abandon_s, 'cod', A.cod, 'seen', A.created_at, 'read', 0,
   'tenant', K.tenant, 'keep', A.keep, 'qs', K.storage, 'qp', A.qp, 'tier', A.tier, 'who', A.who,
-  'aff', A.affinity)
+  'aff', A.affinity, 'urs', A.usage_retention_s)
 quota_charge(K.storage, K.meta, #A.req)
 for _, b in ipairs(budgets) do
   if b[2] > 0 or b[3] > 0 then
@@ -192,7 +192,7 @@ return {'created'}
                "retention_s", "abandon_s", "cod", "max_active", "burst", "interval_ms", "max_wait_s", "keep",
                "storage_share", "affinity", "budget_share", "usd_share", "team_share", "team_usd_share",
                "reservation", "usd_reservation", "price", "period_end", "team_period_end", "hook", "hid", "qp",
-               "tier", "who", "position_updates"))
+               "tier", "who", "position_updates", "usage_retention_s"))
 
 # Closes: a zombie (a worker that lost its lease) appending after the new owner, and an append landing
 # after the terminal event. Fence and status are checked in the same step as the XADD. ``seq`` (the
@@ -246,7 +246,8 @@ return out
 
 # Closes: two terminal events (a zombie finishing after the new owner, or finish racing cancel-while-
 # queued), and a terminal event without its status/usage/expiry/abort record (a crash between writes).
-FINISH = Lua(PRELUDE + APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + HOOK_LUA + _CLOSE + """
+FINISH = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + HOOK_LUA + _CLOSE
+             + """
 -- K.stats, K.leases, K.backlog: the job's queue (broker.streams.keys.QueueKeys); A.ttft_ms: '' for none
 local m = redis.call('HMGET', K.meta, 'fence', 'status', 'model', 'max_tokens', 'key_id', 'retention_s',
   'claimed_at', 'jid')
@@ -270,8 +271,8 @@ local took = math.max(0, now - tonumber(m[7] or now))
 local ema = redis.call('HGET', K.stats, 'ema_job_s')
 if ema then took = 0.8 * tonumber(ema) + 0.2 * took end
 redis.call('HSET', K.stats, 'ema_job_s', string.format('%.6f', took))
-record_usage(K.usage_index, A.usage_prefix, K.meta, A.sid, A.now_s, A.status, A.reason, model, A.prompt_tokens,
-  A.cached_tokens, A.completion_tokens, A.wasted_tokens, A.compute_s, A.ttft_ms)
+record_usage(K.usage_index, A.usage_prefix, K.usage_rollups_since, K.meta, A.sid, A.now_s, A.status, A.reason, model,
+  A.prompt_tokens, A.cached_tokens, A.completion_tokens, A.wasted_tokens, A.compute_s, A.ttft_ms)
 budget_settle(K.meta, A.prompt_tokens, A.cached_tokens, A.completion_tokens)
 hook_enqueue(K.outbox, K.outbox_due, K.meta, A.sid, A.status, A.reason, A.now_s)
 if A.status ~= 'done' then
@@ -279,13 +280,14 @@ if A.status ~= 'done' then
 end
 return eid
 """, key_names=("meta", "events", "usage_index", "stats", "leases", "backlog", "tombstone", "aborted_totals",
-                "outbox", "outbox_due"),
+                "outbox", "outbox_due", "usage_rollups_since"),
     arg_names=("fence", "channel", "type", "data", "status", "usage", "model", "now_s", "reason", "prompt_tokens",
                "completion_tokens", "compute_s", "sid", "cached_tokens", "wasted_tokens", "ttft_ms", "usage_prefix"))
 
 # Closes: cancel racing claim (a queued stream cancelled while a worker claims it: exactly one of them
 # wins, and the loser sees the other's status) and two cancels racing (one terminal event).
-CANCEL = Lua(PRELUDE + APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + HOOK_LUA + _CLOSE + QUEUE
+CANCEL = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + HOOK_LUA + _CLOSE
+             + QUEUE
              + REFUSE_WHEN_FULL + """
 -- Reply: {'unknown'} | {'ended', status} (nothing to cancel) | {'cancelled'} (it was queued: now it ended)
 --   | {'requested', status} (running: its worker stops it)
@@ -300,7 +302,8 @@ if st == 'queued' then
   redis.call('HSET', K.meta, 'cancel', A.reason)
   close_stream(K.meta, K.events, K.tombstone, A.channel, 'cancelled', A.cancelled_data, 'cancelled', A.usage, A.now_s,
     tonumber(m[5] or '3600'))
-  record_usage(K.usage_index, A.usage_prefix, K.meta, A.sid, A.now_s, 'cancelled', A.reason, m[2], 0, 0, 0, 0, 0, '')
+  record_usage(K.usage_index, A.usage_prefix, K.usage_rollups_since, K.meta, A.sid, A.now_s, 'cancelled', A.reason,
+    m[2], 0, 0, 0, 0, 0, '')
   budget_settle(K.meta, 0, 0, 0)
   hook_enqueue(K.outbox, K.outbox_due, K.meta, A.sid, 'cancelled', A.reason, A.now_s)
   record_abort(K.aborted_totals, A.reason, m[3], 0, 0, 0)
@@ -309,7 +312,8 @@ end
 if not redis.call('HGET', K.meta, 'cancel') then redis.call('HSET', K.meta, 'cancel', A.reason) end
 redis.call('PUBLISH', A.control_channel, A.sid)
 return {'requested', st}
-""", key_names=("meta", "events", "totals", "usage_index", "tombstone", "aborted_totals", "outbox", "outbox_due"),
+""", key_names=("meta", "events", "totals", "usage_index", "tombstone", "aborted_totals", "outbox", "outbox_due",
+                "usage_rollups_since"),
     arg_names=("reason", "channel", "cancelled_data", "usage", "now_s", "control_channel", "sid", "usage_prefix"))
 
 # Tokens an attempt computed and its stream will not hold (lease lost, job handed over), for its usage record.

@@ -73,6 +73,7 @@ from broker.streams.records import (
     Unclaimable,
     empty_usage,
 )
+from broker.streams.usage import RETENTION_S as USAGE_RETENTION_S
 from broker.streams.usage import Price
 
 # Waiting streams whose `queued` position is refreshed on each claim (bounds the claim script's work).
@@ -148,6 +149,7 @@ class Store:
         team_budget: Budget = NO_BUDGET,
         price: Price | None = None,
         webhook: tuple[str, str] | None = None,
+        usage_retention_s: int = USAGE_RETENTION_S,
     ) -> Created:
         """Create the stream and enqueue its job in ``model``'s queue (a served model's name: the consumer resolved
         the request's) in ``tier`` (broker.tiers), or recognise a retry of the same request (which no limit
@@ -192,7 +194,7 @@ class Store:
                 "usd_reservation": usd, "price": price_field(price), "period_end": f"{period_end:.0f}",
                 "team_period_end": f"{team_period_end:.0f}",
                 "hook": (webhook or ("", ""))[0], "hid": (webhook or ("", ""))[1], "qp": q.prefix, "tier": tier,
-                "who": who or "-", "position_updates": POSITION_UPDATES}),
+                "who": who or "-", "position_updates": POSITION_UPDATES, "usage_retention_s": usage_retention_s}),
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
@@ -348,7 +350,7 @@ class Store:
             k, self._cancel,
             script.keys({"meta": k.meta, "events": k.events, "totals": k.queue_stats, "usage_index": k.usage_index,
                          "tombstone": k.tombstone, "aborted_totals": k.aborted_totals, "outbox": k.outbox,
-                         "outbox_due": k.outbox_due}),
+                         "outbox_due": k.outbox_due, "usage_rollups_since": k.usage_rollups_since}),
             script.args({"reason": reason, "channel": k.channel, "cancelled_data": data, "usage": usage,
                          "now_s": f"{time.time():.6f}", "control_channel": k.control, "sid": str(stream_id),
                          "usage_prefix": k.usage_prefix}),
@@ -533,7 +535,8 @@ class Store:
             k, self._finish,
             script.keys({"meta": k.meta, "events": k.events, "usage_index": k.usage_index, "stats": q.stats,
                          "leases": q.leases, "backlog": q.backlog, "tombstone": k.tombstone,
-                         "aborted_totals": k.aborted_totals, "outbox": k.outbox, "outbox_due": k.outbox_due}),
+                         "aborted_totals": k.aborted_totals, "outbox": k.outbox, "outbox_due": k.outbox_due,
+                         "usage_rollups_since": k.usage_rollups_since}),
             script.args({"fence": claim.fence, "channel": k.channel, "type": etype, "data": encode_data(data),
                          "status": status, "usage": orjson.dumps(usage), "model": model, "now_s": f"{time.time():.6f}",
                          "reason": reason or status, "prompt_tokens": usage.get("prompt_tokens", 0),

@@ -273,7 +273,8 @@ class StreamService:
                                               key_id=caller.key_id, quota=self.quota(caller),
                                               storage=self.storage_quota(caller), budget=budget,
                                               team_budget=team_budget, price=price,
-                                              webhook=self.webhook(caller, stream_id, hook_name))
+                                              webhook=self.webhook(caller, stream_id, hook_name),
+                                              usage_retention_s=s.usage_retention_days * 86_400)
         except RetryLater as e:
             self.metrics.creates_rejected.inc()
             if isinstance(e, BudgetExceeded):

@@ -30,8 +30,8 @@ from broker.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from broker.sampling import MAX_TOOL_CALLS as MAX_SAMPLED_TOOL_CALLS
 from broker.streams.records import STATUSES
 from broker.streams.report import GROUP_BYS
-from broker.streams.usage import FORMATS, GROUP_BY_PATTERN
-from broker.streams.usage import GROUP_BYS as USAGE_GROUP_BYS
+from broker.streams.usage_report import FORMATS, GROUP_BY_PATTERN
+from broker.streams.usage_report import GROUP_BYS as USAGE_GROUP_BYS
 from consumer.schema import LOGPROBS_RULE, RETRY_AFTER, error_response, json_response, nullable, sse_response
 from consumer.views.openai.schema import openai_paths
 

@@ -97,3 +97,24 @@ def test_a_key_sees_its_usage_an_admin_sees_every_keys(stack_factory: StackFacto
     bad = subprocess.run([sys.executable, "-m", "rsb", "report", "--usage", "--redis-url", redis_server.url,
                           "--group-by", "colour"], capture_output=True, text=True)
     assert bad.returncode == 2 and "group_by" in bad.stderr
+
+
+def test_reports_are_rate_limited_per_caller(stack_factory: StackFactory, redis_server: RedisServer,
+                                            tmp_path: Path) -> None:
+    """A report costs the pod's CPU: a caller gets --report-burst of them at once, then --report-rate-per-min; another
+    caller is not held up by it."""
+    alice, alice_entry = new_key("alice")
+    bob, bob_entry = new_key("bob")
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [alice_entry, bob_entry]}))
+    s = stack_factory(redis_server.url)
+    s.consumer("--api-keys", str(keys), "--report-burst", "3", "--report-rate-per-min", "6")
+    with s.client() as c:
+        a, b = {"Authorization": f"Bearer {alice}"}, {"Authorization": f"Bearer {bob}"}
+        for path in ("/v1/reports/usage", "/v1/reports/aborted", "/v1/reports/usage"):
+            assert c.get(path, headers=a).status_code == 200
+        r = c.get("/v1/reports/usage", headers=a)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
+        assert 1 <= int(r.headers["retry-after"]) <= 10  # one report per 10 s once the burst is used
+        assert c.get("/v1/reports/aborted", headers=a).status_code == 429
+        assert c.get("/v1/reports/usage", headers=b).status_code == 200
