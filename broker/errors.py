@@ -170,6 +170,14 @@ class OverStorageQuota(RsbError):
                          "--storage-quota-bytes); delete streams, or let them expire")
 
 
+class WebhookBacklog(RetryLater):
+    """A caller (an API key, or without keys an address group) has as many webhook events pending as it may
+    (``--webhook-max-pending``): its receiver is not taking them. Its creates that would add one wait until some are
+    delivered (or given up, a day after their end)."""
+
+    code = "webhook_backlog"
+
+
 class BudgetExceeded(RetryLater):
     """A budget this create falls under (its API key's, its team's: broker.streams.budget) cannot hold its worst case
     for the period: nothing is queued; the budget is whole again at the period's end (the Retry-After). The message

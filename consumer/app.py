@@ -35,7 +35,7 @@ from consumer.streaming.conversations import ConversationService
 from consumer.streaming.hub import LiveHub
 from consumer.streaming.service import StreamService
 from consumer.streaming.sse import Drain
-from consumer.streaming.webhooks import Deliverer, signing_key
+from consumer.streaming.webhooks import Deliverer, signing
 from consumer.views import ROUTES
 from consumer.views.anthropic import REQUEST_HEADERS as ANTHROPIC_HEADERS
 from consumer.views.durable import protocol as durable_protocol
@@ -79,8 +79,8 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
     prices = Prices.load(settings.prices_file) if settings.prices_file else None  # a broken file stops the start
     teams = Teams.load(settings.teams_file) if settings.teams_file else None
     api_keys.check_budgets(teams, prices is not None)
-    # Webhook destinations and their secret, checked before serving (WebhookRefused: one line, said by rsb.cli).
-    hook_key = signing_key(settings.webhook_url, settings.webhook_secret, api_keys.webhook_urls(),
+    # Webhook destinations and their secrets, checked before serving (WebhookRefused: one line, said by rsb.cli).
+    hook_signing = signing(settings.webhook_url, settings.webhook_secret, api_keys,
                            allow_private=settings.webhook_allow_private)
     drain = draining or Drain()
 
@@ -124,8 +124,9 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
             await asyncio.wait_for(service.read_storage_default(), MAXMEMORY_READ_S)
         memory = asyncio.create_task(service.follow_maxmemory(), name="follow-maxmemory")
         background = [toucher, memory]
-        if hook_key is not None:
-            deliverer = Deliverer(redis, b.partitions, hook_key, metrics, allow_private=settings.webhook_allow_private)
+        if hook_signing is not None:
+            deliverer = Deliverer(redis, b.partitions, hook_signing, metrics,
+                                  allow_private=settings.webhook_allow_private)
             background.append(asyncio.create_task(deliverer.run(), name="webhooks"))
         scrapes = None
         try:

@@ -140,12 +140,17 @@ class ConsumerSettings(Settings):
     # Webhooks (consumer/streaming/webhooks.py, docs/protocol.md "Webhooks").
     webhook_url: str | None = setting(
         None, "POST a signed event (Standard Webhooks; OpenAI's response.completed, .cancelled, .failed, .incomplete) "
-        "here when a generation ends (a key's webhook_url in the keys file wins); needs --webhook-secret")
+        "here when a generation ends (a key's webhook_url in the keys file wins); needs --webhook-secret, unless "
+        "every key has its own webhook_secret")
     webhook_secret: str | None = setting(
-        None, "the key webhook events are signed with: whsec_ and base64, as OpenAI's and Standard Webhooks' "
-        "verifiers take it", secret=True)
+        None, "the key webhook events are signed with (a key's webhook_secret in the keys file signs its own): whsec_ "
+        "and base64, as OpenAI's and Standard Webhooks' verifiers take it", secret=True)
     webhook_allow_private: bool = setting(
         False, "allow webhook URLs that resolve to private or loopback addresses (refused by default: SSRF)")
+    webhook_max_pending: int = setting(
+        1000, "webhook events one caller (as for --max-active) may have waiting for its receiver; while it has this "
+        "many, its creates that would add one get 429 webhook_backlog (0 = no bound). Each pending event also counts "
+        "in the caller's storage quota")
     # Durable Streams at /v1/stream/ (consumer/views/durable, docs/protocol.md).
     ds_long_poll_timeout_s: float = setting(
         20.0, "Durable Streams: how long a long-poll waits for data before its 204 (keep it under every proxy's "

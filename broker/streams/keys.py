@@ -101,8 +101,12 @@ class StreamKeys:
         return outbox_key(self.partition, self.partitions)
 
     @property
-    def outbox_due(self) -> str:
-        return outbox_due_key(self.partition, self.partitions)
+    def outbox_dests(self) -> str:
+        return outbox_dests_key(self.partition, self.partitions)
+
+    @property
+    def outbox_holds(self) -> str:
+        return outbox_holds_key(self.partition, self.partitions)
 
     @property
     def usage_prefix(self) -> str:
@@ -201,12 +205,24 @@ def aborted_totals_key(partition: int, partitions: int) -> str:
 
 
 def outbox_key(partition: int, partitions: int) -> str:
-    """Hash of the webhook events of this partition not delivered yet (broker.streams.outbox)."""
+    """Hash of the webhook events of this partition not delivered yet (broker.streams.outbox). The outbox's scripts
+    name each destination's sorted set of its events from it: ``<outbox>:d:<destination digest>``."""
     return f"{tagged(partition, partitions)}:hooks"
 
 
+def outbox_dests_key(partition: int, partitions: int) -> str:
+    """Sorted set of the destinations with pending events, by when the first may next be taken (Unix ms)."""
+    return f"{tagged(partition, partitions)}:hooks:dests"
+
+
+def outbox_holds_key(partition: int, partitions: int) -> str:
+    """Hash of the failing destinations: ``<held until, Unix ms> <failures in a row>`` (the circuit breaker)."""
+    return f"{tagged(partition, partitions)}:hooks:holds"
+
+
 def outbox_due_key(partition: int, partitions: int) -> str:
-    """Sorted set of those events' ids by when each is next due (Unix ms)."""
+    """Sorted set of event ids by when each is next due (Unix ms): the outbox before destinations were kept apart,
+    emptied into them by TAKE."""
     return f"{tagged(partition, partitions)}:hooks:due"
 
 

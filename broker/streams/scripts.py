@@ -115,14 +115,15 @@ CREATE = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + BUDGET_LUA + QUEUE + """
 -- A.max_queue, A.max_active, A.burst: this partition's share (0: no bound); A.interval_ms: the caller's time per
 --   create in this partition (0: no rate limit); A.max_wait_s: bound on the estimated wait (0: none); A.keep: 1 if
 --   the body is read back after the end; A.storage_share: this partition's share of the caller's bytes (0: none);
---   A.affinity: the chat's key (chat-affine claiming); A.budget_share, A.usd_share, A.team_share, A.team_usd_share
+--   A.affinity: the chat's key (chat-affine claiming); A.max_hooks: this partition's share of the caller's pending
+--   webhook events (0: none); A.budget_share, A.usd_share, A.team_share, A.team_usd_share
 --   (0: none), A.reservation (tokens), A.usd_reservation (nano-USD), A.price, A.period_end, A.team_period_end (Unix
 --   s); A.hook: the webhook URL ('': none), A.hid: the id its event names (broker.streams.outbox); A.tier, A.who:
 --   the job's tier and tenant (broker.tiers, broker.streams.keys.principal)
 -- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'storage_quota'}
 --   | {'rate_limited', early_ms, ema, busy}
 --   | {'too_many_generations', max_active, ema, busy} | {'queue_full', waiting, ema, busy, 'count' | 'wait'}
---   | {'budget_exceeded', 'key' | 'team', 'tokens' | 'usd'}
+--   | {'budget_exceeded', 'key' | 'team', 'tokens' | 'usd'} | {'webhook_backlog', pending}
 if redis.call('EXISTS', K.meta) == 1 then
   local m = redis.call('HMGET', K.meta, 'rh', 'status', 'key_id')
   -- Another tenant's stream is a conflict whatever the body: its status is not theirs to see.
@@ -132,6 +133,11 @@ end
 if redis.call('EXISTS', K.tombstone) == 1 then return {'expired'} end
 quota_sweep(K.storage)
 if not quota_room(K.storage, #A.req, tonumber(A.storage_share)) then return {'storage_quota'} end
+-- Its webhook events waiting for its receiver (broker.streams.outbox), if this create would add one.
+local pending = tonumber(redis.call('HGET', K.storage, 'hooks') or '0')
+if A.hook ~= '' and tonumber(A.max_hooks) > 0 and pending >= tonumber(A.max_hooks) then
+  return {'webhook_backlog', tostring(pending)}
+end
 local waiting = tonumber(redis.call('HGET', K.totals, 'waiting') or '0')
 local q = redis.call('HMGET', K.stats, 'waiting', 'ema_job_s', 'busy')
 local model_waiting = tonumber(q[1] or '0')
@@ -192,7 +198,7 @@ return {'created'}
                "retention_s", "abandon_s", "cod", "max_active", "burst", "interval_ms", "max_wait_s", "keep",
                "storage_share", "affinity", "budget_share", "usd_share", "team_share", "team_usd_share",
                "reservation", "usd_reservation", "price", "period_end", "team_period_end", "hook", "hid", "qp",
-               "tier", "who", "position_updates", "usage_retention_s"))
+               "tier", "who", "position_updates", "usage_retention_s", "max_hooks"))
 
 # Closes: a zombie (a worker that lost its lease) appending after the new owner, and an append landing
 # after the terminal event. Fence and status are checked in the same step as the XADD. ``seq`` (the
@@ -274,13 +280,13 @@ redis.call('HSET', K.stats, 'ema_job_s', string.format('%.6f', took))
 record_usage(K.usage_index, A.usage_prefix, K.usage_rollups_since, K.meta, A.sid, A.now_s, A.status, A.reason, model,
   A.prompt_tokens, A.cached_tokens, A.completion_tokens, A.wasted_tokens, A.compute_s, A.ttft_ms)
 budget_settle(K.meta, A.prompt_tokens, A.cached_tokens, A.completion_tokens)
-hook_enqueue(K.outbox, K.outbox_due, K.meta, A.sid, A.status, A.reason, A.now_s)
+hook_enqueue(K.outbox, K.outbox_dests, K.outbox_holds, K.meta, A.sid, A.status, A.reason, A.now_s)
 if A.status ~= 'done' then
   record_abort(K.aborted_totals, A.reason, m[4], A.prompt_tokens, A.completion_tokens, A.compute_s)
 end
 return eid
 """, key_names=("meta", "events", "usage_index", "stats", "leases", "backlog", "tombstone", "aborted_totals",
-                "outbox", "outbox_due", "usage_rollups_since"),
+                "outbox", "outbox_dests", "outbox_holds", "usage_rollups_since"),
     arg_names=("fence", "channel", "type", "data", "status", "usage", "model", "now_s", "reason", "prompt_tokens",
                "completion_tokens", "compute_s", "sid", "cached_tokens", "wasted_tokens", "ttft_ms", "usage_prefix"))
 
@@ -305,15 +311,15 @@ if st == 'queued' then
   record_usage(K.usage_index, A.usage_prefix, K.usage_rollups_since, K.meta, A.sid, A.now_s, 'cancelled', A.reason,
     m[2], 0, 0, 0, 0, 0, '')
   budget_settle(K.meta, 0, 0, 0)
-  hook_enqueue(K.outbox, K.outbox_due, K.meta, A.sid, 'cancelled', A.reason, A.now_s)
+  hook_enqueue(K.outbox, K.outbox_dests, K.outbox_holds, K.meta, A.sid, 'cancelled', A.reason, A.now_s)
   record_abort(K.aborted_totals, A.reason, m[3], 0, 0, 0)
   return {'cancelled'}
 end
 if not redis.call('HGET', K.meta, 'cancel') then redis.call('HSET', K.meta, 'cancel', A.reason) end
 redis.call('PUBLISH', A.control_channel, A.sid)
 return {'requested', st}
-""", key_names=("meta", "events", "totals", "usage_index", "tombstone", "aborted_totals", "outbox", "outbox_due",
-                "usage_rollups_since"),
+""", key_names=("meta", "events", "totals", "usage_index", "tombstone", "aborted_totals", "outbox", "outbox_dests",
+                "outbox_holds", "usage_rollups_since"),
     arg_names=("reason", "channel", "cancelled_data", "usage", "now_s", "control_channel", "sid", "usage_prefix"))
 
 # Tokens an attempt computed and its stream will not hold (lease lost, job handed over), for its usage record.

@@ -32,6 +32,7 @@ from broker.errors import (
     StoreFull,
     StoreUnavailable,
     TooManyGenerations,
+    WebhookBacklog,
 )
 from broker.events import Event, EventPage, EventType, encode_data
 from broker.redis.batching import CommandBatcher
@@ -82,6 +83,8 @@ POSITION_UPDATES = 32
 TOUCH_BATCH = 500
 # Streams per APPEND_MANY call: bounds one call's time inside Redis (a few ms at most).
 APPEND_MANY_STREAMS = 256
+# A create refused for its caller's pending webhook events: about one try of a failing receiver later.
+WEBHOOK_BACKLOG_RETRY_S = 30
 # Claims whose APPEND_MANY arguments are kept encoded (a worker's generations in flight, with room to spare).
 APPEND_HEADS = 4096
 
@@ -150,6 +153,7 @@ class Store:
         price: Price | None = None,
         webhook: tuple[str, str] | None = None,
         usage_retention_s: int = USAGE_RETENTION_S,
+        max_pending_hooks: int = 0,
     ) -> Created:
         """Create the stream and enqueue its job in ``model``'s queue (a served model's name: the consumer resolved
         the request's) in ``tier`` (broker.tiers), or recognise a retry of the same request (which no limit
@@ -158,8 +162,10 @@ class Store:
         each partition holds ceil(max_queue / P) of them), or an estimated wait over ``max_queue_wait_s``
         (waiting jobs x average job time / running jobs; 0: no bound; no estimate before a job finished), or
         BudgetExceeded: the key's ``budget`` or its team's ``team_budget`` cannot hold this create's worst case
-        (broker.streams.budget; in money at ``price``, its model's in its tier). ``webhook``: (URL, the id its event
-        names) where the end is POSTed (broker.streams.outbox)."""
+        (broker.streams.budget; in money at ``price``, its model's in its tier), or WebhookBacklog: it has a
+        ``webhook`` and its caller ``max_pending_hooks`` webhook events pending (0: no bound; each partition holds its
+        share). ``webhook``: (URL, the id its event names) where the end is POSTed (broker.streams.outbox);
+        ``usage_retention_s``: how long its usage record is kept (broker.streams.usage)."""
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
@@ -194,7 +200,8 @@ class Store:
                 "usd_reservation": usd, "price": price_field(price), "period_end": f"{period_end:.0f}",
                 "team_period_end": f"{team_period_end:.0f}",
                 "hook": (webhook or ("", ""))[0], "hid": (webhook or ("", ""))[1], "qp": q.prefix, "tier": tier,
-                "who": who or "-", "position_updates": POSITION_UPDATES, "usage_retention_s": usage_retention_s}),
+                "who": who or "-", "position_updates": POSITION_UPDATES, "usage_retention_s": usage_retention_s,
+                "max_hooks": -(-max_pending_hooks // self.partitions) if max_pending_hooks > 0 else 0}),
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
@@ -207,6 +214,10 @@ class Store:
             raise Expired("a stream with this id existed and expired; use a new id")
         if tag == "storage_quota":
             raise OverStorageQuota(storage.quota_bytes, self.partitions)
+        if tag == "webhook_backlog":
+            raise WebhookBacklog(f"this caller has {reply_text(res[1])} webhook events its receiver has not taken yet "
+                                 f"(at most {max_pending_hooks}, --webhook-max-pending); creates with a webhook wait "
+                                 "until some are delivered", retry_after_s=WEBHOOK_BACKLOG_RETRY_S)
         if tag == "budget_exceeded":
             over = team_budget if reply_text(res[1]) == "team" else budget
             raise BudgetExceeded(over.refusal(reply_text(res[2]), self.partitions, tokens, usd),
@@ -350,7 +361,8 @@ class Store:
             k, self._cancel,
             script.keys({"meta": k.meta, "events": k.events, "totals": k.queue_stats, "usage_index": k.usage_index,
                          "tombstone": k.tombstone, "aborted_totals": k.aborted_totals, "outbox": k.outbox,
-                         "outbox_due": k.outbox_due, "usage_rollups_since": k.usage_rollups_since}),
+                         "outbox_dests": k.outbox_dests, "outbox_holds": k.outbox_holds,
+                         "usage_rollups_since": k.usage_rollups_since}),
             script.args({"reason": reason, "channel": k.channel, "cancelled_data": data, "usage": usage,
                          "now_s": f"{time.time():.6f}", "control_channel": k.control, "sid": str(stream_id),
                          "usage_prefix": k.usage_prefix}),
@@ -535,8 +547,8 @@ class Store:
             k, self._finish,
             script.keys({"meta": k.meta, "events": k.events, "usage_index": k.usage_index, "stats": q.stats,
                          "leases": q.leases, "backlog": q.backlog, "tombstone": k.tombstone,
-                         "aborted_totals": k.aborted_totals, "outbox": k.outbox, "outbox_due": k.outbox_due,
-                         "usage_rollups_since": k.usage_rollups_since}),
+                         "aborted_totals": k.aborted_totals, "outbox": k.outbox, "outbox_dests": k.outbox_dests,
+                         "outbox_holds": k.outbox_holds, "usage_rollups_since": k.usage_rollups_since}),
             script.args({"fence": claim.fence, "channel": k.channel, "type": etype, "data": encode_data(data),
                          "status": status, "usage": orjson.dumps(usage), "model": model, "now_s": f"{time.time():.6f}",
                          "reason": reason or status, "prompt_tokens": usage.get("prompt_tokens", 0),

@@ -45,7 +45,8 @@ class ApiKey:
     """A key of the keys file. Beside ``id``, ``sha256`` and ``limits``: ``admin`` (its reports show every key's
     usage), ``budget`` (``token_budget`` and ``usd_budget``, what its generations may use per ``budget_period``,
     UTC; 0: none: broker.streams.budget), ``team`` (the team whose budget it falls under too, in --teams),
-    ``webhook_url`` (where its generations' ends are POSTed, instead of --webhook-url), ``service_tier`` (the tier
+    ``webhook_url`` (where its generations' ends are POSTed, instead of --webhook-url), ``webhook_secret`` (what
+    signs them, instead of --webhook-secret: consumer.streaming.webhooks), ``service_tier`` (the tier
     of its creates that ask for ``auto`` or none: broker.tiers) and ``service_tiers`` (the tiers it may ask for;
     empty: every one but ``priority``, which only a key that names it gets: broker.tiers)."""
 
@@ -58,6 +59,7 @@ class ApiKey:
     service_tier: str = ""
     service_tiers: tuple[str, ...] = ()
     team: str = ""
+    webhook_secret: str | None = None
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> ApiKey:
@@ -74,6 +76,9 @@ class ApiKey:
             raise ValueError(f"api key {key_id}: 'team' must be a team's name (letters, digits, '_' and '-')")
         if hook is not None and not isinstance(hook, str):
             raise ValueError(f"api key {key_id}: 'webhook_url' must be a URL")
+        hook_secret = entry.get("webhook_secret")
+        if hook_secret is not None and not isinstance(hook_secret, str):
+            raise ValueError(f"api key {key_id}: 'webhook_secret' must be whsec_ and base64")
         tier, allowed = entry.get("service_tier", ""), entry.get("service_tiers", [])
         if tier and tier not in tiers.TIERS:
             raise ValueError(f"api key {key_id}: 'service_tier' must be one of {', '.join(tiers.TIERS)}")
@@ -84,7 +89,7 @@ class ApiKey:
         if tier == tiers.PRIORITY and tiers.PRIORITY not in allowed:  # else it would be served default in silence
             raise ValueError(f"api key {key_id}: 'service_tier' priority needs \"priority\" in its 'service_tiers'")
         return cls(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {})), admin, budget,
-                   hook or None, tier, tuple(allowed), team)
+                   hook or None, tier, tuple(allowed), team, hook_secret or None)
 
 
 class ApiKeys:
@@ -130,8 +135,8 @@ class ApiKeys:
     def get(self, key_id: str) -> ApiKey | None:
         return self._by_id.get(key_id)
 
-    def webhook_urls(self) -> list[str]:
-        return [k.webhook_url for k in self._by_id.values() if k.webhook_url]
+    def all(self) -> list[ApiKey]:
+        return list(self._by_id.values())
 
     def check_budgets(self, teams: Teams | None, priced: bool) -> None:
         """At start: every key's ``team`` is in --teams, and budgets in USD have --prices. Raises ValueError naming

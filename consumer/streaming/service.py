@@ -274,7 +274,8 @@ class StreamService:
                                               storage=self.storage_quota(caller), budget=budget,
                                               team_budget=team_budget, price=price,
                                               webhook=self.webhook(caller, stream_id, hook_name),
-                                              usage_retention_s=s.usage_retention_days * 86_400)
+                                              usage_retention_s=s.usage_retention_days * 86_400,
+                                              max_pending_hooks=s.webhook_max_pending)
         except RetryLater as e:
             self.metrics.creates_rejected.inc()
             if isinstance(e, BudgetExceeded):
