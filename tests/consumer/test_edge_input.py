@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -350,7 +350,8 @@ def test_a_body_nested_a_thousand_deep_is_a_400_on_every_create_route(consumers:
     """A tool's ``parameters.examples`` or ``default`` nested 1,000 deep was a 500 (the body is written back as JSON,
     which stops at 254 levels); ``response_format`` got its 400 from the schema check."""
     deep = _nested(1000)
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    tool: dict[str, Any] = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                                      "properties": {}}}}
     with httpx.Client(base_url=consumers.open_url, timeout=10) as c:
         for where in ("examples", "default"):
             t = {**tool, "function": {**tool["function"], "parameters": {"type": "object", "properties": {},

@@ -4,6 +4,7 @@ against the rsb stream behind it, read over the native SSE route."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 import uuid
@@ -533,7 +534,7 @@ def test_item_references_read_only_the_items_they_name_within_a_bound(stack_fact
         [item] = [i for i in done.output if i.type == "message"]
         return item.id
 
-    items = [eventually(lambda r=r: message_of(r.id), 60) for r in made]
+    items = [eventually(functools.partial(message_of, r.id), 60) for r in made]
     held = sum(len(v) for v in (redis_client.hget(f"rsb:{{p0}}:s:{_stream_id(r.id)}:meta", "req") for r in made) if v)
     assert held > 64 * 120_000  # the stored requests a read of the whole response would send
     refs: Any = [{"type": "item_reference", "id": i} for i in items]
@@ -543,9 +544,10 @@ def test_item_references_read_only_the_items_they_name_within_a_bound(stack_fact
     read = int(redis_client.info("stats")["total_net_output_bytes"]) - sent
     assert follow.status in ("queued", "in_progress", "completed", "incomplete")
     assert read < 1_000_000, f"Redis sent {read} bytes to resolve 64 references"
-    for bad, what in (([{"type": "item_reference", "id": items[0]}] * 257, "item_reference"),
-                      ([{"type": "item_reference", "id": f"msg_{uuid.uuid4().hex}"} for _ in range(65)],
-                       "responses")):
+    too_many: list[tuple[Any, str]] = [([{"type": "item_reference", "id": items[0]}] * 257, "item_reference"),
+                                       ([{"type": "item_reference", "id": f"msg_{uuid.uuid4().hex}"}
+                                         for _ in range(65)], "responses")]
+    for bad, what in too_many:
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model="m", input=bad)
         assert what in e.value.message

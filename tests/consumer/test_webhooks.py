@@ -360,8 +360,10 @@ def test_a_tarpit_receiver_delays_no_other_tenants_events(stack_factory: StackFa
                 sid = c.post("/v1/streams", json={"prompt": "x", "max_tokens": 4}, headers=headers).json()["id"]
                 ended = time.monotonic()
                 assert c.post(f"/v1/streams/{sid}/cancel", headers=headers).json()["status"] == "cancelled"
-                hit = eventually(lambda sid=sid: next((h for h in receiver.hits
-                                                       if orjson.loads(h.body)["data"]["id"] == sid), None), 30, who)
+                def arrived(sid: str = sid) -> Hit | None:
+                    return next((h for h in receiver.hits if orjson.loads(h.body)["data"]["id"] == sid), None)
+
+                hit = eventually(arrived, 30, who)
                 # Never behind one of the tarpit's deliveries, each of which waits DELIVERY_TIMEOUT_S.
                 assert hit.at - ended < DELIVERY_TIMEOUT_S / 2, f"{who}'s event came {hit.at - ended:.1f} s late"
         assert tarpit.most_at_once <= PER_DESTINATION
