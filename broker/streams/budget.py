@@ -34,10 +34,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from broker.request import prompt_token_bound
-from broker.streams.usage import Price
+from broker.streams.usage import Price, json_object
 
 #: How long a period's hash outlives the period: the longest a generation of it may still be running.
 SETTLE_GRACE_S = 2 * 86_400
@@ -128,12 +126,7 @@ class Teams:
 
     @classmethod
     def parse(cls, raw: bytes, source: str = "teams") -> Teams:
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise ValueError(f"{source}: not JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: expected an object of teams, each {{{', '.join(BUDGET_FIELDS)}}}")
+        data = json_object(raw, source, f"an object of teams, each {{{', '.join(BUDGET_FIELDS)}}}")
         budgets: dict[str, Budget] = {}
         for name, entry in data.items():
             if not TEAM_NAME.match(name):

@@ -162,12 +162,7 @@ class Prices:
 
     @classmethod
     def parse(cls, raw: bytes, source: str = "prices") -> Prices:
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise ValueError(f"{source}: not JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: expected an object of models, each {{{', '.join(_PRICE_FIELDS)}}}")
+        data = json_object(raw, source, f"an object of models, each {{{', '.join(_PRICE_FIELDS)}}}")
         out: dict[str, Price] = {}
         tiered: dict[tuple[str, str], Price] = {}
         for model, entry in data.items():
@@ -198,6 +193,17 @@ class Prices:
     def cost(self, record: Record) -> float | None:
         price = self.price(record.get("model", ""), record.get("tier") or DEFAULT_TIER)
         return None if price is None else price.cost(record)
+
+
+def json_object(raw: bytes, source: str, expected: str) -> dict[str, Any]:
+    """An operator's JSON file that holds an object (--prices, --teams); a ValueError naming ``source`` else."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"{source}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected {expected}")
+    return data
 
 
 def _price(entry: dict[str, Any], defaults: dict[str, Any], where: str) -> Price:
