@@ -138,16 +138,11 @@ class Price:
     output_per_mtok: float
 
     def cost_of(self, prompt: int, cached: int, completion: int) -> float:
-        """What these tokens cost: the uncached prompt tokens, the cached ones and the completion."""
+        """What these tokens cost: the uncached prompt tokens, the cached ones and the completion. The tokens a lost
+        attempt wasted are rsb's loss, not the caller's: never priced."""
         cached = min(cached, prompt)
         return ((prompt - cached) * self.input_per_mtok + cached * self.cached_input_per_mtok
                 + completion * self.output_per_mtok) / 1e6
-
-    def cost(self, record: Record) -> float:
-        """What a record's tokens cost. The tokens a lost attempt wasted are rsb's loss, not the caller's: not
-        charged."""
-        return self.cost_of(_int(record, "prompt_tokens"), _int(record, "cached_tokens"),
-                            _int(record, "completion_tokens"))
 
 
 class Prices:
@@ -190,10 +185,6 @@ class Prices:
         """The price of ``model`` in ``tier`` (None: the model is not priced)."""
         return self.by_tier.get((model, tier)) or self.by_model.get(model)
 
-    def cost(self, record: Record) -> float | None:
-        price = self.price(record.get("model", ""), record.get("tier") or DEFAULT_TIER)
-        return None if price is None else price.cost(record)
-
 
 def json_object(raw: bytes, source: str, expected: str) -> dict[str, Any]:
     """An operator's JSON file that holds an object (--prices, --teams); a ValueError naming ``source`` else."""
@@ -213,10 +204,3 @@ def _price(entry: dict[str, Any], defaults: dict[str, Any], where: str) -> Price
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
             raise ValueError(f"{where}: {name} must be a number of USD, 0 or more")
     return Price(*(float(values[n]) for n in _PRICE_FIELDS))
-
-
-def _int(record: Record, name: str) -> int:
-    try:
-        return int(record.get(name) or 0)
-    except ValueError:
-        return 0
