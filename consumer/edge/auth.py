@@ -39,7 +39,6 @@ ANONYMOUS = ""
 _KEY_ID = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_-]{0,63}\Z")
 
 
-
 @dataclass(frozen=True, slots=True)
 class ApiKey:
     """A key of the keys file. Beside ``id``, ``sha256`` and ``limits``: ``admin`` (its reports show every key's
