@@ -170,17 +170,20 @@ class OverStorageQuota(RsbError):
                          "--storage-quota-bytes); delete streams, or let them expire")
 
 
+class WebhookBacklog(RetryLater):
+    """A caller (an API key, or without keys an address group) has as many webhook events pending as it may
+    (``--webhook-max-pending``): its receiver is not taking them. Its creates that would add one wait until some are
+    delivered (or given up, a day after their end)."""
+
+    code = "webhook_backlog"
+
+
 class BudgetExceeded(RetryLater):
-    """An API key's generations have reserved and used its ``token_budget`` for the period (broker.streams.budget):
-    nothing is queued; the budget is whole again at the period's end (the Retry-After)."""
+    """A budget this create falls under (its API key's, its team's: broker.streams.budget) cannot hold its worst case
+    for the period: nothing is queued; the budget is whole again at the period's end (the Retry-After). The message
+    says whose budget, in what, and how much the create wanted."""
 
     code = "budget_exceeded"
-
-    def __init__(self, tokens: int, period: str, partitions: int, wanted: int, retry_after_s: int) -> None:
-        share = f" ({-(-tokens // partitions)} in each of {partitions} partitions)" if partitions > 1 else ""
-        super().__init__(f"this API key's token budget ({tokens} tokens a {period}{share}) cannot hold this "
-                         f"generation's worst case ({wanted} tokens: its prompt's bytes and max_tokens); it renews "
-                         "at the period's end (UTC)", retry_after_s)
 
 
 # -- Redis failing a command: what broker.redis's clients raise, and nothing else -----------------------------------

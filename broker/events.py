@@ -67,12 +67,14 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def parse_event_id(raw: str) -> tuple[int, int] | None:
-    """Return the id as a comparable tuple, or None when it is not a well-formed event id."""
+    """Return the id as a comparable tuple, or None when it is not a well-formed event id. The largest id
+    (``<u64 max>-<u64 max>``) is none either: every id given is a point to resume after, and nothing can come
+    after that one (Redis refuses the range, ``(`` it: a 500 where a client deserves its 400)."""
     m = _EVENT_ID.match(raw)
     if m is None:
         return None
     ms, seq = int(m.group(1)), int(m.group(2))
-    if ms > _U64_MAX or seq > _U64_MAX:
+    if ms > _U64_MAX or seq > _U64_MAX or ms == seq == _U64_MAX:
         return None
     return ms, seq
 

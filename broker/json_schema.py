@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from broker.errors import InvalidRequest
+from broker.grammar_size import GrammarSize
 from broker.schema_cost import check_cost
 from broker.schema_kinds import (
     ARRAY_KEYS,
@@ -82,18 +83,22 @@ _PY_TYPES: dict[str, tuple[type, ...]] = {
 
 
 
-def check_enforceable(schema: Any, where: str) -> None:
+def check_enforceable(schema: Any, where: str, size: GrammarSize | None = None) -> None:
     """Raise InvalidRequest (naming ``where``, the schema's place in the request, and the keyword) unless rsb's
-    constrained decoding can enforce ``schema`` exactly as JSON Schema means it, at a bounded cost."""
+    constrained decoding can enforce ``schema`` exactly as JSON Schema means it, at a bounded cost. ``size``: the
+    grammar this schema shares with others (a forced tool_choice's tools), added up across them."""
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{where} must be a JSON Schema object")
     if json_depth(schema) > MAX_SCHEMA_DEPTH:
         raise InvalidRequest(f"{where}: schemas nested deeper than {MAX_SCHEMA_DEPTH} levels are not accepted")
-    size = len(orjson.dumps(schema))
-    if size > MAX_SCHEMA_BYTES:
-        raise InvalidRequest(f"{where} is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are accepted")
+    nbytes = len(orjson.dumps(schema))
+    if nbytes > MAX_SCHEMA_BYTES:
+        raise InvalidRequest(f"{where} is {nbytes} bytes of JSON; at most {MAX_SCHEMA_BYTES} are accepted")
     _Checker(schema).node(schema, where)
     check_cost(schema, where)
+    size = size or GrammarSize()
+    size.add(schema, where)
+    size.check(where)
 
 
 def json_depth(value: Any) -> int:

@@ -22,8 +22,9 @@ from broker.ascii import parse_uuid
 from broker.echo import FIELDS as ECHO_FIELDS
 from broker.echo import parse_echo
 from broker.errors import InvalidRequest
+from broker.grammar_size import GrammarSize
 from broker.history import History
-from broker.json_schema import check_enforceable
+from broker.json_schema import check_enforceable, json_depth
 from broker.sampling import DEFAULT as DEFAULT_SAMPLING
 from broker.sampling import FIELDS as SAMPLING_FIELDS
 from broker.sampling import Sampling, parse_sampling
@@ -49,8 +50,13 @@ from broker.tools import (
 
 __all__ = ["JSON_FORMATS", "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_CALLS", "MAX_TOOL_CALL_ID_CHARS",
            "MAX_TOOL_DESCRIPTION_CHARS", "TOOL_CHOICES", "TOOL_NAME", "GenerationRequest", "Message",
-           "RequestLimits", "ResponseFormat", "Tool", "ToolCall", "ToolChoice", "check_integer", "parse_create_body",
-           "parse_json_object", "parse_stream_id", "prompt_token_bound", "validate_create_body"]
+           "RequestLimits", "ResponseFormat", "Tool", "ToolCall", "ToolChoice", "check_body_depth", "check_integer",
+           "parse_create_body", "parse_json_object", "parse_stream_id", "prompt_token_bound", "validate_create_body"]
+
+#: Levels a request body may nest (schemas take at most broker.json_schema.MAX_SCHEMA_DEPTH of them). Every body is
+#: written back as JSON (stored, hashed, a tool's parameters measured), and orjson refuses to write past 254
+#: levels: a ``default`` or ``examples`` nested 1,000 deep in a tool's parameters was a 500 there.
+MAX_BODY_DEPTH = 128
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 _FIELDS = frozenset(
@@ -277,6 +283,12 @@ def parse_stream_id(raw: object) -> uuid.UUID:
     return parsed
 
 
+def check_body_depth(body: Any) -> None:
+    """Refuse (400) a parsed body nested deeper than MAX_BODY_DEPTH, before anything walks or writes it."""
+    if json_depth(body) > MAX_BODY_DEPTH:
+        raise InvalidRequest(f"the body nests deeper than {MAX_BODY_DEPTH} levels of objects and arrays")
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
@@ -284,6 +296,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest("body is not valid JSON") from None
     if not isinstance(body, dict):
         raise InvalidRequest("body must be a JSON object")
+    check_body_depth(body)
     return body
 
 
@@ -363,11 +376,13 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
         raise InvalidRequest("a 'response_format' and a 'tool_choice' that forces a call exclude each other: "
                              "the answer is a call, not JSON text")
     if tool_choice is not None and tool_choice.mode in ("required", "function"):
-        # The answer is constrained to a call of one of these, with arguments valid against its parameters.
+        # The answer is constrained to a call of one of these, with arguments valid against its parameters: one
+        # grammar for them all, its size added up over them.
+        size = GrammarSize("the tools the forced tool_choice allows (one grammar)")
         for i, tool in enumerate(tools):
             if tool_choice.mode == "required" or tool.name == tool_choice.name:
                 if tool.parameters is not None:
-                    check_enforceable(tool.parameters, f"tools[{i}].function.parameters")
+                    check_enforceable(tool.parameters, f"tools[{i}].function.parameters", size)
 
     cache_key = body.get("prompt_cache_key")
     if cache_key is not None and (not isinstance(cache_key, str)

@@ -17,6 +17,7 @@ from broker.durable.store import DurableStore
 from broker.errors import StoreUnavailable
 from broker.redis.connection import connect, connect_blocking
 from broker.scrape import serve_scrapes
+from broker.streams.budget import Teams
 from broker.streams.outbox import Outbox
 from broker.streams.read_token_secret import shared_read_token_secret
 from broker.streams.store import Store
@@ -36,7 +37,7 @@ from consumer.streaming.conversations import ConversationService
 from consumer.streaming.hub import LiveHub
 from consumer.streaming.service import StreamService
 from consumer.streaming.sse import Drain
-from consumer.streaming.webhooks import Deliverer, signing_key
+from consumer.streaming.webhooks import Deliverer, signing
 from consumer.views import ROUTES
 from consumer.views.anthropic import REQUEST_HEADERS as ANTHROPIC_HEADERS
 from consumer.views.durable import protocol as durable_protocol
@@ -78,8 +79,10 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
                 else ApiKeys.disabled())
     limiter = ConnectionLimiter(settings.max_streams_per_ip)
     prices = Prices.load(settings.prices_file) if settings.prices_file else None  # a broken file stops the start
-    # Webhook destinations and their secret, checked before serving (WebhookRefused: one line, said by rsb.cli).
-    hook_key = signing_key(settings.webhook_url, settings.webhook_secret, api_keys.webhook_urls(),
+    teams = Teams.load(settings.teams_file) if settings.teams_file else None
+    api_keys.check_budgets(teams, prices is not None)
+    # Webhook destinations and their secrets, checked before serving (WebhookRefused: one line, said by rsb.cli).
+    hook_signing = signing(settings.webhook_url, settings.webhook_secret, api_keys,
                            allow_private=settings.webhook_allow_private)
     drain = draining or Drain()
 
@@ -107,11 +110,13 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
                       replica_patience_s=REPLICA_PATIENCE_S)
         if api_keys.enabled and not settings.read_token_secret:
             api_keys.set_secret_source(lambda: shared_read_token_secret(redis), settings.read_token_key_refresh_s)
-        service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model)
+        service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model,
+                                prices=prices, teams=teams)
         state = State(settings=settings, store=store, hub=hub, metrics=metrics, api_keys=api_keys, limiter=limiter,
                       service=service, conversations=ConversationService(service, service.conversations),
                       durable=DurableStore(redis, b.partitions), draining=drain, prices=prices,
-                      outbox=Outbox(redis, b.partitions), token_counts=TokenCounts(counting))
+                      outbox=Outbox(redis, b.partitions), token_counts=TokenCounts(counting),
+                      reports=RefusalBudget(settings.report_burst, settings.report_rate_per_min / 60))
         # A read stream must never look unread for abandon_after_s: touch well within it.
         interval_s = TOUCH_INTERVAL_S if settings.abandon_after_s <= 0 else min(TOUCH_INTERVAL_S,
                                                                                 settings.abandon_after_s / 3)
@@ -121,8 +126,9 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
             await asyncio.wait_for(service.read_storage_default(), MAXMEMORY_READ_S)
         memory = asyncio.create_task(service.follow_maxmemory(), name="follow-maxmemory")
         background = [toucher, memory]
-        if hook_key is not None:
-            deliverer = Deliverer(redis, b.partitions, hook_key, metrics, allow_private=settings.webhook_allow_private)
+        if hook_signing is not None:
+            deliverer = Deliverer(redis, b.partitions, hook_signing, metrics,
+                                  allow_private=settings.webhook_allow_private)
             background.append(asyncio.create_task(deliverer.run(), name="webhooks"))
         scrapes = None
         try:

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from broker.request import RequestLimits
 from broker.settings import BrokerSettings, LogSettings, Settings, setting
+from broker.streams import usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,18 +124,33 @@ class ConsumerSettings(Settings):
         "storage_quota (default: an eighth of Redis's maxmemory, re-read every minute, at most 256 MiB; 256 MiB "
         "without maxmemory; 0 = no bound; a key's limits.storage_quota_bytes overrides)")
     # The usage ledger (broker/streams/usage.py, docs/protocol.md "Usage").
+    usage_retention_days: int = setting(usage.RETENTION_DAYS, usage.RETENTION_HELP)
+    report_burst: int = setting(
+        10, "usage and aborted reports one caller (an API key, or without keys an address) may ask for at once on "
+        "this pod; past it they refill at --report-rate-per-min and the rest get 429 rate_limited (0 = no limit)")
+    report_rate_per_min: float = setting(6.0, "reports per minute one caller may ask for once its burst is used")
     prices_file: str | None = setting(
         None, "JSON file of prices per model ({\"<model>\": {\"input_per_mtok\", \"cached_input_per_mtok\", "
-        "\"output_per_mtok\"}}, USD per million tokens): usage reports then carry cost_usd", flag="prices")
+        "\"output_per_mtok\", \"tiers\"?: {\"priority\": {...the same fields}}}}, USD per million tokens): usage "
+        "reports then carry cost_usd, and keys may have a usd_budget", flag="prices")
+    teams_file: str | None = setting(
+        None, "JSON file of teams' budgets ({\"<name>\": {\"token_budget\"?, \"usd_budget\"?, \"budget_period\": "
+        "\"day\" | \"month\"}}): a key's \"team\" in the keys file falls under its team's budget besides its own",
+        flag="teams")
     # Webhooks (consumer/streaming/webhooks.py, docs/protocol.md "Webhooks").
     webhook_url: str | None = setting(
         None, "POST a signed event (Standard Webhooks; OpenAI's response.completed, .cancelled, .failed, .incomplete) "
-        "here when a generation ends (a key's webhook_url in the keys file wins); needs --webhook-secret")
+        "here when a generation ends (a key's webhook_url in the keys file wins); needs --webhook-secret, unless "
+        "every key has its own webhook_secret")
     webhook_secret: str | None = setting(
-        None, "the key webhook events are signed with: whsec_ and base64, as OpenAI's and Standard Webhooks' "
-        "verifiers take it", secret=True)
+        None, "the key webhook events are signed with (a key's webhook_secret in the keys file signs its own): whsec_ "
+        "and base64, as OpenAI's and Standard Webhooks' verifiers take it", secret=True)
     webhook_allow_private: bool = setting(
         False, "allow webhook URLs that resolve to private or loopback addresses (refused by default: SSRF)")
+    webhook_max_pending: int = setting(
+        1000, "webhook events one caller (as for --max-active) may have waiting for its receiver; while it has this "
+        "many, its creates that would add one get 429 webhook_backlog (0 = no bound). Each pending event also counts "
+        "in the caller's storage quota")
     # Durable Streams at /v1/stream/ (consumer/views/durable, docs/protocol.md).
     ds_long_poll_timeout_s: float = setting(
         20.0, "Durable Streams: how long a long-poll waits for data before its 204 (keep it under every proxy's "

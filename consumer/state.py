@@ -13,7 +13,7 @@ from broker.streams.store import Store
 from broker.streams.token_counts import TokenCounts
 from broker.streams.usage import Prices
 from consumer.edge.auth import ApiKeys
-from consumer.edge.limits import ConnectionLimiter, address_group
+from consumer.edge.limits import ConnectionLimiter, RefusalBudget, address_group
 from consumer.metrics import Metrics
 from consumer.settings import ConsumerSettings
 from consumer.streaming.conversations import ConversationService
@@ -46,6 +46,9 @@ class State:
     outbox: Outbox | None = None
     #: Token counts asked of the generators (POST /v1/messages/count_tokens), this pod's waits bounded.
     token_counts: TokenCounts | None = None
+    #: Reports per caller on this pod (--report-burst, --report-rate-per-min): a token bucket per caller, as refused
+    #: requests have.
+    reports: RefusalBudget | None = None
 
 
 def state_of(conn: HTTPConnection) -> State:

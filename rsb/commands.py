@@ -16,8 +16,9 @@ import orjson
 from broker.errors import RsbError
 from broker.redis.connection import connect
 from broker.settings import BrokerSettings, Settings, setting
-from broker.streams import usage as ledger
+from broker.streams import usage_report as ledger
 from broker.streams.report import GROUP_BYS, aborted_report, parse_time, render_csv, render_table
+from broker.streams.usage import RETENTION_DAYS, RETENTION_HELP, Prices
 from rsb import DEFAULT_URL, Answer, Client, Event, RetryPolicy, RsbClientError, StreamInterrupted, UnavailableError
 from rsb._terminal import TerminalText, escape_c1, json_line, strip_controls
 
@@ -74,6 +75,7 @@ class ReportSettings(Settings):
     key: str | None = setting(None, "with --usage: only this API key's records ('' for those made without keys)")
     prices_file: str | None = setting(None, "with --usage: JSON file of prices per model (as the API's --prices): "
                                       "rows then carry cost_usd", flag="prices")
+    usage_retention_days: int = setting(RETENTION_DAYS, RETENTION_HELP)
     json: bool = setting(False, "print JSON instead of a table")
     csv: bool = setting(False, "print CSV instead of a table")
 
@@ -193,12 +195,12 @@ def report(args: argparse.Namespace) -> int:
         redis = connect(s.broker.url, cluster=s.broker.cluster)
         try:
             if s.usage:
-                prices = ledger.Prices.load(s.prices_file) if s.prices_file else None
+                prices = Prices.load(s.prices_file) if s.prices_file else None
                 return await ledger.usage_report(redis, s.broker.partitions, since=since, until=until,
                                                 group_by=ledger.parse_group_by(s.group_by), key_id=s.key,
-                                                prices=prices)
+                                                prices=prices, retention_s=s.usage_retention_days * 86_400)
             return await aborted_report(redis, s.broker.partitions, since=since, until=until,
-                                        group_by=s.group_by or "reason")
+                                        group_by=s.group_by or "reason", retention_s=s.usage_retention_days * 86_400)
         finally:
             await redis.aclose()
 

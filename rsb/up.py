@@ -113,11 +113,11 @@ def private_redis_memory(settings: UpSettings) -> tuple[str, ...]:
 def check_webhooks(api: ConsumerSettings) -> None:
     """Fail in one line, before anything starts, on a webhook destination or secret the API would refuse."""
     from consumer.edge.auth import ApiKeys
-    from consumer.streaming.webhooks import WebhookRefused, signing_key
+    from consumer.streaming.webhooks import WebhookRefused, signing
 
     try:
-        key_urls = ApiKeys.load(api.api_keys_file).webhook_urls() if api.api_keys_file else []
-        signing_key(api.webhook_url, api.webhook_secret, key_urls, allow_private=api.webhook_allow_private)
+        keys = ApiKeys.load(api.api_keys_file) if api.api_keys_file else ApiKeys.disabled()
+        signing(api.webhook_url, api.webhook_secret, keys, allow_private=api.webhook_allow_private)
     except WebhookRefused as e:
         raise StackError(str(e)) from None
 

@@ -101,12 +101,20 @@ class StreamKeys:
         return outbox_key(self.partition, self.partitions)
 
     @property
-    def outbox_due(self) -> str:
-        return outbox_due_key(self.partition, self.partitions)
+    def outbox_dests(self) -> str:
+        return outbox_dests_key(self.partition, self.partitions)
+
+    @property
+    def outbox_holds(self) -> str:
+        return outbox_holds_key(self.partition, self.partitions)
 
     @property
     def usage_prefix(self) -> str:
         return usage_log_prefix(self.partition, self.partitions)
+
+    @property
+    def usage_rollups_since(self) -> str:
+        return usage_rollups_since_key(self.partition, self.partitions)
 
     @property
     def aborted_totals(self) -> str:
@@ -118,10 +126,10 @@ class StreamKeys:
 
 
 def principal(key_id: str, address: str) -> str:
-    """Whom a create is charged to: the API key (ids are validated, ``[A-Za-z0-9_-]{1,64}``, when the keys
-    file is loaded), else the client's address group, as ``a:`` and a digest: an address may come from a
-    forwarded header, and nothing a client sent reaches a key name. Key ids hold no ``:``, so the two
-    never meet."""
+    """Whom a create is charged to: the API key (ids are validated, ``[A-Za-z0-9_][A-Za-z0-9_-]{0,63}``, when the
+    keys file is loaded: never ``-``, the keyless share's name in keys below), else the client's address group, as
+    ``a:`` and a digest: an address may come from a forwarded header, and nothing a client sent reaches a key name.
+    Key ids hold no ``:``, so the two never meet."""
     if key_id:
         return key_id
     return "a:" + hashlib.blake2b(address.encode(), digest_size=12).hexdigest()
@@ -159,14 +167,30 @@ def aborted_log_key(partition: int, partitions: int) -> str:
 
 
 def usage_log_prefix(partition: int, partitions: int) -> str:
-    """``<prefix><key id or '-'>``: Redis Stream of the usage records of one API key's generations in this
-    partition (broker.streams.usage), written by the terminal event's own script, which builds the name from the
-    stream's ``key_id``."""
+    """The prefix of the usage ledger's keys in this partition (broker.streams.usage), which the terminal event's own
+    script extends with the stream's ``key_id`` ('-' for none): ``<prefix><key>`` the Redis Stream of one key's
+    billed records, ``<prefix>free:<key>`` of its free ones (no tokens), ``<prefix>day:<key>:<day>`` the hash of
+    its records' sums on one UTC day (days since the epoch). Key ids hold no ``:``, so none of these meet."""
     return f"{tagged(partition, partitions)}:usage:"
 
 
 def usage_log_key(partition: int, partitions: int, key_id: str) -> str:
     return f"{usage_log_prefix(partition, partitions)}{key_id or '-'}"
+
+
+def usage_free_key(partition: int, partitions: int, key_id: str) -> str:
+    return f"{usage_log_prefix(partition, partitions)}free:{key_id or '-'}"
+
+
+def usage_day_key(partition: int, partitions: int, key_id: str, day: int) -> str:
+    return f"{usage_log_prefix(partition, partitions)}day:{key_id or '-'}:{day}"
+
+
+def usage_rollups_since_key(partition: int, partitions: int) -> str:
+    """String: the last day (days since the epoch) whose records have no complete day hashes in this partition (the
+    day the ledger was upgraded to them; -1 on a new deployment): reports read the records of that day and before,
+    and the day hashes after."""
+    return f"{tagged(partition, partitions)}:usage-rollups-since"
 
 
 def usage_index_key(partition: int, partitions: int) -> str:
@@ -181,12 +205,24 @@ def aborted_totals_key(partition: int, partitions: int) -> str:
 
 
 def outbox_key(partition: int, partitions: int) -> str:
-    """Hash of the webhook events of this partition not delivered yet (broker.streams.outbox)."""
+    """Hash of the webhook events of this partition not delivered yet (broker.streams.outbox). The outbox's scripts
+    name each destination's sorted set of its events from it: ``<outbox>:d:<destination digest>``."""
     return f"{tagged(partition, partitions)}:hooks"
 
 
+def outbox_dests_key(partition: int, partitions: int) -> str:
+    """Sorted set of the destinations with pending events, by when the first may next be taken (Unix ms)."""
+    return f"{tagged(partition, partitions)}:hooks:dests"
+
+
+def outbox_holds_key(partition: int, partitions: int) -> str:
+    """Hash of the failing destinations: ``<held until, Unix ms> <failures in a row>`` (the circuit breaker)."""
+    return f"{tagged(partition, partitions)}:hooks:holds"
+
+
 def outbox_due_key(partition: int, partitions: int) -> str:
-    """Sorted set of those events' ids by when each is next due (Unix ms)."""
+    """Sorted set of event ids by when each is next due (Unix ms): the outbox before destinations were kept apart,
+    emptied into them by TAKE."""
     return f"{tagged(partition, partitions)}:hooks:due"
 
 

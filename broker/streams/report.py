@@ -1,8 +1,8 @@
 """The aborted-generation report: what cancelled, abandoned and failed generations cost.
 
-A view of the usage ledger (broker.streams.usage): its records whose status is not ``done``, with what each saved
-(``max_tokens`` less the tokens it made). Records written before the ledger existed, in the partition's aborted log
-(broker.streams.keys.aborted_log_key), are read too, so an upgrade changes no figure.
+A view of the usage ledger (broker.streams.usage_report's rows): those whose status is not ``done``, with what each
+saved (``max_tokens`` less the tokens it made). Records written before the ledger existed, in the partition's
+aborted log (broker.streams.keys.aborted_log_key), are read too, so an upgrade changes no figure.
 """
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from __future__ import annotations
 import csv
 import io
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
 from broker.errors import InvalidRequest
 from broker.redis.connection import RedisClient
 from broker.streams import usage
+from broker.streams import usage_report as ledger
 from broker.streams.keys import aborted_log_key, aborted_totals_key
 
 GROUP_BYS = ("reason", "model", "day")
@@ -49,38 +50,32 @@ def _zero() -> dict[str, float]:
     return dict.fromkeys(COUNTERS, 0)
 
 
-def _add(acc: dict[str, float], record: dict[str, str]) -> None:
-    acc["streams"] += 1
-    for c in ("prompt_tokens", "completion_tokens", "tokens_saved"):
-        acc[c] += int(record.get(c) or 0)
-    acc["compute_s"] += float(record.get("compute_s") or 0)
-
-
-async def _aborted(redis: RedisClient, partitions: int, since: float | None, until: float | None,
-                   key_id: str | None) -> AsyncIterator[dict[str, str]]:
-    """Every aborted record in range: the ledger's (status not done), then the old log's."""
-    async for record in usage.records(redis, partitions, since=since, until=until, key_id=key_id):
-        if record.get("status") == "done":
-            continue
-        saved = max(0, int(record.get("max_tokens") or 0) - int(record.get("completion_tokens") or 0))
-        yield {**record, "tokens_saved": str(saved)}
-    lo, hi = usage.id_range(since, until)
-    for p in range(partitions):
-        async for record in usage.page_entries(redis, aborted_log_key(p, partitions), lo, hi):
-            if key_id is None or record.get("key_id", "") == key_id:
-                yield record
+def _add(acc: dict[str, float], sums: dict[str, float]) -> None:
+    for c in COUNTERS:
+        acc[c] += sums.get(c, 0)
 
 
 async def aborted_report(redis: RedisClient, partitions: int, *, since: float | None = None, until: float | None = None,
-                         group_by: str = "reason", key_id: str | None = None) -> dict[str, Any]:
-    """Aggregate the aborted records in [since, until]; only ``key_id``'s when given (a tenant's view)."""
+                         group_by: str = "reason", key_id: str | None = None,
+                         retention_s: int = usage.RETENTION_S) -> dict[str, Any]:
+    """Aggregate the aborted records in [since, until]; only ``key_id``'s when given (a tenant's view): the ledger's
+    rows whose status is not done, then the old log's records."""
     if group_by not in GROUP_BYS:
         raise InvalidRequest(f"'group_by' must be one of {', '.join(GROUP_BYS)}")
     groups: dict[str, dict[str, float]] = {}
     total = _zero()
-    async for record in _aborted(redis, partitions, since, until, key_id):
-        _add(groups.setdefault(_key(record, group_by), _zero()), record)
-        _add(total, record)
+    async for row in ledger.rows(redis, partitions, since=since, until=until, key_id=key_id, retention_s=retention_s):
+        if row.status == "done":
+            continue
+        _add(groups.setdefault(row.group(group_by), _zero()), row.sums)
+        _add(total, row.sums)
+    lo, hi = ledger.id_range(since, until)
+    for p in range(partitions):
+        async for _, record in ledger.page_entries(redis, aborted_log_key(p, partitions), lo, hi):
+            if key_id is None or record.get("key_id", "") == key_id:
+                sums = {"streams": 1, **{c: float(record.get(c) or 0) for c in COUNTERS[1:]}}
+                _add(groups.setdefault(_key(record, group_by), _zero()), sums)
+                _add(total, sums)
     rows = [{group_by: k, **_rounded(v)} for k, v in sorted(groups.items())]
     return {"group_by": group_by, "since": since, "until": until, "rows": rows, "total": _rounded(total)}
 

@@ -67,7 +67,7 @@ end
 
 # Shared Lua: close a stream: terminal event, status, expiry of the stream and a tombstone that outlives
 # it (so an expired id answers 410, not 404, for another retention period, then vanishes too).
-_CLOSE = QUOTA_LUA + """
+_CLOSE = """
 local function close_stream(meta, events, tomb, channel, etype, data, status, usage, now, retention)
   -- The creating caller's count of unfinished generations in this partition (same slot as the stream).
   -- With none left, its hash lives only while its rate limiter still remembers something (``tat`` ahead
@@ -111,19 +111,22 @@ end
 # lock callers out on every other pod. Only an accepted create counts; a retry of an accepted create (same
 # id, same body) is answered before any limit and costs nothing.
 CREATE = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + BUDGET_LUA + QUEUE + """
--- K.tenant: the caller's counters; K.storage: its storage quota (broker.redis.quota); K.budget: the key's period
---   (broker.streams.budget); K.stats, K.backlog: the model's queue (broker.streams.keys.QueueKeys, prefix A.qp)
+-- K.tenant: the caller's counters; K.storage: its storage quota (broker.redis.quota); K.budget, K.team_budget: the
+--   key's and its team's period (broker.streams.budget); K.stats, K.backlog: the model's queue
+--   (broker.streams.keys.QueueKeys, prefix A.qp)
 -- A.max_queue, A.max_active, A.burst: this partition's share (0: no bound); A.interval_ms: the caller's time per
 --   create in this partition (0: no rate limit); A.max_wait_s: bound on the estimated wait (0: none); A.keep: 1 if
 --   the body is read back after the end; A.storage_share: this partition's share of the caller's bytes (0: none);
---   A.affinity: the chat's key (chat-affine claiming); A.budget_share (0: none), A.reservation, A.period_end (Unix
+--   A.affinity: the chat's key (chat-affine claiming); A.max_hooks: this partition's share of the caller's pending
+--   webhook events (0: none); A.budget_share, A.usd_share, A.team_share, A.team_usd_share
+--   (0: none), A.reservation (tokens), A.usd_reservation (nano-USD), A.price, A.period_end, A.team_period_end (Unix
 --   s); A.hook: the webhook URL ('': none), A.hid: the id its event names (broker.streams.outbox); A.tier, A.who:
 --   the job's tier and tenant (broker.tiers, broker.streams.keys.principal); A.trace: the create span's traceparent
 --   ('': not traced)
 -- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'storage_quota'}
 --   | {'rate_limited', early_ms, ema, busy}
 --   | {'too_many_generations', max_active, ema, busy} | {'queue_full', waiting, ema, busy, 'count' | 'wait'}
---   | {'budget_exceeded'}
+--   | {'budget_exceeded', 'key' | 'team', 'tokens' | 'usd'} | {'webhook_backlog', pending}
 if redis.call('EXISTS', K.meta) == 1 then
   local m = redis.call('HMGET', K.meta, 'rh', 'status', 'key_id')
   -- Another tenant's stream is a conflict whatever the body: its status is not theirs to see.
@@ -133,6 +136,11 @@ end
 if redis.call('EXISTS', K.tombstone) == 1 then return {'expired'} end
 quota_sweep(K.storage)
 if not quota_room(K.storage, #A.req, tonumber(A.storage_share)) then return {'storage_quota'} end
+-- Its webhook events waiting for its receiver (broker.streams.outbox), if this create would add one.
+local pending = tonumber(redis.call('HGET', K.storage, 'hooks') or '0')
+if A.hook ~= '' and tonumber(A.max_hooks) > 0 and pending >= tonumber(A.max_hooks) then
+  return {'webhook_backlog', tostring(pending)}
+end
 local waiting = tonumber(redis.call('HGET', K.totals, 'waiting') or '0')
 local q = redis.call('HMGET', K.stats, 'waiting', 'ema_job_s', 'busy')
 local model_waiting = tonumber(q[1] or '0')
@@ -160,16 +168,26 @@ local max_wait = tonumber(A.max_wait_s)
 if max_wait > 0 and q[2] and (position - 1) * tonumber(q[2]) / math.max(1, tonumber(q[3] or '1')) > max_wait then
   return {'queue_full', tostring(model_waiting), q[2], q[3] or '0', 'wait'}
 end
-if not budget_reserve(K.budget, K.meta, tonumber(A.budget_share), tonumber(A.reservation), A.period_end) then
-  return {'budget_exceeded'}
+local amount, usd = tonumber(A.reservation), tonumber(A.usd_reservation)
+local budgets = {{K.budget, tonumber(A.budget_share), tonumber(A.usd_share), A.period_end, 'key', 'bkey'},
+  {K.team_budget, tonumber(A.team_share), tonumber(A.team_usd_share), A.team_period_end, 'team', 'tkey'}}
+for _, b in ipairs(budgets) do
+  local over = budget_fits(b[1], b[2], b[3], amount, usd)
+  if over then return {'budget_exceeded', b[5], over} end
 end
 local jid = redis.call('XADD', K.backlog, '*', 'sid', A.sid)
 redis.call('HSET', K.meta, 'status', 'queued', 'rh', A.rh, 'req', A.req, 'created_at', A.created_at,
   'model', A.model, 'max_tokens', A.max_tokens, 'jid', jid, 'fence', 0, 'attempts', 0, 'key_id', A.key_id,
   'retention_s', A.retention_s, 'abandon_s', A.abandon_s, 'cod', A.cod, 'seen', A.created_at, 'read', 0,
   'tenant', K.tenant, 'keep', A.keep, 'qs', K.storage, 'qp', A.qp, 'tier', A.tier, 'who', A.who,
-  'aff', A.affinity)
+  'aff', A.affinity, 'urs', A.usage_retention_s)
 quota_charge(K.storage, K.meta, #A.req)
+for _, b in ipairs(budgets) do
+  if b[2] > 0 or b[3] > 0 then
+    budget_hold(b[1], amount, usd, b[4])
+    redis.call('HSET', K.meta, b[6], b[1], 'bres', A.reservation, 'bures', A.usd_reservation, 'bprice', A.price)
+  end
+end
 if A.hook ~= '' then redis.call('HSET', K.meta, 'hook', A.hook, 'hid', A.hid) end
 if A.trace ~= '' then redis.call('HSET', K.meta, 'tp', A.trace) end
 redis.call('HINCRBY', K.tenant, 'active', 1)
@@ -178,11 +196,13 @@ redis.call('PERSIST', K.tenant)  -- it had an expiry while the caller had nothin
 enqueue(A.qp, A.tier, A.who, A.sid, K.totals, now_ms, false)
 append_event(K.events, A.channel, 'queued', queued_data(position, K.stats))
 return {'created'}
-""", key_names=("meta", "events", "totals", "stats", "backlog", "tombstone", "tenant", "storage", "budget"),
+""", key_names=("meta", "events", "totals", "stats", "backlog", "tombstone", "tenant", "storage", "budget",
+                "team_budget"),
     arg_names=("sid", "rh", "req", "created_at", "max_queue", "model", "max_tokens", "channel", "key_id",
                "retention_s", "abandon_s", "cod", "max_active", "burst", "interval_ms", "max_wait_s", "keep",
-               "storage_share", "affinity", "budget_share", "reservation", "period_end", "hook", "hid", "qp",
-               "tier", "who", "position_updates", "trace"))
+               "storage_share", "affinity", "budget_share", "usd_share", "team_share", "team_usd_share",
+               "reservation", "usd_reservation", "price", "period_end", "team_period_end", "hook", "hid", "qp",
+               "tier", "who", "position_updates", "usage_retention_s", "max_hooks", "trace"))
 
 # Closes: a zombie (a worker that lost its lease) appending after the new owner, and an append landing
 # after the terminal event. Fence and status are checked in the same step as the XADD. ``seq`` (the
@@ -236,7 +256,8 @@ return out
 
 # Closes: two terminal events (a zombie finishing after the new owner, or finish racing cancel-while-
 # queued), and a terminal event without its status/usage/expiry/abort record (a crash between writes).
-FINISH = Lua(PRELUDE + APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + HOOK_LUA + _CLOSE + """
+FINISH = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + HOOK_LUA + _CLOSE
+             + """
 -- K.stats, K.leases, K.backlog: the job's queue (broker.streams.keys.QueueKeys); A.ttft_ms: '' for none
 local m = redis.call('HMGET', K.meta, 'fence', 'status', 'model', 'max_tokens', 'key_id', 'retention_s',
   'claimed_at', 'jid')
@@ -260,22 +281,23 @@ local took = math.max(0, now - tonumber(m[7] or now))
 local ema = redis.call('HGET', K.stats, 'ema_job_s')
 if ema then took = 0.8 * tonumber(ema) + 0.2 * took end
 redis.call('HSET', K.stats, 'ema_job_s', string.format('%.6f', took))
-record_usage(K.usage_index, A.usage_prefix, K.meta, A.sid, A.now_s, A.status, A.reason, model, A.prompt_tokens,
-  A.cached_tokens, A.completion_tokens, A.wasted_tokens, A.compute_s, A.ttft_ms)
-budget_settle(K.meta, tonumber(A.prompt_tokens) + tonumber(A.completion_tokens))
-hook_enqueue(K.outbox, K.outbox_due, K.meta, A.sid, A.status, A.reason, A.now_s)
+record_usage(K.usage_index, A.usage_prefix, K.usage_rollups_since, K.meta, A.sid, A.now_s, A.status, A.reason, model,
+  A.prompt_tokens, A.cached_tokens, A.completion_tokens, A.wasted_tokens, A.compute_s, A.ttft_ms)
+budget_settle(K.meta, A.prompt_tokens, A.cached_tokens, A.completion_tokens)
+hook_enqueue(K.outbox, K.outbox_dests, K.outbox_holds, K.meta, A.sid, A.status, A.reason, A.now_s)
 if A.status ~= 'done' then
   record_abort(K.aborted_totals, A.reason, m[4], A.prompt_tokens, A.completion_tokens, A.compute_s)
 end
 return eid
 """, key_names=("meta", "events", "usage_index", "stats", "leases", "backlog", "tombstone", "aborted_totals",
-                "outbox", "outbox_due"),
+                "outbox", "outbox_dests", "outbox_holds", "usage_rollups_since"),
     arg_names=("fence", "channel", "type", "data", "status", "usage", "model", "now_s", "reason", "prompt_tokens",
                "completion_tokens", "compute_s", "sid", "cached_tokens", "wasted_tokens", "ttft_ms", "usage_prefix"))
 
 # Closes: cancel racing claim (a queued stream cancelled while a worker claims it: exactly one of them
 # wins, and the loser sees the other's status) and two cancels racing (one terminal event).
-CANCEL = Lua(PRELUDE + APPEND_EVENT + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + HOOK_LUA + _CLOSE + QUEUE
+CANCEL = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + _RECORD_ABORT + RECORD_USAGE_LUA + BUDGET_LUA + HOOK_LUA + _CLOSE
+             + QUEUE
              + REFUSE_WHEN_FULL + """
 -- Reply: {'unknown'} | {'ended', status} (nothing to cancel) | {'cancelled'} (it was queued: now it ended)
 --   | {'requested', status} (running: its worker stops it)
@@ -290,16 +312,18 @@ if st == 'queued' then
   redis.call('HSET', K.meta, 'cancel', A.reason)
   close_stream(K.meta, K.events, K.tombstone, A.channel, 'cancelled', A.cancelled_data, 'cancelled', A.usage, A.now_s,
     tonumber(m[5] or '3600'))
-  record_usage(K.usage_index, A.usage_prefix, K.meta, A.sid, A.now_s, 'cancelled', A.reason, m[2], 0, 0, 0, 0, 0, '')
-  budget_settle(K.meta, 0)
-  hook_enqueue(K.outbox, K.outbox_due, K.meta, A.sid, 'cancelled', A.reason, A.now_s)
+  record_usage(K.usage_index, A.usage_prefix, K.usage_rollups_since, K.meta, A.sid, A.now_s, 'cancelled', A.reason,
+    m[2], 0, 0, 0, 0, 0, '')
+  budget_settle(K.meta, 0, 0, 0)
+  hook_enqueue(K.outbox, K.outbox_dests, K.outbox_holds, K.meta, A.sid, 'cancelled', A.reason, A.now_s)
   record_abort(K.aborted_totals, A.reason, m[3], 0, 0, 0)
   return {'cancelled'}
 end
 if not redis.call('HGET', K.meta, 'cancel') then redis.call('HSET', K.meta, 'cancel', A.reason) end
 redis.call('PUBLISH', A.control_channel, A.sid)
 return {'requested', st}
-""", key_names=("meta", "events", "totals", "usage_index", "tombstone", "aborted_totals", "outbox", "outbox_due"),
+""", key_names=("meta", "events", "totals", "usage_index", "tombstone", "aborted_totals", "outbox", "outbox_dests",
+                "outbox_holds", "usage_rollups_since"),
     arg_names=("reason", "channel", "cancelled_data", "usage", "now_s", "control_channel", "sid", "usage_prefix"))
 
 # Tokens an attempt computed and its stream will not hold (lease lost, job handed over), for its usage record.

@@ -32,6 +32,7 @@ from broker.errors import (
     StoreFull,
     StoreUnavailable,
     TooManyGenerations,
+    WebhookBacklog,
 )
 from broker.events import Event, EventPage, EventType, encode_data
 from broker.redis.batching import CommandBatcher
@@ -49,7 +50,7 @@ from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.request import GenerationRequest
 from broker.streams import queue_scripts, replication, scripts
 from broker.streams.affinity import ChatAffinity
-from broker.streams.budget import NO_BUDGET, Budget, reservation
+from broker.streams.budget import NO_BUDGET, Budget, price_field, reservation, usd_reservation
 from broker.streams.keys import (
     CHANNEL_SUFFIX,
     EVENTS_SUFFIX,
@@ -73,6 +74,8 @@ from broker.streams.records import (
     Unclaimable,
     empty_usage,
 )
+from broker.streams.usage import RETENTION_S as USAGE_RETENTION_S
+from broker.streams.usage import Price
 
 # Waiting streams whose `queued` position is refreshed on each claim (bounds the claim script's work).
 POSITION_UPDATES = 32
@@ -80,6 +83,8 @@ POSITION_UPDATES = 32
 TOUCH_BATCH = 500
 # Streams per APPEND_MANY call: bounds one call's time inside Redis (a few ms at most).
 APPEND_MANY_STREAMS = 256
+# A create refused for its caller's pending webhook events: about one try of a failing receiver later.
+WEBHOOK_BACKLOG_RETRY_S = 30
 # Claims whose APPEND_MANY arguments are kept encoded (a worker's generations in flight, with room to spare).
 APPEND_HEADS = 4096
 
@@ -144,7 +149,11 @@ class Store:
         max_queue_wait_s: float = 0.0,
         storage: StorageQuota = NO_STORAGE_QUOTA,
         budget: Budget = NO_BUDGET,
+        team_budget: Budget = NO_BUDGET,
+        price: Price | None = None,
         webhook: tuple[str, str] | None = None,
+        usage_retention_s: int = USAGE_RETENTION_S,
+        max_pending_hooks: int = 0,
         trace: str = "",
     ) -> Created:
         """Create the stream and enqueue its job in ``model``'s queue (a served model's name: the consumer resolved
@@ -153,16 +162,23 @@ class Store:
         caller's ``quota``) or QueueFull: ``max_queue`` queued generations (0: no bound; like the quota,
         each partition holds ceil(max_queue / P) of them), or an estimated wait over ``max_queue_wait_s``
         (waiting jobs x average job time / running jobs; 0: no bound; no estimate before a job finished), or
-        BudgetExceeded: the key's ``budget`` cannot hold this create's worst case (broker.streams.budget).
-        ``webhook``: (URL, the id its event names) where the end is POSTed (broker.streams.outbox). ``trace``: the
-        create span's W3C traceparent, stored with the stream for its generation's spans (broker.telemetry)."""
+        BudgetExceeded: the key's ``budget`` or its team's ``team_budget`` cannot hold this create's worst case
+        (broker.streams.budget; in money at ``price``, its model's in its tier), or WebhookBacklog: it has a
+        ``webhook`` and its caller ``max_pending_hooks`` webhook events pending (0: no bound; each partition holds its
+        share). ``webhook``: (URL, the id its event names) where the end is POSTed (broker.streams.outbox);
+        ``usage_retention_s``: how long its usage record is kept (broker.streams.usage). ``trace``: the create span's
+        W3C traceparent, stored with the stream for its generation's spans (broker.telemetry)."""
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
         who = quota.principal or principal(key_id, "")
         now = time.time()
         period, period_end = budget.window(now)
+        team_period, team_period_end = team_budget.window(now)
         canonical = request.canonical_json()
+        tokens = reservation(canonical, request.max_tokens)
+        usd = usd_reservation(price, canonical, request.max_tokens)
+        key_budget = budget_key(k.partition, k.partitions, key_id, period)
         q = k.queue(model)
         script = scripts.CREATE
         res = await self._call(
@@ -170,7 +186,9 @@ class Store:
             script.keys({"meta": k.meta, "events": k.events, "totals": k.queue_stats, "stats": q.stats,
                          "backlog": q.backlog, "tombstone": k.tombstone, "tenant": k.tenant(who),
                          "storage": storage_key(k.partition, k.partitions, storage.principal or who),
-                         "budget": budget_key(k.partition, k.partitions, key_id, period)}),
+                         "budget": key_budget,
+                         "team_budget": budget_key(k.partition, k.partitions, team_budget.holder, team_period)
+                         if team_budget.bounded else key_budget}),
             script.args({
                 "sid": str(stream_id), "rh": request.request_hash(), "req": canonical, "created_at": f"{now:.6f}",
                 "max_queue": queue_share, "model": model, "max_tokens": request.max_tokens, "channel": k.channel,
@@ -178,10 +196,15 @@ class Store:
                 "cod": int(request.cancel_on_disconnect), "max_active": max_active, "burst": burst,
                 "interval_ms": interval_ms, "max_wait_s": max_queue_wait_s, "keep": int(request.history is not None),
                 "storage_share": storage.share(self.partitions), "affinity": request.affinity(who),
-                "budget_share": budget.share(self.partitions),
-                "reservation": reservation(canonical, request.max_tokens), "period_end": f"{period_end:.0f}",
+                "budget_share": budget.share(self.partitions), "usd_share": budget.usd_share(self.partitions),
+                "team_share": team_budget.share(self.partitions),
+                "team_usd_share": team_budget.usd_share(self.partitions), "reservation": tokens,
+                "usd_reservation": usd, "price": price_field(price), "period_end": f"{period_end:.0f}",
+                "team_period_end": f"{team_period_end:.0f}",
                 "hook": (webhook or ("", ""))[0], "hid": (webhook or ("", ""))[1], "qp": q.prefix, "tier": tier,
-                "who": who or "-", "position_updates": POSITION_UPDATES, "trace": trace}),
+                "who": who or "-", "position_updates": POSITION_UPDATES, "usage_retention_s": usage_retention_s,
+                "max_hooks": -(-max_pending_hooks // self.partitions) if max_pending_hooks > 0 else 0,
+                "trace": trace}),
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
@@ -194,9 +217,14 @@ class Store:
             raise Expired("a stream with this id existed and expired; use a new id")
         if tag == "storage_quota":
             raise OverStorageQuota(storage.quota_bytes, self.partitions)
+        if tag == "webhook_backlog":
+            raise WebhookBacklog(f"this caller has {reply_text(res[1])} webhook events its receiver has not taken yet "
+                                 f"(at most {max_pending_hooks}, --webhook-max-pending); creates with a webhook wait "
+                                 "until some are delivered", retry_after_s=WEBHOOK_BACKLOG_RETRY_S)
         if tag == "budget_exceeded":
-            raise BudgetExceeded(budget.tokens, budget.period, self.partitions,
-                                 reservation(canonical, request.max_tokens), retry_after_s=budget.retry_after_s(now))
+            over = team_budget if reply_text(res[1]) == "team" else budget
+            raise BudgetExceeded(over.refusal(reply_text(res[2]), self.partitions, tokens, usd),
+                                 retry_after_s=over.retry_after_s(now))
         ema_raw, busy = reply_text(res[2]), int(res[3] or 0)
         ema = float(ema_raw) if ema_raw else None
         if tag == "rate_limited":
@@ -341,7 +369,8 @@ class Store:
             k, self._cancel,
             script.keys({"meta": k.meta, "events": k.events, "totals": k.queue_stats, "usage_index": k.usage_index,
                          "tombstone": k.tombstone, "aborted_totals": k.aborted_totals, "outbox": k.outbox,
-                         "outbox_due": k.outbox_due}),
+                         "outbox_dests": k.outbox_dests, "outbox_holds": k.outbox_holds,
+                         "usage_rollups_since": k.usage_rollups_since}),
             script.args({"reason": reason, "channel": k.channel, "cancelled_data": data, "usage": usage,
                          "now_s": f"{time.time():.6f}", "control_channel": k.control, "sid": str(stream_id),
                          "usage_prefix": k.usage_prefix}),
@@ -526,7 +555,8 @@ class Store:
             k, self._finish,
             script.keys({"meta": k.meta, "events": k.events, "usage_index": k.usage_index, "stats": q.stats,
                          "leases": q.leases, "backlog": q.backlog, "tombstone": k.tombstone,
-                         "aborted_totals": k.aborted_totals, "outbox": k.outbox, "outbox_due": k.outbox_due}),
+                         "aborted_totals": k.aborted_totals, "outbox": k.outbox, "outbox_dests": k.outbox_dests,
+                         "outbox_holds": k.outbox_holds, "usage_rollups_since": k.usage_rollups_since}),
             script.args({"fence": claim.fence, "channel": k.channel, "type": etype, "data": encode_data(data),
                          "status": status, "usage": orjson.dumps(usage), "model": model, "now_s": f"{time.time():.6f}",
                          "reason": reason or status, "prompt_tokens": usage.get("prompt_tokens", 0),

@@ -6,8 +6,9 @@ Anthropic's clients send it: consumer.edge.middleware); a stream belongs to the 
 created it, and any other key is told it does not exist (404, no existence leak).
 
 The keys file is JSON: ``{"keys": [{"id": "alice", "sha256": "<hex sha256 of the secret>",
-"limits": {...}, "admin"?, "token_budget"?, "budget_period"?, "webhook_url"?}]}`` (ApiKey). Secrets are
-never stored, only their hashes, compared in constant time.
+"limits": {...}, "admin"?, "token_budget"?, "usd_budget"?, "budget_period"?, "team"?, "webhook_url"?,
+"webhook_secret"?, "service_tier"?, "service_tiers"?}]}`` (ApiKey). Secrets are never stored, only their hashes,
+compared in constant time.
 """
 
 from __future__ import annotations
@@ -29,48 +30,54 @@ import orjson
 from broker import tiers
 from broker.ascii import decimal
 from broker.errors import NotFound, StoreUnavailable, Unauthorized
+from broker.streams.budget import NO_BUDGET, TEAM_NAME, Budget, Teams, parse_budget
 
 ANONYMOUS = ""
-_KEY_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
-
-
-BUDGET_PERIODS = ("day", "month")
+# A key id never starts with '-': Redis key names spell the keyless caller's share '-' (broker.streams.keys,
+# broker.durable.keys, broker.redis.quota: ``key_id or '-'``), so a key named '-' read the usage, budgets, Durable
+# Streams and conversations of an open deployment's callers. Nor does it look like a command-line flag.
+_KEY_ID = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_-]{0,63}\Z")
 
 
 @dataclass(frozen=True, slots=True)
 class ApiKey:
     """A key of the keys file. Beside ``id``, ``sha256`` and ``limits``: ``admin`` (its reports show every key's
-    usage), ``token_budget`` (tokens its generations may use per ``budget_period``, UTC; 0: no budget) and
-    ``webhook_url`` (where its generations' ends are POSTed, instead of --webhook-url), ``service_tier`` (the tier
+    usage), ``budget`` (``token_budget`` and ``usd_budget``, what its generations may use per ``budget_period``,
+    UTC; 0: none: broker.streams.budget), ``team`` (the team whose budget it falls under too, in --teams),
+    ``webhook_url`` (where its generations' ends are POSTed, instead of --webhook-url), ``webhook_secret`` (what
+    signs them, instead of --webhook-secret: consumer.streaming.webhooks), ``service_tier`` (the tier
     of its creates that ask for ``auto`` or none: broker.tiers) and ``service_tiers`` (the tiers it may ask for;
-    empty: every one)."""
+    empty: every one but ``priority``, which only a key that names it gets: broker.tiers)."""
 
     id: str
     sha256: bytes
     limits: dict[str, Any] = field(default_factory=dict)
     admin: bool = False
-    token_budget: int = 0
-    budget_period: str = "month"
+    budget: Budget = NO_BUDGET
     webhook_url: str | None = None
     service_tier: str = ""
     service_tiers: tuple[str, ...] = ()
+    team: str = ""
+    webhook_secret: str | None = None
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> ApiKey:
         """One entry of the keys file, checked: a wrong type is a ValueError naming the key and the field."""
         key_id = entry["id"]
         if not isinstance(key_id, str) or not _KEY_ID.match(key_id):
-            raise ValueError(f"api key id {key_id!r}: use letters, digits, '_' and '-' (at most 64)")
-        admin, budget = entry.get("admin", False), entry.get("token_budget", 0)
-        period, hook = entry.get("budget_period", "month"), entry.get("webhook_url")
+            raise ValueError(f"api key id {key_id!r}: use letters, digits, '_' and '-' (at most 64), and start with a "
+                             "letter, a digit or '_'")
+        admin, hook, team = entry.get("admin", False), entry.get("webhook_url"), entry.get("team", "")
         if not isinstance(admin, bool):
             raise ValueError(f"api key {key_id}: 'admin' must be true or false")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError(f"api key {key_id}: 'token_budget' must be a whole number of tokens (0: none)")
-        if period not in BUDGET_PERIODS:
-            raise ValueError(f"api key {key_id}: 'budget_period' must be one of {', '.join(BUDGET_PERIODS)}")
+        budget = parse_budget(entry, key_id, "this API key's", f"api key {key_id}")
+        if not isinstance(team, str) or (team and not TEAM_NAME.match(team)):
+            raise ValueError(f"api key {key_id}: 'team' must be a team's name (letters, digits, '_' and '-')")
         if hook is not None and not isinstance(hook, str):
             raise ValueError(f"api key {key_id}: 'webhook_url' must be a URL")
+        hook_secret = entry.get("webhook_secret")
+        if hook_secret is not None and not isinstance(hook_secret, str):
+            raise ValueError(f"api key {key_id}: 'webhook_secret' must be whsec_ and base64")
         tier, allowed = entry.get("service_tier", ""), entry.get("service_tiers", [])
         if tier and tier not in tiers.TIERS:
             raise ValueError(f"api key {key_id}: 'service_tier' must be one of {', '.join(tiers.TIERS)}")
@@ -78,8 +85,10 @@ class ApiKey:
             raise ValueError(f"api key {key_id}: 'service_tiers' must be a list of {', '.join(tiers.TIERS)}")
         if tier and allowed and tier not in allowed:
             raise ValueError(f"api key {key_id}: its 'service_tier' is not one of its 'service_tiers'")
-        return cls(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {})), admin, budget, period,
-                   hook or None, tier, tuple(allowed))
+        if tier == tiers.PRIORITY and tiers.PRIORITY not in allowed:  # else it would be served default in silence
+            raise ValueError(f"api key {key_id}: 'service_tier' priority needs \"priority\" in its 'service_tiers'")
+        return cls(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {})), admin, budget,
+                   hook or None, tier, tuple(allowed), team, hook_secret or None)
 
 
 class ApiKeys:
@@ -125,8 +134,20 @@ class ApiKeys:
     def get(self, key_id: str) -> ApiKey | None:
         return self._by_id.get(key_id)
 
-    def webhook_urls(self) -> list[str]:
-        return [k.webhook_url for k in self._by_id.values() if k.webhook_url]
+    def all(self) -> list[ApiKey]:
+        return list(self._by_id.values())
+
+    def check_budgets(self, teams: Teams | None, priced: bool) -> None:
+        """At start: every key's ``team`` is in --teams, and budgets in USD have --prices. Raises ValueError naming
+        the key (or team) and the flag."""
+        for k in self._by_id.values():
+            if k.team and (teams is None or teams.get(k.team) is None):
+                raise ValueError(f"api key {k.id}: its team {k.team!r} is not in --teams")
+            if k.budget.usd > 0 and not priced:
+                raise ValueError(f"api key {k.id}: a 'usd_budget' needs --prices (what a generation costs)")
+        for name, budget in (teams.budgets.items() if teams is not None else ()):
+            if budget.usd > 0 and not priced:
+                raise ValueError(f"team {name}: a 'usd_budget' needs --prices (what a generation costs)")
 
     @classmethod
     def disabled(cls) -> ApiKeys:

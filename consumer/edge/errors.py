@@ -48,7 +48,7 @@ STATUS: dict[str, int] = {
     "queue_full": 429, "too_many_connections": 429,
     "too_many_generations": 429, "rate_limited": 429, "internal": 500, "overloaded": 503, "starting": 503,
     "unavailable": 503, "draining": 503, "storage_full": 507, "storage_quota": 429,
-    "budget_exceeded": 429, "too_many_refusals": 429,
+    "budget_exceeded": 429, "too_many_refusals": 429, "webhook_backlog": 429,
     "host_not_allowed": 421,  # an open API reached by a name it does not answer (consumer.edge.hosts)
 }
 

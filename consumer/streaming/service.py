@@ -30,12 +30,13 @@ from broker.errors import (
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
 from broker.redis.quota import StorageQuota, default_quota_bytes, read_maxmemory
 from broker.request import GenerationRequest, RequestLimits
-from broker.streams.budget import NO_BUDGET, Budget
+from broker.streams.budget import NO_BUDGET, Budget, Teams
 from broker.streams.conversations import ConversationStore
 from broker.streams.keys import principal
 from broker.streams.records import Created, Quota, StreamStatus
 from broker.streams.served_models import ServedModel, ServedModels
 from broker.streams.store import Store
+from broker.streams.usage import Prices
 from broker.tiers import resolve_tier
 from consumer.edge.auth import ApiKeys, ensure_owner
 from consumer.edge.limits import ConnectionLimiter
@@ -91,8 +92,12 @@ class Slot:
 
 class StreamService:
     def __init__(self, settings: ConsumerSettings, store: Store, hub: LiveHub, metrics: Metrics,
-                 api_keys: ApiKeys, limiter: ConnectionLimiter, *, expect_model: bool = False) -> None:
+                 api_keys: ApiKeys, limiter: ConnectionLimiter, *, expect_model: bool = False,
+                 prices: Prices | None = None, teams: Teams | None = None) -> None:
         self.settings = settings
+        #: ``--prices`` (a create's worst case in money, for budgets in USD) and ``--teams`` (teams' budgets).
+        self.prices = prices
+        self.teams = teams
         #: Ready (``/readyz``) only once a model is served: this pod's stack starts its own generators
         #: (``rsb up``), so an empty model list means "not up yet", not "no generator runs now".
         self.expect_model = expect_model
@@ -209,10 +214,13 @@ class StreamService:
             await asyncio.sleep(interval_s)
             await self.read_storage_default()
 
-    def budget(self, caller: Caller) -> Budget:
-        """The caller's token budget: its API key's ``token_budget`` per ``budget_period`` (none without keys)."""
+    def budgets(self, caller: Caller) -> tuple[Budget, Budget]:
+        """The caller's budgets (broker.streams.budget): its API key's, and its key's team's (none without keys)."""
         key = self.api_keys.get(caller.key_id)
-        return Budget(key.token_budget, key.budget_period) if key is not None else NO_BUDGET
+        if key is None:
+            return NO_BUDGET, NO_BUDGET
+        team = self.teams.get(key.team) if key.team and self.teams is not None else None
+        return key.budget, team or NO_BUDGET
 
     def quota(self, caller: Caller) -> Quota:
         """What the caller may have queued or running, and how fast it may create: charged to its API key
@@ -255,15 +263,23 @@ class StreamService:
         s = self.settings
         key = self.api_keys.get(caller.key_id)
         tier = resolve_tier(request.service_tier, key.service_tier if key else "", key.service_tiers if key else ())
+        model = await self.resolve_model(request.model)
+        budget, team_budget = self.budgets(caller)
+        price = self.prices.price(model, tier) if self.prices is not None else None
+        if price is None and (budget.usd > 0 or team_budget.usd > 0):
+            raise InvalidRequest(f"model {model!r} has no price in --prices, and a budget this key falls under is in "
+                                 "USD: name a priced model")
         try:
             with self.quota_counted():
-                res = await self.store.create(stream_id, request, model=await self.resolve_model(request.model),
-                                              tier=tier,
+                res = await self.store.create(stream_id, request, model=model, tier=tier,
                                               max_queue=s.max_queue, max_queue_wait_s=s.max_queue_wait_s,
                                               retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
                                               key_id=caller.key_id, quota=self.quota(caller),
-                                              storage=self.storage_quota(caller), budget=self.budget(caller),
+                                              storage=self.storage_quota(caller), budget=budget,
+                                              team_budget=team_budget, price=price,
                                               webhook=self.webhook(caller, stream_id, hook_name),
+                                              usage_retention_s=s.usage_retention_days * 86_400,
+                                              max_pending_hooks=s.webhook_max_pending,
                                               trace=telemetry.traceparent())
         except RetryLater as e:
             self.metrics.creates_rejected.inc()

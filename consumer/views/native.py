@@ -13,10 +13,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from broker.ascii import parse_uuid
-from broker.errors import InvalidRequest, NotFound
+from broker.errors import InvalidRequest, NotFound, RateLimited
 from broker.events import TERMINAL_TYPES, Event, EventPage, parse_event_id
 from broker.request import parse_json_object, validate_create_body
-from broker.streams import usage
+from broker.streams import usage_report as usage
+from broker.streams.keys import principal
 from broker.streams.records import StreamStatus
 from broker.streams.report import aborted_report, parse_time
 from broker.streams.turns import Turn, as_messages
@@ -166,13 +167,29 @@ async def conversation_turns(request: Request) -> Response:
     return JSONResponse({"id": name, "created_at": _time(conv.created_at), "turns": turns})
 
 
+def _count_report(request: Request) -> None:
+    """A report costs this pod's CPU (and Redis's): counted per caller (--report-burst, --report-rate-per-min)."""
+    state, caller = state_of(request), caller_of(request)
+    who = principal(caller.key_id, caller.ip)
+    if state.reports is None or not state.reports.enabled:
+        return
+    wait_s = state.reports.retry_after_s(who)
+    if wait_s is not None:
+        s = state.settings
+        raise RateLimited(f"too many reports from this caller (a burst of {s.report_burst}, then "
+                          f"{s.report_rate_per_min:g} a minute on each pod)", retry_after_s=wait_s)
+    state.reports.charge(who, 0)
+
+
 async def aborted_report_route(request: Request) -> Response:
     state = state_of(request)
+    _count_report(request)
     q = request.query_params
     report = await aborted_report(state.store.redis, state.settings.broker.partitions,
                                   since=parse_time(q.get("since"), "since"), until=parse_time(q.get("until"), "until"),
                                   group_by=q.get("group_by", "reason"),
-                                  key_id=caller_of(request).key_id if state.api_keys.enabled else None)
+                                  key_id=caller_of(request).key_id if state.api_keys.enabled else None,
+                                  retention_s=state.settings.usage_retention_days * 86_400)
     return JSONResponse(report)
 
 
@@ -180,6 +197,7 @@ async def usage_report_route(request: Request) -> Response:
     """``GET /v1/reports/usage``: the usage ledger grouped (JSON, or CSV with ``format=csv``). With API keys a key sees
     its own records; an admin key every key's (or one key's, with ``key=``)."""
     state = state_of(request)
+    _count_report(request)
     q = request.query_params
     group_by = usage.parse_group_by(q.get("group_by"))
     fmt = q.get("format", "json")
@@ -195,7 +213,8 @@ async def usage_report_route(request: Request) -> Response:
         key_id = caller.id if caller is not None else ""
     since, until = parse_time(q.get("since"), "since"), parse_time(q.get("until"), "until")
     report = await usage.usage_report(state.store.redis, state.settings.broker.partitions, since=since, until=until,
-                                      group_by=group_by, key_id=key_id, prices=state.prices)
+                                      group_by=group_by, key_id=key_id, prices=state.prices,
+                                      retention_s=state.settings.usage_retention_days * 86_400)
     if fmt == "csv":
         return Response(usage.render_csv(report), media_type="text/csv; charset=utf-8")
     return JSONResponse(report)

@@ -30,8 +30,8 @@ from broker.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from broker.sampling import MAX_TOOL_CALLS as MAX_SAMPLED_TOOL_CALLS
 from broker.streams.records import STATUSES
 from broker.streams.report import GROUP_BYS
-from broker.streams.usage import FORMATS, GROUP_BY_PATTERN
-from broker.streams.usage import GROUP_BYS as USAGE_GROUP_BYS
+from broker.streams.usage_report import FORMATS, GROUP_BY_PATTERN
+from broker.streams.usage_report import GROUP_BYS as USAGE_GROUP_BYS
 from consumer.schema import LOGPROBS_RULE, RETRY_AFTER, error_response, json_response, nullable, sse_response
 from consumer.views.openai.schema import openai_paths
 
@@ -256,8 +256,10 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
                 "410": error_response("this id belonged to a stream that expired"),
                 "413": error_response("body too large"),
                 "429": error_response("the queue is full (queue_full), the caller's share is used "
-                                      "(too_many_generations, rate_limited, too_many_conversations), or its "
-                                      "address holds too many connections (too_many_connections)", RETRY_AFTER),
+                                      "(too_many_generations, rate_limited, too_many_conversations, storage_quota), "
+                                      "a budget of its key or team cannot hold it (budget_exceeded), its webhook "
+                                      "events wait for its receiver (webhook_backlog), or its address holds too "
+                                      "many connections (too_many_connections)", RETRY_AFTER),
                 "503": error_response("Redis unreachable (unavailable), or the pod holds as many connections "
                                       "as it may (overloaded)", RETRY_AFTER), **common}}},
         "/v1/streams/{stream_id}/events": {"get": {
@@ -312,6 +314,7 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
             ],
             "responses": {"200": json_response("aggregated aborted generations", _REPORT),
                           "400": error_response("invalid range or grouping"),
+                          "429": error_response("too many reports from this caller (rate_limited)", RETRY_AFTER),
                           "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
         "/v1/reports/usage": {"get": {
             "operationId": "usageReport",
@@ -331,6 +334,7 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
                                               "text/csv": {"schema": {"type": "string"}}}},
                           "400": error_response("invalid range, grouping or format"),
                           "404": error_response("a key this caller may not see, or none of the keys file"),
+                          "429": error_response("too many reports from this caller (rate_limited)", RETRY_AFTER),
                           "503": error_response("Redis unreachable", RETRY_AFTER), **common}}},
     }
 

@@ -19,7 +19,7 @@ Kept apart from the engine so that a template can be checked against hand-writte
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -89,14 +89,20 @@ class ChatTemplate:
         """The template writes tools, calls and their results itself."""
         return "tools" in self.template and "tool_calls" in self.template
 
-    def render_chat(self, messages: Sequence[RequestMessage], tools: Sequence[Tool] = (), **extra: Any) -> str:
-        """A request's messages (and the tools the model may call) as the prompt text."""
+    def render_chat(self, messages: Sequence[RequestMessage], tools: Sequence[Tool] = (),
+                    text: Callable[[Any], Any] | None = None, **extra: Any) -> str:
+        """A request's messages (and the tools the model may call) as the prompt text. ``text``: applied to the
+        messages and tools as the template will see them, every string of which is the client's
+        (generator.engines.control_tokens shields them)."""
+        def client(value: Any) -> Any:
+            return value if text is None else text(value)
+
         if self.renders_tools:
-            native = [_native(m) for m in messages]
+            native = client([_native(m) for m in messages])
             if tools:
-                extra = {**extra, "tools": [t.as_openai() for t in tools]}
+                extra = {**extra, "tools": client([t.as_openai() for t in tools])}
             return self.render(native, **extra)
-        return self.render(hermes_messages(messages, tools), **extra)
+        return self.render(client(hermes_messages(messages, tools)), **extra)
 
     def render(self, messages: Sequence[Message], **extra: Any) -> str:
         """``extra`` reaches the template as variables (``date_string`` for Llama 3.1+, which otherwise

@@ -16,7 +16,7 @@ from broker.errors import InvalidRequest
 from broker.json_schema import check_enforceable
 from broker.request import GenerationRequest, Tool
 from generator.engines.base import EngineError
-from generator.engines.schema_grammar import Grammar, SchemaGrammar, literal
+from generator.engines.schema_grammar import Grammar, GrammarTooBig, SchemaGrammar, literal
 from generator.engines.tool_syntax import CLOSE, OPEN
 
 
@@ -55,6 +55,8 @@ def tool_call_grammar(tools: tuple[Tool, ...]) -> str:
 def _visit(grammar: Grammar, schema: Any, where: str, prefix: str) -> str:
     try:
         check_enforceable(schema, where)
+        return SchemaGrammar(grammar, schema, prefix).rule(schema)
     except InvalidRequest as e:
         raise SchemaRefused(e.message) from None
-    return SchemaGrammar(grammar, schema, prefix).rule(schema)
+    except GrammarTooBig as e:
+        raise SchemaRefused(f"{where}: {e}") from None

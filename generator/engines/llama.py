@@ -35,6 +35,7 @@ from broker.request import GenerationRequest, Message
 from generator.engines.base import Engine, EngineError, Generation, PromptTooLong, StepObserver
 from generator.engines.batch import BatchedSequence, Batcher
 from generator.engines.chat import ChatTemplate
+from generator.engines.control_tokens import SPECIAL, ControlTokens
 from generator.engines.decoding import SequenceDecoder
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 from generator.engines.grammar import answer_grammar
@@ -136,6 +137,8 @@ class LlamaEngine(Engine):
             metadata.get("tokenizer.ggml.add_space_prefix", "true") != "false"
         )
         self._pieces = LlamaPieces(vocab, n_vocab)
+        self._controls = ControlTokens({self._token_text(t): (t, attr) for t in range(n_vocab)
+                                        if (attr := llama_cpp.llama_vocab_get_attr(vocab, t)) & SPECIAL})
 
         self.chat = ChatTemplate(metadata.get("tokenizer.chat_template"), bos_token=self._token_text(self._bos),
                                  eos_token=self._token_text(llm.token_eos()))
@@ -185,12 +188,20 @@ class LlamaEngine(Engine):
         ``messages``, with the tools the model may call) with ``prefix_text`` appended. Both are tokenized as
         one string, so the answer text being continued is split into tokens as if it had always been part of
         the prompt."""
+        shield = self._controls.shield()  # the client's text is text (generator.engines.control_tokens)
         if request.messages is not None:
-            prompt = self.chat.render_chat(request.messages, request.tools if request.offers_tools else ())
+            prompt = self.chat.render_chat(request.messages, request.tools if request.offers_tools else (),
+                                           text=shield.deep)
         else:
             prompt = request.prompt or ""
-        # special=True like llama-cpp-python's completions: templates spell BOS/EOS and role markers as text.
-        tokens: list[int] = self._llm.tokenize((prompt + prefix_text).encode("utf-8"), add_bos=False, special=True)
+        text = prompt + shield(prefix_text)
+        tokens: list[int]
+        if shield.used:
+            tokens = shield.tokenize(text, lambda raw: self._llm.tokenize(raw.encode("utf-8"), add_bos=False,
+                                                                          special=False))
+        else:
+            # special=True like llama-cpp-python's completions: templates spell BOS/EOS and role markers as text.
+            tokens = self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
         if self._add_bos and (not tokens or tokens[0] != self._bos):
             tokens.insert(0, self._bos)
         if not tokens:

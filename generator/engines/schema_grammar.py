@@ -20,6 +20,7 @@ import json
 from decimal import Decimal
 from typing import Any
 
+from broker.grammar_size import MAX_GRAMMAR_BYTES
 from broker.schema_kinds import integer_bounds, kind, multiple_of, number_bounds, pattern_of, resolve_ref
 from broker.schema_pattern import JSON_CHARS, Alt, Chars, Intervals, Node, Seq, intersect
 from generator.engines.number_grammar import integer_rule, number_rule
@@ -61,6 +62,11 @@ def char_class(ranges: Intervals) -> str:
     return "[" + "".join(_cp(a) if a == b else f"{_cp(a)}-{_cp(b)}" for a, b in ranges) + "]"
 
 
+class GrammarTooBig(Exception):
+    """The grammar passed MAX_GRAMMAR_BYTES while it was built (the admission estimate, broker.grammar_size, missed
+    it): the build stops there, so a schema never holds a worker for long."""
+
+
 class Grammar:
     """The rules of one grammar; ``add`` names a rule (``prefix`` keeps two tools' rules apart)."""
 
@@ -68,6 +74,7 @@ class Grammar:
         self.rules: dict[str, str] = {}
         self._bodies: dict[str, str] = {}
         self._n = 0
+        self._bytes = 0
 
     def primitive(self, name: str) -> str:
         if name not in self.rules:
@@ -81,6 +88,9 @@ class Grammar:
             return self._bodies[body]
         self._n += 1
         name = f"{hint}-{self._n}"
+        self._bytes += len(body) + len(name)
+        if self._bytes > MAX_GRAMMAR_BYTES:
+            raise GrammarTooBig(f"its grammar passed {MAX_GRAMMAR_BYTES} bytes")
         self.rules[name] = body
         self._bodies[body] = name
         return name

@@ -15,7 +15,10 @@ from broker.request import GenerationRequest, RequestLimits, parse_create_body
 NASTY = st.sampled_from(["\r", "\n", "\r\n", "\x00", "\u2028", "\u2029", "\ud800", "\udfff", "\ufeff", "data: x",
                          "\n\nid: 9-9\n", ":", "🌍", "你好", "\\", '"'])
 TEXT = st.lists(st.one_of(st.text(), NASTY), max_size=8).map("".join)
-IDS = st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)).map(lambda t: f"{t[0]}-{t[1]}")
+# Ids Redis may issue: any pair of u64s but the largest, which no XADD * reaches and nothing can follow (a resume
+# point after it is refused: broker.events.parse_event_id).
+IDS = st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)).filter(
+    lambda t: t != (2**64 - 1, 2**64 - 1)).map(lambda t: f"{t[0]}-{t[1]}")
 
 
 def _parse_frames(raw: bytes) -> list[dict[str, str]]:

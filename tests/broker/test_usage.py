@@ -12,17 +12,20 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, OverStorageQuota
 from broker.events import EventType
 from broker.redis.connection import connect
+from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
 from broker.streams import usage
-from broker.streams.keys import aborted_log_key, usage_index_key, usage_log_key
+from broker.streams import usage_report as ledger
+from broker.streams.keys import aborted_log_key, usage_free_key, usage_index_key, usage_log_key
 from broker.streams.records import Claim
 from broker.streams.report import aborted_report
 from broker.streams.store import Store
-from broker.streams.usage import Prices, parse_group_by, usage_report
+from broker.streams.usage import Prices
+from broker.streams.usage_report import parse_group_by, usage_report
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 
@@ -36,9 +39,10 @@ async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIt
 
 
 async def _run(store: Store, key_id: str = "", *, status: str = "done", reason: str = "stop", prompt: int = 10,
-               completion: int = 20, cached: int = 0, wasted: int = 0) -> uuid.UUID:
+               completion: int = 20, cached: int = 0, wasted: int = 0, tier: str = "default",
+               quota: StorageQuota = NO_STORAGE_QUOTA) -> uuid.UUID:
     sid = uuid.uuid4()
-    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id=key_id)
+    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id=key_id, tier=tier, storage=quota)
     claim = await store.claim(sid, "w")
     assert isinstance(claim, Claim)
     u = {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached, "ttft_ms": 12.5,
@@ -50,7 +54,7 @@ async def _run(store: Store, key_id: str = "", *, status: str = "done", reason: 
 
 
 async def _all(store: Store, key_id: str | None = None) -> list[dict[str, str]]:
-    return [r async for r in usage.records(store.redis, 1, key_id=key_id)]
+    return [r async for r in ledger.records(store.redis, 1, key_id=key_id)]
 
 
 async def test_one_record_per_ended_generation_with_its_fields(store: Store) -> None:
@@ -130,11 +134,30 @@ async def test_the_report_groups_scopes_and_prices(store: Store) -> None:
     assert [(r["day"], r["tier"], r["streams"]) for r in by_day["rows"]] == [(day, "default", 3)]
     assert "cost_usd" not in by_day["total"]
     assert (await usage_report(store.redis, 1, since=time.time() + 60))["total"]["streams"] == 0
-    csv_text = usage.render_csv(everyone)
+    csv_text = ledger.render_csv(everyone)
     assert csv_text.splitlines()[0] == ("key,status,streams,prompt_tokens,cached_tokens,completion_tokens,"
                                         "wasted_tokens,compute_s,cost_usd,unpriced_streams")
     assert len(csv_text.splitlines()) == 4
-    assert "total" in usage.render_table(everyone)
+    assert "total" in ledger.render_table(everyone)
+
+
+async def test_prices_may_weight_tiers(store: Store) -> None:
+    """``tiers`` in a model's price: a generation is priced in the tier it ran in; a tier's fields default to the
+    model's own; an unlisted tier pays the model's price."""
+    await _run(store, "alice", prompt=1_000_000, completion=1_000_000, tier="priority")
+    await _run(store, "alice", prompt=1_000_000, completion=1_000_000, tier="flex")
+    await _run(store, "alice", prompt=1_000_000, completion=1_000_000)
+    prices = Prices.parse(b'{"demo": {"input_per_mtok": 1.0, "output_per_mtok": 4.0, "tiers": {'
+                          b'"priority": {"input_per_mtok": 2.0, "output_per_mtok": 8.0}, "flex": {"output_per_mtok": 2}}}}')
+    rows = {r["tier"]: r["cost_usd"] for r in (await usage_report(store.redis, 1, group_by=("tier",),
+                                                                  prices=prices))["rows"]}
+    assert rows == {"priority": pytest.approx(10.0), "flex": pytest.approx(3.0), "default": pytest.approx(5.0)}
+    for raw in (b'{"m": {"input_per_mtok": 1, "output_per_mtok": 1, "tiers": {"scale": {}}}}',
+                b'{"m": {"input_per_mtok": 1, "output_per_mtok": 1, "tiers": {"priority": {"extra": 1}}}}',
+                b'{"m": {"input_per_mtok": 1, "output_per_mtok": 1, "tiers": {"priority": {"input_per_mtok": -1}}}}',
+                b'{"m": {"input_per_mtok": 1, "output_per_mtok": 1, "tiers": []}}'):
+        with pytest.raises(ValueError):
+            Prices.parse(raw)
 
 
 def test_group_by_and_prices_refuse_what_they_do_not_know() -> None:
@@ -179,3 +202,66 @@ async def test_records_past_their_retention_are_neither_reported_nor_kept(store:
     assert [r["sid"] for r in await _all(store, "alice")] != ["old"]
     assert all(r["sid"] != "old" for r in await _all(store, "alice"))
     assert 0 < await store.redis.ttl(log) <= usage.RETENTION_S
+
+
+async def _free(store: Store, key_id: str, n: int) -> None:
+    """``n`` free records: creates cancelled while queued (no token)."""
+    async def one() -> None:
+        sid = uuid.uuid4()
+        await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id=key_id)
+        await store.cancel(sid, "client")
+
+    for i in range(0, n, 250):
+        await asyncio.gather(*(one() for _ in range(min(250, n - i))))
+
+
+async def _xranges(store: Store) -> int:
+    stats = await store.redis.info("commandstats")
+    return int(stats.get("cmdstat_xrange", {}).get("calls", 0))
+
+
+@pytest.mark.slow  # 11,000 creates and cancels
+async def test_a_flood_of_free_records_leaves_every_billed_record(store: Store) -> None:
+    """Issue 42: a key's log kept a fixed count of records, and create+cancel records cost nothing, so a flood of
+    them pushed out all but 2 of 151 billed records. Billed records are kept by time only, apart."""
+    billed = [await _run(store, "alice", prompt=100, completion=50) for _ in range(151)]
+    await _free(store, "alice", usage.FREE_RECORDS + 1000)
+    kept = {r["sid"] for r in await _all(store, "alice") if r["status"] == "done"}
+    assert kept == {str(s) for s in billed}
+    free_log = await store.redis.xlen(usage_free_key(0, 1, "alice"))
+    assert usage.FREE_RECORDS <= free_log < usage.FREE_RECORDS + 1000  # capped (MAXLEN ~ trims whole nodes)
+    # The report sums every record, trimmed free ones included, from the day's sums: it reads no record at all.
+    before = await _xranges(store)
+    report = await usage_report(store.redis, 1, group_by=("key", "status"))
+    assert await _xranges(store) == before
+    rows = {(r["key"], r["status"]): r for r in report["rows"]}
+    assert rows[("alice", "done")]["streams"] == 151 and rows[("alice", "done")]["prompt_tokens"] == 15_100
+    assert rows[("alice", "cancelled")]["streams"] == usage.FREE_RECORDS + 1000
+
+
+async def test_billed_records_count_in_their_creators_storage_quota(store: Store) -> None:
+    quota = StorageQuota("alice", 10 * usage.RECORD_BYTES + len(REQ.canonical_json()) - 1)
+    for _ in range(10):
+        await _run(store, "alice", quota=quota)
+    await _free(store, "alice", 20)  # free records are bounded by count, not charged
+    assert int(await store.redis.hget(storage_key(0, 1, "alice"), "bytes") or 0) == 10 * usage.RECORD_BYTES
+    with pytest.raises(OverStorageQuota):  # the next request body does not fit beside the ledger
+        await store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60, key_id="alice", storage=quota)
+    # The charge leaves with the records: it expires when their day passes the retention.
+    exp = await store.redis.zscore(storage_key(0, 1, "alice") + ":exp", f"usage:{int(time.time() // 86_400)}")
+    assert exp is not None and abs(exp / 1000 - (time.time() // 86_400 + 1) * 86_400 - usage.RETENTION_S) < 5
+
+
+async def test_records_from_before_the_day_sums_are_read_as_records(store: Store) -> None:
+    """An upgraded ledger has records without day sums: their days are read as records, later days as sums."""
+    yesterday_ms = int((time.time() - 86_400) * 1000)
+    await store.redis.xadd(usage_log_key(0, 1, "alice"), {
+        "sid": "old", "ts": str(yesterday_ms / 1000), "key": "alice", "model": "demo", "tier": "default",
+        "status": "done", "reason": "stop", "max_tokens": "32", "prompt_tokens": "7", "cached_tokens": "0",
+        "completion_tokens": "3", "wasted_tokens": "0", "compute_s": "0.1"}, id=f"{yesterday_ms}-0")
+    await store.redis.zadd(usage_index_key(0, 1), {"alice": yesterday_ms})
+    await _run(store, "alice", prompt=10, completion=20)
+    report = await usage_report(store.redis, 1, group_by=("day",))
+    assert [(r["streams"], r["prompt_tokens"]) for r in report["rows"]] == [(1, 7), (1, 10)]
+    # Bounds inside a day read that part as records: only the newer record.
+    assert (await usage_report(store.redis, 1, since=time.time() - 60))["total"]["streams"] == 1

@@ -5,11 +5,14 @@ can forge from the keys file, the Host check of an open API (DNS rebinding), and
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -313,3 +316,75 @@ def test_the_redis_password_setting_reaches_a_redis_that_requires_it(tmp_path: P
     finally:
         stack.close()
         server.cleanup()
+
+
+# -- 7. leftovers of issue 42: each a 4xx with a code, never a 500 ------------------------------------------------
+
+U64_MAX = 2**64 - 1
+
+
+def test_resuming_after_the_largest_event_id_is_a_400(consumers: Consumers) -> None:
+    """No event can follow ``<u64 max>-<u64 max>``, and Redis refuses a range after it: that was a 500."""
+    with httpx.Client(base_url=consumers.open_url, timeout=10) as c:
+        sid = str(uuid.uuid4())
+        assert c.post("/v1/streams", json={"id": sid, "prompt": "x", "max_tokens": 4}).status_code == 201
+        r = c.get(f"/v1/stream/rsb/{sid}", params={"offset": f"{U64_MAX:016d}_{U64_MAX:016d}"})
+        assert r.status_code == 400 and error_code(r) == "invalid_request", r.text
+        for headers, params in (({"Last-Event-ID": f"{U64_MAX}-{U64_MAX}"}, {}),
+                                ({}, {"last_event_id": f"{U64_MAX}-{U64_MAX}"})):
+            r = c.get(f"/v1/streams/{sid}/events", headers=headers, params=params)
+            assert r.status_code == 400 and error_code(r) == "invalid_request", r.text
+        # One below it is an ordinary resume point past the end: nothing yet, the stream goes on.
+        r = c.get(f"/v1/stream/rsb/{sid}", params={"offset": f"{U64_MAX:016d}_{U64_MAX - 1:016d}"})
+        assert r.status_code == 200 and r.json() == [], r.text
+
+
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_a_body_nested_a_thousand_deep_is_a_400_on_every_create_route(consumers: Consumers) -> None:
+    """A tool's ``parameters.examples`` or ``default`` nested 1,000 deep was a 500 (the body is written back as JSON,
+    which stops at 254 levels); ``response_format`` got its 400 from the schema check."""
+    deep = _nested(1000)
+    tool: dict[str, Any] = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                                      "properties": {}}}}
+    with httpx.Client(base_url=consumers.open_url, timeout=10) as c:
+        for where in ("examples", "default"):
+            t = {**tool, "function": {**tool["function"], "parameters": {"type": "object", "properties": {},
+                                                                          where: deep}}}
+            msgs = [{"role": "user", "content": "hi"}]
+            for path, body in (("/v1/streams", {"messages": msgs, "tools": [t]}),
+                               ("/v1/chat/completions", {"model": "m", "messages": msgs, "tools": [t]}),
+                               ("/v1/responses", {"model": "m", "input": "hi", "tools": [{"type": "function",
+                                                  "name": "f", "parameters": t["function"]["parameters"]}]}),
+                               ("/api/chat", {"id": "c1", "messages": [], "tools": [t]})):
+                r = c.post(path, content=_dumps(body), headers={"Content-Type": "application/json"})
+                assert r.status_code == 400, (path, where, r.status_code, r.text[:300])
+
+
+def _dumps(value: object) -> bytes:
+    """JSON of any depth (orjson, like rsb, writes at most 254 levels)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)
+    try:
+        return json.dumps(value).encode()
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def test_a_key_named_dash_is_refused_at_start(tmp_path: Path, consumers: Consumers) -> None:
+    """'-' is the keyless caller's name in Redis's keys (its usage log, budgets, Durable Streams, conversations): a key
+    named so read an open deployment's usage."""
+    _, entry = new_key("alice")
+    keys = tmp_path / "dash.json"
+    keys.write_bytes(orjson.dumps({"keys": [{**entry, "id": "-"}]}))
+    with pytest.raises(ValueError, match="start with a letter"):
+        ApiKeys.load(keys)
+    r = subprocess.run([sys.executable, "-m", "rsb", "consumer", "--redis-url", "redis://127.0.0.1:9/0",
+                        "--api-keys", str(keys), "--port", str(free_port())], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "start with a letter" in r.stderr, r.stderr

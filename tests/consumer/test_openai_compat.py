@@ -4,6 +4,7 @@ against the rsb stream behind it, read over the native SSE route."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 import uuid
@@ -509,6 +510,47 @@ def test_what_rsb_honours_or_echoes_is_accepted_and_shown_back(shared_stack: Sha
         {"role": "user", "content": "and?"}])
     # Two tokens may all be made before the create answers (a busy machine): then it is already "incomplete".
     assert follow.status in ("queued", "in_progress", "completed", "incomplete")
+
+
+def test_item_references_read_only_the_items_they_name_within_a_bound(stack_factory: StackFactory,
+                                                                      redis_server: RedisServer,
+                                                                      redis_client: redis.Redis) -> None:
+    """Issue 42: 64 item_references in a 4.5 KB request made Redis send 51 MB (every response's stored request read
+    back whole). Each of these 64 responses keeps a 120 KB request (its tools, offered with tool_choice none); the
+    request naming one item of each reads only their events."""
+    s = stack_factory(redis_server.url)
+    s.generator()
+    s.consumer()
+    client = _client(s.base_url)
+    tools: Any = [{"type": "function", "name": f"tool_{i}", "description": "d" * 1050,
+                   "parameters": {"type": "object", "properties": {}}} for i in range(110)]
+    made = [client.responses.create(model="m", input="hi", max_output_tokens=4, background=True, tools=tools,
+                                    tool_choice="none") for _ in range(64)]
+
+    def message_of(resp_id: str) -> str | None:
+        done = client.responses.retrieve(resp_id)
+        if done.status not in ("completed", "incomplete"):
+            return None
+        [item] = [i for i in done.output if i.type == "message"]
+        return item.id
+
+    items = [eventually(functools.partial(message_of, r.id), 60) for r in made]
+    held = sum(len(v) for v in (redis_client.hget(f"rsb:{{p0}}:s:{_stream_id(r.id)}:meta", "req") for r in made) if v)
+    assert held > 64 * 120_000  # the stored requests a read of the whole response would send
+    refs: Any = [{"type": "item_reference", "id": i} for i in items]
+    sent = int(redis_client.info("stats")["total_net_output_bytes"])
+    follow = client.responses.create(model="m", max_output_tokens=2, background=True,
+                                     input=[{"role": "user", "content": "hi"}, *refs])
+    read = int(redis_client.info("stats")["total_net_output_bytes"]) - sent
+    assert follow.status in ("queued", "in_progress", "completed", "incomplete")
+    assert read < 1_000_000, f"Redis sent {read} bytes to resolve 64 references"
+    too_many: list[tuple[Any, str]] = [([{"type": "item_reference", "id": items[0]}] * 257, "item_reference"),
+                                       ([{"type": "item_reference", "id": f"msg_{uuid.uuid4().hex}"}
+                                         for _ in range(65)], "responses")]
+    for bad, what in too_many:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="m", input=bad)
+        assert what in e.value.message
 
 
 def test_a_prompt_past_the_context_is_a_400_for_a_completion(shared_stack: SharedStack) -> None:

@@ -143,15 +143,15 @@ def test_priority_before_default_before_flex_and_the_tier_is_echoed(stack_factor
     gold, gold_entry = new_key("gold")
     basic, basic_entry = new_key("basic")
     keys = tmp_path / "keys.json"
-    keys.write_bytes(orjson.dumps({"keys": [{**gold_entry, "service_tier": "priority"},
+    keys.write_bytes(orjson.dumps({"keys": [{**gold_entry, "service_tier": "priority",
+                                             "service_tiers": ["priority", "default"]},
                                             {**basic_entry, "service_tiers": ["default", "flex"]}]}))
     s = stack_factory(redis_server.url)
     s.consumer("--api-keys", str(keys), "--default-model", "alpha", test_default=False)
     g = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key=gold, max_retries=0)
     bc = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key=basic, max_retries=0)
-    msgs: Any = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as e:
-        bc.chat.completions.create(model="alpha", messages=msgs, service_tier="priority")
+        g.responses.create(model="alpha", input="hi", service_tier="flex")  # not one of gold's tiers
     assert "service_tier" in e.value.message
     with pytest.raises(openai.BadRequestError):
         bc.responses.create(model="alpha", input="hi", service_tier="scale")
@@ -172,6 +172,51 @@ def test_priority_before_default_before_flex_and_the_tier_is_echoed(stack_factor
     assert [t for _, t in order] == ["priority", "default", "default", "flex", "flex"]
     done = g.responses.retrieve(auto.id)
     assert done.status == "incomplete" and done.service_tier == "priority"  # max_output_tokens reached
+
+
+def test_a_key_flooding_priority_is_served_default_and_delays_another_by_one_job(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path,
+        tmp_path: Path) -> None:
+    """Priority is the operator's to hand out (``service_tiers``), never a client's to take: a key without it, and a
+    caller without a key, asking for it are served, echoed and billed as ``default``; so a flood of "priority" jobs
+    waits its turn among the tenants like any other (before: every one of them ran before another key's job)."""
+    mallory, mallory_entry = new_key("mallory")
+    bob, bob_entry = new_key("bob")
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [mallory_entry, {**bob_entry, "service_tiers": ["default", "flex"]}]}))
+    s = stack_factory(redis_server.url)
+    s.consumer("--api-keys", str(keys), "--default-model", "alpha", test_default=False)
+    _, open_url = s.consumer("--default-model", "alpha", test_default=False)  # no keys: anonymous callers
+    m, b = {"Authorization": f"Bearer {mallory}"}, {"Authorization": f"Bearer {bob}"}
+    sdk = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key=mallory, max_retries=0)
+    with s.client() as c, s.client(open_url) as anon:
+        def make(client: httpx.Client, headers: dict[str, str], tier: str | None) -> str:
+            body = {"id": str(uuid.uuid4()), "prompt": "Hello", "max_tokens": 16, "service_tier": tier}
+            r = client.post("/v1/streams", json=body, headers=headers)
+            assert r.status_code == 201, r.text  # not refused
+            return str(r.json()["id"])
+
+        # Queued before any worker runs: the order is the scheduler's alone, whatever the machine's speed.
+        floods = [make(c, m, "priority") for _ in range(7)]
+        chat = sdk.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           service_tier="priority", stream=True)
+        first = next(iter(chat))
+        chat.close()
+        assert first.service_tier == "default"
+        floods.append(str(uuid.UUID(first.id.removeprefix("chatcmpl-"))))
+        bobs = make(c, b, None)
+        queued = read_sse(c, f"/v1/streams/{bobs}/events", headers=b, stop_after=1)
+        assert [e.data["position"] for e in queued.events if e.event == "queued"] == [2]
+        anonymous = make(anon, {}, "priority")
+    s.generator("--model-name", "alpha", model=slow_model)
+    with s.client() as c, s.client(open_url) as anon:
+        started = {sid: _order(_started(c, sid, m, "default")[0]) for sid in floods}
+        bob_started = _order(_started(c, bobs, b)[0])
+        _started(anon, anonymous, None, "default")
+        rows = c.get("/v1/reports/usage", params={"group_by": "key,tier"}, headers=m).json()["rows"]
+    ahead = sum(1 for t in started.values() if t < bob_started)
+    assert ahead <= 1, f"bob's one job waited behind {ahead} of mallory's 8 'priority' jobs"
+    assert [(r["key"], r["tier"], r["streams"]) for r in rows] == [("mallory", "default", 8)]
 
 
 def test_a_sigkilled_workers_job_continues_on_a_worker_of_the_same_model(stack_factory: StackFactory,

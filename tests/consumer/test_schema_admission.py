@@ -29,7 +29,19 @@ def _deep_anyof(depth: int) -> dict[str, Any]:
     return {"$ref": "#/$defs/L0", "$defs": defs}
 
 
+def _wide_integers(count: int) -> dict[str, Any]:
+    """Issue 42's schema: integers with wide bounds and a multipleOf each (27 KB at 260: 16 s of a generator's
+    Python and an 11 MB grammar before admission bounded its size, broker.grammar_size)."""
+    w = 2**53 - 1
+    props = {f"p{i}": {"type": "integer", "minimum": -w + i, "maximum": w - i, "multipleOf": 100 - i % 100}
+             for i in range(count)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
 HOSTILE_SCHEMAS: dict[str, dict[str, Any]] = {
+    "27 KB of wide integers with multipleOf": _wide_integers(260),
+    "200 strings of up to 1,000 characters": {"type": "object", "properties": {
+        f"s{i}": {"type": "string", "maxLength": 1000 - i} for i in range(200)}},
     "ambiguous anyOf through $ref, depth 15": _deep_anyof(15),
     "pattern ^(a?){1024}$": {"type": "string", "pattern": "^(a?){1024}$"},
     "left recursion": {"$ref": "#/$defs/A", "$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "null"}]}}},

@@ -97,3 +97,25 @@ def test_a_key_sees_its_usage_an_admin_sees_every_keys(stack_factory: StackFacto
     bad = subprocess.run([sys.executable, "-m", "rsb", "report", "--usage", "--redis-url", redis_server.url,
                           "--group-by", "colour"], capture_output=True, text=True)
     assert bad.returncode == 2 and "group_by" in bad.stderr
+
+
+def test_reports_are_rate_limited_per_caller(stack_factory: StackFactory, redis_server: RedisServer,
+                                            tmp_path: Path) -> None:
+    """A report costs the pod's CPU: a caller gets --report-burst of them at once, then --report-rate-per-min; another
+    caller is not held up by it."""
+    alice, alice_entry = new_key("alice")
+    bob, bob_entry = new_key("bob")
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [alice_entry, bob_entry]}))
+    s = stack_factory(redis_server.url)
+    s.consumer("--api-keys", str(keys), "--report-burst", "3", "--report-rate-per-min", "6")
+    with s.client() as c:
+        a, b = {"Authorization": f"Bearer {alice}"}, {"Authorization": f"Bearer {bob}"}
+        answers = [c.get(path, headers=a) for path in ("/v1/reports/usage", "/v1/reports/aborted") * 3]
+        assert [r.status_code for r in answers[:3]] == [200] * 3
+        # The bucket refills continuously (one report per 10 s): the fraction regained while the burst was spent may
+        # let one more through.
+        refused = [r for r in answers[3:] if r.status_code != 200]
+        assert refused and all(r.status_code == 429 and r.json()["error"]["code"] == "rate_limited" for r in refused)
+        assert 1 <= int(refused[0].headers["retry-after"]) <= 20  # at most two refills of 10 s
+        assert c.get("/v1/reports/usage", headers=b).status_code == 200

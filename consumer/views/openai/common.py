@@ -31,7 +31,7 @@ from broker.errors import (
     RsbError,
 )
 from broker.history import History
-from broker.request import GenerationRequest, validate_create_body
+from broker.request import GenerationRequest, check_body_depth, validate_create_body
 from broker.sse import DONE_FRAME as DONE_FRAME  # the views' one [DONE], re-exported for chat and responses
 from broker.sse import frame
 from broker.streams.records import StreamStatus
@@ -135,6 +135,7 @@ async def read_json(request: Request) -> dict[str, Any]:
         raise invalid("the body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
+    check_body_depth(body)
     return body
 
 
