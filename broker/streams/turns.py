@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from broker.answer import AnswerRuns
 from broker.events import Event, EventType
 from broker.request import GenerationRequest, Message, ToolCall
 
@@ -118,30 +119,17 @@ def items_turn(messages: Sequence[Message], created_at: float, input_ids: Sequen
 def output_of(events: Iterable[Event]) -> tuple[Output, Event | None, str]:
     """The answer a stream's events add up to, its terminal event (None: not ended yet), and the model that
     ``started`` named. A pure function of the events: every reader (and every fold) gets the same answer."""
-    text: list[str] = []
-    reasoning: list[str] = []
-    calls: dict[int, list[str]] = {}  # index -> [id, name, arguments so far]
+    answer = AnswerRuns()
     terminal: Event | None = None
-    model = ""
     for ev in events:
-        if ev.type == EventType.DELTA:
-            text.append(ev.json()["text"])
-        elif ev.type == EventType.REASONING:
-            reasoning.append(ev.json()["text"])
-        elif ev.type == EventType.TOOL_CALL:
-            d = ev.json()
-            calls[int(d["index"])] = [str(d.get("id") or ""), str(d.get("name") or ""), ""]
-        elif ev.type == EventType.TOOL_ARGS:
-            d = ev.json()
-            call = calls.setdefault(int(d["index"]), ["", "", ""])
-            call[2] += d["text"]
-        elif ev.type == EventType.STARTED:
-            model = str(ev.json().get("model") or "")
-        elif ev.is_terminal:
+        if ev.is_terminal:
             terminal = ev
             break
-    tool_calls = tuple(ToolCall(c[0], c[1], c[2]) for _, c in sorted(calls.items()))
-    return Output("".join(text), tool_calls, "".join(reasoning)), terminal, model
+        answer.add(ev)
+    started = answer.started
+    model = str(started.json().get("model") or "") if started is not None else ""
+    tool_calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in answer.tool_calls)
+    return Output(answer.text, tool_calls, answer.reasoning), terminal, model
 
 
 def finished_turn(stream_id: uuid.UUID, request: GenerationRequest, created_at: float,

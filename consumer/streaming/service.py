@@ -42,6 +42,7 @@ from consumer.metrics import Metrics
 from consumer.settings import ConsumerSettings
 from consumer.streaming.hub import LiveHub
 from consumer.streaming.reader import REPLAY_PAGE, read_batches, read_stream
+from consumer.streaming.snapshots import AnswerSnapshot, Snapshots
 
 log = logging.getLogger("rsb.consumer")
 
@@ -99,6 +100,8 @@ class StreamService:
         self.limiter = limiter
         self.models = ServedModels(store.redis)
         self.conversations = ConversationStore(store)
+        #: The answers late joiners read (``latest``), kept per pod.
+        self.snapshots = Snapshots(store)
         self._served: list[ServedModel] = []
         self._served_at = -MODELS_CACHE_S
         #: The storage quota of a caller without a bound of its own: --storage-quota-bytes, or (not given) a
@@ -308,6 +311,14 @@ class StreamService:
         batches = read_batches(self.store, self.hub, stream_id, after_id, self.settings.heartbeat_s, watched=watched)
         return batches if resets else _until_reset(batches)
 
+    def latest(self, stream_id: uuid.UUID, after_id: str | None, *, watched: bool = True, snapshot: bool = True
+               ) -> AsyncIterator[Sequence[Event] | AnswerSnapshot | None]:
+        """A read "from the latest" (consumer.streaming.snapshots): the answer as it stands first (``snapshot``),
+        then every event after it by the batch, as ``batches``; where a ``reset`` would come, a new snapshot of
+        the stream as it now is instead (a snapshot replaces what its reader had, so such a read never takes
+        text back event by event). Without ``snapshot`` it starts after ``after_id`` (a reconnect)."""
+        return _latest(self, stream_id, after_id, watched=watched, snapshot=snapshot)
+
     def tail(self, stream_id: uuid.UUID) -> AsyncGenerator[Event | None, None]:
         """The stream from its first event, live ones included: ``None`` for each heartbeat due; it ends
         before a ``reset`` (the views that tail cannot take text back: their response ends, and the client
@@ -359,6 +370,32 @@ class StreamService:
             if len(page) < REPLAY_PAGE:
                 return out
             last = page[-1].id
+
+
+async def _latest(service: StreamService, stream_id: uuid.UUID, after_id: str | None, *, watched: bool,
+                  snapshot: bool) -> AsyncGenerator[Sequence[Event] | AnswerSnapshot | None, None]:
+    while True:
+        if snapshot:
+            snap = await service.snapshots.latest(stream_id)
+            yield snap
+            after_id = snap.last_id
+        snapshot = True
+        batches = cast(AsyncGenerator[Sequence[Event] | None, None], service.batches(stream_id, after_id,
+                                                                                       watched=watched))
+        async with aclosing(batches):
+            async for batch in batches:
+                if batch is None:
+                    yield None
+                    continue
+                cut = next((i for i, ev in enumerate(batch) if ev.type == EventType.RESET), None)
+                if cut is None:
+                    yield batch
+                    continue
+                if cut:
+                    yield batch[:cut]
+                break  # a reset: the next round starts with a snapshot of the stream as it now is
+            else:
+                return
 
 
 async def _until_reset(batches: AsyncIterator[Sequence[Event] | None]

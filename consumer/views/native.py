@@ -24,6 +24,7 @@ from consumer.edge.http import read_body
 from consumer.metrics import Metrics
 from consumer.state import caller_of, state_of
 from consumer.streaming.conversations import conversation_name
+from consumer.streaming.snapshots import AnswerSnapshot, from_latest
 from consumer.streaming.sse import SSEResponse
 
 
@@ -88,7 +89,10 @@ class NativeFrames:
     def __init__(self, metrics: Metrics) -> None:
         self.events_sent = metrics.events_sent
 
-    def __call__(self, batch: Sequence[Event]) -> bytes:
+    def __call__(self, batch: Sequence[Event] | AnswerSnapshot) -> bytes:
+        if isinstance(batch, AnswerSnapshot):
+            self.events_sent.inc()
+            return batch.event().to_sse()
         # Counted as it is handed to the connection (a client that leaves mid-send was sent it anyway).
         self.events_sent.inc(len(batch))
         # A replay page is framed straight from Redis's reply (broker.events.EventPage).
@@ -99,6 +103,7 @@ async def stream_events(request: Request) -> Response:
     state = state_of(request)
     stream_id = path_stream_id(request)
     resume = resume_id(request)
+    latest = from_latest(request.query_params)
     resume_key = parse_event_id(resume) if resume else None
     caller = caller_of(request)
     service = state.service
@@ -112,7 +117,10 @@ async def stream_events(request: Request) -> Response:
         if resume is not None:
             state.metrics.resumes.inc()
         state.metrics.reads.inc()
-        return SSEResponse(service.batches(stream_id, resume, watched=st.watched), encode=NativeFrames(state.metrics),
+        # From the latest, a reconnect (a resume point) goes on from it: snapshots only where a reset would come.
+        batches = (service.latest(stream_id, resume, watched=st.watched, snapshot=resume is None) if latest
+                   else service.batches(stream_id, resume, watched=st.watched))
+        return SSEResponse(batches, encode=NativeFrames(state.metrics),
                            shutdown=state.draining, send_timeout_s=state.settings.send_timeout_s,
                            on_close=slot.release)
 

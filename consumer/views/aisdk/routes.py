@@ -8,7 +8,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from broker.errors import Conflict, Expired, NotFound
+from broker.errors import Conflict, Expired, InvalidRequest, NotFound
 from broker.events import TERMINAL_TYPES
 from broker.request import parse_json_object, validate_create_body
 from broker.streams.conversations import Begin, absent
@@ -17,6 +17,7 @@ from consumer.edge.http import read_body
 from consumer.state import State, caller_of, state_of
 from consumer.streaming.conversations import ROUNDS
 from consumer.streaming.service import Caller, Slot
+from consumer.streaming.snapshots import from_latest
 from consumer.streaming.sse import STREAM_ID_HEADER, SSEResponse
 from consumer.views.aisdk.history import plan_turn, ui_messages
 from consumer.views.aisdk.request import REGENERATE, ChatRequest, chat_id_of, parse_chat_body
@@ -26,11 +27,26 @@ from consumer.views.aisdk.stream import HEADERS, SHUTDOWN_FRAME, earlier_steps, 
 _TURN_NAMESPACE = uuid.UUID("0d5b6f3e-8c1a-4f6e-a2b9-3c7d9e4f1a20")
 
 
-def _respond(state: State, slot: Slot, stream_id: uuid.UUID, st: StreamStatus, message_id: str | None = None,
-             earlier: bytes = b"") -> Response:
+def reset_step_of(request: Request) -> bool:
+    """``?reset_step=1`` (on ``api``, which ai@7's transport keeps on the resume URL too): after a failover took
+    back text, send ``reset-step`` (ai >= 7.0.70) and the turn as it now is, instead of ending the response."""
+    raw = request.query_params.get("reset_step")
+    if raw is None or raw in ("0", "false"):
+        return False
+    if raw in ("1", "true"):
+        return True
+    raise InvalidRequest("'reset_step' must be 1 or 0 (true or false)")
+
+
+def _respond(state: State, slot: Slot, request: Request, stream_id: uuid.UUID, st: StreamStatus,
+             message_id: str | None = None, earlier: bytes = b"", *, latest: bool = False) -> Response:
     state.metrics.reads.inc()
-    batches = state.service.batches(stream_id, None, watched=st.watched, resets=False)
-    frames = turn_frames(batches, stream_id, state.metrics, message_id, earlier)
+    reset_step = reset_step_of(request)
+    service = state.service
+    batches = (service.latest(stream_id, None, watched=st.watched, snapshot=latest) if latest or reset_step
+               else service.batches(stream_id, None, watched=st.watched, resets=False))
+    frames = turn_frames(batches, stream_id, state.metrics, message_id, earlier, latest=latest,
+                         reset_step=reset_step)
     return SSEResponse(frames, shutdown=state.draining, send_timeout_s=state.settings.send_timeout_s,
                        headers={**HEADERS, STREAM_ID_HEADER: str(stream_id)}, shutdown_frame=SHUTDOWN_FRAME,
                        on_close=slot.release)
@@ -93,11 +109,12 @@ async def send_turn(request: Request) -> Response:
     """``POST /api/chat``: start the turn (or find the one this request repeats) and read it from its start."""
     state = state_of(request)
     caller = caller_of(request)
+    reset_step_of(request)  # checked before the turn starts
     chat = parse_chat_body(parse_json_object(await read_body(request, state.settings.max_body_bytes)))
     with state.service.connection(caller) as slot:
         stream_id, st, message_id = await _start_turn(state, caller, chat)
         # A continued message's earlier steps are on the page that sent them: only a resume sends them.
-        return _respond(state, slot, stream_id, st, message_id)
+        return _respond(state, slot, request, stream_id, st, message_id)
 
 
 async def _latest_turn(state: State, caller: Caller, chat_id: str) -> tuple[uuid.UUID, StreamStatus] | None:
@@ -113,11 +130,14 @@ async def _latest_turn(state: State, caller: Caller, chat_id: str) -> tuple[uuid
 
 
 async def resume_turn(request: Request) -> Response:
-    """``GET /api/chat/{chat_id}/stream``: the chat's active turn from its start; 204 when it has none (never
-    had one, it ended, or the chat id is another API key's: the same answer, so nothing leaks)."""
+    """``GET /api/chat/{chat_id}/stream``: the chat's active turn from its start (``?from=latest``: its message so
+    far, then the tail); 204 when it has none (never had one, it ended, or the chat id is another API key's: the
+    same answer, so nothing leaks)."""
     state = state_of(request)
     caller = caller_of(request)
     chat_id = chat_id_of(request.path_params["chat_id"])
+    latest = from_latest(request.query_params)
+    reset_step_of(request)  # checked before anything is read
     with state.service.connection(caller) as slot:
         active = await _latest_turn(state, caller, chat_id)
         if active is None or active[1].status in TERMINAL_TYPES:
@@ -129,7 +149,7 @@ async def resume_turn(request: Request) -> Response:
         history = turn_request.history if turn_request is not None else None
         message_id = history.answer_id if history is not None else None
         earlier = b"" if message_id is None else earlier_steps(turn_request)
-        return _respond(state, slot, stream_id, st, message_id, earlier)
+        return _respond(state, slot, request, stream_id, st, message_id, earlier, latest=latest)
 
 
 async def stop_turn(request: Request) -> Response:
