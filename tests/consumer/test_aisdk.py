@@ -373,7 +373,7 @@ class HarnessFiles(SimpleHTTPRequestHandler):
     import_maps: dict[str, str] = {}
     extensions_map = {**SimpleHTTPRequestHandler.extensions_map, ".js": "text/javascript",
                       ".mjs": "text/javascript"}
-    _SERVED = ("/node_modules/", "/browser/shims/", "/chat.mjs", "/scenarios.mjs")
+    _SERVED = ("/node_modules/", "/browser/shims/", "/chat.mjs", "/scenarios.mjs", "/joiners.mjs")
 
     def do_GET(self) -> None:
         path, _, query = self.path.partition("?")
