@@ -6,7 +6,8 @@ Anthropic's clients send it: consumer.edge.middleware); a stream belongs to the 
 created it, and any other key is told it does not exist (404, no existence leak).
 
 The keys file is JSON: ``{"keys": [{"id": "alice", "sha256": "<hex sha256 of the secret>",
-"limits": {...}, "admin"?, "token_budget"?, "budget_period"?, "webhook_url"?}]}`` (ApiKey). Secrets are
+"limits": {...}, "admin"?, "token_budget"?, "budget_period"?, "webhook_url"?, "service_tier"?, "service_tiers"?,
+"on_busy"?, "drop_unsupported_params"?}]}`` (ApiKey). Secrets are
 never stored, only their hashes, compared in constant time.
 """
 
@@ -29,6 +30,7 @@ import orjson
 from broker import tiers
 from broker.ascii import decimal
 from broker.errors import NotFound, StoreUnavailable, Unauthorized
+from broker.on_busy import ON_BUSY
 
 ANONYMOUS = ""
 _KEY_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
@@ -54,6 +56,11 @@ class ApiKey:
     webhook_url: str | None = None
     service_tier: str = ""
     service_tiers: tuple[str, ...] = ()
+    #: What a conversation's turn created while another runs does when it names no ``on_busy`` (broker.on_busy;
+    #: "": ``reject``).
+    on_busy: str = ""
+    #: Whether its requests drop the parameters a model cannot honour (None: as --drop-unsupported-params says).
+    drop_unsupported_params: bool | None = None
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> ApiKey:
@@ -78,8 +85,13 @@ class ApiKey:
             raise ValueError(f"api key {key_id}: 'service_tiers' must be a list of {', '.join(tiers.TIERS)}")
         if tier and allowed and tier not in allowed:
             raise ValueError(f"api key {key_id}: its 'service_tier' is not one of its 'service_tiers'")
+        on_busy, drop = entry.get("on_busy", ""), entry.get("drop_unsupported_params")
+        if on_busy and on_busy not in ON_BUSY:
+            raise ValueError(f"api key {key_id}: 'on_busy' must be one of {', '.join(ON_BUSY)}")
+        if drop is not None and not isinstance(drop, bool):
+            raise ValueError(f"api key {key_id}: 'drop_unsupported_params' must be true or false")
         return cls(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {})), admin, budget, period,
-                   hook or None, tier, tuple(allowed))
+                   hook or None, tier, tuple(allowed), on_busy, drop)
 
 
 class ApiKeys:

@@ -27,6 +27,7 @@ from broker.errors import (
     Starting,
 )
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
+from broker.on_busy import REJECT
 from broker.redis.quota import StorageQuota, default_quota_bytes, read_maxmemory
 from broker.request import GenerationRequest, RequestLimits
 from broker.streams.budget import NO_BUDGET, Budget
@@ -226,6 +227,20 @@ class StreamService:
         return Quota(principal(caller.key_id, caller.ip), max_active=int(limits.get("max_active", s.max_active)),
                      burst=int(limits.get("create_burst", s.create_burst)),
                      rate_per_s=float(limits.get("create_rate_per_s", s.create_rate_per_s)))
+
+    def drops_unsupported(self, caller: Caller) -> bool:
+        """Whether the caller's requests drop the parameters a model cannot honour instead of a 400: its key's
+        ``drop_unsupported_params``, else --drop-unsupported-params."""
+        key = self.api_keys.get(caller.key_id)
+        if key is not None and key.drop_unsupported_params is not None:
+            return key.drop_unsupported_params
+        return self.settings.drop_unsupported_params
+
+    def on_busy(self, caller: Caller, asked: str | None) -> str:
+        """What a conversation's turn does while another runs (broker.on_busy): what it asked for, else its key's
+        ``on_busy``, else ``reject``."""
+        key = self.api_keys.get(caller.key_id)
+        return asked or (key.on_busy if key is not None else "") or REJECT
 
     def limits_for(self, caller: Caller) -> RequestLimits:
         return self.settings.request_limits(self.key_limit(caller, "max_tokens"))
