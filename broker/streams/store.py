@@ -107,6 +107,7 @@ class Store:
             return register_script(redis, replication.prepare(script.text, replicated=replicated))
 
         self._create = register(scripts.CREATE)
+        self._unhold = register(scripts.UNHOLD)
         self._claim = register(queue_scripts.CLAIM)
         self._claim_next = register(queue_scripts.CLAIM_NEXT)
         self._give_back = register(queue_scripts.GIVE_BACK)
@@ -145,6 +146,8 @@ class Store:
         storage: StorageQuota = NO_STORAGE_QUOTA,
         budget: Budget = NO_BUDGET,
         webhook: tuple[str, str] | None = None,
+        identity: str | None = None,
+        held: dict[str, Any] | None = None,
     ) -> Created:
         """Create the stream and enqueue its job in ``model``'s queue (a served model's name: the consumer resolved
         the request's) in ``tier`` (broker.tiers), or recognise a retry of the same request (which no limit
@@ -153,7 +156,10 @@ class Store:
         each partition holds ceil(max_queue / P) of them), or an estimated wait over ``max_queue_wait_s``
         (waiting jobs x average job time / running jobs; 0: no bound; no estimate before a job finished), or
         BudgetExceeded: the key's ``budget`` cannot hold this create's worst case (broker.streams.budget).
-        ``webhook``: (URL, the id its event names) where the end is POSTed (broker.streams.outbox)."""
+        ``webhook``: (URL, the id its event names) where the end is POSTed (broker.streams.outbox). ``held``: the
+        stream is a conversation's turn that waits for the one before it (broker.on_busy), and this is its
+        ``queued`` event's data: its job gets into its line at ``unhold``. ``identity``: what a retry of this id
+        must match (default: the request's hash)."""
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
@@ -170,7 +176,8 @@ class Store:
                          "storage": storage_key(k.partition, k.partitions, storage.principal or who),
                          "budget": budget_key(k.partition, k.partitions, key_id, period)}),
             script.args({
-                "sid": str(stream_id), "rh": request.request_hash(), "req": canonical, "created_at": f"{now:.6f}",
+                "sid": str(stream_id), "rh": identity or request.request_hash(), "req": canonical,
+                "created_at": f"{now:.6f}",
                 "max_queue": queue_share, "model": model, "max_tokens": request.max_tokens, "channel": k.channel,
                 "key_id": key_id, "retention_s": retention_s, "abandon_s": abandon_after_s,
                 "cod": int(request.cancel_on_disconnect), "max_active": max_active, "burst": burst,
@@ -179,7 +186,8 @@ class Store:
                 "budget_share": budget.share(self.partitions),
                 "reservation": reservation(canonical, request.max_tokens), "period_end": f"{period_end:.0f}",
                 "hook": (webhook or ("", ""))[0], "hid": (webhook or ("", ""))[1], "qp": q.prefix, "tier": tier,
-                "who": who or "-", "position_updates": POSITION_UPDATES}),
+                "who": who or "-", "position_updates": POSITION_UPDATES,
+                "held": encode_data(held) if held is not None else ""}),
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
@@ -220,7 +228,7 @@ class Store:
         # --max-prompt-chars to read one flag that CREATE stores apart.
         raw = await self._batch.execute(
             "HMGET", k.meta, "status", "model", "created_at", "usage", "last_id", "cod", "max_tokens", "key_id",
-            "abandon_s", "tier")
+            "abandon_s", "tier", "held")
         if raw[0] is None:
             return None
         return StreamStatus(
@@ -234,7 +242,23 @@ class Store:
             key_id=reply_text(raw[7]),
             abandon_s=float(raw[8] or 0),
             tier=reply_text(raw[9]),
+            held=reply_text(raw[10]) == "1",
         )
+
+    async def unhold(self, stream_id: uuid.UUID, model: str, request: GenerationRequest) -> bool:
+        """Start a held turn (``create``'s ``held``) with ``request`` (its conversation's history in front of its
+        messages): its job gets into its line, once. False: it was not held (started already, or cancelled)."""
+        k = self.keys(stream_id)
+        q = k.queue(model)
+        script = scripts.UNHOLD
+        res = await self._call(
+            k, self._unhold,
+            script.keys({"meta": k.meta, "events": k.events, "totals": k.queue_stats, "stats": q.stats,
+                         "backlog": q.backlog}),
+            script.args({"sid": str(stream_id), "req": request.canonical_json(), "channel": k.channel,
+                         "position_updates": POSITION_UPDATES}),
+            lambda r: "" if reply_text(r[0]) == "started" else None)
+        return reply_text(res[0]) == "started"
 
     async def request_of(self, stream_id: uuid.UUID) -> GenerationRequest | None:
         """The request as stored at create (None: no such stream, or one that ended and kept only its digest)."""
@@ -402,7 +426,7 @@ class Store:
                               "position_updates": POSITION_UPDATES}))
         tag = reply_text(res[0])
         if tag != "claimed":
-            return Unclaimable.GONE if tag == "gone" else Unclaimable.FINISHED
+            return {"gone": Unclaimable.GONE, "held": Unclaimable.HELD}.get(tag, Unclaimable.FINISHED)
         return self._claimed(res)
 
     def _claimed(self, res: Any) -> Claim:

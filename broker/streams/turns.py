@@ -9,6 +9,7 @@ status ``items``. broker.streams.conversations stores one JSON record per turn.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -106,6 +107,30 @@ class Turn:
 def history_messages(turns: Iterable[Turn]) -> list[dict[str, Any]]:
     """The messages the server puts in front of a conversation's next turn: every turn's, in order."""
     return [m for t in turns for m in t.prompt()]
+
+
+def with_history(request: GenerationRequest, turns: Sequence[Turn], version: int, count: int) -> GenerationRequest:
+    """A conversation's turn as the engine gets it: ``request`` (its ``history`` names the conversation; its own
+    instructions, ``messages[:lead]``, then its new messages from ``start``) with the history of ``turns`` (the
+    conversation at ``version``, ``count`` turns) in front of its new messages."""
+    h = request.history
+    assert h is not None and h.conversation is not None and request.messages is not None
+    history = as_messages(history_messages(turns))
+    messages = (*request.messages[:h.lead], *history, *request.messages[h.start:])
+    return dataclasses.replace(request, messages=messages, history=dataclasses.replace(
+        h, start=h.lead + len(history), version=version, turn=count))
+
+
+def turn_identity(request: GenerationRequest) -> str:
+    """What tells a retry of a conversation's turn from another request under its stream id (the create rule: 200 or
+    409): the turn's own request (its instructions, new messages and options, in its conversation), whatever history
+    is in front of it and wherever the conversation stood. A turn that waited (broker.on_busy) is created before its
+    history is known, so its retries compare without it too."""
+    h = request.history
+    assert h is not None and request.messages is not None
+    bare = dataclasses.replace(request, messages=(*request.messages[:h.lead], *request.messages[h.start:]),
+                               history=dataclasses.replace(h, start=h.lead, version=0, turn=0))
+    return bare.request_hash()
 
 
 def as_messages(stored: Sequence[dict[str, Any]]) -> tuple[Message, ...]:

@@ -263,9 +263,12 @@ class StreamService:
         return url, hook_name(stream_id) if hook_name is not None else str(stream_id)
 
     async def create(self, caller: Caller, request: GenerationRequest, stream_id: uuid.UUID, *,
-                     hook_name: Callable[[uuid.UUID], str] | None = None) -> Created:
+                     hook_name: Callable[[uuid.UUID], str] | None = None, identity: str | None = None,
+                     held: dict[str, object] | None = None) -> Created:
         """Create the stream (or recognise a retry of the same request). Raises Conflict, Expired,
-        QueueFull, TooManyGenerations, RateLimited or BudgetExceeded. ``hook_name``: see ``webhook``."""
+        QueueFull, TooManyGenerations, RateLimited or BudgetExceeded. ``hook_name``: see ``webhook``. ``identity``:
+        what a retry must match (default: the whole request; a conversation's turn: broker.streams.turns
+        .turn_identity). ``held``: a conversation's turn that waits for the one before it (Store.create)."""
         s = self.settings
         key = self.api_keys.get(caller.key_id)
         tier = resolve_tier(request.service_tier, key.service_tier if key else "", key.service_tiers if key else ())
@@ -277,7 +280,8 @@ class StreamService:
                                               retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
                                               key_id=caller.key_id, quota=self.quota(caller),
                                               storage=self.storage_quota(caller), budget=self.budget(caller),
-                                              webhook=self.webhook(caller, stream_id, hook_name))
+                                              webhook=self.webhook(caller, stream_id, hook_name), identity=identity,
+                                              held=held)
         except RetryLater as e:
             self.metrics.creates_rejected.inc()
             if isinstance(e, BudgetExceeded):

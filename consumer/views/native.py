@@ -15,6 +15,7 @@ from starlette.routing import Route
 from broker.ascii import parse_uuid
 from broker.errors import InvalidRequest, NotFound
 from broker.events import TERMINAL_TYPES, Event, EventPage, parse_event_id
+from broker.on_busy import parse_on_busy
 from broker.request import parse_json_object, validate_create_body
 from broker.streams import usage
 from broker.streams.records import StreamStatus
@@ -53,9 +54,14 @@ async def create_stream(request: Request) -> Response:
     body_in = parse_json_object(await read_body(request, state.settings.max_body_bytes))
     raw_conversation = body_in.pop("conversation", None)
     conversation = None if raw_conversation is None else conversation_name(raw_conversation)
+    on_busy = parse_on_busy(body_in.pop("on_busy", None))
+    if on_busy is not None and conversation is None:
+        raise InvalidRequest("'on_busy' says what a conversation's turn does while another runs: it needs "
+                             "'conversation'")
     sid, gen_request = validate_create_body(body_in, state.service.limits_for(caller))
     if conversation is not None:
-        started = await state.conversations.start(caller, conversation, gen_request, stream_id=sid)
+        started = await state.conversations.start(caller, conversation, gen_request, stream_id=sid,
+                                                  on_busy=state.service.on_busy(caller, on_busy))
         stream_id, res = started.stream_id, started.created
     else:
         stream_id = sid or uuid.uuid4()
@@ -171,6 +177,9 @@ async def conversation_turns(request: Request) -> Response:
     if running is not None:
         turns.append({**turn_body(running), "status": snap.pending.status if snap.pending else "queued",
                       "output": None})
+    # Then the turns that wait behind it (sent with on_busy "enqueue" or "interrupt"), in the order they run.
+    waiting = await state.conversations.waiting_turns(snap)
+    turns += [{**turn_body(t), "status": "queued", "output": None} for t in waiting]
     return JSONResponse({"id": name, "created_at": _time(conv.created_at), "turns": turns})
 
 
