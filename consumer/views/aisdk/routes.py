@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from broker.errors import Conflict, Expired, InvalidRequest, NotFound
 from broker.events import TERMINAL_TYPES
+from broker.on_busy import REJECT
 from broker.request import parse_json_object, validate_create_body
 from broker.streams.conversations import Begin, absent
 from broker.streams.records import StreamStatus
@@ -71,26 +72,45 @@ async def _start_turn(state: State, caller: Caller, chat: ChatRequest
                       ) -> tuple[uuid.UUID, StreamStatus, str | None]:
     """The turn this request names: a turn it repeats (a retry, a second tab), else a new one on the
     conversation's history; with the id of the message its answer shows in when that is not its stream id (a
-    continuation). 409 while another turn of the chat runs."""
+    continuation). While another turn of the chat runs: 409, or (``on_busy``) a turn in line behind it."""
     convs = state.conversations
     _, request = validate_create_body(chat.create_body, state.service.limits_for(caller))
     messages = request.messages or ()
     turn_key = chat.turn_key(request)
+    on_busy = state.service.on_busy(caller, chat.on_busy)
     for _ in range(ROUNDS):
         snap = await convs.snapshot(caller, chat.chat_id)
         conv = snap.conversation if snap is not None else absent(caller.key_id, chat.chat_id)
-        plan = plan_turn(conv.turns, chat.message_ids, messages, plain_send=chat.plain_send,
+        pending = snap.pending_id if snap is not None else None
+        turns = conv.turns
+        if snap is not None and pending is not None and on_busy != REJECT:
+            # The body may hold the turns that run and wait (their messages; their answers are to come).
+            unfinished = [await convs.running_turn(snap), *await convs.waiting_turns(snap)]
+            turns = (*turns, *[t for t in unfinished if t is not None])
+        plan = plan_turn(turns, chat.message_ids, messages, plain_send=chat.plain_send,
                          regenerate=chat.trigger == REGENERATE)
         repeat = plan.repeat
         if repeat is not None and (st := await _status_or_none(state, caller, repeat.id)) is not None:
             # A retry of the chat's last turn: the same answer, no second generation.
             return repeat.id, st, repeat.answer_id
         stream_id = turn_stream_id(caller.key_id, chat.chat_id, conv.version, plan.keep, turn_key)
-        pending = snap.pending_id if snap is not None else None
+        if pending is not None and on_busy != REJECT:
+            if stream_id == pending or stream_id in conv.waiting:
+                if (st := await _status_or_none(state, caller, stream_id)) is not None:
+                    return stream_id, st, chat.continues  # the same POST again: its turn, running or in line
+            elif plan.keep < len(turns):
+                raise Conflict("this request edits or regenerates a turn while the chat runs one: stop it "
+                               "(POST /api/chat/{id}/stop) or wait for its end")
+            new = dataclasses.replace(request, messages=messages[plan.start:])
+            marked = convs.turn_request(conv, new, 0, chat.message_ids[plan.start:], chat.continues)
+            if await convs.queue(caller, conv, marked, stream_id, on_busy) is not None:
+                return stream_id, await state.service.status(caller, stream_id), chat.continues
+            continue  # nothing runs any more, or the history changed: plan again on what it is now
         if pending is not None:
             if pending != stream_id:
                 raise Conflict(f"a turn of this chat is running (message {pending}); stop it "
-                               f"(POST /api/chat/{{id}}/stop) or wait for its end")
+                               f"(POST /api/chat/{{id}}/stop), wait for its end, or send with on_busy 'interrupt' "
+                               f"or 'enqueue'")
         elif plan.keep < conv.count:
             outcome, version = await convs.conversations.branch(conv, plan.keep)
             if outcome is not Begin.RESERVED:
@@ -100,7 +120,7 @@ async def _start_turn(state: State, caller: Caller, chat: ChatRequest
             stream_id = turn_stream_id(caller.key_id, chat.chat_id, conv.version, plan.keep, turn_key)
         new = dataclasses.replace(request, messages=messages[plan.start:])
         assembled = convs.assemble(caller, conv, new, 0, chat.message_ids[plan.start:], chat.continues)
-        if await convs.begin(caller, conv, assembled, stream_id) is not None:
+        if await convs.begin(caller, conv, assembled, stream_id, busy=on_busy) is not None:
             return stream_id, await state.service.status(caller, stream_id), chat.continues
     raise Conflict("this chat kept changing under this request; retry")
 
@@ -175,5 +195,6 @@ async def chat_messages(request: Request) -> Response:
     chat_id = chat_id_of(request.path_params["chat_id"])
     snap = await state.conversations.get(caller, chat_id)
     running = await state.conversations.running_turn(snap)
-    return JSONResponse({"id": chat_id, "messages": ui_messages(snap.conversation.turns, running),
+    waiting = await state.conversations.waiting_turns(snap)
+    return JSONResponse({"id": chat_id, "messages": ui_messages(snap.conversation.turns, running, waiting),
                          "active": running is not None})
