@@ -8,8 +8,6 @@ joiner comes, the rest after."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +17,7 @@ import httpx
 import orjson
 import pytest
 import redis
+from aisdk_harness import require_harness, scenario_result, start_scenario
 from helpers import eventually, metric, parse_sse_block, wait_readers_sync
 from servers import StackFactory
 from typed_streams import StandInGenerator
@@ -28,11 +27,6 @@ from consumer.edge.auth import new_key
 from rsb import Answer, Client
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
-HARNESS = ROOT / "tests" / "aisdk" / "harness"
-NODE22 = HARNESS / "node_modules" / ".bin" / "node"
-NODE = os.environ.get("RSB_NODE") or "node"
 
 ARGS = json.dumps({"city": "Zürich", "days": 3, "note": 'say "hi"'})
 #: What the stand-in writes before the joiners come: reasoning, text, and a call stopped mid-arguments.
@@ -58,6 +52,7 @@ class Rsb:
         self.redis_url = redis_url
         _, self.url = stack_factory(redis_url).consumer("--api-keys", str(keys), "--heartbeat-s", "1")
         self.auth = {"Authorization": f"Bearer {self.key_a}"}
+        self.keys = (self.key_a, self.key_b)
 
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=30, headers=self.auth)
@@ -146,28 +141,6 @@ def test_a_native_late_joiner_gets_a_snapshot_then_the_tail_and_a_failover_a_new
 # -- the AI SDK view, read by the real `ai` client -----------------------------------------------------------
 
 
-def _harness_ready() -> None:
-    missing = [m for m in ("ai5", "ai6", "ai7") if not (HARNESS / "node_modules" / m / "package.json").exists()]
-    assert not missing and NODE22.exists(), (f"the AI SDK harness is not installed ({missing}): run scripts/test.sh,"
-                                             " or `npm ci --prefix tests/aisdk/harness`")
-
-
-def _harness(major: str, rsb: Rsb, scenario: str, params: dict[str, Any], out: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "RSB_URL": rsb.url, "RSB_KEY_A": rsb.key_a, "RSB_KEY_B": rsb.key_b,
-           "RSB_SCENARIOS": scenario, "RSB_PARAMS": json.dumps(params)}
-    node = str(NODE22) if major == "ai7" else NODE
-    return subprocess.Popen([node, "run.mjs", major, str(out)], cwd=HARNESS, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _report(run: subprocess.Popen[str], out: Path, scenario: str) -> dict[str, Any]:
-    output, _ = run.communicate(timeout=120)
-    assert run.returncode == 0, output
-    result: dict[str, Any] = json.loads(out.read_text())["results"][scenario]
-    assert "exception" not in result, result["exception"]
-    return result
-
-
 def _chunks(body: str) -> list[Any]:
     return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
 
@@ -182,7 +155,7 @@ def test_ai_sdk_pages_that_join_late_show_what_a_full_replay_shows(rsb: Rsb, tmp
     """ai@5, ai@6 and ai@7 at once on one running turn: per major a page that resumes it from its start, one that
     resumes it from the latest, and the raw body of a read from the latest. The turn goes on (the call's arguments
     end, text follows) once all nine read; each late page ends with exactly the message its full page shows."""
-    _harness_ready()
+    require_harness()
     chat_id = f"late-{uuid.uuid4()}"
     sid = rsb.chat_turn(chat_id, "What is the weather in Zürich?")
     gen = StandInGenerator(rsb.redis_url, sid)
@@ -190,12 +163,13 @@ def test_ai_sdk_pages_that_join_late_show_what_a_full_replay_shows(rsb: Rsb, tmp
     gen.append(*BEFORE)
     last = gen.ids()[-1]
     majors = ("ai5", "ai6", "ai7")
-    runs = {m: _harness(m, rsb, "lateJoin", {"chatId": chat_id}, tmp_path / f"{m}.json") for m in majors}
+    runs = {m: start_scenario(m, rsb.url, rsb.keys, "lateJoin", tmp_path / f"{m}.json", {"chatId": chat_id})
+            for m in majors}
     rsb.readers(3 * len(majors))  # every late read has taken its snapshot before it counts as a reader
     gen.append(*AFTER, ("delta", {"text": "Sunny."}))
     gen.finish("tool_calls", completion_tokens=20)
     for major, run in runs.items():
-        r = _report(run, tmp_path / f"{major}.json", "lateJoin")
+        r = scenario_result(run, tmp_path / f"{major}.json", "lateJoin")
         full, joiner = r["full"], r["joiner"]
         assert joiner["chat"]["status"] == full["chat"]["status"] == "ready", (major, r)
         assert joiner["chat"]["messageId"] == full["chat"]["messageId"] == sid
@@ -226,15 +200,15 @@ def test_ai7_takes_back_what_a_failover_lost_with_reset_step(rsb: Rsb, redis_ser
     """?reset_step=1: a page shows the answer's text; a failover loses its last two deltas (the pod's reader finds
     out when it resyncs: here its pub/sub connection is killed) and the stream goes on with others. The page gets
     reset-step and the text as it now is: its message ends as the stream's, no text twice."""
-    _harness_ready()
+    require_harness()
     chat_id = f"reset-{uuid.uuid4()}"
     sid = rsb.chat_turn(chat_id, "Count.")
     gen = StandInGenerator(rsb.redis_url, sid)
     gen.start()
     gen.append(*[("delta", {"text": f"{i} "}) for i in range(6)])
     ready = tmp_path / "ready"
-    run = _harness("ai7", rsb, "resetStep", {"chatId": chat_id, "readyFile": str(ready),
-                                             "readyText": "0 1 2 3 4 5 "}, tmp_path / "ai7.json")
+    run = start_scenario("ai7", rsb.url, rsb.keys, "resetStep", tmp_path / "ai7.json",
+                         {"chatId": chat_id, "readyFile": str(ready), "readyText": "0 1 2 3 4 5 "})
     eventually(ready.exists, 60, "the page showing the text")
     gen.lose_tail(gen.ids()[-2:])  # "4 " and "5 ", which the page shows
     # The failover as the pod lives it: its pub/sub connection breaks; once it is back its readers re-read their
@@ -248,7 +222,7 @@ def test_ai7_takes_back_what_a_failover_lost_with_reset_step(rsb: Rsb, redis_ser
                               "rsb_live_hub_reconnects") >= 1, 30, "the hub's reconnect")
     gen.append(("delta", {"text": "four "}), ("delta", {"text": "five"}))
     gen.finish()
-    result = _report(run, tmp_path / "ai7.json", "resetStep")
+    result = scenario_result(run, tmp_path / "ai7.json", "resetStep")
     chunks = _chunks(result["bodies"][0]["text"])
     assert {"type": "reset-step"} in chunks
     assert result["chat"]["text"] == "0 1 2 3 four five" and result["chat"]["textParts"] == 1

@@ -2,7 +2,8 @@
 `rsb consumer` processes: on the real default model (SmolLM2), ``interrupt`` mid-answer stops the generation for
 real and the new turn's prompt holds the partial answer, which stays in the history; ``enqueue`` runs after the
 answer it waited for, on a prompt holding it; two pods taking two interrupts at the same moment make one turn run
-and nothing run twice; the OpenAI Responses view takes ``on_busy`` with its conversations (the real SDK)."""
+and nothing run twice; the OpenAI Responses view takes ``on_busy`` with its conversations (the real SDK), and the AI
+SDK view takes it in the transport's body (the real ``ai`` client: tests/aisdk/harness/joiners.mjs)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ import openai
 import orjson
 import pytest
 import redis
+from aisdk_harness import require_harness, scenario_result, start_scenario
 from helpers import read_sse, wait_status
 from servers import StackFactory
 
 from broker.events import parse_event_id
 from broker.redis.server import RedisServer
 from broker.streams.keys import StreamKeys
+from consumer.edge.auth import new_key
 
 pytestmark = pytest.mark.slow
 
@@ -140,3 +143,53 @@ def test_two_pods_taking_two_interrupts_at_once_run_one_turn(
         assert done.status == "incomplete" and done.output_text  # max_output_tokens reached: it ran
         with pytest.raises(openai.BadRequestError):
             client.responses.create(model="m", input="x", max_output_tokens=8, extra_body={"on_busy": "enqueue"})
+
+
+# -- the AI SDK view, driven by the real `ai` client ---------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("major", ["ai5", "ai6", "ai7"])
+def test_ai_sdk_pages_that_send_again(major: str, stack_factory: StackFactory, redis_server: RedisServer,
+                                      redis_client: redis.Redis, slow_model: Path, tmp_path: Path) -> None:
+    """A page that stops reading and sends again with on_busy 'interrupt' (the running answer stops, its partial
+    answer is the new turn's history), and a second device that sends with on_busy 'enqueue' while the first's
+    answer runs (it waits, then runs on the whole answer)."""
+    require_harness()
+    key_a, entry_a = new_key("alice")
+    key_b, entry_b = new_key("bob")
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [entry_a, entry_b]}))
+    s = stack_factory(redis_server.url)
+    s.generator(model=slow_model, ignore_eos=True)
+    _, url = s.consumer("--api-keys", str(keys), "--heartbeat-s", "1")
+    native = httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {key_a}"})
+    with native:
+        r = scenario_result(start_scenario(major, url, (key_a, key_b), "interruptSend", tmp_path / "i.json",
+                                           RSB_LONG_TOKENS="600", RSB_SHORT_TOKENS="16"),
+                            tmp_path / "i.json", "interruptSend")
+        assert r["partial"]["status"] == "ready"
+        final, messages = r["final"], r["messages"]
+        assert final["status"] == "ready" and final["error"] is None, final
+        assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+        stopped, answer = messages[1]["id"], messages[3]["id"]
+        one, two = _read(native, stopped), _read(native, answer)
+        assert one.events[-1].event == "cancelled" and one.events[-1].data["reason"] == "client"
+        assert one.events[-1].data["usage"]["completion_tokens"] < 5 * 600
+        assert two.events[-1].event == "done" and messages[3]["text"] == two.text
+        assert _engine_messages(redis_client, answer) == [
+            ("user", "tell me a long story"), ("assistant", one.text), ("user", "stop, say hi")]
+
+        r = scenario_result(start_scenario(major, url, (key_a, key_b), "enqueueSecondDevice", tmp_path / "e.json",
+                                           RSB_LONG_TOKENS="300", RSB_SHORT_TOKENS="16"),
+                            tmp_path / "e.json", "enqueueSecondDevice")
+        first, second = r["first"], r["second"]
+        assert first["status"] == second["status"] == "ready" and second["error"] is None, r
+        assert r["loaded"]["active"] is True
+        a, b = _read(native, first["messageId"]), _read(native, second["messageId"])
+        assert a.events[-1].event == b.events[-1].event == "done"
+        assert first["text"] == a.text and second["text"] == b.text
+        assert parse_event_id(next(e.id for e in b.events if e.event == "started")) >= parse_event_id(a.events[-1].id)
+        assert _engine_messages(redis_client, second["messageId"]) == [
+            ("user", "first question"), ("assistant", a.text), ("user", "second question")]
+        assert "data-rsb-queued" in second["data"]

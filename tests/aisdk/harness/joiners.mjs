@@ -68,4 +68,28 @@ export const JOINER_SCENARIOS = {
     await resuming;
     return result(h, bodies);
   },
+
+  // A page stops reading its answer (stop(): the turn goes on) and sends again with on_busy 'interrupt': the running
+  // answer stops for real, and the new turn's answer comes into a new message.
+  async interruptSend(ctx) {
+    const h = ctx.chat({ maxTokens: 5 * ctx.long });
+    await h.sendAndStopWhen('tell me a long story', (x) => messageText(x.lastAssistant()).length >= 40,
+      { timeoutMs: 60000 });
+    const partial = summary(h);
+    await h.chat.sendMessage({ text: 'stop, say hi' }, { body: { on_busy: 'interrupt', max_tokens: ctx.short } });
+    return { partial, final: summary(h), messages: h.messages.map((m) => ({ id: m.id, role: m.role, text: messageText(m) })) };
+  },
+
+  // While a page's answer runs, a second device opens the chat (GET /api/chat/{id}/messages) and sends with on_busy
+  // 'enqueue': its turn waits for the running answer, then runs on a history that holds it.
+  async enqueueSecondDevice(ctx) {
+    const first = ctx.chat({ maxTokens: ctx.long });
+    const sending = first.send('first question');
+    await waitFor(() => messageText(first.lastAssistant()).length >= 20, 60000);
+    const loaded = await ctx.api('GET', `/api/chat/${encodeURIComponent(first.id)}/messages`);
+    const second = ctx.chat({ chatId: first.id, messages: loaded.json.messages, maxTokens: ctx.short });
+    await second.chat.sendMessage({ text: 'second question' }, { body: { on_busy: 'enqueue' } });
+    await sending;
+    return { first: summary(first), second: summary(second), loaded: loaded.json };
+  },
 };
