@@ -54,10 +54,7 @@ async def create_stream(request: Request) -> Response:
     body_in = parse_json_object(await read_body(request, state.settings.max_body_bytes))
     raw_conversation = body_in.pop("conversation", None)
     conversation = None if raw_conversation is None else conversation_name(raw_conversation)
-    on_busy = parse_on_busy(body_in.pop("on_busy", None))
-    if on_busy is not None and conversation is None:
-        raise InvalidRequest("'on_busy' says what a conversation's turn does while another runs: it needs "
-                             "'conversation'")
+    on_busy = parse_on_busy(body_in.pop("on_busy", None))  # a conversation's turn's: changes nothing elsewhere
     sid, gen_request = validate_create_body(body_in, state.service.limits_for(caller))
     if conversation is not None:
         started = await state.conversations.start(caller, conversation, gen_request, stream_id=sid,

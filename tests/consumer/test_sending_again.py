@@ -142,7 +142,8 @@ def test_two_pods_taking_two_interrupts_at_once_run_one_turn(
         done = client.responses.retrieve(after.id)
         assert done.status == "incomplete" and done.output_text  # max_output_tokens reached: it ran
         with pytest.raises(openai.BadRequestError):
-            client.responses.create(model="m", input="x", max_output_tokens=8, extra_body={"on_busy": "enqueue"})
+            client.responses.create(model="m", input="x", conversation=conv_id, max_output_tokens=8,
+                                    extra_body={"on_busy": "later"})
 
 
 # -- the AI SDK view, driven by the real `ai` client ---------------------------------------------------------

@@ -31,7 +31,7 @@ HISTORY_RULES = (
          "'conversation' must be a conversation id (conv_...) or {\"id\": ...}"),
     Only("previous_response_id", {"anyOf": [{"type": "string"}, NULL]}, lambda v: v is None or isinstance(v, str),
          "'previous_response_id' must be a response id (resp_...)"),
-    # rsb's: what a conversation's turn does while another runs (broker.on_busy).
+    # rsb's: what a conversation's turn does while another runs (broker.on_busy); without one it changes nothing.
     Only("on_busy", {"anyOf": [{"enum": list(ON_BUSY)}, NULL]}, lambda v: v is None or v in ON_BUSY,
          f"'on_busy' must be one of {', '.join(ON_BUSY)}"),
 )
@@ -80,9 +80,6 @@ async def create_response_stream(request: Request, body: dict[str, Any], rsb_bod
     previous = previous_response(body.get("previous_response_id"), parse)
     if conversation is not None and previous is not None:
         raise invalid("'conversation' and 'previous_response_id' cannot be used together", "previous_response_id")
-    if body.get("on_busy") is not None and conversation is None:
-        raise invalid("'on_busy' says what a conversation's response does while another runs: it needs "
-                      "'conversation'", "on_busy")
     if conversation is None and previous is None:
         return await create_stream(request, rsb_body, renames, uncounted_messages=lead,
                                    history=History(lead=lead, start=lead), hook_name=response_id)
