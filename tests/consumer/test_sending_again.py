@@ -37,6 +37,13 @@ def _engine_messages(r: redis.Redis, sid: str) -> list[tuple[str, str]]:
     return [(m["role"], m["content"]) for m in orjson.loads(raw)["messages"]]
 
 
+def _key(event_id: str | None) -> tuple[int, int]:
+    """An event id as the Redis server's clock (milliseconds, sequence): what orders events across streams."""
+    key = parse_event_id(event_id or "")
+    assert key is not None, event_id
+    return key
+
+
 def _turn(c: httpx.Client, conv: str, text: str, max_tokens: int, **fields: Any) -> dict[str, Any]:
     r = c.post("/v1/streams", json={"conversation": conv, "messages": [{"role": "user", "content": text}],
                                     "max_tokens": max_tokens, **fields})
@@ -88,8 +95,7 @@ def test_interrupt_mid_answer_then_enqueue_on_the_default_model(
         three, four = _read(c, third["id"]), _read(c, fourth["id"])
         assert three.events[-1].event == "done" and four.events[-1].event == "done"
         started = next(e for e in four.events if e.event == "started")
-        key_of = parse_event_id
-        assert key_of(started.id) >= key_of(three.events[-1].id)  # ids are the Redis server's clock: it ran after
+        assert _key(started.id) >= _key(three.events[-1].id)  # ids are the Redis server's clock: it ran after
         assert _engine_messages(redis_client, fourth["id"])[-3:] == [
             ("user", "Now say it in French."), ("assistant", three.text), ("user", "And in German.")]
         wait_status(c, fourth["id"], {"done"})
@@ -190,7 +196,7 @@ def test_ai_sdk_pages_that_send_again(major: str, stack_factory: StackFactory, r
         a, b = _read(native, first["messageId"]), _read(native, second["messageId"])
         assert a.events[-1].event == b.events[-1].event == "done"
         assert first["text"] == a.text and second["text"] == b.text
-        assert parse_event_id(next(e.id for e in b.events if e.event == "started")) >= parse_event_id(a.events[-1].id)
+        assert _key(next(e.id for e in b.events if e.event == "started")) >= _key(a.events[-1].id)
         assert _engine_messages(redis_client, second["messageId"]) == [
             ("user", "first question"), ("assistant", a.text), ("user", "second question")]
         assert "data-rsb-queued" in second["data"]

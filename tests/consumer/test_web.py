@@ -964,14 +964,14 @@ def test_the_model_picker_the_tier_where_a_key_may_choose_and_a_header_that_fits
     s.consumer("--api-keys", str(keys), "--default-model", "alpha", test_default=False)
     eventually(lambda: len(cast("list[bytes]", redis_client.zrange(served_models_key(), 0, -1))) == 2, 30,
                "both generators announcing their models")
+    errors: list[str] = []
     for width, height in ((390, 844), (1000, 760)):
         ctx = browser.new_context(viewport={"width": width, "height": height}, is_mobile=width < 500,
                                   has_touch=width < 500)
         ctx.set_default_timeout(60_000)
         try:
             page = ctx.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))  # type: ignore[misc]
+            page.on("pageerror", lambda e: errors.append(str(e)))
             page.add_init_script(  # the key, as the Settings panel keeps it (once: a reload keeps what is there)
                 f"if (!localStorage.getItem('rsb.settings.v1')) localStorage.setItem('rsb.settings.v1', "
                 f"JSON.stringify({{apiKey: {json.dumps(choosy)}}}))")
@@ -1014,6 +1014,6 @@ def test_the_model_picker_the_tier_where_a_key_may_choose_and_a_header_that_fits
             expect(page.locator("#model option")).to_have_count(2)
             page.click("#settings > summary")
             expect(page.locator("#tier-choice")).to_be_hidden()
-            assert not errors, errors
         finally:
             ctx.close()
+    assert not errors, errors
