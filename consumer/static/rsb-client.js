@@ -567,9 +567,21 @@ export class Answer {
     return this.body.parsed(this.ended);
   }
 
-  // Applies one event; true when the answer changed.
+  // Applies one event; true when the answer changed. A `snapshot` (a read with ?from=latest) replaces the answer
+  // with the one it holds, kept as the events it stands for (each with its id: a reset after it still applies).
   feed(event) {
     const { id, type, data } = event;
+    if (type === "snapshot") {
+      this.log = [];
+      this.clear();
+      this.feed({ id, type: "reasoning", data: { text: data?.reasoning ?? "" } });
+      this.feed({ id, type: "delta", data: { text: data?.text ?? "" } });
+      for (const c of data?.tool_calls ?? []) {
+        this.feed({ id, type: "tool_call", data: { index: c.index, id: c.id, name: c.name } });
+        this.feed({ id, type: "tool_args", data: { index: c.index, text: c.arguments } });
+      }
+      return true;
+    }
     if (type === "reset") {
       let keep = this.log.length;
       while (keep > 0 && idAfter(this.log[keep - 1][0], id)) keep--;
