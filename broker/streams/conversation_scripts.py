@@ -280,12 +280,13 @@ return 1
 
 # Deletes a conversation and its place in its owner's count, in one step. A turn still running goes on and
 # folds into nothing (FOLD never creates a conversation); the turns that waited will never start: their ids come
-# back, for the caller to cancel their streams (in their own slots).
-# Reply: {} (no such conversation) or {'deleted', waiting stream ids...}.
+# back, with the pending one's (it may be a waiting turn just come up, not started yet), for the caller to cancel
+# their streams (in their own slots).
+# Reply: {} (no such conversation) or {'deleted', pending ('' for none), waiting stream ids...}.
 DELETE = Lua(QUOTA_LUA + _NEXT + """
 if redis.call('EXISTS', K.meta) == 0 then return {} end
-local m = redis.call('HMGET', K.meta, 'owner', 'qs')
-local out = {'deleted'}
+local m = redis.call('HMGET', K.meta, 'owner', 'qs', 'pending')
+local out = {'deleted', m[3] or ''}
 for _, sid in ipairs(waiting_ids(K.meta)) do out[#out + 1] = sid end
 if m[1] then redis.call('ZREM', m[1], A.digest) end
 redis.call('DEL', K.meta, K.turns)

@@ -290,12 +290,18 @@ class ConversationStore:
             {"digest": k.digest, "metadata": orjson.dumps(metadata)})))
 
     async def delete(self, key_id: str, name: str) -> bool:
-        """Delete the conversation; the turns that waited in it (they will never start) are cancelled."""
+        """Delete the conversation. A running turn goes on (and folds into nothing); the turns that waited in it,
+        and a pending one not started yet (held), will never start: they are cancelled."""
         k = self.keys(key_id, name)
         raw = await self._delete(keys=scripts.DELETE.keys(k.named), args=scripts.DELETE.args({"digest": k.digest}))
-        for sid in raw[1:]:
-            await self.store.cancel(uuid.UUID(reply_text(sid)), CANCEL_REASON)
-        return bool(raw)
+        if not raw:
+            return False
+        pending, waiting = reply_text(raw[1]), [uuid.UUID(reply_text(sid)) for sid in raw[2:]]
+        if pending and (st := await self.store.status(uuid.UUID(pending))) is not None and st.held:
+            waiting.insert(0, uuid.UUID(pending))
+        for sid in waiting:
+            await self.store.cancel(sid, CANCEL_REASON)
+        return True
 
     async def fold(self, stream_id: uuid.UUID) -> bool:
         """Fold a finished stream into the conversation it is a turn of (what a worker does once it finished
@@ -312,7 +318,7 @@ class ConversationStore:
         """Settle the conversation until its pending turn runs (or none is left): fold turns that ended, start the
         next waiting one (``settle``). What the worker that folded a turn, and a pod that queued one, do."""
         for _ in range(MAX_WAITING + 2):
-            conv = await self.read(key_id, name)
+            conv = await self.read(key_id, name, with_turns=False)
             if conv is None or conv.pending is None:
                 return
             settled, _ = await self.settle(conv)
@@ -376,10 +382,13 @@ class ConversationStore:
 
     async def unhold(self, conv: Conversation, stream_id: uuid.UUID, st: StreamStatus,
                      request: GenerationRequest) -> None:
-        """Start a held turn that came up (it is ``conv``'s pending one, ``conv`` read with its turns): the history
-        it now has goes in front of its messages, and its job into its line (Store.unhold: once)."""
-        assert conv.pending is not None and conv.pending.stream_id == stream_id
-        await self.store.unhold(stream_id, st.model, with_history(request, conv.turns, conv.version, conv.count))
+        """Start a held turn that came up (``conv``'s pending one): the history it has now goes in front of its
+        messages, and its job into its line (Store.unhold: once). The history is read in the step that finds it
+        still pending: while it is, no turn can be added or taken back."""
+        now = await self.read(conv.key_id, conv.name)
+        if now is None or now.pending is None or now.pending.stream_id != stream_id:
+            return  # folded, taken back or deleted meanwhile: whoever did so goes on from there
+        await self.store.unhold(stream_id, st.model, with_history(request, now.turns, now.version, now.count))
 
     async def _events(self, stream_id: uuid.UUID) -> list[Event]:
         out: list[Event] = []

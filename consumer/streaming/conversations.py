@@ -247,7 +247,11 @@ class ConversationService:
             raise TooManyConversations(limit)
         if outcome in (Begin.CHANGED, Begin.GONE):
             return None
-        return await self._create(caller, conv, request, stream_id, outcome, hook_name=hook_name)
+        started = await self._create(caller, conv, request, stream_id, outcome, hook_name=hook_name)
+        # An interrupt may have come while this turn's stream was being created (it found the reservation, not yet
+        # the stream, to cancel): the conversation is settled now that the stream exists.
+        await self.conversations.advance(conv.key_id, conv.name)
+        return started
 
     async def queue(self, caller: Caller, conv: Conversation, request: GenerationRequest, stream_id: uuid.UUID,
                     mode: str, *, implicit: bool = True, hook_name: Callable[[uuid.UUID], str] | None = None
