@@ -14,22 +14,16 @@ from typing import Any
 
 import pytest
 import redis
+from in_process import stream_service
 
 from broker.errors import Conflict
 from broker.events import EventType, encode_data
-from broker.redis.connection import connect, connect_blocking
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest, Message
 from broker.streams.conversations import MAX_WAITING
 from broker.streams.records import Claim, Unclaimable
-from broker.streams.store import Store
-from consumer.edge.auth import ApiKeys
-from consumer.edge.limits import ConnectionLimiter
-from consumer.metrics import Metrics
-from consumer.settings import ConsumerSettings
 from consumer.streaming.conversations import ConversationService, TurnStarted
-from consumer.streaming.hub import LiveHub
-from consumer.streaming.service import Caller, StreamService
+from consumer.streaming.service import Caller
 
 CALLER = Caller("", "127.0.0.1")
 
@@ -40,16 +34,8 @@ def _request(text: str) -> GenerationRequest:
 
 @pytest.fixture
 async def convs(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[ConversationService]:
-    r = connect(redis_server.url)
-    blocking = connect_blocking(redis_server.url)
-    hub = LiveHub(blocking)
-    await hub.start()
-    service = StreamService(ConsumerSettings(default_model="m"), Store(r), hub, Metrics(), ApiKeys.disabled(),
-                            ConnectionLimiter(0))
-    yield ConversationService(service, service.conversations)
-    await hub.stop()
-    await r.aclose()
-    await blocking.aclose()
+    async with stream_service(redis_server.url, default_model="m") as service:
+        yield ConversationService(service, service.conversations)
 
 
 class Worker:
@@ -206,14 +192,8 @@ async def test_sends_racing_each_other_keep_one_turn_at_a_time_in_line(redis_ser
                                                                       convs: ConversationService) -> None:
     """Two pods (two services, each its own Redis clients) and many sends at once, some interrupting: every send is
     a turn (none lost, none twice), one runs at a time, and the conversation ends with each in it exactly once."""
-    r = connect(redis_server.url)
-    blocking = connect_blocking(redis_server.url)
-    hub = LiveHub(blocking)
-    await hub.start()
-    other_service = StreamService(ConsumerSettings(default_model="m"), Store(r), hub, Metrics(), ApiKeys.disabled(),
-                                  ConnectionLimiter(0))
-    other = ConversationService(other_service, other_service.conversations)
-    try:
+    async with stream_service(redis_server.url, default_model="m") as other_service:
+        other = ConversationService(other_service, other_service.conversations)
         name = str(uuid.uuid4())
         first = await _send(convs, name, "zero")
         sends = [_send(pod, name, f"m{i}", "interrupt" if i % 3 == 0 else "enqueue")
@@ -236,7 +216,3 @@ async def test_sends_racing_each_other_keep_one_turn_at_a_time_in_line(redis_ser
         snap = await convs.get(CALLER, name)
         assert snap.pending_id is None and snap.conversation.waiting == ()
         assert sorted(map(str, [t.id for t in snap.conversation.turns])) == sorted(map(str, {first.stream_id, *ids}))
-    finally:
-        await hub.stop()
-        await r.aclose()
-        await blocking.aclose()

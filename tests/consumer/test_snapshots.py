@@ -14,19 +14,14 @@ from typing import Any
 import pytest
 import redis
 from helpers import eventually_async
+from in_process import stream_service
 
 from broker.answer import AnswerRuns
 from broker.events import Event, EventType, encode_data
-from broker.redis.connection import connect, connect_blocking
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
 from broker.streams.records import Claim
 from broker.streams.store import Store
-from consumer.edge.auth import ApiKeys
-from consumer.edge.limits import ConnectionLimiter
-from consumer.metrics import Metrics
-from consumer.settings import ConsumerSettings
-from consumer.streaming.hub import LiveHub
 from consumer.streaming.service import StreamService
 from consumer.streaming.snapshots import AnswerSnapshot
 
@@ -50,15 +45,8 @@ ANSWER: list[tuple[str, dict[str, Any]]] = [
 
 @pytest.fixture
 async def service(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamService]:
-    r = connect(redis_server.url)
-    blocking = connect_blocking(redis_server.url)
-    hub = LiveHub(blocking)
-    await hub.start()
-    yield StreamService(ConsumerSettings(heartbeat_s=0.2), Store(r), hub, Metrics(), ApiKeys.disabled(),
-                        ConnectionLimiter(0))
-    await hub.stop()
-    await r.aclose()
-    await blocking.aclose()
+    async with stream_service(redis_server.url, heartbeat_s=0.2) as s:
+        yield s
 
 
 class Writer:
