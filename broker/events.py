@@ -40,6 +40,11 @@ class EventType(StrEnum):
     # and the stream still share (null: none); its id is that event's id (or ``RESET_FROM_START``), and the events
     # that follow are the stream's from there.
     RESET = "reset"
+    # Not stored: the first event of a read "from the latest" (``?from=latest``), and what such a read sends where
+    # a ``reset`` would come: the answer as it stands, {"text", "reasoning", "tool_calls": [{"index", "id",
+    # "name", "arguments"}], "last_event_id"}, which replaces whatever the reader had; its id is that last event's
+    # id (``RESET_FROM_START`` with null: none yet), and the events that follow are the stream's after it.
+    SNAPSHOT = "snapshot"
 
 
 class FinishReason(StrEnum):

@@ -107,6 +107,10 @@ class ConsumerSettings(Settings):
     cors_origins: tuple[str, ...] = setting(
         (), "comma-separated origins allowed by CORS (default: none; '*' for any)")
     log_content: bool = setting(False, "log prompts at create (off by default: users' data)")
+    drop_unsupported_params: bool = setting(
+        False, "drop a parameter the model cannot honour (OpenAI's reasoning_effort, verbosity, reasoning, "
+        "text.verbosity, prompt_cache_retention, ...) instead of answering 400; the response names what it dropped "
+        "in X-Rsb-Dropped-Params (a key's drop_unsupported_params in the keys file overrides)")
     # Conversations (broker/streams/conversations.py, docs/protocol.md "Conversations").
     conversation_ttl_s: int = setting(
         30 * 86_400, "a conversation is kept this long after its last use (every read and turn restarts it)")

@@ -116,8 +116,9 @@ _TRANSIENT = (httpx.TransportError, UnavailableError, RateLimitedError)
 class _StreamRead:
     """One ``stream()`` call: where to resume, what each line means, when to give up."""
 
-    def __init__(self, stream_id: str, last_event_id: str | None, retry: RetryPolicy) -> None:
+    def __init__(self, stream_id: str, last_event_id: str | None, retry: RetryPolicy, latest: bool = False) -> None:
         self.stream_id = stream_id
+        self.latest = latest
         self.last = last_event_id
         self.retry = retry
         self.attempt = 0
@@ -126,7 +127,8 @@ class _StreamRead:
 
     @property
     def path(self) -> str:
-        return f"/v1/streams/{self.stream_id}/events"
+        # From the latest, reconnects keep the query: after the last id, a snapshot where a reset would come.
+        return f"/v1/streams/{self.stream_id}/events" + ("?from=latest" if self.latest else "")
 
     def headers(self) -> dict[str, str]:
         self.decoder = LineDecoder()  # a new connection: nothing of a cut event carries over
@@ -242,11 +244,12 @@ class Client(_BaseClient):
         """Ask the generation to stop; the stream then ends with a ``cancelled`` event. Idempotent."""
         return StreamStatus.from_json(self._request("POST", f"/v1/streams/{stream_id}/cancel").json())
 
-    def stream(self, stream_id: str, last_event_id: str | None = None) -> Iterator[Event]:
+    def stream(self, stream_id: str, last_event_id: str | None = None, *, latest: bool = False) -> Iterator[Event]:
         """Every event after ``last_event_id`` (None: from the start), resuming across disconnects, until
-        the terminal event. Raises NotFoundError/ExpiredError/... at once, StreamInterrupted after the
-        retry cap."""
-        read = _StreamRead(stream_id, last_event_id, self.retry)
+        the terminal event. ``latest``: first a ``snapshot`` of the answer as it stands, then the events after it
+        (a late joiner; ``Answer.feed`` applies it). Raises NotFoundError/ExpiredError/... at once,
+        StreamInterrupted after the retry cap."""
+        read = _StreamRead(stream_id, last_event_id, self.retry, latest)
         while True:
             cause: Exception | None = None
             try:
@@ -329,8 +332,9 @@ class AsyncClient(_BaseClient):
     async def cancel(self, stream_id: str) -> StreamStatus:
         return StreamStatus.from_json((await self._request("POST", f"/v1/streams/{stream_id}/cancel")).json())
 
-    async def stream(self, stream_id: str, last_event_id: str | None = None) -> AsyncIterator[Event]:
-        read = _StreamRead(stream_id, last_event_id, self.retry)
+    async def stream(self, stream_id: str, last_event_id: str | None = None, *,
+                     latest: bool = False) -> AsyncIterator[Event]:
+        read = _StreamRead(stream_id, last_event_id, self.retry, latest)
         while True:
             cause: Exception | None = None
             try:

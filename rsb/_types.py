@@ -96,7 +96,8 @@ class Answer:
     """What a stream's events add up to, as they come: ``text`` (the deltas), ``reasoning``, ``tool_calls``,
     ``parsed`` (the text as JSON, for structured output) and ``end`` (the terminal event). ``reset`` events are
     applied to all of it: a reset (a Redis failover lost events this reader had) drops what was received after
-    the event it names, and what follows continues from there.
+    the event it names, and what follows continues from there. A ``snapshot`` (a read from the latest) replaces
+    all of it with the answer it holds.
 
         answer = Answer()
         for event in client.stream(stream_id):
@@ -118,6 +119,9 @@ class Answer:
 
     def feed(self, event: Event) -> bool:
         """Applies one event; True when the answer changed."""
+        if event.type == "snapshot":
+            self._snapshot(event)
+            return True
         if event.type == "reset":
             back = _id_key(event.id)
             keep = len(self._log)
@@ -154,6 +158,20 @@ class Answer:
             else:
                 call._args.pieces.append(str(text or ""))
         return True
+
+    def _snapshot(self, event: Event) -> None:
+        """A read from the latest (``?from=latest``): the answer as it stands replaces everything, kept as the
+        events it stands for (each with the snapshot's id), so a reset after it still applies."""
+        data = event.data if isinstance(event.data, dict) else {}
+        self._log = []
+        self._clear()
+        parts = [Event(event.id, "reasoning", {"text": data.get("reasoning") or ""}),
+                 Event(event.id, "delta", {"text": data.get("text") or ""})]
+        for call in data.get("tool_calls") or ():
+            parts.append(Event(event.id, "tool_call", {"index": call["index"], "id": call["id"], "name": call["name"]}))
+            parts.append(Event(event.id, "tool_args", {"index": call["index"], "text": call["arguments"]}))
+        for ev in parts:
+            self.feed(ev)
 
     @property
     def text(self) -> str:

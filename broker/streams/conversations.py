@@ -19,6 +19,18 @@ touches both. A turn stays atomic anyway:
    every read and create of the conversation folds a pending turn it finds ended too, so a worker killed
    between its finish and its fold loses nothing.
 
+**Sending again while a turn runs** (broker.on_busy). ``reject`` is BEGIN's conflict. ``enqueue`` and ``interrupt``
+put the new turn in line behind the pending one: QUEUE, in the conversation's slot, adds its stream id to the
+conversation's ``waiting`` turns (and, for ``interrupt``, marks it ``cut``); then its stream is created *held*
+(CREATE with ``held``: admitted, counted and readable, ``queued``, but in no job line). FOLD, which folds the
+pending turn, makes the first waiting turn the pending one in the same step; whoever folded it (the worker, or a
+pod settling the conversation) then starts it: UNHOLD, in the stream's slot, gives it the request the history now
+makes (every turn before it, the interrupted one's partial answer included) and puts its job in line, once however
+many start it. ``interrupt`` cancels the pending turn (its creator at once; anyone who settles the conversation
+while the mark stands, too) and every turn waiting before the mark as it comes up, so the interrupting turn runs
+next. Every step is one script in one slot and idempotent, so a pod dying between two leaves nothing that the
+next settle does not finish; two pods that queue at once get two places in line, in the order Redis ran them.
+
 A process dying between 1 and 2 leaves a reservation with no stream. A request that finds one older than
 ``PENDING_GRACE_S`` takes the id back: TAKE, in the stream's slot, tombstones the id if no stream has it
 (the late creator's CREATE then fails, and it answers a conflict), then RELEASE clears the reservation. A
@@ -51,7 +63,7 @@ from broker.streams import conversation_scripts as scripts
 from broker.streams.keys import ConversationKeys
 from broker.streams.records import TERMINAL_STATUSES, StreamStatus
 from broker.streams.store import Store
-from broker.streams.turns import Turn, finished_turn
+from broker.streams.turns import Turn, finished_turn, with_history
 
 #: A reservation younger than this is a create in flight (its stream comes a round trip later); an older one
 #: whose stream does not exist is taken back. Generous: a create waits up to 5 s for a replica at
@@ -62,6 +74,10 @@ PENDING_GRACE_S = 10.0
 PENDING_TOMBSTONE_S = 86_400
 # Events read per page when a stream is folded.
 _FOLD_PAGE = 1024
+#: Turns that may wait behind a conversation's pending one (more: 409 conflict).
+MAX_WAITING = 16
+#: The cancel reason of a turn an interrupt stops (the client asked for it: it sent again).
+CANCEL_REASON = "client"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +106,9 @@ class Conversation:
     pending: Pending | None
     metadata: dict[str, Any]
     turns: tuple[Turn, ...] = ()
+    #: The turns waiting behind the pending one, in order, and the one of them that interrupts (broker.on_busy).
+    waiting: tuple[uuid.UUID, ...] = ()
+    cut: uuid.UUID | None = None
 
     def turn(self, stream_id: uuid.UUID) -> Turn | None:
         return next((t for t in self.turns if t.id == stream_id), None)
@@ -121,6 +140,8 @@ class Begin(enum.Enum):
     FULL = "full"  # the owner holds as many conversations as it may
     EXISTS = "exists"  # CREATE: a conversation of this name exists
     QUOTA = "quota"  # CREATE, APPEND: the items do not fit the owner's storage quota (raised as OverStorageQuota)
+    QUEUED = "queued"  # QUEUE: the turn waits behind the pending one
+    IDLE = "idle"  # QUEUE: no turn is pending (start it with BEGIN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +174,7 @@ class ConversationStore:
         self._update = register_script(r, scripts.UPDATE.text)
         self._delete = register_script(r, scripts.DELETE.text)
         self._take = register_script(r, scripts.TAKE.text)
+        self._queue = register_script(r, scripts.QUEUE.text)
 
     def keys(self, key_id: str, name: str) -> ConversationKeys:
         return ConversationKeys.of(key_id, name, self.partitions)
@@ -170,10 +192,11 @@ class ConversationStore:
             {"digest": k.digest, "with_turns": int(with_turns)}))
         if not raw:
             return None
-        created_at, version, count, size, pending, age, metadata = (reply_text(v) for v in raw[:7])
+        created_at, version, count, size, pending, age, metadata, waiting, cut = (reply_text(v) for v in raw[:9])
         return Conversation(key_id, name, float(created_at), int(version), int(count), int(size),
                             Pending(uuid.UUID(pending), int(age)) if pending else None, orjson.loads(metadata),
-                            tuple(Turn.from_json(t) for t in raw[7:]))
+                            tuple(Turn.from_json(t) for t in raw[9:]),
+                            tuple(uuid.UUID(w) for w in waiting.split(",") if w), uuid.UUID(cut) if cut else None)
 
     async def create(self, key_id: str, name: str, owner: str, limits: Limits, *, created_at: float,
                      metadata: dict[str, Any], turns: Sequence[Turn] = ()) -> bool:
@@ -208,8 +231,27 @@ class ConversationStore:
         outcome = Begin(reply_text(res[0]))
         return outcome, uuid.UUID(reply_text(res[1])) if outcome is Begin.BUSY else None
 
+    async def queue(self, conv: Conversation, stream_id: uuid.UUID, owner: str, limits: Limits, *, mode: str,
+                    created_at: float, create: bool) -> tuple[Begin, uuid.UUID | None, int]:
+        """Put ``stream_id`` in line behind the conversation's pending turn (``mode``: broker.on_busy's ``enqueue``
+        or ``interrupt``), on the history version ``conv`` holds. Returns QUEUED with the pending turn's id and how
+        many turns wait before it; ALREADY (a retry), IDLE (nothing runs: BEGIN), CHANGED, GONE, FULL, or BUSY with
+        the pending turn's id when MAX_WAITING turns wait already."""
+        k = self.keys(conv.key_id, conv.name)
+        script = scripts.QUEUE
+        res = await self._queue(
+            keys=script.keys({**k.named, "owner": k.owner(owner), "storage": self._storage(k, owner)}),
+            args=script.args({"digest": k.digest, "version": conv.version, "sid": str(stream_id), "mode": mode,
+                              "max_waiting": MAX_WAITING, "ttl_s": limits.ttl_s,
+                              "max_conversations": self._share(limits), "created_at": f"{created_at:.6f}",
+                              "create": int(create)}))
+        outcome = Begin(reply_text(res[0]))
+        pending = uuid.UUID(reply_text(res[1])) if outcome in (Begin.QUEUED, Begin.BUSY) else None
+        return outcome, pending, int(res[2]) if outcome is Begin.QUEUED else 0
+
     async def release(self, key_id: str, name: str, stream_id: uuid.UUID) -> bool:
-        """Clear the reservation if it is still ``stream_id``'s."""
+        """Take ``stream_id`` out of the conversation if it is still its pending turn (the first waiting one comes
+        up) or a waiting one."""
         return bool(await self._release(keys=scripts.RELEASE.keys({"meta": self.keys(key_id, name).meta}),
                                         args=scripts.RELEASE.args({"sid": str(stream_id)})))
 
@@ -248,9 +290,18 @@ class ConversationStore:
             {"digest": k.digest, "metadata": orjson.dumps(metadata)})))
 
     async def delete(self, key_id: str, name: str) -> bool:
+        """Delete the conversation. A running turn goes on (and folds into nothing); the turns that waited in it,
+        and a pending one not started yet (held), will never start: they are cancelled."""
         k = self.keys(key_id, name)
-        return bool(await self._delete(keys=scripts.DELETE.keys(k.named),
-                                       args=scripts.DELETE.args({"digest": k.digest})))
+        raw = await self._delete(keys=scripts.DELETE.keys(k.named), args=scripts.DELETE.args({"digest": k.digest}))
+        if not raw:
+            return False
+        pending, waiting = reply_text(raw[1]), [uuid.UUID(reply_text(sid)) for sid in raw[2:]]
+        if pending and (st := await self.store.status(uuid.UUID(pending))) is not None and st.held:
+            waiting.insert(0, uuid.UUID(pending))
+        for sid in waiting:
+            await self.store.cancel(sid, CANCEL_REASON)
+        return True
 
     async def fold(self, stream_id: uuid.UUID) -> bool:
         """Fold a finished stream into the conversation it is a turn of (what a worker does once it finished
@@ -259,7 +310,20 @@ class ConversationStore:
         request = await self.store.request_of(stream_id) if st is not None else None
         if st is None or request is None or request.history is None or request.history.conversation is None:
             return False
-        return await self._fold(stream_id, st, request)
+        folded = await self._fold(stream_id, st, request)
+        await self.advance(request.history.tenant, request.history.conversation)
+        return folded
+
+    async def advance(self, key_id: str, name: str) -> None:
+        """Settle the conversation until its pending turn runs (or none is left): fold turns that ended, start the
+        next waiting one (``settle``). What the worker that folded a turn, and a pod that queued one, do."""
+        for _ in range(MAX_WAITING + 2):
+            conv = await self.read(key_id, name, with_turns=False)
+            if conv is None or conv.pending is None:
+                return
+            settled, _ = await self.settle(conv)
+            if settled not in (Settled.FOLDED, Settled.DROPPED, Settled.CHANGED):
+                return
 
     async def _fold(self, stream_id: uuid.UUID, st: StreamStatus, request: GenerationRequest) -> bool:
         history = request.history
@@ -300,9 +364,31 @@ class ConversationStore:
             await self.release(conv.key_id, conv.name, sid)
             return Settled.DROPPED, None
         if st.status not in TERMINAL_STATUSES:
-            return Settled.RUNNING, st
+            if conv.cut is not None and conv.cut != sid:
+                # An interrupt stands behind it: it stops (a queued or held turn ends at once and is folded now;
+                # a running one when its worker stops, which folds it).
+                if await self.store.cancel(sid, CANCEL_REASON) not in TERMINAL_STATUSES:
+                    return Settled.RUNNING, st
+                st = await self.store.status(sid)
+                if st is None:
+                    return Settled.CHANGED, None
+            elif st.held:
+                await self.unhold(conv, sid, st, request)
+                return Settled.RUNNING, st
+            else:
+                return Settled.RUNNING, st
         await self._fold(sid, st, request)
         return Settled.FOLDED, st
+
+    async def unhold(self, conv: Conversation, stream_id: uuid.UUID, st: StreamStatus,
+                     request: GenerationRequest) -> None:
+        """Start a held turn that came up (``conv``'s pending one): the history it has now goes in front of its
+        messages, and its job into its line (Store.unhold: once). The history is read in the step that finds it
+        still pending: while it is, no turn can be added or taken back."""
+        now = await self.read(conv.key_id, conv.name)
+        if now is None or now.pending is None or now.pending.stream_id != stream_id:
+            return  # folded, taken back or deleted meanwhile: whoever did so goes on from there
+        await self.store.unhold(stream_id, st.model, with_history(request, now.turns, now.version, now.count))
 
     async def _events(self, stream_id: uuid.UUID) -> list[Event]:
         out: list[Event] = []

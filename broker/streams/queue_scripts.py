@@ -308,6 +308,7 @@ CLAIM = Lua(_HEAD + """
 if redis.call('EXISTS', K.meta) == 0 then return {'gone'} end
 local st = redis.call('HGET', K.meta, 'status')
 if ended(st) then return {'finished'} end
+if redis.call('HGET', K.meta, 'held') == '1' then return {'held'} end  -- it waits for its conversation's turn
 refuse_when_full(K.meta)
 local now_ms = server_ms()
 local queued = st == 'queued'

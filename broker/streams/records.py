@@ -57,6 +57,7 @@ class Unclaimable(enum.Enum):
 
     GONE = "the stream no longer exists"
     FINISHED = "the stream already ended"
+    HELD = "the stream waits for its conversation's turn before it (broker.on_busy)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,8 @@ class StreamStatus:
     key_id: str
     abandon_s: float = 0.0
     tier: str = ""  # broker.tiers: the tier it was queued in ('' for a stream from before tiers)
+    #: A conversation's turn that waits for the turn before it to end (queued, in no line yet: broker.on_busy).
+    held: bool = False
 
     @property
     def watched(self) -> bool:

@@ -11,7 +11,8 @@ appended), ``cancel`` (reason of a pending cancel), ``last_id`` (terminal event 
 key of the creating caller's counters, ``StreamKeys.tenant``), ``wm``/``wb`` (broker.streams.replication),
 ``wasted`` (tokens lost attempts computed and did not keep: for the usage record, broker.streams.usage);
 ``tp`` (the W3C traceparent of the create's span, when tracing is on: broker.telemetry; every attempt's generation
-span is its child);
+span is its child); ``held`` (1: a conversation's turn that waits for the turn before it to end, queued but in no
+line until UNHOLD puts it in one: broker.on_busy);
 where its job waits: ``qp``, ``tier``, ``who``, ``aff`` (broker.streams.queue_scripts, which holds the job
 queue's scripts: claim, renew, release, give back).
 
@@ -122,7 +123,8 @@ CREATE = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + BUDGET_LUA + QUEUE + """
 --   (0: none), A.reservation (tokens), A.usd_reservation (nano-USD), A.price, A.period_end, A.team_period_end (Unix
 --   s); A.hook: the webhook URL ('': none), A.hid: the id its event names (broker.streams.outbox); A.tier, A.who:
 --   the job's tier and tenant (broker.tiers, broker.streams.keys.principal); A.trace: the create span's traceparent
---   ('': not traced)
+--   ('': not traced); A.held: the data of its `queued` event when the job is held (a conversation's turn waiting for
+--   the one before it: it gets into its line at UNHOLD; the queue's bounds are its then), '' otherwise
 -- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'storage_quota'}
 --   | {'rate_limited', early_ms, ema, busy}
 --   | {'too_many_generations', max_active, ema, busy} | {'queue_full', waiting, ema, busy, 'count' | 'wait'}
@@ -157,15 +159,17 @@ local max_active = tonumber(A.max_active)
 if max_active > 0 and tonumber(redis.call('HGET', K.tenant, 'active') or '0') >= max_active then
   return {'too_many_generations', tostring(max_active), q[2] or '', q[3] or '0'}
 end
+local held = A.held ~= ''
 local max_queue = tonumber(A.max_queue)
-if max_queue > 0 and waiting >= max_queue then
+if not held and max_queue > 0 and waiting >= max_queue then
   return {'queue_full', tostring(waiting), q[2] or '', q[3] or '0', 'count'}
 end
 -- The wait this create would have: the jobs its model's claims take before it, at the observed job time over the
 -- running jobs. Before any job finished there is no estimate, and the count bound above is the bound.
 local position = new_position(A.qp, A.tier, A.who, tonumber(A.position_updates))
 local max_wait = tonumber(A.max_wait_s)
-if max_wait > 0 and q[2] and (position - 1) * tonumber(q[2]) / math.max(1, tonumber(q[3] or '1')) > max_wait then
+if not held and max_wait > 0 and q[2] and (position - 1) * tonumber(q[2]) / math.max(1, tonumber(q[3] or '1'))
+    > max_wait then
   return {'queue_full', tostring(model_waiting), q[2], q[3] or '0', 'wait'}
 end
 local amount, usd = tonumber(A.reservation), tonumber(A.usd_reservation)
@@ -175,9 +179,8 @@ for _, b in ipairs(budgets) do
   local over = budget_fits(b[1], b[2], b[3], amount, usd)
   if over then return {'budget_exceeded', b[5], over} end
 end
-local jid = redis.call('XADD', K.backlog, '*', 'sid', A.sid)
 redis.call('HSET', K.meta, 'status', 'queued', 'rh', A.rh, 'req', A.req, 'created_at', A.created_at,
-  'model', A.model, 'max_tokens', A.max_tokens, 'jid', jid, 'fence', 0, 'attempts', 0, 'key_id', A.key_id,
+  'model', A.model, 'max_tokens', A.max_tokens, 'fence', 0, 'attempts', 0, 'key_id', A.key_id,
   'retention_s', A.retention_s, 'abandon_s', A.abandon_s, 'cod', A.cod, 'seen', A.created_at, 'read', 0,
   'tenant', K.tenant, 'keep', A.keep, 'qs', K.storage, 'qp', A.qp, 'tier', A.tier, 'who', A.who,
   'aff', A.affinity, 'urs', A.usage_retention_s)
@@ -193,6 +196,12 @@ if A.trace ~= '' then redis.call('HSET', K.meta, 'tp', A.trace) end
 redis.call('HINCRBY', K.tenant, 'active', 1)
 if interval > 0 then redis.call('HSET', K.tenant, 'tat', string.format('%.0f', tat + interval)) end
 redis.call('PERSIST', K.tenant)  -- it had an expiry while the caller had nothing unfinished
+if held then
+  redis.call('HSET', K.meta, 'held', 1)
+  append_event(K.events, A.channel, 'queued', A.held)
+  return {'created'}
+end
+redis.call('HSET', K.meta, 'jid', redis.call('XADD', K.backlog, '*', 'sid', A.sid))
 enqueue(A.qp, A.tier, A.who, A.sid, K.totals, now_ms, false)
 append_event(K.events, A.channel, 'queued', queued_data(position, K.stats))
 return {'created'}
@@ -202,7 +211,25 @@ return {'created'}
                "retention_s", "abandon_s", "cod", "max_active", "burst", "interval_ms", "max_wait_s", "keep",
                "storage_share", "affinity", "budget_share", "usd_share", "team_share", "team_usd_share",
                "reservation", "usd_reservation", "price", "period_end", "team_period_end", "hook", "hid", "qp",
-               "tier", "who", "position_updates", "usage_retention_s", "max_hooks", "trace"))
+               "tier", "who", "position_updates", "usage_retention_s", "max_hooks", "trace", "held"))
+
+# Closes: a held turn (CREATE's A.held) started twice (every pod that settles its conversation, and the worker that
+# folded the turn before it, may start it at once), or started after a cancel ended it. Its request becomes the one
+# its conversation's history at its start makes (A.req: the history in front of its messages), and its job gets into
+# its line as CREATE would have put it there, in one step, once.
+# Reply: {'started'} | {'not_held', status}
+UNHOLD = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + QUEUE + """
+local m = redis.call('HMGET', K.meta, 'status', 'held', 'qp', 'tier', 'who', 'req', 'qs')
+if m[1] ~= 'queued' or m[2] ~= '1' then return {'not_held', m[1] or ''} end
+local position = new_position(m[3], m[4], m[5], tonumber(A.position_updates))
+redis.call('HSET', K.meta, 'req', A.req, 'held', 0, 'jid', redis.call('XADD', K.backlog, '*', 'sid', A.sid))
+-- The history it now carries is its owner's to hold, as any request's (past the quota too: the turn was admitted).
+if m[7] then quota_charge(m[7], K.meta, #A.req - #(m[6] or '')) end
+enqueue(m[3], m[4], m[5], A.sid, K.totals, server_ms(), false)
+append_event(K.events, A.channel, 'queued', queued_data(position, K.stats))
+return {'started'}
+""", key_names=("meta", "events", "totals", "stats", "backlog"),
+    arg_names=("sid", "req", "channel", "position_updates"))
 
 # Closes: a zombie (a worker that lost its lease) appending after the new owner, and an append landing
 # after the terminal event. Fence and status are checked in the same step as the XADD. ``seq`` (the
@@ -307,8 +334,10 @@ local st = m[1]
 if ended(st) then return {'ended', st} end
 if st == 'queued' then
   refuse_when_full(K.meta)  -- Redis full: refused whole (dequeue's first write, a ZREM, would let it all through)
-  dequeue(K.meta, A.sid, K.totals)
-  if m[7] then redis.call('XDEL', m[6] .. 'jobs', m[7]) end  -- the backlog (broker.streams.keys.QueueKeys.backlog)
+  if redis.call('HGET', K.meta, 'held') ~= '1' then  -- a held turn is in no line yet
+    dequeue(K.meta, A.sid, K.totals)
+    if m[7] then redis.call('XDEL', m[6] .. 'jobs', m[7]) end  -- the backlog (broker.streams.keys.QueueKeys.backlog)
+  end
   redis.call('HSET', K.meta, 'cancel', A.reason)
   close_stream(K.meta, K.events, K.tombstone, A.channel, 'cancelled', A.cancelled_data, 'cancelled', A.usage, A.now_s,
     tonumber(m[5] or '3600'))

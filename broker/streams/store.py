@@ -112,6 +112,7 @@ class Store:
             return register_script(redis, replication.prepare(script.text, replicated=replicated))
 
         self._create = register(scripts.CREATE)
+        self._unhold = register(scripts.UNHOLD)
         self._claim = register(queue_scripts.CLAIM)
         self._claim_next = register(queue_scripts.CLAIM_NEXT)
         self._give_back = register(queue_scripts.GIVE_BACK)
@@ -155,6 +156,8 @@ class Store:
         usage_retention_s: int = USAGE_RETENTION_S,
         max_pending_hooks: int = 0,
         trace: str = "",
+        identity: str | None = None,
+        held: dict[str, Any] | None = None,
     ) -> Created:
         """Create the stream and enqueue its job in ``model``'s queue (a served model's name: the consumer resolved
         the request's) in ``tier`` (broker.tiers), or recognise a retry of the same request (which no limit
@@ -167,7 +170,10 @@ class Store:
         ``webhook`` and its caller ``max_pending_hooks`` webhook events pending (0: no bound; each partition holds its
         share). ``webhook``: (URL, the id its event names) where the end is POSTed (broker.streams.outbox);
         ``usage_retention_s``: how long its usage record is kept (broker.streams.usage). ``trace``: the create span's
-        W3C traceparent, stored with the stream for its generation's spans (broker.telemetry)."""
+        W3C traceparent, stored with the stream for its generation's spans (broker.telemetry). ``held``: the stream is
+        a conversation's turn that waits for the one before it (broker.on_busy), and this is its ``queued`` event's
+        data: its job gets into its line at ``unhold``. ``identity``: what a retry of this id must match (default:
+        the request's hash)."""
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
@@ -190,7 +196,8 @@ class Store:
                          "team_budget": budget_key(k.partition, k.partitions, team_budget.holder, team_period)
                          if team_budget.bounded else key_budget}),
             script.args({
-                "sid": str(stream_id), "rh": request.request_hash(), "req": canonical, "created_at": f"{now:.6f}",
+                "sid": str(stream_id), "rh": identity or request.request_hash(), "req": canonical,
+                "created_at": f"{now:.6f}",
                 "max_queue": queue_share, "model": model, "max_tokens": request.max_tokens, "channel": k.channel,
                 "key_id": key_id, "retention_s": retention_s, "abandon_s": abandon_after_s,
                 "cod": int(request.cancel_on_disconnect), "max_active": max_active, "burst": burst,
@@ -204,7 +211,7 @@ class Store:
                 "hook": (webhook or ("", ""))[0], "hid": (webhook or ("", ""))[1], "qp": q.prefix, "tier": tier,
                 "who": who or "-", "position_updates": POSITION_UPDATES, "usage_retention_s": usage_retention_s,
                 "max_hooks": -(-max_pending_hooks // self.partitions) if max_pending_hooks > 0 else 0,
-                "trace": trace}),
+                "trace": trace, "held": encode_data(held) if held is not None else ""}),
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":
@@ -250,7 +257,7 @@ class Store:
         # --max-prompt-chars to read one flag that CREATE stores apart.
         raw = await self._batch.execute(
             "HMGET", k.meta, "status", "model", "created_at", "usage", "last_id", "cod", "max_tokens", "key_id",
-            "abandon_s", "tier")
+            "abandon_s", "tier", "held")
         if raw[0] is None:
             return None
         return StreamStatus(
@@ -264,12 +271,28 @@ class Store:
             key_id=reply_text(raw[7]),
             abandon_s=float(raw[8] or 0),
             tier=reply_text(raw[9]),
+            held=reply_text(raw[10]) == "1",
         )
 
     async def trace_of(self, stream_id: uuid.UUID) -> tuple[str, str]:
         """The stream's stored traceparent ('': not traced) and model: what a read's span links to."""
         raw = await self._batch.execute("HMGET", self.keys(stream_id).meta, "tp", "model")
         return reply_text(raw[0]) if raw[0] else "", reply_text(raw[1]) if raw[1] else ""
+
+    async def unhold(self, stream_id: uuid.UUID, model: str, request: GenerationRequest) -> bool:
+        """Start a held turn (``create``'s ``held``) with ``request`` (its conversation's history in front of its
+        messages): its job gets into its line, once. False: it was not held (started already, or cancelled)."""
+        k = self.keys(stream_id)
+        q = k.queue(model)
+        script = scripts.UNHOLD
+        res = await self._call(
+            k, self._unhold,
+            script.keys({"meta": k.meta, "events": k.events, "totals": k.queue_stats, "stats": q.stats,
+                         "backlog": q.backlog}),
+            script.args({"sid": str(stream_id), "req": request.canonical_json(), "channel": k.channel,
+                         "position_updates": POSITION_UPDATES}),
+            lambda r: "" if reply_text(r[0]) == "started" else None)
+        return reply_text(res[0]) == "started"
 
     async def request_of(self, stream_id: uuid.UUID) -> GenerationRequest | None:
         """The request as stored at create (None: no such stream, or one that ended and kept only its digest)."""
@@ -438,7 +461,7 @@ class Store:
                               "position_updates": POSITION_UPDATES}))
         tag = reply_text(res[0])
         if tag != "claimed":
-            return Unclaimable.GONE if tag == "gone" else Unclaimable.FINISHED
+            return {"gone": Unclaimable.GONE, "held": Unclaimable.HELD}.get(tag, Unclaimable.FINISHED)
         return self._claimed(res)
 
     def _claimed(self, res: Any) -> Claim:

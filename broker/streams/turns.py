@@ -9,6 +9,7 @@ status ``items``. broker.streams.conversations stores one JSON record per turn.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from broker.answer import AnswerRuns
 from broker.events import Event, EventType
 from broker.request import GenerationRequest, Message, ToolCall
 
@@ -107,6 +109,30 @@ def history_messages(turns: Iterable[Turn]) -> list[dict[str, Any]]:
     return [m for t in turns for m in t.prompt()]
 
 
+def with_history(request: GenerationRequest, turns: Sequence[Turn], version: int, count: int) -> GenerationRequest:
+    """A conversation's turn as the engine gets it: ``request`` (its ``history`` names the conversation; its own
+    instructions, ``messages[:lead]``, then its new messages from ``start``) with the history of ``turns`` (the
+    conversation at ``version``, ``count`` turns) in front of its new messages."""
+    h = request.history
+    assert h is not None and h.conversation is not None and request.messages is not None
+    history = as_messages(history_messages(turns))
+    messages = (*request.messages[:h.lead], *history, *request.messages[h.start:])
+    return dataclasses.replace(request, messages=messages, history=dataclasses.replace(
+        h, start=h.lead + len(history), version=version, turn=count))
+
+
+def turn_identity(request: GenerationRequest) -> str:
+    """What tells a retry of a conversation's turn from another request under its stream id (the create rule: 200 or
+    409): the turn's own request (its instructions, new messages and options, in its conversation), whatever history
+    is in front of it and wherever the conversation stood. A turn that waited (broker.on_busy) is created before its
+    history is known, so its retries compare without it too."""
+    h = request.history
+    assert h is not None and request.messages is not None
+    bare = dataclasses.replace(request, messages=(*request.messages[:h.lead], *request.messages[h.start:]),
+                               history=dataclasses.replace(h, start=h.lead, version=0, turn=0))
+    return bare.request_hash()
+
+
 def as_messages(stored: Sequence[dict[str, Any]]) -> tuple[Message, ...]:
     return tuple(Message.from_stored(m) for m in stored)
 
@@ -118,30 +144,17 @@ def items_turn(messages: Sequence[Message], created_at: float, input_ids: Sequen
 def output_of(events: Iterable[Event]) -> tuple[Output, Event | None, str]:
     """The answer a stream's events add up to, its terminal event (None: not ended yet), and the model that
     ``started`` named. A pure function of the events: every reader (and every fold) gets the same answer."""
-    text: list[str] = []
-    reasoning: list[str] = []
-    calls: dict[int, list[str]] = {}  # index -> [id, name, arguments so far]
+    answer = AnswerRuns()
     terminal: Event | None = None
-    model = ""
     for ev in events:
-        if ev.type == EventType.DELTA:
-            text.append(ev.json()["text"])
-        elif ev.type == EventType.REASONING:
-            reasoning.append(ev.json()["text"])
-        elif ev.type == EventType.TOOL_CALL:
-            d = ev.json()
-            calls[int(d["index"])] = [str(d.get("id") or ""), str(d.get("name") or ""), ""]
-        elif ev.type == EventType.TOOL_ARGS:
-            d = ev.json()
-            call = calls.setdefault(int(d["index"]), ["", "", ""])
-            call[2] += d["text"]
-        elif ev.type == EventType.STARTED:
-            model = str(ev.json().get("model") or "")
-        elif ev.is_terminal:
+        if ev.is_terminal:
             terminal = ev
             break
-    tool_calls = tuple(ToolCall(c[0], c[1], c[2]) for _, c in sorted(calls.items()))
-    return Output("".join(text), tool_calls, "".join(reasoning)), terminal, model
+        answer.add(ev)
+    started = answer.started
+    model = str(started.json().get("model") or "") if started is not None else ""
+    tool_calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in answer.tool_calls)
+    return Output(answer.text, tool_calls, answer.reasoning), terminal, model
 
 
 def finished_turn(stream_id: uuid.UUID, request: GenerationRequest, created_at: float,

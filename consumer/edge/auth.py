@@ -7,8 +7,8 @@ created it, and any other key is told it does not exist (404, no existence leak)
 
 The keys file is JSON: ``{"keys": [{"id": "alice", "sha256": "<hex sha256 of the secret>",
 "limits": {...}, "admin"?, "token_budget"?, "usd_budget"?, "budget_period"?, "team"?, "webhook_url"?,
-"webhook_secret"?, "service_tier"?, "service_tiers"?}]}`` (ApiKey). Secrets are never stored, only their hashes,
-compared in constant time.
+"webhook_secret"?, "service_tier"?, "service_tiers"?, "on_busy"?, "drop_unsupported_params"?}]}`` (ApiKey). Secrets
+are never stored, only their hashes, compared in constant time.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import orjson
 from broker import tiers
 from broker.ascii import decimal
 from broker.errors import NotFound, StoreUnavailable, Unauthorized
+from broker.on_busy import ON_BUSY
 from broker.streams.budget import NO_BUDGET, TEAM_NAME, Budget, Teams, parse_budget
 
 ANONYMOUS = ""
@@ -59,6 +60,11 @@ class ApiKey:
     service_tiers: tuple[str, ...] = ()
     team: str = ""
     webhook_secret: str | None = None
+    #: What a conversation's turn created while another runs does when it names no ``on_busy`` (broker.on_busy;
+    #: "": ``reject``).
+    on_busy: str = ""
+    #: Whether its requests drop the parameters a model cannot honour (None: as --drop-unsupported-params says).
+    drop_unsupported_params: bool | None = None
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> ApiKey:
@@ -87,8 +93,13 @@ class ApiKey:
             raise ValueError(f"api key {key_id}: its 'service_tier' is not one of its 'service_tiers'")
         if tier == tiers.PRIORITY and tiers.PRIORITY not in allowed:  # else it would be served default in silence
             raise ValueError(f"api key {key_id}: 'service_tier' priority needs \"priority\" in its 'service_tiers'")
+        on_busy, drop = entry.get("on_busy", ""), entry.get("drop_unsupported_params")
+        if on_busy and on_busy not in ON_BUSY:
+            raise ValueError(f"api key {key_id}: 'on_busy' must be one of {', '.join(ON_BUSY)}")
+        if drop is not None and not isinstance(drop, bool):
+            raise ValueError(f"api key {key_id}: 'drop_unsupported_params' must be true or false")
         return cls(key_id, bytes.fromhex(entry["sha256"]), dict(entry.get("limits", {})), admin, budget,
-                   hook or None, tier, tuple(allowed), team, hook_secret or None)
+                   hook or None, tier, tuple(allowed), team, hook_secret or None, on_busy, drop)
 
 
 class ApiKeys:

@@ -9,7 +9,7 @@
 // opens any existing stream (another tab, another device).
 
 import {
-  Answer, answerOf, cancelStream, conversationTurns, createStream, listModels, RsbStream, streamStatus,
+  Answer, answerOf, cancelStream, conversationTurns, createStream, modelCatalog, RsbStream, streamStatus,
   TERMINAL_EVENTS, usageReport, uuid4,
 } from "./rsb-client.js";
 import { IncrementalMarkdown } from "./markdown.js";
@@ -17,7 +17,7 @@ import { IncrementalMarkdown } from "./markdown.js";
 // {conversation: uuid, turns: [{id, prompt, body, createdAt}], legacy?: true (turns kept from before chats were
 // conversations: the next send carries them as messages, so the server's history starts with them)}
 const CHAT_KEY = "rsb.chat.v1";
-const SETTINGS_KEY = "rsb.settings.v1"; // {maxTokens, apiKey, temperature}
+const SETTINGS_KEY = "rsb.settings.v1"; // {maxTokens, apiKey, temperature, model, serviceTier}
 const USAGE_DAYS = 7; // what the Usage panel shows
 const streamKey = (id) => `rsb.stream.v1.${id}`; // a Snapshot, see Turn.snapshot()
 const UUID_RE = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
@@ -61,7 +61,8 @@ function remove(key) {
   }
 }
 
-const settings = { maxTokens: 256, apiKey: "", temperature: null, ...(load(SETTINGS_KEY) || {}) };
+const settings = { maxTokens: 256, apiKey: "", temperature: null, model: null, serviceTier: null,
+  ...(load(SETTINGS_KEY) || {}) };
 
 // --- one answer --------------------------------------------------------------------------------------
 
@@ -195,7 +196,7 @@ class Turn {
         this.status = "running";
         this.model = d.model || null;
         this.queued = null;
-        if (this.model) app.showModel([this.model], false);
+        if (this.model) app.showModel([this.model]);
         break;
       case "delta":
       case "reasoning":
@@ -603,6 +604,14 @@ const app = {
       save(SETTINGS_KEY, settings);
       this.loadModels();
     });
+    $("#model").addEventListener("change", (ev) => {
+      settings.model = ev.target.value || null;
+      save(SETTINGS_KEY, settings);
+    });
+    $("#service-tier").addEventListener("change", (ev) => {
+      settings.serviceTier = ev.target.value || null;
+      save(SETTINGS_KEY, settings);
+    });
     $("#temperature").addEventListener("change", (ev) => {
       const raw = ev.target.value.trim();
       const t = Number(raw);
@@ -660,6 +669,9 @@ const app = {
     const messages = this.legacy ? this.messages(prompt) : [{ role: "user", content: prompt }];
     const body = { id, conversation: this.chatId, messages, max_tokens: settings.maxTokens };
     if (settings.temperature !== null) body.temperature = settings.temperature;
+    const picked = $("#model");
+    if (!picked.hidden && !picked.disabled && picked.value) body.model = picked.value;
+    if (!$("#tier-choice").hidden && settings.serviceTier) body.service_tier = settings.serviceTier;
     const record = { id, prompt, createdAt: Date.now(), body };
     // Recorded before the request leaves: a reload mid-request retries it with the same id.
     const chat = load(CHAT_KEY) || { conversation: this.chatId, turns: [] };
@@ -730,26 +742,46 @@ const app = {
     note.hidden = Boolean(report.rows.length);
   },
 
-  // The model in the header: what the server lists, else (an API key missing, an old server) what the
-  // last `started` event named.
+  // The model picker in the header: the models the server lists (GET /v1/models), the one picked before if it is
+  // still served, else the server's default; and, in Settings, the tiers this key may choose between. Without a
+  // list (an API key missing, an old server) the picker shows what the last `started` event named, unpickable.
   async loadModels() {
     clearTimeout(this.modelsTimer);
-    let names = null;
+    let catalog = null;
     try {
-      names = await listModels({ apiKey: settings.apiKey || null });
+      catalog = await modelCatalog({ apiKey: settings.apiKey || null });
     } catch {
       return;
     }
-    if (names.length) this.showModel(names, true);
+    if (catalog.models.length) this.showModels(catalog);
     else this.modelsTimer = setTimeout(() => this.loadModels(), MODELS_RETRY_MS);
+    this.showTiers(catalog.serviceTiers);
   },
 
-  showModel(names, listed) {
+  showModels({ models, defaultModel }) {
     const el = $("#model");
-    if (!listed && !el.hidden && el.dataset.listed === "1") return;
-    el.textContent = names.join(", ");
-    el.dataset.listed = listed ? "1" : "0";
+    const chosen = models.includes(settings.model) ? settings.model
+      : models.includes(defaultModel) ? defaultModel : models[0];
+    el.replaceChildren(...models.map((name) => new Option(name, name, false, name === chosen)));
+    el.value = chosen;
+    el.disabled = models.length < 2;
+    el.dataset.listed = "1";
     el.hidden = false;
+  },
+
+  showModel(names) {
+    const el = $("#model");
+    if (el.dataset.listed === "1") return;
+    el.replaceChildren(...names.map((name) => new Option(name, name)));
+    el.disabled = true;
+    el.hidden = false;
+  },
+
+  showTiers(tiers) {
+    const el = $("#service-tier");
+    el.replaceChildren(new Option("auto (this key's own)", ""), ...tiers.map((t) => new Option(t, t)));
+    el.value = tiers.includes(settings.serviceTier) ? settings.serviceTier : "";
+    $("#tier-choice").hidden = tiers.length < 2;
   },
 
   connection(state, info) {
@@ -759,7 +791,7 @@ const app = {
       retrying: `reconnecting in ${((info?.delayMs || 0) / 1000).toFixed(1)} s`,
     };
     el.dataset.state = state;
-    el.textContent = labels[state] || state;
+    $(".conn-label", el).textContent = labels[state] || state;
     if (state === "retrying" && info?.error) el.title = String(info.error.message || info.error);
   },
 

@@ -249,11 +249,21 @@ export async function streamStatus(id, { baseUrl = "", apiKey = null, fetch: fet
 
 // The names of the models the server's generators serve (GET /v1/models), the most recently seen first (not the
 // aliases they answer to: an entry whose root is another model); empty while no generator has loaded its model.
-export async function listModels({ baseUrl = "", apiKey = null, fetch: fetchFn = globalThis.fetch.bind(globalThis) } = {}) {
+export async function listModels(options = {}) {
+  return (await modelCatalog(options)).models;
+}
+
+// What GET /v1/models says a page may pick: {models (as listModels), defaultModel (what a create naming none runs on;
+// null: name one), serviceTiers (the tiers this API key may choose between; empty: no choice)}.
+export async function modelCatalog({ baseUrl = "", apiKey = null, fetch: fetchFn = globalThis.fetch.bind(globalThis) } = {}) {
   const r = await fetchFn(joinUrl(baseUrl, "/v1/models"), { headers: authHeaders(apiKey) });
   if (r.status !== 200) throw await errorFrom(r);
   const body = await r.json();
-  return (body.data || []).filter((m) => !m.root || m.root === m.id).map((m) => m.id);
+  return {
+    models: (body.data || []).filter((m) => !m.root || m.root === m.id).map((m) => m.id),
+    defaultModel: body.default_model ?? null,
+    serviceTiers: body.service_tiers || [],
+  };
 }
 
 // The usage report (GET /v1/reports/usage): {group_by, rows: [{<group fields>, streams, prompt_tokens,
@@ -557,9 +567,21 @@ export class Answer {
     return this.body.parsed(this.ended);
   }
 
-  // Applies one event; true when the answer changed.
+  // Applies one event; true when the answer changed. A `snapshot` (a read with ?from=latest) replaces the answer
+  // with the one it holds, kept as the events it stands for (each with its id: a reset after it still applies).
   feed(event) {
     const { id, type, data } = event;
+    if (type === "snapshot") {
+      this.log = [];
+      this.clear();
+      this.feed({ id, type: "reasoning", data: { text: data?.reasoning ?? "" } });
+      this.feed({ id, type: "delta", data: { text: data?.text ?? "" } });
+      for (const c of data?.tool_calls ?? []) {
+        this.feed({ id, type: "tool_call", data: { index: c.index, id: c.id, name: c.name } });
+        this.feed({ id, type: "tool_args", data: { index: c.index, text: c.arguments } });
+      }
+      return true;
+    }
     if (type === "reset") {
       let keep = this.log.length;
       while (keep > 0 && idAfter(this.log[keep - 1][0], id)) keep--;

@@ -6,6 +6,7 @@ answer. Views translate their protocol's requests into these calls and their ans
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -23,11 +24,20 @@ from broker.errors import (
     TooManyConversations,
 )
 from broker.history import History
+from broker.on_busy import INTERRUPT, REJECT
 from broker.request import GenerationRequest, Message
-from broker.streams.conversations import Begin, Conversation, ConversationStore, Limits, Settled, absent
+from broker.streams.conversations import (
+    MAX_WAITING,
+    Begin,
+    Conversation,
+    ConversationStore,
+    Limits,
+    Settled,
+    absent,
+)
 from broker.streams.keys import principal
 from broker.streams.records import TERMINAL_STATUSES, Created, StreamStatus
-from broker.streams.turns import Turn, as_messages, history_messages, output_of
+from broker.streams.turns import Turn, as_messages, output_of, turn_identity, with_history
 from consumer.streaming.service import Caller, StreamService
 
 #: OpenAI's spelling of a conversation id: ``conv_`` and the 32 hex digits of its UUID. Both spellings name the
@@ -94,8 +104,9 @@ class ConversationService:
     # -- reading -------------------------------------------------------------------------------
 
     async def snapshot(self, caller: Caller, name: str) -> Snapshot | None:
-        """The conversation with its pending turn settled (None: the caller has no conversation of this name)."""
-        for _ in range(ROUNDS):
+        """The conversation with its pending turn settled (None: the caller has no conversation of this name). Each
+        round may fold a turn and start the next that waits: as many rounds as turns may wait, and more."""
+        for _ in range(ROUNDS + MAX_WAITING):
             conv = await self.conversations.read(caller.key_id, name)
             if conv is None:
                 return None
@@ -118,13 +129,25 @@ class ConversationService:
         sid = snap.pending_id
         if sid is None or snap.pending is None:
             return None
+        return await self._unfinished(sid, snap.pending)
+
+    async def waiting_turns(self, snap: Snapshot) -> list[Turn]:
+        """The turns that wait behind the pending one (broker.on_busy), in order: their messages, status queued."""
+        out = []
+        for sid in snap.conversation.waiting:
+            st = await self.service.store.status(sid)
+            turn = None if st is None else await self._unfinished(sid, st)
+            if turn is not None:
+                out.append(turn)
+        return out
+
+    async def _unfinished(self, sid: uuid.UUID, st: StreamStatus) -> Turn | None:
         request = await self.service.request_of(sid)
         if request is None or request.history is None:
             return None
         h = request.history
-        return Turn(sid, snap.pending.status, tuple(m.stored() for m in (request.messages or ())[h.start:]),
-                    h.message_ids, created_at=snap.pending.created_at, model=snap.pending.model,
-                    answer_id=h.answer_id)
+        return Turn(sid, st.status, tuple(m.stored() for m in (request.messages or ())[h.start:]), h.message_ids,
+                    created_at=st.created_at, model=st.model, answer_id=h.answer_id)
 
     # -- turns ---------------------------------------------------------------------------------
 
@@ -154,25 +177,32 @@ class ConversationService:
         """The request the engine gets: this request's instructions (``messages[:lead]``), the conversation's
         history, then its new messages. Past the request limits it is ``conversation_full``: the history is
         what made it too long."""
+        marked = self.turn_request(conv, request, lead, message_ids, answer_id)
+        assembled = with_history(marked, conv.turns, conv.version, conv.count)
+        self._check_bounds(caller, assembled.messages or (), lead, "this conversation's history and the new messages",
+                           ": --max-messages, --max-prompt-chars); start a new conversation")
+        return assembled
+
+    def turn_request(self, conv: Conversation, request: GenerationRequest, lead: int, message_ids: Sequence[str],
+                     answer_id: str | None = None) -> GenerationRequest:
+        """``request`` marked as the conversation's turn (its instructions, then its new messages: no history in
+        front yet). Refused past the conversation's bounds (``conversation_full``)."""
         if request.messages is None:
             raise InvalidRequest("a conversation's turn takes 'messages', not 'prompt'")
         self._check_size(conv, request.messages[lead:])
-        history = as_messages(history_messages(conv.turns))
-        messages = (*request.messages[:lead], *history, *request.messages[lead:])
-        self._check_bounds(caller, messages, lead, "this conversation's history and the new messages",
-                           ": --max-messages, --max-prompt-chars); start a new conversation")
-        return dataclasses.replace(request, messages=messages, history=History(
-            lead=lead, start=lead + len(history), conversation=conv.name, tenant=conv.key_id, version=conv.version,
-            turn=conv.count, message_ids=tuple(message_ids), answer_id=answer_id))
+        return dataclasses.replace(request, history=History(
+            lead=lead, start=lead, conversation=conv.name, tenant=conv.key_id, version=conv.version, turn=conv.count,
+            message_ids=tuple(message_ids), answer_id=answer_id))
 
     async def start(self, caller: Caller, name: str, request: GenerationRequest, *, lead: int = 0,
                     stream_id: uuid.UUID | None = None, implicit: bool = True,
-                    message_ids: Sequence[str] = (), hook_name: Callable[[uuid.UUID], str] | None = None
-                    ) -> TurnStarted:
+                    message_ids: Sequence[str] = (), hook_name: Callable[[uuid.UUID], str] | None = None,
+                    on_busy: str = REJECT) -> TurnStarted:
         """Start the conversation's next turn: ``request``'s messages after ``lead`` are the new ones. A
         ``stream_id`` the conversation already has as a turn is a retry of that turn (200, no new generation).
-        ``implicit``: a conversation of this name is made if the caller has none (else 404). Raises Conflict
-        while another turn runs (or the history changed under a race that kept being lost)."""
+        ``implicit``: a conversation of this name is made if the caller has none (else 404). While another turn
+        runs: ``on_busy`` (broker.on_busy): ``reject`` raises Conflict, ``enqueue`` and ``interrupt`` put it in line
+        (``queue``). Raises Conflict too when the history changed under a race that kept being lost."""
         for _ in range(ROUNDS):
             snap = await self.snapshot(caller, name)
             if snap is None:
@@ -186,34 +216,80 @@ class ConversationService:
                     raise Conflict("a stream with this id exists with a different request")
                 return TurnStarted(stream_id, Created(False, done.status))
             pending = snap.pending_id if snap is not None else None
-            if pending is not None and pending != stream_id:
-                raise Conflict(f"a turn of this conversation is running (stream {pending}); wait for its end, or "
-                               "cancel it")
             sid = stream_id or uuid.uuid4()
-            started = await self.begin(caller, conv, self.assemble(caller, conv, request, lead, message_ids), sid,
-                                       implicit=implicit, hook_name=hook_name)
+            if pending is not None and on_busy != REJECT:
+                started = await self.queue(caller, conv, self.turn_request(conv, request, lead, message_ids), sid,
+                                           on_busy, implicit=implicit, hook_name=hook_name)
+            elif pending is not None and pending != stream_id:
+                raise Conflict(f"a turn of this conversation is running (stream {pending}); wait for its end, cancel "
+                               "it, or send with on_busy 'interrupt' or 'enqueue'")
+            else:
+                started = await self.begin(caller, conv, self.assemble(caller, conv, request, lead, message_ids), sid,
+                                           implicit=implicit, hook_name=hook_name, busy=on_busy)
             if started is not None:
                 return started
         raise Conflict("this conversation kept changing under this request; retry")
 
     async def begin(self, caller: Caller, conv: Conversation, request: GenerationRequest, stream_id: uuid.UUID, *,
-                    implicit: bool = True, hook_name: Callable[[uuid.UUID], str] | None = None) -> TurnStarted | None:
+                    implicit: bool = True, hook_name: Callable[[uuid.UUID], str] | None = None,
+                    busy: str = REJECT) -> TurnStarted | None:
         """Reserve the turn on the history ``conv`` holds and create its stream (``request``: assembled). None:
-        the conversation changed since it was read (read it again). Raises Conflict when another turn is
-        pending, and whatever the stream's create raises."""
+        the conversation changed since it was read (read it again), or (``busy`` other than ``reject``) a turn
+        began meanwhile. Raises Conflict when another turn is pending, and whatever the stream's create raises."""
         outcome, other = await self.conversations.begin(conv, stream_id, self.owner(caller), self.limits(caller),
                                                         created_at=time.time(), create=implicit)
         if outcome is Begin.BUSY:
+            if busy != REJECT:
+                return None  # read again: the turn that runs is there to queue behind
             raise Conflict(f"a turn of this conversation is running (stream {other}); wait for its end, or cancel it")
         if outcome is Begin.FULL:
             limit = self.limits(caller).max_conversations
             raise TooManyConversations(limit)
         if outcome in (Begin.CHANGED, Begin.GONE):
             return None
+        started = await self._create(caller, conv, request, stream_id, outcome, hook_name=hook_name)
+        # An interrupt may have come while this turn's stream was being created (it found the reservation, not yet
+        # the stream, to cancel): the conversation is settled now that the stream exists.
+        await self.conversations.advance(conv.key_id, conv.name)
+        return started
+
+    async def queue(self, caller: Caller, conv: Conversation, request: GenerationRequest, stream_id: uuid.UUID,
+                    mode: str, *, implicit: bool = True, hook_name: Callable[[uuid.UUID], str] | None = None
+                    ) -> TurnStarted | None:
+        """Put the turn in line behind the one that runs (broker.on_busy: ``enqueue``, ``interrupt``) and create
+        its stream held (``request``: the turn's own, ``turn_request``; its history goes in front when it comes
+        up). ``interrupt`` cancels the running turn. None: nothing runs any more, or the history changed (read
+        again). Raises Conflict when MAX_WAITING turns wait already, and whatever the stream's create raises."""
+        outcome, pending, ahead = await self.conversations.queue(
+            conv, stream_id, self.owner(caller), self.limits(caller), mode=mode, created_at=time.time(),
+            create=implicit)
+        if outcome is Begin.BUSY:
+            raise Conflict(f"{MAX_WAITING} turns of this conversation wait already behind the running one (stream "
+                           f"{pending}); wait for its end")
+        if outcome is Begin.FULL:
+            raise TooManyConversations(self.limits(caller).max_conversations)
+        if outcome not in (Begin.QUEUED, Begin.ALREADY):
+            return None
+        held: dict[str, object] = {"position": ahead + 1, "eta_s": None}
+        if pending is not None:
+            held["waiting_for"] = str(pending)  # the turn that runs before this one
+        started = await self._create(caller, conv, request, stream_id, outcome, hook_name=hook_name, held=held)
+        if mode == INTERRUPT and pending is not None:
+            with contextlib.suppress(NotFound, Expired):  # it ended and went meanwhile: nothing to stop
+                await self.service.cancel(caller, pending)
+        await self.conversations.advance(conv.key_id, conv.name)
+        return started
+
+    async def _create(self, caller: Caller, conv: Conversation, request: GenerationRequest, stream_id: uuid.UUID,
+                      outcome: Begin, *, hook_name: Callable[[uuid.UUID], str] | None,
+                      held: dict[str, object] | None = None) -> TurnStarted:
+        """Create the stream of a turn the conversation holds now (reserved or in line: ``outcome``); taken out of
+        it again when the create is refused."""
         try:
-            created = await self.service.create(caller, request, stream_id, hook_name=hook_name)
+            created = await self.service.create(caller, request, stream_id, hook_name=hook_name,
+                                                identity=turn_identity(request), held=held)
         except Conflict:
-            if outcome is Begin.RESERVED:  # the id is another stream's: this request's reservation names nothing
+            if outcome is not Begin.ALREADY:  # the id is another stream's: this request's place names nothing
                 await self.conversations.release(conv.key_id, conv.name, stream_id)
             raise
         except Expired:

@@ -28,6 +28,7 @@ from broker.errors import (
     Starting,
 )
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
+from broker.on_busy import REJECT
 from broker.redis.quota import StorageQuota, default_quota_bytes, read_maxmemory
 from broker.request import GenerationRequest, RequestLimits
 from broker.streams.budget import NO_BUDGET, Budget, Teams
@@ -44,6 +45,7 @@ from consumer.metrics import Metrics
 from consumer.settings import ConsumerSettings
 from consumer.streaming.hub import LiveHub
 from consumer.streaming.reader import REPLAY_PAGE, read_batches, read_stream
+from consumer.streaming.snapshots import AnswerSnapshot, Snapshots
 from consumer.streaming.spans import EVENTS_SERVED, read_span
 
 log = logging.getLogger("rsb.consumer")
@@ -108,6 +110,8 @@ class StreamService:
         self.limiter = limiter
         self.models = ServedModels(store.redis)
         self.conversations = ConversationStore(store)
+        #: The answers late joiners read (``latest``), kept per pod.
+        self.snapshots = Snapshots(store)
         self._served: list[ServedModel] = []
         self._served_at = -MODELS_CACHE_S
         #: The storage quota of a caller without a bound of its own: --storage-quota-bytes, or (not given) a
@@ -236,6 +240,20 @@ class StreamService:
                      burst=int(limits.get("create_burst", s.create_burst)),
                      rate_per_s=float(limits.get("create_rate_per_s", s.create_rate_per_s)))
 
+    def drops_unsupported(self, caller: Caller) -> bool:
+        """Whether the caller's requests drop the parameters a model cannot honour instead of a 400: its key's
+        ``drop_unsupported_params``, else --drop-unsupported-params."""
+        key = self.api_keys.get(caller.key_id)
+        if key is not None and key.drop_unsupported_params is not None:
+            return key.drop_unsupported_params
+        return self.settings.drop_unsupported_params
+
+    def on_busy(self, caller: Caller, asked: str | None) -> str:
+        """What a conversation's turn does while another runs (broker.on_busy): what it asked for, else its key's
+        ``on_busy``, else ``reject``."""
+        key = self.api_keys.get(caller.key_id)
+        return asked or (key.on_busy if key is not None else "") or REJECT
+
     def limits_for(self, caller: Caller) -> RequestLimits:
         return self.settings.request_limits(self.key_limit(caller, "max_tokens"))
 
@@ -257,9 +275,12 @@ class StreamService:
         return url, hook_name(stream_id) if hook_name is not None else str(stream_id)
 
     async def create(self, caller: Caller, request: GenerationRequest, stream_id: uuid.UUID, *,
-                     hook_name: Callable[[uuid.UUID], str] | None = None) -> Created:
+                     hook_name: Callable[[uuid.UUID], str] | None = None, identity: str | None = None,
+                     held: dict[str, object] | None = None) -> Created:
         """Create the stream (or recognise a retry of the same request). Raises Conflict, Expired,
-        QueueFull, TooManyGenerations, RateLimited or BudgetExceeded. ``hook_name``: see ``webhook``."""
+        QueueFull, TooManyGenerations, RateLimited or BudgetExceeded. ``hook_name``: see ``webhook``. ``identity``:
+        what a retry must match (default: the whole request; a conversation's turn: broker.streams.turns
+        .turn_identity). ``held``: a conversation's turn that waits for the one before it (Store.create)."""
         s = self.settings
         key = self.api_keys.get(caller.key_id)
         tier = resolve_tier(request.service_tier, key.service_tier if key else "", key.service_tiers if key else ())
@@ -280,7 +301,7 @@ class StreamService:
                                               webhook=self.webhook(caller, stream_id, hook_name),
                                               usage_retention_s=s.usage_retention_days * 86_400,
                                               max_pending_hooks=s.webhook_max_pending,
-                                              trace=telemetry.traceparent())
+                                              trace=telemetry.traceparent(), identity=identity, held=held)
         except RetryLater as e:
             self.metrics.creates_rejected.inc()
             if isinstance(e, BudgetExceeded):
@@ -329,6 +350,14 @@ class StreamService:
         batches = read_batches(self.store, self.hub, stream_id, after_id, self.settings.heartbeat_s, watched=watched)
         out = batches if resets else _until_reset(batches)
         return out if telemetry.TRACER is None else self._fetched(stream_id, after_id, out, _batch_size)
+
+    def latest(self, stream_id: uuid.UUID, after_id: str | None, *, watched: bool = True, snapshot: bool = True
+               ) -> AsyncIterator[Sequence[Event] | AnswerSnapshot | None]:
+        """A read "from the latest" (consumer.streaming.snapshots): the answer as it stands first (``snapshot``),
+        then every event after it by the batch, as ``batches``; where a ``reset`` would come, a new snapshot of
+        the stream as it now is instead (a snapshot replaces what its reader had, so such a read never takes
+        text back event by event). Without ``snapshot`` it starts after ``after_id`` (a reconnect)."""
+        return _latest(self, stream_id, after_id, watched=watched, snapshot=snapshot)
 
     def tail(self, stream_id: uuid.UUID) -> AsyncGenerator[Event | None, None]:
         """The stream from its first event, live ones included: ``None`` for each heartbeat due; it ends
@@ -415,6 +444,32 @@ def _batch_size(batch: Sequence[Event] | None) -> int:
 
 def _one(event: Event | None) -> int:
     return 0 if event is None else 1
+
+
+async def _latest(service: StreamService, stream_id: uuid.UUID, after_id: str | None, *, watched: bool,
+                  snapshot: bool) -> AsyncGenerator[Sequence[Event] | AnswerSnapshot | None, None]:
+    while True:
+        if snapshot:
+            snap = await service.snapshots.latest(stream_id)
+            yield snap
+            after_id = snap.last_id
+        snapshot = True
+        batches = cast(AsyncGenerator[Sequence[Event] | None, None], service.batches(stream_id, after_id,
+                                                                                       watched=watched))
+        async with aclosing(batches):
+            async for batch in batches:
+                if batch is None:
+                    yield None
+                    continue
+                cut = next((i for i, ev in enumerate(batch) if ev.type == EventType.RESET), None)
+                if cut is None:
+                    yield batch
+                    continue
+                if cut:
+                    yield batch[:cut]
+                break  # a reset: the next round starts with a snapshot of the stream as it now is
+            else:
+                return
 
 
 async def _until_reset(batches: AsyncIterator[Sequence[Event] | None]

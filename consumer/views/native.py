@@ -15,6 +15,7 @@ from starlette.routing import Route
 from broker.ascii import parse_uuid
 from broker.errors import InvalidRequest, NotFound, RateLimited
 from broker.events import TERMINAL_TYPES, Event, EventPage, parse_event_id
+from broker.on_busy import parse_on_busy
 from broker.request import parse_json_object, validate_create_body
 from broker.streams import usage_report as usage
 from broker.streams.keys import principal
@@ -25,6 +26,7 @@ from consumer.edge.http import read_body
 from consumer.metrics import Metrics
 from consumer.state import caller_of, state_of
 from consumer.streaming.conversations import conversation_name
+from consumer.streaming.snapshots import AnswerSnapshot, from_latest
 from consumer.streaming.sse import SSEResponse
 
 
@@ -53,9 +55,11 @@ async def create_stream(request: Request) -> Response:
     body_in = parse_json_object(await read_body(request, state.settings.max_body_bytes))
     raw_conversation = body_in.pop("conversation", None)
     conversation = None if raw_conversation is None else conversation_name(raw_conversation)
+    on_busy = parse_on_busy(body_in.pop("on_busy", None))  # a conversation's turn's: changes nothing elsewhere
     sid, gen_request = validate_create_body(body_in, state.service.limits_for(caller))
     if conversation is not None:
-        started = await state.conversations.start(caller, conversation, gen_request, stream_id=sid)
+        started = await state.conversations.start(caller, conversation, gen_request, stream_id=sid,
+                                                  on_busy=state.service.on_busy(caller, on_busy))
         stream_id, res = started.stream_id, started.created
     else:
         stream_id = sid or uuid.uuid4()
@@ -89,7 +93,10 @@ class NativeFrames:
     def __init__(self, metrics: Metrics) -> None:
         self.events_sent = metrics.events_sent
 
-    def __call__(self, batch: Sequence[Event]) -> bytes:
+    def __call__(self, batch: Sequence[Event] | AnswerSnapshot) -> bytes:
+        if isinstance(batch, AnswerSnapshot):
+            self.events_sent.inc()
+            return batch.event().to_sse()
         # Counted as it is handed to the connection (a client that leaves mid-send was sent it anyway).
         self.events_sent.inc(len(batch))
         # A replay page is framed straight from Redis's reply (broker.events.EventPage).
@@ -100,6 +107,7 @@ async def stream_events(request: Request) -> Response:
     state = state_of(request)
     stream_id = path_stream_id(request)
     resume = resume_id(request)
+    latest = from_latest(request.query_params)
     resume_key = parse_event_id(resume) if resume else None
     caller = caller_of(request)
     service = state.service
@@ -113,7 +121,10 @@ async def stream_events(request: Request) -> Response:
         if resume is not None:
             state.metrics.resumes.inc()
         state.metrics.reads.inc()
-        return SSEResponse(service.batches(stream_id, resume, watched=st.watched), encode=NativeFrames(state.metrics),
+        # From the latest, a reconnect (a resume point) goes on from it: snapshots only where a reset would come.
+        batches = (service.latest(stream_id, resume, watched=st.watched, snapshot=resume is None) if latest
+                   else service.batches(stream_id, resume, watched=st.watched))
+        return SSEResponse(batches, encode=NativeFrames(state.metrics),
                            shutdown=state.draining, send_timeout_s=state.settings.send_timeout_s,
                            on_close=slot.release)
 
@@ -164,6 +175,9 @@ async def conversation_turns(request: Request) -> Response:
     if running is not None:
         turns.append({**turn_body(running), "status": snap.pending.status if snap.pending else "queued",
                       "output": None})
+    # Then the turns that wait behind it (sent with on_busy "enqueue" or "interrupt"), in the order they run.
+    waiting = await state.conversations.waiting_turns(snap)
+    turns += [{**turn_body(t), "status": "queued", "output": None} for t in waiting]
     return JSONResponse({"id": name, "created_at": _time(conv.created_at), "turns": turns})
 
 

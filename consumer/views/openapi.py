@@ -13,6 +13,7 @@ from typing import Any
 from broker import tiers
 from broker.echo import MAX_ID_CHARS, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS
 from broker.events import EventType
+from broker.on_busy import ON_BUSY
 from broker.request import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
@@ -218,6 +219,10 @@ def create_body(limits: RequestLimits) -> dict[str, Any]:
             **generation_properties(limits),
             "cancel_on_disconnect": {"type": "boolean"},
             "conversation": nullable(_CONVERSATION_ID),
+            "on_busy": nullable({"enum": list(ON_BUSY), "description": "what a conversation's turn does while "
+                                 "another of it runs: reject (409), interrupt (cancel it; this turn runs next, its "
+                                 "partial answer in the history) or enqueue (run after it); default: the key's "
+                                 "on_busy, else reject. Without a conversation it changes nothing"}),
             **typed_output_properties(),
         },
         # A conversation's turn takes messages.
@@ -270,6 +275,9 @@ def _native_paths(limits: RequestLimits, common: dict[str, Any]) -> dict[str, An
                 {"name": "last_event_id", "in": "query", "required": False, "schema": _RESUME_ID},
                 {"name": "Last-Event-ID", "in": "header", "required": False, "schema": _RESUME_ID},
                 {"name": "token", "in": "query", "required": False, "schema": {"type": "string"}},
+                {"name": "from", "in": "query", "required": False, "schema": {"enum": ["latest"]},
+                 "description": "latest: first a snapshot event (the answer so far), then the events after it; "
+                                "with a resume point, a snapshot only where a reset would come"},
             ],
             "responses": {
                 "200": sse_response("the events (`id`, `event`, `data`: one line of JSON; see the protocol docs "

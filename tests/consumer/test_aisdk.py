@@ -12,7 +12,6 @@ import functools
 import itertools
 import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -27,6 +26,7 @@ import httpx
 import orjson
 import pytest
 import redis
+from aisdk_harness import HARNESS, NODE, NODE22, require_harness
 from helpers import read_sse
 from scripted_upstream import Reply, ScriptedUpstream, reasoning, text, tool_call_pieces
 from servers import CHROMIUM, Stack, StackFactory, needs_chromium
@@ -38,11 +38,6 @@ from consumer.edge.auth import new_key
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-HARNESS = ROOT / "tests" / "aisdk" / "harness"
-NODE = shutil.which("node")
-#: Node 22 for ai@7 (which needs it): the npm package `node`, a dev dependency of the harness.
-NODE22 = HARNESS / "node_modules" / ".bin" / "node"
 MAJORS = ("ai5", "ai6")  # in Chromium (ai@7's build is not mapped for a page without a bundler)
 NODE_MAJORS = ("ai5", "ai6", "ai7")
 # Long enough that a stop, a drop or a second tab lands mid-answer on the slow model; short answers where
@@ -54,13 +49,6 @@ needs_node = pytest.mark.skipif(NODE is None, reason="node is not installed (Nod
 
 if CHROMIUM is not None:
     from playwright.sync_api import Browser
-
-
-def _require_harness() -> None:
-    missing = [m for m in NODE_MAJORS if not (HARNESS / "node_modules" / m / "package.json").exists()]
-    missing += [] if NODE22.exists() else ["node (Node 22)"]
-    assert not missing, (f"the AI SDK harness is not installed ({', '.join(missing)} missing from "
-                         f"{HARNESS / 'node_modules'}): run scripts/test.sh, or `npm ci --prefix tests/aisdk/harness`")
 
 
 class AisdkStack:
@@ -357,7 +345,7 @@ def run_harness(major: str, rsb: AisdkStack, out: Path, scenarios: tuple[str, ..
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("major", NODE_MAJORS)
 def test_use_chat_works_against_rsb(major: str, aisdk_stack: AisdkStackFactory, tmp_path: Path) -> None:
-    _require_harness()
+    require_harness()
     rsb = aisdk_stack()
     report = run_harness(major, rsb, tmp_path / f"{major}.json")
     check_results(report["results"], rsb, major, tuple(CHECKS))
@@ -373,7 +361,7 @@ class HarnessFiles(SimpleHTTPRequestHandler):
     import_maps: dict[str, str] = {}
     extensions_map = {**SimpleHTTPRequestHandler.extensions_map, ".js": "text/javascript",
                       ".mjs": "text/javascript"}
-    _SERVED = ("/node_modules/", "/browser/shims/", "/chat.mjs", "/scenarios.mjs")
+    _SERVED = ("/node_modules/", "/browser/shims/", "/chat.mjs", "/scenarios.mjs", "/joiners.mjs")
 
     def do_GET(self) -> None:
         path, _, query = self.path.partition("?")
@@ -398,7 +386,7 @@ class HarnessFiles(SimpleHTTPRequestHandler):
 @pytest.fixture
 def harness_origin() -> Iterator[str]:
     """Serves the harness page and its modules on a free port; the base URL."""
-    _require_harness()
+    require_harness()
     maps = {}
     assert NODE is not None
     for major in MAJORS:
@@ -423,7 +411,7 @@ def harness_origin() -> Iterator[str]:
 @pytest.mark.parametrize("major", MAJORS)
 def test_use_chat_works_in_chromium_without_a_bundler(major: str, aisdk_stack: AisdkStackFactory,
                                                      harness_origin: str, browser: Browser) -> None:
-    _require_harness()
+    require_harness()
     rsb = aisdk_stack(cors_origin=harness_origin)  # the page talks to rsb across origins: CORS for real
     ctx = browser.new_context()
     try:
@@ -699,7 +687,7 @@ def test_a_client_side_tool_loop_runs_and_resumes_in_the_middle_of_a_call(
     """addToolOutput + sendAutomaticallyWhen (lastAssistantMessageIsCompleteWithToolCalls), with the real
     client: the loop, then a page that leaves in the middle of the call's arguments and is reloaded, then a
     page that opens the chat while the answer after the result streams."""
-    _require_harness()
+    require_harness()
     rsb, upstream = tool_stack
     streams = Streams(rsb)
 

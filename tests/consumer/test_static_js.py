@@ -129,6 +129,23 @@ def test_the_answer_keeps_typed_output_apart_applies_resets_and_survives_its_own
     assert (wiped["text"], wiped["reasoning"], wiped["toolCalls"], wiped["deltas"]) == ("", "", [], 0)
 
 
+def test_a_snapshot_replaces_the_answer_and_what_follows_continues_it(node: Node) -> None:
+    """A read from the latest (?from=latest): the snapshot is the answer so far, the tail adds to it, as a full
+    read would have it; a second snapshot (where a reset would come) replaces it all again."""
+    args = '{"city": "Z\u00fcrich"}'
+    snapshot = {"text": "Checking.", "reasoning": "Let me think.", "last_event_id": "7-0",
+                "tool_calls": [{"index": 0, "id": "call_a", "name": "weather", "arguments": args[:9]}]}
+    events = [["1-0", "delta", {"text": "stale"}], ["7-0", "snapshot", snapshot],
+              ["8-0", "tool_args", {"index": 0, "text": args[9:]}], ["9-0", "delta", {"text": " Done."}],
+              ["9-0", "snapshot", {"text": "Again", "reasoning": "", "tool_calls": [], "last_event_id": "9-0"}]]
+    after = node.ask(op="answer", events=events)["after"]
+    joined = after[3]
+    assert (joined["text"], joined["reasoning"]) == ("Checking. Done.", "Let me think.")
+    assert joined["toolCalls"] == [{"index": 0, "id": "call_a", "name": "weather", "arguments": args,
+                                    "parsedArguments": [True, {"city": "Zürich"}]}]
+    assert (after[4]["text"], after[4]["reasoning"], after[4]["toolCalls"]) == ("Again", "", [])
+
+
 def test_a_structured_answer_is_parsed_as_it_comes(node: Node) -> None:
     doc = json.dumps({"title": "Redis", "uses": ["cache", "queue"], "stars": 4.5})
     events = [[f"{i + 1}-0", "delta", {"text": doc[i:i + 7]}] for i in range(0, len(doc), 7)]

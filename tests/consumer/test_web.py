@@ -926,3 +926,94 @@ def test_the_usage_panel_shows_the_keys_answers_of_the_last_days(
     assert cells[:4] == [today, "2", str(prompt), "8"], cells
     assert float(cells[4]) == pytest.approx((prompt * 1000 + 8 * 2000) / 1e6, abs=1e-4)
     expect(page.locator("#usage-table tbody tr").last).to_contain_text("total")
+
+
+def _one_line_header(page: Page) -> dict[str, Any]:
+    """The header's layout: whether it overflows, and how far apart vertically its visible items are."""
+    return cast(dict[str, Any], page.evaluate(
+        """() => {
+            const bar = document.querySelector('.bar');
+            const items = [...bar.querySelectorAll('.brand > *, .bar-right > *')].filter((el) => {
+                const r = el.getBoundingClientRect();
+                return r.width > 0 && r.height > 0;
+            });
+            const tops = items.map((el) => el.getBoundingClientRect().top);
+            return { overflow: bar.scrollWidth - bar.clientWidth, spread: Math.max(...tops) - Math.min(...tops),
+                     height: bar.getBoundingClientRect().height, items: items.length,
+                     right: Math.max(...items.map((el) => el.getBoundingClientRect().right)),
+                     width: document.documentElement.clientWidth };
+        }"""))
+
+
+@needs_chromium
+def test_the_model_picker_the_tier_where_a_key_may_choose_and_a_header_that_fits_a_phone(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path,
+        tmp_path: Path, browser: Browser) -> None:
+    """Two served models: the header's picker lists both (GET /v1/models) with the default chosen, and a send runs
+    on the one picked; a key whose service_tiers offer a choice gets a tier picker in Settings (another key does
+    not); on a 390 px wide phone the header stays on one line, nothing past the screen's edge."""
+    from consumer.edge.auth import new_key
+
+    choosy, choosy_entry = new_key("choosy")
+    plain, plain_entry = new_key("plain")
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [{**choosy_entry, "service_tiers": ["default", "priority"]}, plain_entry]}))
+    s = stack_factory(redis_server.url)
+    s.generator("--model-name", "alpha")
+    s.generator("--model-name", "beta", model=slow_model)
+    s.consumer("--api-keys", str(keys), "--default-model", "alpha", test_default=False)
+    eventually(lambda: len(cast("list[bytes]", redis_client.zrange(served_models_key(), 0, -1))) == 2, 30,
+               "both generators announcing their models")
+    errors: list[str] = []
+    for width, height in ((390, 844), (1000, 760)):
+        ctx = browser.new_context(viewport={"width": width, "height": height}, is_mobile=width < 500,
+                                  has_touch=width < 500)
+        ctx.set_default_timeout(60_000)
+        try:
+            page = ctx.new_page()
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.add_init_script(  # the key, as the Settings panel keeps it (once: a reload keeps what is there)
+                f"if (!localStorage.getItem('rsb.settings.v1')) localStorage.setItem('rsb.settings.v1', "
+                f"JSON.stringify({{apiKey: {json.dumps(choosy)}}}))")
+            page.goto(f"{s.base_url}/")
+            picker = page.locator("#model")
+            expect(picker).to_be_visible()
+            expect(picker.locator("option")).to_have_count(2)
+            assert sorted(picker.locator("option").all_inner_texts()) == ["alpha", "beta"]
+            assert picker.input_value() == "alpha"  # the server's default
+            layout = _one_line_header(page)
+            assert layout["overflow"] <= 0 and layout["right"] <= layout["width"], layout
+            assert layout["spread"] < 12 and layout["height"] < 64, layout  # one row of items
+            _screenshot(page, f"header-{width}.png")
+            if width > 500:
+                continue
+            # The tier picker: this key may choose.
+            page.click("#settings > summary")
+            expect(page.locator("#tier-choice")).to_be_visible()
+            assert page.locator("#service-tier option").all_inner_texts()[1:] == ["priority", "default"]
+            page.select_option("#service-tier", "priority")
+            page.fill("#max-tokens", "4")
+            page.click("#settings > summary")
+            picker.select_option("beta")
+            page.fill("#prompt", "Which model are you?")
+            before = page.locator(".turn").count()
+            page.click("#send")
+            sid = page.locator(".turn").nth(before).get_attribute("data-stream-id")
+            assert sid
+            _wait_status(page, sid, "done")
+            with s.client() as c:
+                started = read_sse(c, f"/v1/streams/{sid}/events",
+                                   headers={"Authorization": f"Bearer {choosy}"}).events[1]
+            assert started.event == "started" and started.data == {"model": "beta", "service_tier": "priority"}
+            page.reload()  # the choice is kept
+            expect(page.locator("#model")).to_have_value("beta")
+            assert _one_line_header(page)["spread"] < 12
+            # A key with no choice of tier gets no tier picker.
+            page.evaluate(f"localStorage.setItem('rsb.settings.v1', JSON.stringify({{apiKey: {json.dumps(plain)}}}))")
+            page.reload()
+            expect(page.locator("#model option")).to_have_count(2)
+            page.click("#settings > summary")
+            expect(page.locator("#tier-choice")).to_be_hidden()
+        finally:
+            ctx.close()
+    assert not errors, errors

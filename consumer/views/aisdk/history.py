@@ -131,13 +131,15 @@ class _Chat:
                     return
 
 
-def ui_messages(turns: Sequence[Turn], running: Turn | None = None) -> list[dict[str, Any]]:
+def ui_messages(turns: Sequence[Turn], running: Turn | None = None,
+                waiting: Sequence[Turn] = ()) -> list[dict[str, Any]]:
     """The chat as ``UIMessage`` s: each turn's messages, then its answer (in the message of its answer's id,
     as the chunks of its stream name it: a continuation after a tool result adds a step to the message it
     continues). A running turn's messages come last, without its answer: ``resumeStream()`` (the resume route)
-    brings it, into a message of that id."""
+    brings it, into a message of that id; then the messages of the turns waiting behind it (broker.on_busy)."""
     chat = _Chat()
-    for turn in [*turns, *([running] if running is not None else [])]:
+    unfinished = [*([running] if running is not None else []), *waiting]
+    for turn in [*turns, *unfinished]:
         for i, m in enumerate(as_messages(turn.input)):
             mid = turn.message_id(i)
             if m.role == "tool":
@@ -146,7 +148,7 @@ def ui_messages(turns: Sequence[Turn], running: Turn | None = None) -> list[dict
                 chat.step(mid, m.content, m.tool_calls)
             else:
                 chat.message(mid, m.role)["parts"].append({"type": "text", "text": m.content})
-        if turn is running or not turn.has_stream or turn.output.empty:
+        if any(turn is u for u in unfinished) or not turn.has_stream or turn.output.empty:
             continue
         out = turn.output
         msg = chat.step(turn.answer_message_id, out.text, out.tool_calls, out.reasoning)

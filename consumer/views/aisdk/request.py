@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from broker.errors import InvalidRequest
+from broker.on_busy import parse_on_busy
 from broker.request import GenerationRequest
 
 SUBMIT, REGENERATE = "submit-message", "regenerate-message"
@@ -33,6 +34,8 @@ MAX_MESSAGE_ID_CHARS = 256
 OPTIONS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "cancel_on_disconnect", "tools",
            "tool_choice", "response_format")
 _SDK_FIELDS = frozenset({"id", "messages", "trigger", "messageId"})
+#: rsb's own field besides the generation options: what the turn does while another of the chat runs (broker.on_busy).
+ON_BUSY_FIELD = "on_busy"
 # UIMessage parts that carry nothing for the model: the SDK's step markers, the model's own reasoning (models
 # are not given their past reasoning) and sources, and app data parts. Files would change the answer and rsb
 # cannot honour them.
@@ -61,6 +64,8 @@ class ChatRequest:
     #: For each of the create body's ``messages``, the id of the UI message it comes from (an assistant UI
     #: message becomes several: its steps and its calls' results).
     message_ids: tuple[str, ...] = ()
+    #: What the turn does while another of the chat runs (broker.on_busy; None: the key's default).
+    on_busy: str | None = None
 
     def turn_key(self, request: GenerationRequest) -> str:
         """Same chat + same turn key = the same turn. The request's hash is part of it, so a body that
@@ -182,10 +187,11 @@ def _messages(i: int, m: dict[str, Any]) -> list[dict[str, Any]]:
 
 def parse_chat_body(body: dict[str, Any]) -> ChatRequest:
     """Validate the SDK's body (rsb's own validator then checks the create body built from it)."""
-    unknown = sorted(set(body) - _SDK_FIELDS - set(OPTIONS))
+    unknown = sorted(set(body) - _SDK_FIELDS - set(OPTIONS) - {ON_BUSY_FIELD})
     if unknown:
         raise InvalidRequest(f"unknown field(s): {', '.join(unknown)} (besides the SDK's, the body may carry "
-                             f"{', '.join(OPTIONS)})")
+                             f"{', '.join(OPTIONS)}, {ON_BUSY_FIELD})")
+    on_busy = parse_on_busy(body.get(ON_BUSY_FIELD))
     chat_id = chat_id_of(body.get("id"))
     trigger = body.get("trigger", SUBMIT)
     if trigger not in (SUBMIT, REGENERATE):
@@ -216,4 +222,4 @@ def parse_chat_body(body: dict[str, Any]) -> ChatRequest:
     create_body = {"messages": messages, **{k: body[k] for k in OPTIONS if k in body}}
     return ChatRequest(chat_id, trigger, message_id or last_user,
                        plain_send=trigger == SUBMIT and message_id is None, create_body=create_body,
-                       continues=continues, message_ids=tuple(message_ids))
+                       continues=continues, message_ids=tuple(message_ids), on_busy=on_busy)

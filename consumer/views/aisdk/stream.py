@@ -29,6 +29,7 @@ from broker.events import Event, EventType
 from broker.request import GenerationRequest
 from broker.sse import DONE_FRAME, frame
 from consumer.metrics import Metrics
+from consumer.streaming.snapshots import AnswerSnapshot
 
 log = logging.getLogger("rsb.consumer")
 
@@ -152,6 +153,9 @@ class TurnChunks:
             return chunk_frame({"type": "tool-input-delta", "toolCallId": call.id, "inputTextDelta": data["text"]})
         return None
 
+    def replay(self, events: Sequence[Event]) -> bytes:
+        return b"".join([self.frames(ev) for ev in events])
+
     def frames(self, ev: Event) -> bytes:
         answer = self._answer(ev)
         if answer is not None:
@@ -229,18 +233,51 @@ def _output(content: str) -> Any:
         return content
 
 
-async def turn_frames(batches: AsyncIterator[Sequence[Event] | None], stream_id: uuid.UUID,
-                      metrics: Metrics, message_id: str | None = None,
-                      earlier: bytes = b"") -> AsyncIterator[bytes | None]:
+#: What takes back the answer's parts after a failover lost events a reader was sent (ai >= 7.0.70; the other majors'
+#: closed chunk union refuses it, so a read sends it only when asked: ``?reset_step=1``).
+RESET_STEP_FRAME = chunk_frame({"type": "reset-step"})
+
+
+def _snapshot_frames(frames: bytes, last_id: str | None) -> bytes:
+    """A snapshot's chunk frames, each under ``event: snapshot`` and the first with the snapshot's ``id:`` (its
+    last event): the SDK's parser reads only their data lines, so they are the message so far to it, and a snapshot
+    to anyone reading the SSE events."""
+    out = []
+    for i, f in enumerate(frames.split(b"\n\n")[:-1]):  # every frame is `data: <one line>` + a blank line
+        head = b"id: " + last_id.encode() + b"\n" if i == 0 and last_id else b""
+        out.append(head + b"event: snapshot\n" + f + b"\n\n")
+    return b"".join(out)
+
+
+async def turn_frames(batches: AsyncIterator[Sequence[Event] | AnswerSnapshot | None], stream_id: uuid.UUID,
+                      metrics: Metrics, message_id: str | None = None, earlier: bytes = b"", *,
+                      latest: bool = False, reset_step: bool = False) -> AsyncIterator[bytes | None]:
     """The turn from its start (``batches`` reads the stream from its first event), a batch per send;
     ``None`` when a heartbeat (an SSE comment, which the SDK skips) is due. ``message_id``: the message it
-    continues (None: its own, named by the stream id); ``earlier``: that message's earlier steps (a resume)."""
+    continues (None: its own, named by the stream id); ``earlier``: that message's earlier steps (a resume).
+
+    ``batches`` may hold snapshots (StreamService.latest): with ``latest`` the first item is one, the message so
+    far (each run of its parts one start and one delta); a later one stands where a reset came: with ``reset_step``
+    it follows a ``reset-step`` (the SDK drops the step's parts and takes the snapshot's), else the response ends
+    there, without ``finish``, and the client's resume reads the turn as it now is."""
     turn = TurnChunks(stream_id, message_id)
-    yield turn.opening(earlier)
+    opening = turn.opening(earlier)
+    if not latest:
+        yield opening
     try:
         async for batch in batches:
             if batch is None:
                 yield None
+                continue
+            if isinstance(batch, AnswerSnapshot):
+                if latest:
+                    latest = False
+                    yield _snapshot_frames(opening + turn.replay(batch.events), batch.last_id)
+                    continue
+                if not reset_step:
+                    return
+                turn = TurnChunks(stream_id, message_id)
+                yield _snapshot_frames(RESET_STEP_FRAME + turn.replay(batch.events), batch.last_id)
                 continue
             yield b"".join(turn.frames(ev) for ev in batch)
             metrics.events_sent.inc(len(batch))

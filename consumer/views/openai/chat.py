@@ -43,6 +43,7 @@ from consumer.views.openai.common import (
     check_results_answer_calls,
     create_stream,
     data_frame,
+    dropped_header,
     error_json,
     invalid,
     no_items,
@@ -75,8 +76,9 @@ def _stream_options(v: object) -> bool:
 RESTRICTIONS = (
     Only("n", {"anyOf": [{"const": 1}, NULL]}, lambda v: v is None or _is_int(v, 1), "only 'n': 1 is supported"),
     no_items("functions"), null_only("function_call"),
-    null_only("audio"), null_only("prediction"), null_only("web_search_options"),
-    null_only("reasoning_effort"), null_only("verbosity"), null_only("prompt_cache_retention"),
+    null_only("audio"), null_only("prediction", droppable=True), null_only("web_search_options", droppable=True),
+    null_only("reasoning_effort", droppable=True), null_only("verbosity", droppable=True),
+    null_only("prompt_cache_retention", droppable=True),
     Only("modalities", {"anyOf": [{"const": ["text"]}, NULL]}, lambda v: v is None or v == ["text"],
          "only the text modality is supported"),
     boolean("stream"),
@@ -133,14 +135,16 @@ def _echoed_call(call: object) -> object:
             "function": {k: fn[k] for k in ("name", "arguments") if k in fn}}
 
 
-def _chat_body(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any], dict[str, str]]:
-    """The rsb create body for a chat request, and the renames for its validation messages."""
+def _chat_body(body: dict[str, Any], limits: RequestLimits, *, drop: bool = False
+               ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """The rsb create body for a chat request, the renames for its validation messages, and the parameters it
+    had dropped (``drop``: --drop-unsupported-params)."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("'messages' must be a non-empty list", "messages")
     messages = [_message(i, m) for i, m in enumerate(raw)]
     check_results_answer_calls(messages, "messages")
-    check_only(body, RESTRICTIONS)
+    dropped = check_only(body, RESTRICTIONS, drop=drop)
     check_known(body, KNOWN)
     given = [name for name in TOKEN_LIMITS if body.get(name) is not None]
     for name in given[1:]:  # the older name must be valid too, though the newer one wins
@@ -152,7 +156,7 @@ def _chat_body(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, A
     for name in PASSED_THROUGH:
         if body.get(name) is not None:
             rsb[name] = body[name]
-    return rsb, {"max_tokens": given[0] if given else "max_completion_tokens"}
+    return rsb, {"max_tokens": given[0] if given else "max_completion_tokens"}, dropped
 
 
 class _Chat:
@@ -302,7 +306,8 @@ async def chat_completions(request: Request) -> ASGIApp:
     body = await read_json(request)
     state = state_of(request)
     service = state.service
-    rsb_body, renames = _chat_body(body, service.limits_for(caller_of(request)))
+    caller = caller_of(request)
+    rsb_body, renames, dropped = _chat_body(body, service.limits_for(caller), drop=service.drops_unsupported(caller))
     stream = bool(body.get("stream"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     with service.connection(caller_of(request)) as slot:
@@ -311,6 +316,7 @@ async def chat_completions(request: Request) -> ASGIApp:
         if stream:
             return SSEResponse(_frames(service, chat, stream_id, include_usage), shutdown=state.draining,
                                send_timeout_s=state.settings.send_timeout_s,
-                               headers={STREAM_ID_HEADER: str(stream_id)}, shutdown_frame=_SHUTDOWN_FRAME,
-                               on_close=slot.release)
-        return DeferredResponse(request, stream_id, lambda: _completion(service, chat, stream_id), slot.release)
+                               headers={STREAM_ID_HEADER: str(stream_id), **dropped_header(dropped)},
+                               shutdown_frame=_SHUTDOWN_FRAME, on_close=slot.release)
+        return DeferredResponse(request, stream_id, lambda: _completion(service, chat, stream_id), slot.release,
+                                dropped_header(dropped))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,13 +149,19 @@ class Only:
     schema: dict[str, Any]
     accepts: Callable[[object], bool]
     message: str
+    #: A setting of how a model answers that rsb's models cannot honour (OpenAI's ``reasoning_effort``,
+    #: ``verbosity``, ...), which agents send by default: with --drop-unsupported-params (or the caller's key's
+    #: ``drop_unsupported_params``) it is dropped, not refused, and the response names it (DROPPED_PARAMS_HEADER).
+    droppable: bool = False
 
 
 NULL: dict[str, Any] = {"type": "null"}
+#: The parameters a request had dropped (``Only.droppable``), comma-separated, when it had any.
+DROPPED_PARAMS_HEADER = "x-rsb-dropped-params"
 
 
-def null_only(name: str) -> Only:
-    return Only(name, NULL, lambda v: v is None, f"'{name}' is not supported")
+def null_only(name: str, *, droppable: bool = False) -> Only:
+    return Only(name, NULL, lambda v: v is None, f"'{name}' is not supported", droppable)
 
 
 def no_items(name: str) -> Only:
@@ -174,10 +180,22 @@ def text_format(name: str, message: str) -> Only:
     return Only(name, schema, lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), message)
 
 
-def check_only(body: Mapping[str, Any], rules: tuple[Only, ...]) -> None:
+def check_only(body: dict[str, Any], rules: tuple[Only, ...], *, drop: bool = False) -> list[str]:
+    """Refuse what rsb cannot honour; with ``drop``, the droppable ones are taken out of ``body`` instead. The
+    names of the parameters dropped."""
+    dropped = []
     for rule in rules:
         if not rule.accepts(body.get(rule.name)):
-            raise invalid(rule.message, rule.name)
+            if not (drop and rule.droppable):
+                raise invalid(rule.message, rule.name)
+            del body[rule.name]
+            dropped.append(rule.name)
+    return dropped
+
+
+def dropped_header(dropped: Sequence[str]) -> dict[str, str]:
+    """The response header that names the parameters a request had dropped (none: no header)."""
+    return {DROPPED_PARAMS_HEADER: ",".join(dropped)} if dropped else {}
 
 
 def check_known(body: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -281,9 +299,10 @@ class DeferredResponse(Response):
     when it is over, however it ended (connection accounting)."""
 
     def __init__(self, request: Request, stream_id: uuid.UUID, compute: Callable[[], Awaitable[Response]],
-                 on_close: Callable[[], None]) -> None:
+                 on_close: Callable[[], None], headers: Mapping[str, str] | None = None) -> None:
         self.status_code = 200
-        self.init_headers({STREAM_ID_HEADER: str(stream_id)})
+        self.headers_given = dict(headers or {})
+        self.init_headers({STREAM_ID_HEADER: str(stream_id), **self.headers_given})
         self.compute = compute
         self.draining = state_of(request).draining
         self.stream_id = str(stream_id)
@@ -312,6 +331,8 @@ class DeferredResponse(Response):
                     raise
                 response = self.failed(err)
             response.headers[STREAM_ID_HEADER] = self.stream_id
+            for name, value in self.headers_given.items():
+                response.headers[name] = value
             await response(scope, receive, send)
         finally:
             self.on_close()

@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from broker.errors import NotFound
 from broker.history import History
+from broker.on_busy import ON_BUSY
 from broker.request import Message
 from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
@@ -30,6 +31,9 @@ HISTORY_RULES = (
          "'conversation' must be a conversation id (conv_...) or {\"id\": ...}"),
     Only("previous_response_id", {"anyOf": [{"type": "string"}, NULL]}, lambda v: v is None or isinstance(v, str),
          "'previous_response_id' must be a response id (resp_...)"),
+    # rsb's: what a conversation's turn does while another runs (broker.on_busy); without one it changes nothing.
+    Only("on_busy", {"anyOf": [{"enum": list(ON_BUSY)}, NULL]}, lambda v: v is None or v in ON_BUSY,
+         f"'on_busy' must be one of {', '.join(ON_BUSY)}"),
 )
 
 
@@ -85,7 +89,8 @@ async def create_response_stream(request: Request, body: dict[str, Any], rsb_bod
     stream_id = stream_id_for(request, caller)
     if conversation is not None:
         started = await state.conversations.start(caller, conversation, gen_request, lead=lead, stream_id=stream_id,
-                                                  implicit=False, hook_name=response_id)
+                                                  implicit=False, hook_name=response_id,
+                                                  on_busy=state.service.on_busy(caller, body.get("on_busy")))
         stream_id = started.stream_id
     else:
         assert previous is not None

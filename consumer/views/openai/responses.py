@@ -40,6 +40,7 @@ from consumer.views.openai.common import (
     boolean,
     check_known,
     check_only,
+    dropped_header,
     event_frame,
     invalid,
     null_only,
@@ -86,13 +87,15 @@ INPUT_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 RESTRICTIONS = (
     Only("instructions", {"anyOf": [{"type": "string"}, NULL]}, lambda v: v is None or isinstance(v, str),
          "'instructions' must be a string"),
-    *HISTORY_RULES, null_only("prompt"), null_only("reasoning"), null_only("prompt_cache_retention"),
+    *HISTORY_RULES, null_only("prompt"), null_only("reasoning", droppable=True),
+    null_only("prompt_cache_retention", droppable=True),
     Only("top_logprobs", {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}, NULL]},
          lambda v: v is None or (isinstance(v, int | float) and not isinstance(v, bool) and float(v).is_integer()
                                  and 0 <= v <= MAX_TOP_LOGPROBS),
          f"'top_logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}"),
     Only("truncation", {"anyOf": [{"const": "disabled"}, NULL]}, lambda v: v is None or v == "disabled",
-         "only 'truncation': 'disabled' is supported (a too long input is a 400 context_length_exceeded)"),
+         "only 'truncation': 'disabled' is supported (a too long input is a 400 context_length_exceeded)",
+         droppable=True),
     # rsb runs no built-in tool, so what include asks of them is nothing to add; message.output_text.logprobs
     # asks for the logprobs of the message's tokens.
     Only("include", {"anyOf": [{"type": "array", "items": {"type": "string"}}, NULL]},
@@ -182,9 +185,14 @@ def _input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def _responses_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The rsb create body for a Responses request. What rsb cannot honour is refused, not ignored."""
-    check_only(body, RESTRICTIONS)
+def _responses_body(body: dict[str, Any], *, drop: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """The rsb create body for a Responses request, and the parameters it had dropped (``drop``:
+    --drop-unsupported-params). What rsb cannot honour is refused, not ignored, unless it is dropped."""
+    dropped = check_only(body, RESTRICTIONS, drop=drop)
+    text = body.get("text")
+    if drop and isinstance(text, dict) and text.get("verbosity") is not None:
+        body["text"] = {k: v for k, v in text.items() if k != "verbosity"}
+        dropped.append("text.verbosity")
     check_known(body, KNOWN | {r.name for r in RESTRICTIONS})
     rsb: dict[str, Any] = {"messages": _input_messages(body), "max_tokens": body.get("max_output_tokens")}
     for name in PASSED_THROUGH:
@@ -195,7 +203,7 @@ def _responses_body(body: dict[str, Any]) -> dict[str, Any]:
     typed = {"tools": chat_tools(body.get("tools")), "tool_choice": chat_tool_choice(body.get("tool_choice")),
              "response_format": response_format(body.get("text"))}
     rsb.update({name: value for name, value in typed.items() if value is not None})
-    return rsb
+    return rsb, dropped
 
 
 async def new_view(service: StreamService, stream_id: uuid.UUID, st: StreamStatus) -> ResponseView:
@@ -226,13 +234,14 @@ async def _snapshot(service: StreamService, stream_id: uuid.UUID, st: StreamStat
 
 
 async def _serve_events(request: Request, slot: Slot, stream_id: uuid.UUID, st: StreamStatus,
-                        after: int) -> ASGIApp:
+                        after: int, headers: dict[str, str] | None = None) -> ASGIApp:
     state = state_of(request)
     view = await new_view(state.service, stream_id, st)
     # On shutdown the stream just ends: a client resumes with starting_after, as after any dropped connection.
     return SSEResponse(_frames(state.service, stream_id, view, after), shutdown=state.draining,
-                       send_timeout_s=state.settings.send_timeout_s, headers={STREAM_ID_HEADER: str(stream_id)},
-                       shutdown_frame=b"", on_close=slot.release)
+                       send_timeout_s=state.settings.send_timeout_s,
+                       headers={STREAM_ID_HEADER: str(stream_id), **(headers or {})}, shutdown_frame=b"",
+                       on_close=slot.release)
 
 
 def check_item_count(raw: list[Any], max_items: int, param: str = "input") -> None:
@@ -248,25 +257,26 @@ async def create_response(request: Request) -> ASGIApp:
         service, caller = state_of(request).service, caller_of(request)
         check_item_count(body["input"], service.limits_for(caller).max_messages)
         body["input"] = await resolve_references(service, caller, body["input"])
-    rsb_body = _responses_body(body)
+    service = state_of(request).service
+    rsb_body, dropped = _responses_body(body, drop=service.drops_unsupported(caller_of(request)))
+    headers = dropped_header(dropped)
     stream, background = bool(body.get("stream")), bool(body.get("background"))
     renames = {**PHRASES, "max_tokens": "max_output_tokens", "messages": "input"}
     uncounted = 1 if body.get("instructions") is not None else 0
-    service = state_of(request).service
     if not stream and background:
         stream_id, st = await create_response_stream(request, body, rsb_body, renames, uncounted, parse_response_id)
-        return JSONResponse((await _snapshot(service, stream_id, st)).response())
+        return JSONResponse((await _snapshot(service, stream_id, st)).response(), headers=headers)
     with service.connection(caller_of(request)) as slot:
         stream_id, st = await create_response_stream(request, body, rsb_body, renames, uncounted, parse_response_id)
         if stream:
-            return await _serve_events(request, slot, stream_id, st, -1)
+            return await _serve_events(request, slot, stream_id, st, -1, headers)
 
         async def to_end() -> Response:
             view = await new_view(service, stream_id, st)
             await service.fold(stream_id, view.feed)
             return JSONResponse(view.response())
 
-        return DeferredResponse(request, stream_id, to_end, slot.release)
+        return DeferredResponse(request, stream_id, to_end, slot.release, headers)
 
 
 async def retrieve_response(request: Request) -> ASGIApp:

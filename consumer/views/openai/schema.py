@@ -189,7 +189,11 @@ def openai_paths(limits: RequestLimits, generation: dict[str, Any], auth: bool) 
         "/v1/models": {"get": {"operationId": "openaiModels", "responses": {
             "200": json_response("the models this deployment serves", {
                 "type": "object", "required": ["object", "data"],
-                "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}}}),
+                "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL},
+                               "default_model": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                                 "description": "what a create that names no model runs on"},
+                               "service_tiers": {"type": "array", "items": {"type": "string"},
+                                                 "description": "the tiers the caller's key may choose between"}}}),
             **common}}},
         "/v1/models/{model}": {"get": {
             "operationId": "openaiModel",

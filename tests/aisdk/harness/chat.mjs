@@ -5,7 +5,7 @@
 // AbstractChat with an in-memory ChatState, talking through the SDK's own
 // DefaultChatTransport. Nothing of the protocol is reimplemented here.
 //
-// ChatState interface (identical in ai@5.0.277 and ai@6.0.326, see dist/index.d.ts):
+// ChatState interface (identical in ai@5.0.277 and ai@6.0.333, see dist/index.d.ts):
 //   { status, error, messages, pushMessage(m), popMessage(), replaceMessage(i, m), snapshot(x) }
 // The state below mirrors @ai-sdk/react's ReactChatState: pushMessage stores the object
 // as given (the SDK keeps mutating it while streaming), replaceMessage stores a snapshot,

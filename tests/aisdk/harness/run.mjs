@@ -3,7 +3,8 @@
 //   RSB_URL=http://127.0.0.1:8000 RSB_KEY_A=a.secret RSB_KEY_B=b.secret node run.mjs ai6 results.json
 // ai7 needs Node 22: node_modules/.bin/node run.mjs ai7 results.json (the npm package `node`, pinned here).
 // Optional: RSB_SCENARIOS=send,abortResume (the tool scenarios, toolLoop and toolResume, run only when named:
-// they need rsb on an upstream that calls tools)  RSB_LONG_TOKENS (default 600)  RSB_SHORT_TOKENS (default 30).
+// they need rsb on an upstream that calls tools)  RSB_LONG_TOKENS (default 600)  RSB_SHORT_TOKENS (default 30)
+// RSB_PARAMS (JSON: what the named scenarios take, e.g. a chat id the test prepared: joiners.mjs).
 import { writeFileSync } from 'node:fs';
 import { runScenarios } from './scenarios.mjs';
 
@@ -19,5 +20,6 @@ const results = await runScenarios({
   ai, major, baseUrl: env.RSB_URL, keyA: env.RSB_KEY_A, keyB: env.RSB_KEY_B,
   long: Number(env.RSB_LONG_TOKENS ?? 600), short: Number(env.RSB_SHORT_TOKENS ?? 30),
   only: env.RSB_SCENARIOS ? env.RSB_SCENARIOS.split(',') : undefined,
+  params: env.RSB_PARAMS ? JSON.parse(env.RSB_PARAMS) : {},
 });
 writeFileSync(out, JSON.stringify({ major, version: pkg.version, node: process.version, results }, null, 1));

@@ -4,6 +4,7 @@
 // answers). tests/consumer/test_aisdk.py asserts on the results and compares every answer with its rsb
 // stream, read natively (the assistant message's id is the stream id).
 import { createChat, messageText, waitFor, interruptionsAreNotDisconnects } from './chat.mjs';
+import { JOINER_SCENARIOS } from './joiners.mjs';
 
 // Characters of an answer on screen before a scenario interrupts it: well inside a long answer.
 const MID_CHARS = 40;
@@ -312,13 +313,14 @@ export const TOOL_SCENARIOS = {
 };
 
 /**
- * Run the scenarios (all of SCENARIOS, or `only`, which may name TOOL_SCENARIOS too) one after the other
- * against `baseUrl`; each result is what the scenario returned or `{ exception }`.
+ * Run the scenarios (all of SCENARIOS, or `only`, which may name TOOL_SCENARIOS and JOINER_SCENARIOS too) one
+ * after the other against `baseUrl`; each result is what the scenario returned or `{ exception }`. `params`: what
+ * the test gives the scenarios it names (e.g. a chat id it prepared).
  */
-export async function runScenarios({ ai, major, baseUrl, keyA, keyB, long, short, only }) {
+export async function runScenarios({ ai, major, baseUrl, keyA, keyB, long, short, only, params = {} }) {
   let n = 0;
   const ctx = {
-    keyB, long, short,
+    ai, major, baseUrl, keyB, long, short, params,
     chat: ({ apiKey = keyA, maxTokens = long, body = {}, chatId, ...o } = {}) => createChat({
       ai, baseUrl, apiKey, chatId: chatId ?? `${major}-${Date.now()}-${++n}`,
       transport: { body: { max_tokens: maxTokens, ...body } }, ...o,
@@ -351,7 +353,7 @@ export async function runScenarios({ ai, major, baseUrl, keyA, keyB, long, short
     },
   };
   const results = {};
-  const all = { ...SCENARIOS, ...TOOL_SCENARIOS };
+  const all = { ...SCENARIOS, ...TOOL_SCENARIOS, ...JOINER_SCENARIOS };
   for (const name of only ?? Object.keys(SCENARIOS)) {
     const t0 = Date.now();
     try {
