@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import cast
 
 from broker import telemetry
 from broker.errors import (
@@ -45,12 +45,11 @@ from consumer.metrics import Metrics
 from consumer.settings import ConsumerSettings
 from consumer.streaming.hub import LiveHub
 from consumer.streaming.reader import REPLAY_PAGE, read_batches, read_stream
+from consumer.streaming.resets import events_until_reset, from_latest, until_reset
 from consumer.streaming.snapshots import AnswerSnapshot, Snapshots
-from consumer.streaming.spans import EVENTS_SERVED, read_span
+from consumer.streaming.spans import batch_size, one, traced
 
 log = logging.getLogger("rsb.consumer")
-
-T = TypeVar("T")
 
 # How long a lookup of the served models is reused: creates record the model, and what the generators
 # serve changes with a deployment, not per request.
@@ -348,8 +347,8 @@ class StreamService:
         pass ``reset`` events on (a view whose protocol can say "drop what came after this id"); else the
         batches end just before one, so that the response ends and its client re-syncs."""
         batches = read_batches(self.store, self.hub, stream_id, after_id, self.settings.heartbeat_s, watched=watched)
-        out = batches if resets else _until_reset(batches)
-        return out if telemetry.TRACER is None else self._fetched(stream_id, after_id, out, _batch_size)
+        out = batches if resets else until_reset(batches)
+        return out if telemetry.TRACER is None else traced(self.store, stream_id, after_id, out, batch_size)
 
     def latest(self, stream_id: uuid.UUID, after_id: str | None, *, watched: bool = True, snapshot: bool = True
                ) -> AsyncIterator[Sequence[Event] | AnswerSnapshot | None]:
@@ -357,15 +356,15 @@ class StreamService:
         then every event after it by the batch, as ``batches``; where a ``reset`` would come, a new snapshot of
         the stream as it now is instead (a snapshot replaces what its reader had, so such a read never takes
         text back event by event). Without ``snapshot`` it starts after ``after_id`` (a reconnect)."""
-        return _latest(self, stream_id, after_id, watched=watched, snapshot=snapshot)
+        return from_latest(self.snapshots, self.batches, stream_id, after_id, watched=watched, snapshot=snapshot)
 
     def tail(self, stream_id: uuid.UUID) -> AsyncGenerator[Event | None, None]:
         """The stream from its first event, live ones included: ``None`` for each heartbeat due; it ends
         before a ``reset`` (the views that tail cannot take text back: their response ends, and the client
         re-syncs). Close it (``aclosing``) so its live subscription ends with the reader, not at garbage
         collection."""
-        events = _events_until_reset(read_stream(self.store, self.hub, stream_id, None, self.settings.heartbeat_s))
-        return events if telemetry.TRACER is None else self._fetched(stream_id, None, events, _one)
+        events = events_until_reset(read_stream(self.store, self.hub, stream_id, None, self.settings.heartbeat_s))
+        return events if telemetry.TRACER is None else traced(self.store, stream_id, None, events, one)
 
     async def fold(self, stream_id: uuid.UUID, feed: Callable[[Event], object],
                    timeout_s: float | None = None) -> bool:
@@ -378,7 +377,7 @@ class StreamService:
             async with asyncio.timeout(timeout_s):
                 source = read_stream(self.store, self.hub, stream_id, None, self.settings.heartbeat_s)
                 if telemetry.TRACER is not None:
-                    source = self._fetched(stream_id, None, source, _one)
+                    source = traced(self.store, stream_id, None, source, one)
                 async with aclosing(cast(AsyncGenerator[Event | None, None], source)) as events:
                     async for ev in events:
                         if ev is None:
@@ -394,29 +393,6 @@ class StreamService:
         for ev in kept:
             feed(ev)
         return ended
-
-    async def _fetched(self, stream_id: uuid.UUID, after_id: str | None, source: AsyncIterator[T],
-                       size: Callable[[T], int]) -> AsyncGenerator[T, None]:
-        """``source``, a read of the stream, inside its ``fetch_response`` span (tracing on: consumer.edge.tracing's
-        request span its parent), linked to the span of the create whose generation it reads, with the resume
-        point and the events served (``size`` of each item)."""
-        try:
-            tp, model = await self.store.trace_of(stream_id)
-        except Exception:  # Redis away: the read meets it too, and says so; the span goes without its link
-            tp = model = ""
-        span = read_span(stream_id, after_id, tp, model)
-        served = 0
-        try:
-            async for item in source:
-                served += size(item)
-                yield item
-        except Exception as e:
-            telemetry.mark_error(span, type(e).__qualname__)
-            raise
-        finally:
-            span.set_attribute(EVENTS_SERVED, served)
-            span.end()
-            await cast(AsyncGenerator[T, None], source).aclose()
 
     async def page(self, stream_id: uuid.UUID, after_id: str | None, count: int = REPLAY_PAGE) -> Sequence[Event]:
         """Up to ``count`` events after ``after_id`` (None: from the start), without waiting for more."""
@@ -436,63 +412,3 @@ class StreamService:
             if len(page) < REPLAY_PAGE:
                 return out
             last = page[-1].id
-
-
-def _batch_size(batch: Sequence[Event] | None) -> int:
-    return len(batch) if batch else 0
-
-
-def _one(event: Event | None) -> int:
-    return 0 if event is None else 1
-
-
-async def _latest(service: StreamService, stream_id: uuid.UUID, after_id: str | None, *, watched: bool,
-                  snapshot: bool) -> AsyncGenerator[Sequence[Event] | AnswerSnapshot | None, None]:
-    while True:
-        if snapshot:
-            snap = await service.snapshots.latest(stream_id)
-            yield snap
-            after_id = snap.last_id
-        snapshot = True
-        batches = cast(AsyncGenerator[Sequence[Event] | None, None], service.batches(stream_id, after_id,
-                                                                                       watched=watched))
-        async with aclosing(batches):
-            async for batch in batches:
-                if batch is None:
-                    yield None
-                    continue
-                cut = next((i for i, ev in enumerate(batch) if ev.type == EventType.RESET), None)
-                if cut is None:
-                    yield batch
-                    continue
-                if cut:
-                    yield batch[:cut]
-                break  # a reset: the next round starts with a snapshot of the stream as it now is
-            else:
-                return
-
-
-async def _until_reset(batches: AsyncIterator[Sequence[Event] | None]
-                       ) -> AsyncGenerator[Sequence[Event] | None, None]:
-    """The batches up to (not including) a ``reset``."""
-    try:
-        async for batch in batches:
-            if batch is not None:
-                cut = next((i for i, ev in enumerate(batch) if ev.type == EventType.RESET), None)
-                if cut is not None:
-                    if cut:
-                        yield batch[:cut]
-                    return
-            yield batch
-    finally:
-        await cast(AsyncGenerator[Sequence[Event] | None, None], batches).aclose()
-
-
-async def _events_until_reset(events: AsyncIterator[Event | None]) -> AsyncGenerator[Event | None, None]:
-    try:
-        async for ev in events:
-            if ev is not None and ev.type == EventType.RESET:
-                return
-            yield ev
-    finally:
-        await cast(AsyncGenerator[Event | None, None], events).aclose()
