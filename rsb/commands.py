@@ -17,7 +17,7 @@ from broker.errors import RsbError
 from broker.redis.connection import connect
 from broker.settings import BrokerSettings, Settings, setting
 from broker.streams import usage_report as ledger
-from broker.streams.report import GROUP_BYS, aborted_report, parse_time, render_csv, render_table
+from broker.streams.report import GROUP_BYS, aborted_report
 from broker.streams.usage import RETENTION_DAYS, RETENTION_HELP, Prices
 from rsb import DEFAULT_URL, Answer, Client, Event, RetryPolicy, RsbClientError, StreamInterrupted, UnavailableError
 from rsb._terminal import TerminalText, escape_c1, json_line, strip_controls
@@ -191,7 +191,7 @@ def report(args: argparse.Namespace) -> int:
     s = ReportSettings.from_namespace(args)
 
     async def run() -> dict[str, Any]:
-        since, until = parse_time(s.since, "since"), parse_time(s.until, "until")
+        since, until = ledger.parse_time(s.since, "since"), ledger.parse_time(s.until, "until")
         redis = connect(s.broker.url, cluster=s.broker.cluster)
         try:
             if s.usage:
@@ -212,7 +212,7 @@ def report(args: argparse.Namespace) -> int:
     if s.json:
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     elif s.csv:
-        print((ledger.render_csv if s.usage else render_csv)(result), end="")
+        print(ledger.render_csv(result), end="")
     else:
-        print((ledger.render_table if s.usage else render_table)(result))
+        print(ledger.render_table(result))
     return 0

@@ -1,5 +1,6 @@
-"""Reading the usage ledger (broker.streams.usage): its rows, grouped (``GET /v1/reports/usage``, ``rsb report
---usage``; the aborted report, broker.streams.report, is another grouping of the same rows).
+"""Reading the usage ledger (broker.streams.usage): its rows, and the one engine every report groups them with
+(``grouped``): the usage report here (``GET /v1/reports/usage``, ``rsb report --usage``) and the aborted-generation
+report (broker.streams.report), a view of the same rows.
 
 A report reads each key's day sums for the whole UTC days its bounds cover (a few rows a day, whatever the number of
 records) and the records themselves only for the part of a day a bound cuts (``since``/``until`` inside a day), and
@@ -14,7 +15,7 @@ import io
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -34,6 +35,7 @@ from broker.streams.usage import DAY_COUNTERS, DAY_S, RETENTION_S, Prices, Recor
 from broker.tiers import DEFAULT as DEFAULT_TIER
 
 GROUP_BYS = ("key", "model", "day", "status", "reason", "tier")
+#: What the usage report sums of each group (the aborted report sums its own: broker.streams.report.COUNTERS).
 COUNTERS = ("streams", "prompt_tokens", "cached_tokens", "completion_tokens", "wasted_tokens", "compute_s")
 PRICED = ("cost_usd", "unpriced_streams")
 #: What a usage report is rendered as (``format``, ``rsb report --usage --json|--csv``).
@@ -43,6 +45,7 @@ _NAME = "(" + "|".join(GROUP_BYS) + ")"
 GROUP_BY_PATTERN = f"^{_NAME}(,{_NAME})*$"
 PAGE = 5000
 _MAX_MS = 2**63 - 1
+_UNIX_SECONDS = re.compile(r"\A[0-9]{1,12}(\.[0-9]{1,9})?\Z")
 
 
 @dataclass(slots=True)
@@ -61,6 +64,21 @@ class Row:
         if name == "day":
             return datetime.fromtimestamp(self.day * DAY_S, UTC).strftime("%Y-%m-%d")
         return str(getattr(self, name))
+
+
+def parse_time(raw: str | None, name: str) -> float | None:
+    """A report's bound (``since``, ``until``): Unix seconds or an ISO-8601 date/time (UTC if no zone)."""
+    if raw is None or raw == "":
+        return None
+    if _UNIX_SECONDS.match(raw):
+        return float(raw)
+    try:
+        dt = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidRequest(f"'{name}' must be unix seconds or an ISO-8601 time") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()
 
 
 def parse_group_by(raw: str | None, default: str = "key") -> tuple[str, ...]:
@@ -119,7 +137,7 @@ def _record_row(key: str, eid: str, record: Record) -> Row:
     for name in DAY_COUNTERS[1:-2]:
         sums[name] = _int(record, name)
     sums["tokens_saved"] = max(0, _int(record, "max_tokens") - _int(record, "completion_tokens"))
-    sums["compute_s"] = _float(record, "compute_s")
+    sums["compute_s"] = number(record, "compute_s")
     return Row(key, int(eid.split("-")[0]) // (DAY_S * 1000), record.get("model", ""),
                record.get("tier") or DEFAULT_TIER, record.get("status", ""), record.get("reason", ""), sums)
 
@@ -174,17 +192,17 @@ async def _day_sums(redis: RedisClient, keys: list[str]) -> list[dict[tuple[str,
 
 
 class Totals:
-    """The counters of a group of rows (and their cost, with prices)."""
+    """The ``counters`` of a group of rows (and their cost, with prices)."""
 
     __slots__ = ("cost", "counts", "unpriced")
 
-    def __init__(self) -> None:
-        self.counts: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+    def __init__(self, counters: Sequence[str]) -> None:
+        self.counts: dict[str, float] = dict.fromkeys(counters, 0)
         self.cost = 0.0
         self.unpriced = 0
 
     def add(self, row: Row, prices: Prices | None) -> None:
-        for name in COUNTERS:
+        for name in self.counts:
             self.counts[name] += row.sums.get(name, 0)
         if prices is not None:
             price = prices.price(row.model, row.tier)
@@ -203,22 +221,31 @@ class Totals:
         return out
 
 
-async def usage_report(redis: RedisClient, partitions: int, *, since: float | None = None,
-                       until: float | None = None, group_by: Sequence[str] = ("key",), key_id: str | None = None,
-                       prices: Prices | None = None, retention_s: int = RETENTION_S) -> dict[str, Any]:
-    """``GET /v1/reports/usage``: the ledger's rows in [since, until] (only ``key_id``'s when given), grouped."""
+async def grouped(rows_: AsyncIterable[Row], group_by: Sequence[str], counters: Sequence[str],
+                  prices: Prices | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every report's grouping: ``rows_`` summed by the fields ``group_by`` names (Row.group), each group's
+    ``counters`` (and, with ``prices``, their cost), one dict per group in the order of its names; and the total."""
     groups: dict[tuple[str, ...], Totals] = {}
-    total = Totals()
-    async for row in rows(redis, partitions, since=since, until=until, key_id=key_id, retention_s=retention_s):
+    total = Totals(counters)
+    async for row in rows_:
         name = tuple(row.group(g) for g in group_by)
         acc = groups.get(name)
         if acc is None:
-            acc = groups[name] = Totals()
+            acc = groups[name] = Totals(counters)
         acc.add(row, prices)
         total.add(row, prices)
     priced = prices is not None
     out = [{**dict(zip(group_by, name, strict=True)), **acc.as_dict(priced)} for name, acc in sorted(groups.items())]
-    return {"group_by": list(group_by), "since": since, "until": until, "rows": out, "total": total.as_dict(priced)}
+    return out, total.as_dict(priced)
+
+
+async def usage_report(redis: RedisClient, partitions: int, *, since: float | None = None,
+                       until: float | None = None, group_by: Sequence[str] = ("key",), key_id: str | None = None,
+                       prices: Prices | None = None, retention_s: int = RETENTION_S) -> dict[str, Any]:
+    """``GET /v1/reports/usage``: the ledger's rows in [since, until] (only ``key_id``'s when given), grouped."""
+    found = rows(redis, partitions, since=since, until=until, key_id=key_id, retention_s=retention_s)
+    out, total = await grouped(found, group_by, COUNTERS, prices)
+    return {"group_by": list(group_by), "since": since, "until": until, "rows": out, "total": total}
 
 
 def _int(record: Record, name: str) -> int:
@@ -228,21 +255,25 @@ def _int(record: Record, name: str) -> int:
         return 0
 
 
-def _float(record: Record, name: str) -> float:
+def number(record: Record, name: str) -> float:
+    """A record's field as a number (0 when absent or not one)."""
     try:
         return float(record.get(name) or 0)
     except ValueError:
         return 0.0
 
 
-def _columns(report: dict[str, Any]) -> list[str]:
-    return [*COUNTERS, *(PRICED if "cost_usd" in report["total"] else ())]
+def _layout(report: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """A report's group fields (a list, or the aborted report's one name) and its columns (its total's, in order)."""
+    groups = report["group_by"]
+    return ([groups] if isinstance(groups, str) else list(groups)), list(report["total"])
 
 
 def render_csv(report: dict[str, Any]) -> str:
+    """A report (usage or aborted) as CSV: its group fields, then its counters."""
     buf = io.StringIO()
     w = csv.writer(buf)
-    groups, columns = list(report["group_by"]), _columns(report)
+    groups, columns = _layout(report)
     w.writerow([*groups, *columns])
     rows_: Iterable[dict[str, Any]] = report["rows"]
     for r in rows_:
@@ -251,7 +282,8 @@ def render_csv(report: dict[str, Any]) -> str:
 
 
 def render_table(report: dict[str, Any]) -> str:
-    groups, columns = list(report["group_by"]), _columns(report)
+    """A report (usage or aborted) as a table for a terminal, its total last."""
+    groups, columns = _layout(report)
     header = [*groups, *columns]
     body = [[*(str(r[g]) or "-" for g in groups), *(_fmt(r[c]) for c in columns)] for r in report["rows"]]
     body.append(["total", *([""] * (len(groups) - 1)), *(_fmt(report["total"][c]) for c in columns)])

@@ -20,7 +20,7 @@ from broker.request import parse_json_object, validate_create_body
 from broker.streams import usage_report as usage
 from broker.streams.keys import principal
 from broker.streams.records import StreamStatus
-from broker.streams.report import aborted_report, parse_time
+from broker.streams.report import aborted_report
 from broker.streams.turns import Turn, as_messages
 from consumer.edge.http import read_body
 from consumer.metrics import Metrics
@@ -200,7 +200,8 @@ async def aborted_report_route(request: Request) -> Response:
     _count_report(request)
     q = request.query_params
     report = await aborted_report(state.store.redis, state.settings.broker.partitions,
-                                  since=parse_time(q.get("since"), "since"), until=parse_time(q.get("until"), "until"),
+                                  since=usage.parse_time(q.get("since"), "since"),
+                                  until=usage.parse_time(q.get("until"), "until"),
                                   group_by=q.get("group_by", "reason"),
                                   key_id=caller_of(request).key_id if state.api_keys.enabled else None,
                                   retention_s=state.settings.usage_retention_days * 86_400)
@@ -225,7 +226,7 @@ async def usage_report_route(request: Request) -> Response:
         raise NotFound("no usage of this key")
     if state.api_keys.enabled and (caller is None or not caller.admin):
         key_id = caller.id if caller is not None else ""
-    since, until = parse_time(q.get("since"), "since"), parse_time(q.get("until"), "until")
+    since, until = usage.parse_time(q.get("since"), "since"), usage.parse_time(q.get("until"), "until")
     report = await usage.usage_report(state.store.redis, state.settings.broker.partitions, since=since, until=until,
                                       group_by=group_by, key_id=key_id, prices=state.prices,
                                       retention_s=state.settings.usage_retention_days * 86_400)

@@ -190,6 +190,11 @@ async def test_the_aborted_report_is_a_view_of_the_ledger_and_of_the_old_log(sto
     assert rows["deadline"]["tokens_saved"] == 29 and report["total"]["streams"] == 3
     alice = await aborted_report(store.redis, 1, group_by="model", key_id="alice")
     assert alice["total"]["streams"] == 2
+    # Rendered by the one report engine, as `rsb report` prints it: its group, then its own counters.
+    assert ledger.render_csv(report).splitlines()[0] == "reason,streams,prompt_tokens,completion_tokens,tokens_saved,compute_s"
+    table = ledger.render_table(report).splitlines()
+    assert table[0].split() == ["reason", "streams", "prompt_tokens", "completion_tokens", "tokens_saved", "compute_s"]
+    assert table[-1].split()[:5] == ["total", "3", "19", "9", str(27 + 31 + 29)]
 
 
 async def test_records_past_their_retention_are_neither_reported_nor_kept(store: Store) -> None:
