@@ -17,7 +17,7 @@ import orjson
 import pytest
 import redis
 from openai.types.responses import ResponseStreamEvent
-from scripted_upstream import Reply, ScriptedUpstream, args, call, text
+from scripted_upstream import Reply, ScriptedUpstream, args, call, reasoning, text
 from servers import TEST_MODEL_NAMES, Stack, StackFactory
 
 from broker.redis.server import RedisServer
@@ -236,6 +236,37 @@ def test_a_conversation_keeps_tool_calls_and_their_results(rsb: UpstreamStack) -
                                                                               '{"city": "Paris"}')
     assert (items[3]["call_id"], items[3]["output"]) == ("call_1", "sunny, 24 C")
     assert items[4]["content"][0]["text"] == ANSWER
+
+
+def test_every_item_of_a_conversation_has_its_own_id_and_can_be_referenced(rsb: UpstreamStack) -> None:
+    """Issue 45: a turn with two input messages and an answer of [reasoning, message] listed ``msg_<hex>_1`` twice
+    (the answer could not be fetched by its id), and an input call's ``fc_<hex>_<i>_<j>`` was refused as an
+    item_reference. Input and output ids are apart now; a conversation's input items are referenced in its responses."""
+    client = rsb.client()
+    conv = client.conversations.create(items=[
+        {"type": "message", "role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    rsb.up.script(Reply([reasoning("It is sunny."), text("Sunny, ")]))
+    answer = client.responses.create(model="m", conversation=conv.id, input=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "And tomorrow?"}])
+    items = _items(client, conv.id)
+    ids = [i["id"] for i in items]
+    assert len(set(ids)) == len(ids) == 7, ids
+    assert ids[-2:] == [o.id for o in answer.output] and [i["type"] for i in items[-2:]] == ["reasoning", "message"]
+    got = client.conversations.items.retrieve(answer.output[1].id, conversation_id=conv.id)
+    assert got.model_dump(exclude_none=True) == items[-1]  # the answer, not the turn's second input message
+    # Referenced in a response of the conversation: the input call and its result, and the input message (not the
+    # answer that once shared its id).
+    refs = [{"type": "item_reference", "id": i} for i in (ids[1], ids[2], ids[4])]
+    client.responses.create(model="m", conversation=conv.id, input=refs)  # type: ignore[arg-type]
+    call_json = {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert rsb.sent()[-3:] == [{"role": "assistant", "content": None, "tool_calls": [call_json]},
+                               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, user("And tomorrow?")]
+    with pytest.raises(openai.BadRequestError) as e:  # outside the conversation, its input items name nothing
+        client.responses.create(model="m", input=refs)  # type: ignore[arg-type]
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "input" and "conversation" in e.value.body["message"]
 
 
 def test_items_are_listed_in_pages_as_openai_lists_them(rsb: UpstreamStack) -> None:

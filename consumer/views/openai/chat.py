@@ -40,7 +40,6 @@ from consumer.views.openai.common import (
     cached_tokens,
     check_known,
     check_only,
-    check_results_answer_calls,
     create_stream,
     data_frame,
     dropped_header,
@@ -50,6 +49,7 @@ from consumer.views.openai.common import (
     null_only,
     read_json,
     text_of,
+    unanswered_result,
     usage_tokens,
 )
 
@@ -143,7 +143,11 @@ def _chat_body(body: dict[str, Any], limits: RequestLimits, *, drop: bool = Fals
     if not isinstance(raw, list) or not raw:
         raise invalid("'messages' must be a non-empty list", "messages")
     messages = [_message(i, m) for i, m in enumerate(raw)]
-    check_results_answer_calls(messages, "messages")
+    unanswered = unanswered_result(messages)
+    if unanswered is not None:  # OpenAI's rule (chat's messages are the client's, one for one)
+        call_id = str(messages[unanswered].get("tool_call_id"))
+        raise invalid(f"messages[{unanswered}]: a tool message must answer a call an earlier assistant message made "
+                      f"(tool_call_id {call_id[:64]!r} names none)", "messages")
     dropped = check_only(body, RESTRICTIONS, drop=drop)
     check_known(body, KNOWN)
     given = [name for name in TOKEN_LIMITS if body.get(name) is not None]

@@ -222,15 +222,18 @@ def text_of(content: object, where: str, part_types: frozenset[str], field: str 
     raise invalid(f"{where}.{field} must be a string or a list of text parts", where.split("[", 1)[0])
 
 
-def check_results_answer_calls(messages: list[dict[str, Any]], param: str) -> None:
-    """OpenAI's rule: a tool message answers a call that an earlier assistant message made."""
+def unanswered_result(messages: Sequence[Mapping[str, Any]]) -> int | None:
+    """The index of the first tool message that answers no call an earlier assistant message made (None: each
+    answers one). OpenAI's rule, which its views hold a request to (messages in rsb's create shape); rsb's own create
+    does not (a conversation's turn may answer a call of its history)."""
     calls: set[object] = set()
     for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            calls.update(c.get("id") for c in m.get("tool_calls") or () if isinstance(c, dict))
+        made = m.get("tool_calls")
+        if m["role"] == "assistant" and isinstance(made, list):
+            calls.update(c.get("id") for c in made if isinstance(c, dict))
         elif m["role"] == "tool" and m.get("tool_call_id") not in calls:
-            raise invalid(f"{param}[{i}]: a tool message must answer a call an earlier assistant message made "
-                          f"(tool_call_id {str(m.get('tool_call_id'))[:64]!r} names none)", param)
+            return i
+    return None
 
 
 def stream_id_for(request: Request, caller: Caller) -> uuid.UUID:

@@ -7,9 +7,10 @@ of rsb's conversations (consumer.streaming.conversations), whose turns are rsb s
 
 A conversation's id is ``conv_`` and the 32 hex digits of its UUID; the UUID names it on rsb's own routes
 (``/v1/conversations/{uuid}/turns``, ``"conversation"`` on ``POST /v1/streams``). Its items are its turns'
-messages, then each turn's answer (a ``message`` whose id is the response's output item's, ``msg_<hex of the
-stream id>``, and its ``function_call`` s), in order; as in OpenAI, a response's items join the conversation
-once it has ended (a response that ended without any output adds only its input).
+messages, then each turn's answer (its reasoning, its ``message`` and its ``function_call`` s, with the ids the
+response's output gives them), in order; as in OpenAI, a response's items join the conversation once it has ended
+(a response that ended without any output adds only its input). Item ids: consumer.views.openai.item_ids (an id rsb
+wrote before input and output ids were apart still names its item where it names one).
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from starlette.types import ASGIApp
 
 from broker.ascii import decimal
 from broker.errors import Conflict, NotFound
-from broker.request import ToolCall
+from broker.request import Message, ToolCall
 from broker.streams.conversations import Begin, Conversation
 from broker.streams.turns import Turn, as_messages, items_turn
 from consumer.state import caller_of, state_of
 from consumer.streaming.conversations import ROUNDS, conversation_name, openai_id
-from consumer.views.openai.common import OpenAIError, invalid, read_json, validated
-from consumer.views.openai.response_view import output_item_id
-from consumer.views.openai.responses import _input_messages  # the one reader of input items
+from consumer.views.openai.common import invalid, read_json, validated
+from consumer.views.openai.input_items import input_messages
+from consumer.views.openai.item_ids import FUNCTION_CALL, FUNCTION_CALL_OUTPUT, MESSAGE, REASONING, ItemId
 
 MAX_ITEMS = 20  # per create (OpenAI's bound)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -71,56 +72,57 @@ def _content(role: str, text: str) -> list[dict[str, Any]]:
 
 
 def turn_items(turn: Turn) -> list[dict[str, Any]]:
-    """One turn as conversation items: its input, then its answer."""
-    hexid = turn.id.hex
+    """One turn as conversation items: its input, then its answer, with their ids (consumer.views.openai.item_ids):
+    input items by the input message they come from, the answer's by their index in the response's output."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(as_messages(turn.input)):
         if m.role == "tool":
-            out.append({"type": "function_call_output", "id": f"fco_{hexid}_{i}", "call_id": m.tool_call_id,
-                        "output": m.content, "status": "completed"})
+            out.append({"type": FUNCTION_CALL_OUTPUT, "id": str(ItemId.of_input(FUNCTION_CALL_OUTPUT, turn.id, i)),
+                        "call_id": m.tool_call_id, "output": m.content, "status": "completed"})
             continue
         if m.content or not m.tool_calls:
-            out.append({"type": "message", "id": f"msg_{hexid}_{i}", "role": m.role, "status": "completed",
-                        "content": _content(m.role, m.content)})
-        out.extend(_call_item(f"fc_{hexid}_{i}_{j}", c) for j, c in enumerate(m.tool_calls))
+            out.append({"type": MESSAGE, "id": str(ItemId.of_input(MESSAGE, turn.id, i)), "role": m.role,
+                        "status": "completed", "content": _content(m.role, m.content)})
+        out.extend(_call_item(ItemId.of_input(FUNCTION_CALL, turn.id, i, j), c) for j, c in enumerate(m.tool_calls))
     if not turn.has_stream or (turn.output.empty and not turn.output.reasoning):
         return out
-    # The response's output items, with the ids its Response object gives them (reasoning, then the message,
-    # then the calls: the order a model answers in).
+    # The response's output items, with the ids its Response object gives them (reasoning, then the message, then
+    # the calls: the order a model answers in, and the order the Response lists them when it answered so).
     status = "completed" if turn.status == "done" and turn.finish_reason != "length" else "incomplete"
     answer: list[dict[str, Any]] = []
     if turn.output.reasoning:
-        answer.append({"type": "reasoning", "summary": [], "status": "completed",
+        answer.append({"type": REASONING, "id": str(ItemId.of_output(REASONING, turn.id, len(answer))),
+                       "summary": [], "status": "completed",
                        "content": [{"type": "reasoning_text", "text": turn.output.reasoning}]})
     if turn.output.text:
-        answer.append({"type": "message", "role": "assistant", "status": status,
-                       "content": _content("assistant", turn.output.text)})
-    answer.extend(_call_item("", c) for c in turn.output.tool_calls)
-    for index, item in enumerate(answer):
-        item["id"] = output_item_id(item["type"], hexid, index)
+        answer.append({"type": MESSAGE, "id": str(ItemId.of_output(MESSAGE, turn.id, len(answer))),
+                       "role": "assistant", "status": status, "content": _content("assistant", turn.output.text)})
+    for c in turn.output.tool_calls:
+        answer.append(_call_item(ItemId.of_output(FUNCTION_CALL, turn.id, len(answer)), c))
     return out + answer
 
 
-def _call_item(item_id: str, call: ToolCall) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+def _call_item(item_id: ItemId, call: ToolCall) -> dict[str, Any]:
+    return {"type": FUNCTION_CALL, "id": str(item_id), "call_id": call.id, "name": call.name,
             "arguments": call.arguments, "status": "completed"}
+
+
+def _canonical(raw: str) -> str | None:
+    """The id rsb gives today to the item ``raw`` names (None: no item could have it)."""
+    parsed = ItemId.parse(raw)
+    return None if parsed is None else str(parsed)
 
 
 def all_items(conv: Conversation) -> list[dict[str, Any]]:
     return [item for turn in conv.turns for item in turn_items(turn)]
 
 
-def input_items(request: Request, raw: object, param: str) -> list[dict[str, Any]]:
+def input_items(request: Request, raw: object, param: str) -> tuple[Message, ...]:
     """Items to add, as rsb messages: the Responses view's rules for input items, and the bounds of a create's
     messages (their number and characters)."""
     if not isinstance(raw, list) or not raw or len(raw) > MAX_ITEMS:
         raise invalid(f"'{param}' must be a list of 1 to {MAX_ITEMS} items", param)
-    try:
-        messages = _input_messages({"input": raw})
-    except OpenAIError as e:
-        raise invalid(e.message.replace("input[", f"{param}["), param) from None
-    validated(request, {"messages": messages}, {"messages": param})
-    return messages
+    return validated(request, {"messages": input_messages(raw, param=param)}, {"messages": param}).messages or ()
 
 
 # -- routes --------------------------------------------------------------------------------------------
@@ -135,9 +137,9 @@ async def create_conversation(request: Request) -> ASGIApp:
     state = state_of(request)
     caller = caller_of(request)
     convs = state.conversations
-    items = [] if body.get("items") is None else input_items(request, body["items"], "items")
+    items = () if body.get("items") is None else input_items(request, body["items"], "items")
     now = time.time()
-    turns = [items_turn(as_messages(items), now)] if items else []
+    turns = [items_turn(items, now)] if items else []
     name = str(uuid.uuid4())
     with convs.service.quota_counted():
         await convs.conversations.create(caller.key_id, name, convs.owner(caller), convs.limits(caller),
@@ -185,7 +187,8 @@ async def list_items(request: Request) -> ASGIApp:
         items.reverse()
     after = q.get("after")
     if after is not None:
-        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        wanted = _canonical(after)
+        at = next((i for i, item in enumerate(items) if item["id"] == wanted), None)
         if at is None:
             raise NotFound("no item of this conversation has the id 'after' names")
         items = items[at + 1:]
@@ -196,8 +199,8 @@ async def list_items(request: Request) -> ASGIApp:
 
 async def retrieve_item(request: Request) -> ASGIApp:
     snap = await state_of(request).conversations.get(caller_of(request), path_name(request))
-    item_id = request.path_params["item_id"]
-    item = next((i for i in all_items(snap.conversation) if i["id"] == item_id), None)
+    wanted = _canonical(request.path_params["item_id"])
+    item = next((i for i in all_items(snap.conversation) if i["id"] == wanted), None)
     if item is None:
         raise NotFound("no item with this id in this conversation")
     return JSONResponse(item)
@@ -212,7 +215,7 @@ async def add_items(request: Request) -> ASGIApp:
     convs = state_of(request).conversations
     caller = caller_of(request)
     name = path_name(request)
-    turn = items_turn(as_messages(items), time.time())
+    turn = items_turn(items, time.time())
     for _ in range(ROUNDS):
         snap = await convs.get(caller, name)
         if snap.pending_id is not None:

@@ -13,11 +13,18 @@ from starlette.requests import Request
 from broker.errors import NotFound
 from broker.history import History
 from broker.on_busy import ON_BUSY
-from broker.request import Message
 from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
 from consumer.streaming.conversations import conversation_name
-from consumer.views.openai.common import NULL, Only, create_stream, invalid, stream_id_for, validated
+from consumer.views.openai.common import (
+    NULL,
+    Only,
+    create_stream,
+    invalid,
+    stream_id_for,
+    unanswered_result,
+    validated,
+)
 from consumer.views.openai.response_view import response_id
 
 #: ``conversation`` and ``previous_response_id`` as the Responses view accepts them (its RESTRICTIONS; the OpenAPI
@@ -35,16 +42,6 @@ HISTORY_RULES = (
     Only("on_busy", {"anyOf": [{"enum": list(ON_BUSY)}, NULL]}, lambda v: v is None or v in ON_BUSY,
          f"'on_busy' must be one of {', '.join(ON_BUSY)}"),
 )
-
-
-def unmatched_outputs(messages: tuple[Message, ...]) -> str | None:
-    """The call id of the first tool result that answers no call made before it (None: every one answers one)."""
-    calls: set[str] = set()
-    for m in messages:
-        calls.update(c.id for c in m.tool_calls)
-        if m.tool_call_id is not None and m.tool_call_id not in calls:
-            return m.tool_call_id
-    return None
 
 
 def response_conversation(raw: object) -> str | None:
@@ -95,9 +92,11 @@ async def create_response_stream(request: Request, body: dict[str, Any], rsb_bod
     else:
         assert previous is not None
         assembled = await state.conversations.continue_response(caller, previous, gen_request, lead)
-        unanswered = unmatched_outputs(assembled.messages or ())
+        messages = [m.as_openai() for m in assembled.messages or ()]
+        unanswered = unanswered_result(messages)
         if unanswered is not None:
-            raise invalid(f"input: no function_call with call_id {unanswered[:64]!r} comes before this output, in the "
+            call_id = str(messages[unanswered]["tool_call_id"])
+            raise invalid(f"input: no function_call with call_id {call_id[:64]!r} comes before this output, in the "
                           "input or in the previous responses", "input")
         await state.service.create(caller, assembled, stream_id, hook_name=response_id)
     return stream_id, await state.service.status(caller, stream_id)

@@ -40,18 +40,11 @@ from broker.streams.records import StreamStatus
 from broker.tiers import DEFAULT as DEFAULT_TIER
 from consumer.streaming.conversations import openai_id
 from consumer.views.openai.common import cached_tokens, usage_tokens
+from consumer.views.openai.item_ids import FUNCTION_CALL, MESSAGE, REASONING, ItemId
 from consumer.views.openai.shapes import responses_tool_choice, responses_tools, text_config
 
-MESSAGE, REASONING, FUNCTION_CALL = "message", "reasoning", "function_call"
-# The id prefix of each kind of item (OpenAI's: msg_, rs_, fc_).
-_PREFIX = {MESSAGE: "msg", REASONING: "rs", FUNCTION_CALL: "fc"}
 # The content part of the items that have one.
 _PART = {MESSAGE: "output_text", REASONING: "reasoning_text"}
-
-
-def output_item_id(kind: str, stream_hex: str, index: int) -> str:
-    """The id of a response's output item ``index`` (a conversation's items name a response's output so too)."""
-    return f"{_PREFIX[kind]}_{stream_hex}" if index == 0 else f"{_PREFIX[kind]}_{stream_hex}_{index}"
 
 
 def response_id(stream_id: uuid.UUID) -> str:
@@ -108,7 +101,7 @@ class ResponseView:
 
     def __init__(self, stream_id: uuid.UUID, st: StreamStatus, req: GenerationRequest | None) -> None:
         self.id = response_id(stream_id)
-        self._hex = stream_id.hex
+        self.stream_id = stream_id
         # Only what never changes goes into the objects, so every read folds to the same events: the request as
         # stored, and the model that runs it (its queue's, resolved at create: the worker's name is the same).
         self.created_at = int(st.created_at)
@@ -187,8 +180,7 @@ class ResponseView:
     def _open(self, kind: str, out: list[dict[str, Any]], **fields: Any) -> _Item:
         self._close("completed", out)
         index = len(self.items)
-        item_id = output_item_id(kind, self._hex, index)
-        item = _Item(kind, item_id, index, **fields)
+        item = _Item(kind, str(ItemId.of_output(kind, self.stream_id, index)), index, **fields)
         self.items.append(item)
         self.open = item
         out.append(self._event("response.output_item.added", output_index=index, item=item.json(opening=True)))

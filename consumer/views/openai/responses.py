@@ -6,10 +6,9 @@ the stream's events, folded from the first one (``ResponseView``, consumer.views
 their ``sequence_number`` s are the same on every read: resuming after N replays the stream from its start
 and sends what comes after N.
 
-Input items: messages, ``function_call`` items (the calls of an earlier answer: they become the assistant
-message's tool calls) and ``function_call_output`` items (tool results), and ``reasoning`` items, which are
-dropped; ``tools`` (function tools), ``tool_choice`` and ``text.format`` become rsb's tools, tool_choice and
-response_format (consumer.views.openai.shapes).
+Input items are read by consumer.views.openai.input_items (``item_reference`` s replaced first:
+consumer.views.openai.item_references); ``tools`` (function tools), ``tool_choice`` and ``text.format`` become rsb's
+tools, tool_choice and response_format (consumer.views.openai.shapes).
 """
 
 from __future__ import annotations
@@ -27,13 +26,13 @@ from starlette.types import ASGIApp
 from broker.ascii import decimal
 from broker.errors import NotFound
 from broker.sampling import MAX_TOP_LOGPROBS
+from broker.streams.conversations import Conversation
 from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
 from consumer.streaming.service import Slot, StreamService
 from consumer.streaming.sse import SSEResponse
 from consumer.views.openai.common import (
     NULL,
-    ROLES,
     STREAM_ID_HEADER,
     DeferredResponse,
     Only,
@@ -45,10 +44,10 @@ from consumer.views.openai.common import (
     invalid,
     null_only,
     read_json,
-    text_of,
 )
+from consumer.views.openai.input_items import input_messages
 from consumer.views.openai.item_references import resolve_references
-from consumer.views.openai.response_history import HISTORY_RULES, create_response_stream
+from consumer.views.openai.response_history import HISTORY_RULES, create_response_stream, response_conversation
 from consumer.views.openai.response_view import ResponseView
 from consumer.views.openai.shapes import chat_tool_choice, chat_tools, response_format
 
@@ -80,8 +79,6 @@ def _path_stream_id(request: Request) -> uuid.UUID:
     return sid
 
 
-#: The content parts an input message (or a function call's output) may carry.
-INPUT_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 #: What rsb cannot honour, and the one shape in which each parameter is accepted (the OpenAPI document is
 #: built from the same rules).
 RESTRICTIONS = (
@@ -114,75 +111,10 @@ PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache
 #: Every parameter a Responses create may carry; any other is a 400 naming it.
 KNOWN = frozenset({"input", "max_output_tokens", "tools", "tool_choice", "text", *PASSED_THROUGH,
                    *("instructions", "conversation", "previous_response_id")})
-#: The input items rsb reads. ``reasoning`` items (the model's earlier reasoning, which clients pass back with
-#: the rest of a response's output) are dropped: models are not given their past reasoning, as chat templates
-#: drop it.
-INPUT_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 #: rsb's validation messages, said in the Responses API's terms (its tools have no ``function`` level, its
 #: output format is ``text.format``).
 PHRASES = {"response_format.json_schema.": "text.format.", "'response_format'": "'text.format'",
            "response_format:": "text.format:", "].function.": "]."}
-
-
-def _string(item: dict[str, Any], name: str, i: int) -> str:
-    value = item.get(name)
-    if not isinstance(value, str) or (name != "arguments" and not value):
-        raise invalid(f"input[{i}].{name} must be a{'' if name == 'arguments' else ' non-empty'} string", "input")
-    return value
-
-
-def _add_call(messages: list[dict[str, Any]], i: int, item: dict[str, Any]) -> str:
-    """A ``function_call`` item as a tool call of the assistant message it belongs to: the one right before
-    it (the text and calls of one answer are one assistant message), or a new one. Returns its call id."""
-    call_id = _string(item, "call_id", i)
-    call = {"id": call_id, "type": "function",
-            "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
-    last = messages[-1] if messages else None
-    if last is not None and last["role"] == "assistant":
-        last.setdefault("tool_calls", []).append(call)
-    else:
-        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    return call_id
-
-
-def _input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The input's items as rsb messages (their number is bounded by the caller: ``check_item_count``)."""
-    # With history (previous_response_id, conversation) a function_call_output may answer a call made there: it
-    # is checked once the history is in front (consumer.views.openai.response_history).
-    with_history = body.get("previous_response_id") is not None or body.get("conversation") is not None
-    messages: list[dict[str, Any]] = []
-    calls: set[str] = set()  # the call ids made so far: each output is checked in O(1), the input in O(n)
-    instructions = body.get("instructions")
-    if instructions is not None:
-        messages.append({"role": "system", "content": instructions})
-    raw = body.get("input")
-    if isinstance(raw, str):
-        messages.append({"role": "user", "content": raw})
-        return messages
-    if not isinstance(raw, list) or not raw:
-        raise invalid("'input' must be a string or a non-empty list of items", "input")
-    for i, item in enumerate(raw):
-        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
-        if kind not in INPUT_ITEMS:
-            raise invalid(f"input[{i}]: only {', '.join(INPUT_ITEMS)} items are supported, not {kind!r}", "input")
-        assert isinstance(item, dict)
-        if kind == "function_call":
-            calls.add(_add_call(messages, i, item))
-        elif kind == "function_call_output":
-            call_id = _string(item, "call_id", i)
-            if call_id not in calls and not with_history:
-                raise invalid(f"input[{i}]: no function_call with call_id {call_id[:64]!r} comes before this "
-                              "output", "input")
-            messages.append({"role": "tool", "tool_call_id": call_id,
-                             "content": text_of(item.get("output"), f"input[{i}]", INPUT_TEXT_PARTS, "output")})
-        elif kind == "message":
-            role = ROLES.get(str(item.get("role")))
-            if role is None:
-                raise invalid(f"input[{i}].role must be one of system, developer, user, assistant", "input")
-            messages.append({"role": role, "content": text_of(item.get("content"), f"input[{i}]", INPUT_TEXT_PARTS)})
-    if not messages:
-        raise invalid("'input' has no message (reasoning items alone are no conversation)", "input")
-    return messages
 
 
 def _responses_body(body: dict[str, Any], *, drop: bool = False) -> tuple[dict[str, Any], list[str]]:
@@ -194,7 +126,9 @@ def _responses_body(body: dict[str, Any], *, drop: bool = False) -> tuple[dict[s
         body["text"] = {k: v for k, v in text.items() if k != "verbosity"}
         dropped.append("text.verbosity")
     check_known(body, KNOWN | {r.name for r in RESTRICTIONS})
-    rsb: dict[str, Any] = {"messages": _input_messages(body), "max_tokens": body.get("max_output_tokens")}
+    with_history = body.get("previous_response_id") is not None or body.get("conversation") is not None
+    messages = input_messages(body.get("input"), instructions=body.get("instructions"), with_history=with_history)
+    rsb: dict[str, Any] = {"messages": messages, "max_tokens": body.get("max_output_tokens")}
     for name in PASSED_THROUGH:
         rsb[name] = body.get(name)
     top = int(body.get("top_logprobs") or 0)
@@ -253,11 +187,16 @@ def check_item_count(raw: list[Any], max_items: int, param: str = "input") -> No
 
 async def create_response(request: Request) -> ASGIApp:
     body = await read_json(request)
+    state, caller = state_of(request), caller_of(request)
+    service = state.service
     if isinstance(body.get("input"), list):
-        service, caller = state_of(request).service, caller_of(request)
         check_item_count(body["input"], service.limits_for(caller).max_messages)
-        body["input"] = await resolve_references(service, caller, body["input"])
-    service = state_of(request).service
+
+        async def conversation() -> Conversation | None:  # the one named, when an input item of it is referenced
+            name = response_conversation(body.get("conversation"))
+            return None if name is None else (await state.conversations.get(caller, name)).conversation
+
+        body["input"] = await resolve_references(service, caller, body["input"], conversation)
     rsb_body, dropped = _responses_body(body, drop=service.drops_unsupported(caller_of(request)))
     headers = dropped_header(dropped)
     stream, background = bool(body.get("stream")), bool(body.get("background"))

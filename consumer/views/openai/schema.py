@@ -20,6 +20,7 @@ from consumer.views.idempotency import MAX_CHARS as MAX_IDEMPOTENCY_KEY
 from consumer.views.openai import chat, responses
 from consumer.views.openai.common import ROLES, STREAM_ID_HEADER
 from consumer.views.openai.conversation_schema import conversation_paths
+from consumer.views.openai.input_items import INPUT_TEXT_PARTS
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],
@@ -105,7 +106,7 @@ def _chat_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[str, A
 def _input_item(limits: RequestLimits) -> dict[str, Any]:
     return {"type": "object", "required": ["role", "content"], "properties": {
         "type": {"const": "message"}, "role": {"enum": sorted(ROLES)},
-        "content": _content(limits, responses.INPUT_TEXT_PARTS)}}
+        "content": _content(limits, INPUT_TEXT_PARTS)}}
 
 
 def _responses_body(limits: RequestLimits, generation: dict[str, Any]) -> dict[str, Any]:
