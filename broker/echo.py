@@ -21,7 +21,7 @@ def parse_echo(body: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         if not isinstance(meta, dict) or len(meta) > MAX_METADATA_KEYS or not all(
                 isinstance(k, str) and len(k) <= MAX_METADATA_KEY_CHARS and isinstance(v, str)
                 and len(v) <= MAX_METADATA_VALUE_CHARS for k, v in meta.items()):
-            raise InvalidRequest(f"'metadata' must map at most {MAX_METADATA_KEYS} keys of at most "
+            raise InvalidRequest.at(("metadata",), f" must map at most {MAX_METADATA_KEYS} keys of at most "
                                  f"{MAX_METADATA_KEY_CHARS} characters to strings of at most "
                                  f"{MAX_METADATA_VALUE_CHARS}")
         if meta:
@@ -30,11 +30,11 @@ def parse_echo(body: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         v = body.get(name)
         if v is not None:
             if not isinstance(v, str) or len(v) > MAX_ID_CHARS:
-                raise InvalidRequest(f"'{name}' must be a string of at most {MAX_ID_CHARS} characters")
+                raise InvalidRequest.at((name,), f" must be a string of at most {MAX_ID_CHARS} characters")
             out.append((name, v))
     store = body.get("store")
     if store is not None:
         if not isinstance(store, bool):
-            raise InvalidRequest("'store' must be true or false")
+            raise InvalidRequest.at(("store",), " must be true or false")
         out.append(("store", store))
     return tuple(out)

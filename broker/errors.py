@@ -4,6 +4,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Self
+
+#: Where a value is in a request: its field, then the keys and indexes into it (``("messages", 3, "role")``).
+Path = tuple[str | int, ...]
+#: In a rename's pattern (InvalidRequest.said), any one key or index, carried into the new path at its place.
+ANY = "*"
+
 
 class RsbError(Exception):
     """Base of every error rsb raises on purpose. ``code`` is the JSON error code clients see."""
@@ -15,8 +23,62 @@ class RsbError(Exception):
         self.message = message
 
 
+def spelled(path: Path) -> str:
+    """A path as rsb's messages spell it: ``messages[3].role``, ``response_format.json_schema.schema``."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
+    return out
+
+
+def renamed(path: Path, renames: Mapping[Path, Path]) -> Path:
+    """``path`` with its longest prefix that ``renames`` names replaced (an ``ANY`` in a pattern matches one key or
+    index, which takes the place of the replacement's ``ANY`` in its order)."""
+    best: tuple[int, Path] | None = None
+    for pattern, replacement in renames.items():
+        n = len(pattern)
+        if n <= len(path) and (best is None or n > best[0]) \
+                and all(p == ANY or p == part for p, part in zip(pattern, path, strict=False)):
+            taken = iter(part for p, part in zip(pattern, path, strict=False) if p == ANY)
+            best = n, tuple(next(taken) if r == ANY else r for r in replacement)
+    return path if best is None else best[1] + path[best[0]:]
+
+
 class InvalidRequest(RsbError):
+    """A request rsb refuses. ``param`` is the path of the field it is about, as data (None: the request as a whole,
+    or no one field), which the protocol views translate into their own field names (``said``) instead of reading
+    it out of the message.
+
+    Made with ``at(param, rest)``, the message is the field's spelling followed by ``rest`` (``" must be ..."``:
+    ``'max_tokens' must be ...``, a lone field quoted; ``": ..."`` or ``".role ..."``: ``messages[3]: ...``), so a
+    view spells the field its own way and keeps the rest; made with a message, the message is said as it is."""
+
     code = "invalid_request"
+
+    def __init__(self, message: str, param: Path | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.rest: str | None = None
+
+    @classmethod
+    def at(cls, param: Path, rest: str) -> Self:
+        err = cls(_said(param, param, rest), param)
+        err.rest = rest
+        return err
+
+    def said(self, renames: Mapping[Path, Path]) -> tuple[str, Path | None]:
+        """The message and the field, with the field's path renamed (a protocol's names for rsb's fields)."""
+        if self.param is None:
+            return self.message, None
+        param = renamed(self.param, renames)
+        return (self.message if self.rest is None else _said(self.param, param, self.rest)), param
+
+
+def _said(ours: Path, param: Path, rest: str) -> str:
+    # A lone field of the request is quoted where a sentence follows ('max_tokens' must be ...); a place within one
+    # is not (messages[3].role must be ...), nor is a field a colon follows (response_format: ...).
+    name = spelled(param)
+    return (f"'{name}'" if len(ours) == 1 and rest.startswith(" ") else name) + rest
 
 
 class PayloadTooLarge(RsbError):

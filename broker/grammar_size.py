@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, Path
 from broker.schema_kinds import integer_bounds, kind, multiple_of, number_bounds, pattern_of, resolve_ref
 from broker.schema_pattern import Alt, Node, Repeat, Seq
 
@@ -40,15 +40,15 @@ class GrammarSize:
     """The estimated size of one grammar, added up over the schemas it enforces (``add``); ``check`` raises
     InvalidRequest past a bound."""
 
-    def __init__(self, label: str = "") -> None:
-        self.label = label  # what the message names (default: the schema checked last)
+    def __init__(self, label: str = "the schema") -> None:
+        self.label = label  # what its grammar enforces, for the message
         self.digit_states: dict[tuple[Any, ...], int] = {}
         self.repeats = 0
-        self._largest: dict[str, tuple[int, str]] = {"digits": (0, ""), "repeats": (0, "")}
+        self._largest: dict[str, tuple[int, Path]] = {"digits": (0, ()), "repeats": (0, ())}
 
-    def add(self, schema: dict[str, Any], where: str) -> None:
+    def add(self, schema: dict[str, Any], where: Path) -> None:
         seen: set[int] = set()
-        todo: list[tuple[Any, str]] = [(schema, where)]
+        todo: list[tuple[Any, Path]] = [(schema, where)]
         while todo:
             s, at = todo.pop()
             if not isinstance(s, dict) or id(s) in seen:
@@ -56,36 +56,36 @@ class GrammarSize:
             seen.add(id(s))
             todo += self._visit(s, at, schema)
 
-    def _visit(self, s: dict[str, Any], at: str, root: dict[str, Any]) -> list[tuple[Any, str]]:
+    def _visit(self, s: dict[str, Any], at: Path, root: dict[str, Any]) -> list[tuple[Any, Path]]:
         k = kind(s)
         if k == "ref":
-            return [(resolve_ref(root, s["$ref"]), f"{at}.$ref")]
+            return [(resolve_ref(root, s["$ref"]), (*at, "$ref"))]
         if k == "anyOf":
-            return [(a, f"{at}.anyOf[{i}]") for i, a in enumerate(s["anyOf"])]
+            return [(a, (*at, "anyOf", i)) for i, a in enumerate(s["anyOf"])]
         if k in ("object", "allOf"):
             parts = [s] if k == "object" else [resolve_ref(root, p["$ref"]) if "$ref" in p else p for p in s["allOf"]]
-            out = [(v, f"{at}.properties.{n}") for part in parts for n, v in part.get("properties", {}).items()]
+            out = [(v, (*at, "properties", n)) for part in parts for n, v in part.get("properties", {}).items()]
             if isinstance(s.get("additionalProperties"), dict):
-                out.append((s["additionalProperties"], f"{at}.additionalProperties"))
+                out.append((s["additionalProperties"], (*at, "additionalProperties")))
             return out
         if k == "array":
             if "maxItems" in s or "minItems" in s:
-                self._repeat(int(s.get("maxItems", s.get("minItems", 0))), f"{at}.maxItems")
+                self._repeat(int(s.get("maxItems", s.get("minItems", 0))), (*at, "maxItems"))
             if "prefixItems" in s:
-                return [(v, f"{at}.prefixItems[{i}]") for i, v in enumerate(s["prefixItems"])]
-            return [(s.get("items", True), f"{at}.items")]
+                return [(v, (*at, "prefixItems", i)) for i, v in enumerate(s["prefixItems"])]
+            return [(s.get("items", True), (*at, "items"))]
         if k == "string":
             node = pattern_of(s, at)
             if node is not None:
-                self._pattern(node, f"{at}.pattern")
+                self._pattern(node, (*at, "pattern"))
             elif "maxLength" in s or "minLength" in s:
-                self._repeat(int(s.get("maxLength", s.get("minLength", 0))), f"{at}.maxLength")
+                self._repeat(int(s.get("maxLength", s.get("minLength", 0))), (*at, "maxLength"))
         elif k in ("integer", "number") and set(s) & {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                                                      "multipleOf"}:
             self._number(s, k, at)
         return []
 
-    def _number(self, s: dict[str, Any], k: str, at: str) -> None:
+    def _number(self, s: dict[str, Any], k: str, at: Path) -> None:
         step = multiple_of(s)
         integral = step is not None and step == step.to_integral_value()
         if k == "integer" or integral:
@@ -106,7 +106,7 @@ class GrammarSize:
             self.digit_states[("hi", hi, n)] = hi_digits * n
         self._note("digits", sum(self.digit_states.values()) - before, at)
 
-    def _pattern(self, node: Node, at: str) -> None:
+    def _pattern(self, node: Node, at: Path) -> None:
         todo = [node]
         while todo:
             n = todo.pop()
@@ -119,25 +119,25 @@ class GrammarSize:
             elif isinstance(n, Alt):
                 todo += n.options
 
-    def _repeat(self, count: int, at: str) -> None:
+    def _repeat(self, count: int, at: Path) -> None:
         self.repeats += count
         self._note("repeats", count, at)
 
-    def _note(self, part: str, cost: int, at: str) -> None:
+    def _note(self, part: str, cost: int, at: Path) -> None:
         if cost > self._largest[part][0]:
             self._largest[part] = (cost, at)
 
-    def check(self, where: str) -> None:
-        where = self.label or where
+    def check(self) -> None:
+        """Raise InvalidRequest, at the largest contributor, when the grammar would pass a bound."""
         states = sum(self.digit_states.values())
         if states > MAX_DIGIT_STATES:
             cost, at = self._largest["digits"]
-            raise InvalidRequest(
-                f"{where}: its bounded numbers (minimum, maximum, multipleOf) need a grammar of about {states} digit "
-                f"states (the largest, {at}: {cost}); at most {MAX_DIGIT_STATES} are accepted (fewer distinct "
-                "bounds or multipleOf values, or a smaller multipleOf)")
+            raise InvalidRequest.at(
+                at, f": the bounded numbers (minimum, maximum, multipleOf) of {self.label} need a grammar of about "
+                f"{states} digit states ({cost} for this one, the largest); at most {MAX_DIGIT_STATES} are accepted "
+                "(fewer distinct bounds or multipleOf values, or a smaller multipleOf)")
         if self.repeats > MAX_REPEATS:
             cost, at = self._largest["repeats"]
-            raise InvalidRequest(
-                f"{where}: its repetitions (maxLength, maxItems, a pattern's counts) add up to {self.repeats} (the "
-                f"largest, {at}: {cost}); at most {MAX_REPEATS} are accepted")
+            raise InvalidRequest.at(
+                at, f": the repetitions (maxLength, maxItems, a pattern's counts) of {self.label} add up to "
+                f"{self.repeats} ({cost} for this one, the largest); at most {MAX_REPEATS} are accepted")

@@ -22,5 +22,5 @@ def parse_on_busy(raw: object) -> str | None:
     if raw is None:
         return None
     if not isinstance(raw, str) or raw not in ON_BUSY:
-        raise InvalidRequest(f"'on_busy' must be one of {', '.join(ON_BUSY)}")
+        raise InvalidRequest.at(("on_busy",), f" must be one of {', '.join(ON_BUSY)}")
     return raw

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, Path
 from broker.schema_pattern import Alt, Chars, Intervals, Node, Seq
 
 #: Positions of the pattern with its repetitions spelled out (the grammar's size, roughly).
@@ -51,14 +51,14 @@ END = -1
 class _Glushkov:
     """Positions and their follow sets, repetitions spelled out; aborts as soon as a set passes MAX_STACKS."""
 
-    def __init__(self, at: str) -> None:
+    def __init__(self, at: Path) -> None:
         self.labels: list[Intervals] = []
         self.follow: list[set[int]] = []
         self.at = at
 
     def too_costly(self) -> InvalidRequest:
-        return InvalidRequest(f"{self.at}: the pattern is too ambiguous to enforce at a bounded cost (more than "
-                              f"{MAX_STACKS} ways to match its text at once); make its repetitions unambiguous")
+        return InvalidRequest.at(self.at, ": the pattern is too ambiguous to enforce at a bounded cost (more than "
+                                 f"{MAX_STACKS} ways to match its text at once); make its repetitions unambiguous")
 
     def link(self, lasts: set[int], firsts: set[int]) -> None:
         for p in lasts:
@@ -147,11 +147,12 @@ class _Star:
     node: Node
 
 
-def measure(node: Node, at: str) -> Cost:
+def measure(node: Node, at: Path) -> Cost:
     """The pattern's cost (a string's content; the closing quote counts as one more stack), or InvalidRequest if it
     is too costly, too large, or matches no string rsb can write."""
     if positions(node) > MAX_POSITIONS:
-        raise InvalidRequest(f"{at}: the pattern spells out more than {MAX_POSITIONS} characters with its repetitions")
+        raise InvalidRequest.at(at, f": the pattern spells out more than {MAX_POSITIONS} characters with its "
+                                "repetitions")
     g = _Glushkov(at)
     first, last, nullable = g.build(node)
     for p in last:
@@ -169,7 +170,7 @@ def measure(node: Node, at: str) -> Cost:
             continue
         seen.add(closure)
         if len(seen) > MAX_STATES:
-            raise InvalidRequest(f"{at}: the pattern is too complex to bound its cost; simplify it")
+            raise InvalidRequest.at(at, ": the pattern is too complex to bound its cost; simplify it")
         stacks = max(stacks, len(closure))
         accepts = accepts or END in closure
         for matched in _moves(closure, labels):
@@ -184,8 +185,8 @@ def measure(node: Node, at: str) -> Cost:
             work = max(work, step)
             todo.append(frozenset(nxt))
     if not accepts:
-        raise InvalidRequest(f"{at}: the pattern matches no string rsb can write (only characters a JSON string "
-                             "holds unescaped are generated: no quote, backslash or control character)")
+        raise InvalidRequest.at(at, ": the pattern matches no string rsb can write (only characters a JSON string "
+                                "holds unescaped are generated: no quote, backslash or control character)")
     return Cost(stacks, work)
 
 

@@ -10,7 +10,6 @@ do. Absent fields stay absent in the stored form, so a plain request keeps the h
 from __future__ import annotations
 
 import hashlib
-import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ from broker.history import History
 from broker.json_schema import check_enforceable, json_depth
 from broker.sampling import DEFAULT as DEFAULT_SAMPLING
 from broker.sampling import FIELDS as SAMPLING_FIELDS
-from broker.sampling import Sampling, parse_sampling
+from broker.sampling import SEED, TEMPERATURE, TOP_P, Range, Sampling, parse_sampling
 from broker.tools import (
     JSON_FORMATS,
     MAX_TOOL_CALL_ID_CHARS,
@@ -73,16 +72,22 @@ _LEADING_PROMPT_CHARS = 512
 MODEL_MAX_CHARS = 256
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 128
+#: What one create may ask for, unless the settings say otherwise (consumer.settings takes its defaults from here).
+MAX_TOKENS = 32768
+DEFAULT_MAX_TOKENS = 256
 MAX_MESSAGES = 1024
 MAX_PROMPT_CHARS = 200_000
+#: What a create that sets none samples with.
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_TOP_P = 0.95
 
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     """What one create may ask for (the consumer's settings, narrowed by the caller's API key)."""
 
-    max_tokens: int = 32768
-    default_max_tokens: int = 256
+    max_tokens: int = MAX_TOKENS
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_messages: int = MAX_MESSAGES
     max_prompt_chars: int = MAX_PROMPT_CHARS
 
@@ -251,12 +256,12 @@ class GenerationRequest:
         )
 
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+def _number(body: dict[str, Any], name: str, default: float, bounds: Range) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
-        raise InvalidRequest(f"'{name}' must be a number between {lo} and {hi}")
+    if not bounds.holds(v):
+        raise InvalidRequest.at((name,), f" must be a number between {bounds.lo} and {bounds.hi}")
     return float(v)
 
 
@@ -271,7 +276,7 @@ def check_integer(v: object, name: str, lo: int, hi: int) -> int | None:
     if isinstance(v, float) and v.is_integer():  # 7.0 is an integer in JSON (and JSON Schema)
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise InvalidRequest(f"'{name}' must be an integer between {lo} and {hi}")
+        raise InvalidRequest.at((name,), f" must be an integer between {lo} and {hi}")
     return v
 
 
@@ -279,7 +284,7 @@ def parse_stream_id(raw: object) -> uuid.UUID:
     """A stream id is a UUID in its canonical text form (any case); anything else is refused."""
     parsed = parse_uuid(raw)
     if parsed is None:
-        raise InvalidRequest("'id' must be a UUID like 123e4567-e89b-12d3-a456-426614174000")
+        raise InvalidRequest.at(("id",), " must be a UUID like 123e4567-e89b-12d3-a456-426614174000")
     return parsed
 
 
@@ -320,32 +325,32 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
     max_messages, max_prompt_chars = limits.max_messages, limits.max_prompt_chars
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
-        raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}")
+        raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}", (unknown[0],))
 
     sid = None if body.get("id") is None else parse_stream_id(body["id"])
 
     has_messages, has_prompt = "messages" in body, "prompt" in body
     if has_messages == has_prompt:
-        raise InvalidRequest("exactly one of 'messages' and 'prompt' is required")
+        raise InvalidRequest.at(("messages",), " or 'prompt' is required: exactly one of them")
     messages: tuple[Message, ...] | None = None
     prompt: str | None = None
     if has_prompt:
         if not isinstance(body["prompt"], str):
-            raise InvalidRequest("'prompt' must be a string")
+            raise InvalidRequest.at(("prompt",), " must be a string")
         prompt = body["prompt"]
         if len(prompt) > max_prompt_chars:
-            raise InvalidRequest(f"'prompt' is longer than {max_prompt_chars} characters")
+            raise InvalidRequest.at(("prompt",), f" is longer than {max_prompt_chars} characters")
     else:
         raw_msgs = body["messages"]
         if not isinstance(raw_msgs, list) or not raw_msgs or len(raw_msgs) > max_messages:
-            raise InvalidRequest(f"'messages' must be a non-empty list of at most {max_messages} messages")
+            raise InvalidRequest.at(("messages",), f" must be a non-empty list of at most {max_messages} messages")
         messages = tuple(_message(m, i) for i, m in enumerate(raw_msgs))
         if sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in messages) > max_prompt_chars:
-            raise InvalidRequest(f"the messages' content is longer than {max_prompt_chars} characters in all")
+            raise InvalidRequest.at(("messages",), f" hold content longer than {max_prompt_chars} characters in all")
 
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not 0 < len(model) <= MODEL_MAX_CHARS):
-        raise InvalidRequest(f"'model' must be a non-empty string of at most {MODEL_MAX_CHARS} characters")
+        raise InvalidRequest.at(("model",), f" must be a non-empty string of at most {MODEL_MAX_CHARS} characters")
 
     stop_raw = body.get("stop")
     if stop_raw is None:
@@ -355,26 +360,25 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
     elif isinstance(stop_raw, list):
         stop = tuple(stop_raw)
     else:
-        raise InvalidRequest("'stop' must be a list of strings")
+        raise InvalidRequest.at(("stop",), " must be a list of strings")
     if len(stop) > MAX_STOP_SEQUENCES or not all(
         isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop
     ):
-        raise InvalidRequest(
-            f"'stop' takes at most {MAX_STOP_SEQUENCES} non-empty strings of at most {MAX_STOP_CHARS} characters"
-        )
+        raise InvalidRequest.at(
+            ("stop",), f" takes at most {MAX_STOP_SEQUENCES} non-empty strings of at most {MAX_STOP_CHARS} characters")
 
     cod = body.get("cancel_on_disconnect", False)
     if not isinstance(cod, bool):
-        raise InvalidRequest("'cancel_on_disconnect' must be true or false")
+        raise InvalidRequest.at(("cancel_on_disconnect",), " must be true or false")
 
     tools = parse_tools(body.get("tools"))
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
     if prompt is not None and (body.get("tools") is not None or body.get("tool_choice") is not None):
-        raise InvalidRequest("'tools' and 'tool_choice' need 'messages' (a chat), not a 'prompt'")
+        raise InvalidRequest.at(("tools",), " and 'tool_choice' need 'messages' (a chat), not a 'prompt'")
     response_format = parse_response_format(body.get("response_format"))
     if response_format is not None and tool_choice is not None and tool_choice.mode in ("required", "function"):
-        raise InvalidRequest("a 'response_format' and a 'tool_choice' that forces a call exclude each other: "
-                             "the answer is a call, not JSON text")
+        raise InvalidRequest.at(("response_format",), " and a 'tool_choice' that forces a call exclude each other: "
+                                "the answer is a call, not JSON text")
     if tool_choice is not None and tool_choice.mode in ("required", "function"):
         # The answer is constrained to a call of one of these, with arguments valid against its parameters: one
         # grammar for them all, its size added up over them.
@@ -382,17 +386,17 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
         for i, tool in enumerate(tools):
             if tool_choice.mode == "required" or tool.name == tool_choice.name:
                 if tool.parameters is not None:
-                    check_enforceable(tool.parameters, f"tools[{i}].function.parameters", size)
+                    check_enforceable(tool.parameters, ("tools", i, "function", "parameters"), size)
 
     cache_key = body.get("prompt_cache_key")
     if cache_key is not None and (not isinstance(cache_key, str)
                                   or not 0 < len(cache_key) <= PROMPT_CACHE_KEY_MAX_CHARS):
-        raise InvalidRequest(f"'prompt_cache_key' must be a non-empty string of at most {PROMPT_CACHE_KEY_MAX_CHARS} "
-                             "characters")
+        raise InvalidRequest.at(("prompt_cache_key",), f" must be a non-empty string of at most "
+                                f"{PROMPT_CACHE_KEY_MAX_CHARS} characters")
 
     tier = body.get("service_tier")
     if tier is not None and tier not in tiers.REQUESTABLE:
-        raise InvalidRequest(f"'service_tier' must be one of {', '.join(tiers.REQUESTABLE)}")
+        raise InvalidRequest.at(("service_tier",), f" must be one of {', '.join(tiers.REQUESTABLE)}")
 
     max_tokens = _integer(body, "max_tokens", 1, limits.max_tokens)
     return sid, GenerationRequest(
@@ -400,9 +404,9 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
         prompt=prompt,
         model=model,
         max_tokens=min(limits.default_max_tokens, limits.max_tokens) if max_tokens is None else max_tokens,
-        temperature=_number(body, "temperature", 0.8, 0.0, 2.0),
-        top_p=_number(body, "top_p", 0.95, 0.0, 1.0),
-        seed=_integer(body, "seed", 0, 2**32 - 1),
+        temperature=_number(body, "temperature", DEFAULT_TEMPERATURE, TEMPERATURE),
+        top_p=_number(body, "top_p", DEFAULT_TOP_P, TOP_P),
+        seed=_integer(body, "seed", int(SEED.lo), int(SEED.hi)),
         stop=stop,
         cancel_on_disconnect=cod,
         tools=tools,
@@ -416,30 +420,30 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
 
 
 def _message(m: Any, i: int) -> Message:
-    at = f"messages[{i}]"
+    at = ("messages", i)
     if not isinstance(m, dict):
-        raise InvalidRequest(f"{at} must be an object with 'role' and 'content'")
+        raise InvalidRequest.at(at, " must be an object with 'role' and 'content'")
     role = m.get("role")
     if not isinstance(role, str) or role not in ROLES:
-        raise InvalidRequest(f"{at}.role must be one of system, user, assistant, tool")
+        raise InvalidRequest.at((*at, "role"), " must be one of system, user, assistant, tool")
     allowed = {"role", "content", *(("tool_calls",) if role == "assistant" else ()),
                *(("tool_call_id",) if role == "tool" else ())}
     unknown = sorted(set(m) - allowed)
     if unknown:
-        raise InvalidRequest(f"{at}: unknown field(s) for a {role} message: {', '.join(unknown)}")
+        raise InvalidRequest.at(at, f": unknown field(s) for a {role} message: {', '.join(unknown)}")
     content = m.get("content")
     calls: tuple[ToolCall, ...] = ()
     if role == "assistant" and m.get("tool_calls") is not None:
-        calls = parse_tool_calls(m["tool_calls"], f"{at}.tool_calls")
+        calls = parse_tool_calls(m["tool_calls"], (*at, "tool_calls"))
         if content is None:
             content = ""
     if not isinstance(content, str):
         nullable = " (or null with tool_calls)" if role == "assistant" else ""
-        raise InvalidRequest(f"{at}.content must be a string{nullable}")
+        raise InvalidRequest.at((*at, "content"), f" must be a string{nullable}")
     call_id = None
     if role == "tool":
         call_id = m.get("tool_call_id")
         if not isinstance(call_id, str) or not 0 < len(call_id) <= MAX_TOOL_CALL_ID_CHARS:
-            raise InvalidRequest(f"{at}.tool_call_id must be the id of the call answered "
-                                 f"(a string of 1 to {MAX_TOOL_CALL_ID_CHARS} characters)")
+            raise InvalidRequest.at((*at, "tool_call_id"), " must be the id of the call answered "
+                                    f"(a string of 1 to {MAX_TOOL_CALL_ID_CHARS} characters)")
     return Message(role, content, calls, call_id)

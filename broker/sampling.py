@@ -1,4 +1,5 @@
-"""Sampling and tool-count parameters beyond temperature and top_p, as a create carries them: OpenAI's presence and
+"""The range of every sampling parameter (``Range``: temperature's and top_p's too, which broker.request reads), and
+the sampling and tool-count parameters beyond temperature and top_p, as a create carries them: OpenAI's presence and
 frequency penalties, ``logit_bias``, ``parallel_tool_calls``, ``max_tool_calls``, ``logprobs`` and ``top_logprobs``,
 and ``top_k`` (Anthropic's, vLLM's, Ollama's: sample among the k likeliest tokens). Validated here (OpenAI's
 ranges), stored in the canonical request only when set (so a request without them keeps its hash), honoured by the
@@ -7,12 +8,30 @@ past ``max_calls``, generator.answer) and echoed by the views."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from broker.ascii import decimal
 from broker.errors import InvalidRequest
 
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The values a numeric parameter may take, inclusive (OpenAI's ranges): what validation checks and what the API's
+    document says (consumer.views.openapi)."""
+
+    lo: float
+    hi: float
+
+    def holds(self, v: object) -> bool:
+        return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and self.lo <= v <= self.hi
+
+
+#: temperature and top_p (broker.request: their defaults too), the penalties, a logit bias, a seed.
+TEMPERATURE, TOP_P = Range(0.0, 2.0), Range(0.0, 1.0)
+PENALTY, LOGIT_BIAS = Range(-2, 2), Range(-100, 100)
+SEED = Range(0, 2**32 - 1)
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_TOOL_CALLS = 128
 MAX_TOP_LOGPROBS = 20
@@ -80,8 +99,8 @@ def _penalty(body: dict[str, Any], name: str) -> float:
     v = body.get(name)
     if v is None:
         return 0.0
-    if isinstance(v, bool) or not isinstance(v, int | float) or not -2.0 <= v <= 2.0:
-        raise InvalidRequest(f"'{name}' must be a number between -2 and 2")
+    if not PENALTY.holds(v):
+        raise InvalidRequest.at((name,), f" must be a number between {PENALTY.lo} and {PENALTY.hi}")
     return float(v)
 
 
@@ -93,34 +112,35 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
     bias: list[tuple[int, float]] = []
     if raw_bias is not None:
         if not isinstance(raw_bias, dict) or len(raw_bias) > MAX_LOGIT_BIAS:
-            raise InvalidRequest(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            raise InvalidRequest.at(("logit_bias",), f" must map at most {MAX_LOGIT_BIAS} token ids to biases")
         for k, v in raw_bias.items():
             token = decimal(k) if isinstance(k, str) and len(k) <= 9 else None
-            if token is None or isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
-                raise InvalidRequest("'logit_bias' maps token ids (\"123\") to numbers between -100 and 100")
+            if token is None or not LOGIT_BIAS.holds(v):
+                raise InvalidRequest.at(("logit_bias",), " maps token ids (\"123\") to numbers between "
+                                        f"{LOGIT_BIAS.lo} and {LOGIT_BIAS.hi}")
             bias.append((token, float(v)))
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise InvalidRequest("'parallel_tool_calls' must be true or false")
+        raise InvalidRequest.at(("parallel_tool_calls",), " must be true or false")
     most = body.get("max_tool_calls")
     if isinstance(most, float) and most.is_integer():  # 7.0 is an integer in JSON
         most = int(most)
     if most is not None and (isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= MAX_TOOL_CALLS):
-        raise InvalidRequest(f"'max_tool_calls' must be an integer between 1 and {MAX_TOOL_CALLS}")
+        raise InvalidRequest.at(("max_tool_calls",), f" must be an integer between 1 and {MAX_TOOL_CALLS}")
     want = body.get("logprobs")
     if want is not None and not isinstance(want, bool):
-        raise InvalidRequest("'logprobs' must be true or false")
+        raise InvalidRequest.at(("logprobs",), " must be true or false")
     top = body.get("top_logprobs")
     if isinstance(top, float) and top.is_integer():
         top = int(top)
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise InvalidRequest(f"'top_logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}")
+        raise InvalidRequest.at(("top_logprobs",), f" must be an integer between 0 and {MAX_TOP_LOGPROBS}")
     if top and not want:
-        raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
+        raise InvalidRequest.at(("top_logprobs",), " needs 'logprobs': true")
     top_k = body.get("top_k")
     if isinstance(top_k, float) and top_k.is_integer():
         top_k = int(top_k)
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K):
-        raise InvalidRequest(f"'top_k' must be an integer between 0 and {MAX_TOP_K}")
+        raise InvalidRequest.at(("top_k",), f" must be an integer between 0 and {MAX_TOP_K}")
     return Sampling(_penalty(body, "presence_penalty"), _penalty(body, "frequency_penalty"), tuple(sorted(bias)),
                     parallel is not False, most, bool(want), top or 0, top_k)

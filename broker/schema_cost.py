@@ -25,7 +25,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, Path, spelled
 from broker.pattern_cost import MAX_STACKS, measure
 from broker.schema_kinds import FORMATS, NUMERIC, kind, pattern_of, resolve_ref
 
@@ -46,16 +46,20 @@ Token = tuple[str, Any]
 ACCEPT = -1
 
 
-class _Left(Exception):
-    pass
-
-
-def check_cost(schema: dict[str, Any], where: str) -> None:
+def check_cost(schema: dict[str, Any], where: Path) -> None:
     _Analysis(schema, where).run()
 
 
+def _branches(a: Path, b: Path, what: str, why: str) -> InvalidRequest:
+    """Two anyOf branches (at ``a`` and ``b``) that ``what``, said at the schema both are in, then ``why``."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    while 0 < n < len(a) and isinstance(a[n], int):  # anyOf[0] and anyOf[1], not [0] and [1]
+        n -= 1
+    return InvalidRequest.at(a[:n], f": these anyOf branches {what} ({spelled(a[n:])} and {spelled(b[n:])}){why}")
+
+
 class _Analysis:
-    def __init__(self, root: dict[str, Any], where: str) -> None:
+    def __init__(self, root: dict[str, Any], where: Path) -> None:
         self.root = root
         self.where = where
         self.seen: set[int] = set()
@@ -72,25 +76,25 @@ class _Analysis:
         self.visit(self.root, self.where)
         depth = self.nesting(self.root, frozenset())
         if depth > MAX_NESTING:
-            raise InvalidRequest(f"{self.where}: objects and arrays nest {depth} levels deep (through $ref); at most "
-                                 f"{MAX_NESTING} are accepted")
+            raise InvalidRequest.at(self.where, f": objects and arrays nest {depth} levels deep (through $ref); at "
+                                    f"most {MAX_NESTING} are accepted")
         if self.name_chars > MAX_NAME_CHARS:
-            raise InvalidRequest(f"{self.where}: property and definition names and enum and const values hold "
-                                 f"{self.name_chars} characters; at most {MAX_NAME_CHARS} are accepted")
+            raise InvalidRequest.at(self.where, ": property and definition names and enum and const values hold "
+                                    f"{self.name_chars} characters; at most {MAX_NAME_CHARS} are accepted")
 
     # The alternatives a value position holds, refs and anyOf resolved.
-    def alts(self, s: Any, at: str, chain: frozenset[int] = frozenset()) -> list[tuple[Any, str]]:
+    def alts(self, s: Any, at: Path, chain: frozenset[int] = frozenset()) -> list[tuple[Any, Path]]:
         k = kind(s)
         if k in ("ref", "anyOf"):
             if id(s) in chain:
-                raise InvalidRequest(f"{at}: a $ref cycle that reaches itself before any brace (left recursion) "
-                                     "cannot be enforced by rsb's constrained decoding")
+                raise InvalidRequest.at(at, ": a $ref cycle that reaches itself before any brace (left recursion) "
+                                        "cannot be enforced by rsb's constrained decoding")
             chain = chain | {id(s)}
             if k == "ref":
-                return self.alts(resolve_ref(self.root, s["$ref"]), f"{at}.$ref", chain)
-            out: list[tuple[Any, str]] = []
+                return self.alts(resolve_ref(self.root, s["$ref"]), (*at, "$ref"), chain)
+            out: list[tuple[Any, Path]] = []
             for i, alt in enumerate(s["anyOf"]):
-                out.extend(self.alts(alt, f"{at}.anyOf[{i}]", chain))
+                out.extend(self.alts(alt, (*at, "anyOf", i), chain))
             return out
         if k == "types":
             return [(_BARE[t], at) for t in s["type"]]
@@ -98,7 +102,7 @@ class _Analysis:
             return [(_BARE[t], at) for t in _ANY_TYPES]
         return [(s, at)]
 
-    def visit(self, s: Any, at: str) -> None:
+    def visit(self, s: Any, at: Path) -> None:
         """Check ``s`` and everything it contains, each schema once."""
         if id(s) in self.seen or not isinstance(s, dict):
             return
@@ -110,59 +114,59 @@ class _Analysis:
                 self.no_ambiguity(alts)
             total = sum(self.stacks(c, a) for c, a in alts)
             if total > MAX_STACKS:
-                raise InvalidRequest(f"{at}: its alternatives can be alive {total} at once while the answer is "
-                                     f"written; at most {MAX_STACKS} are accepted (fewer branches, or branches "
-                                     "that differ sooner)")
+                raise InvalidRequest.at(at, f": its alternatives can be alive {total} at once while the answer is "
+                                        f"written; at most {MAX_STACKS} are accepted (fewer branches, or branches "
+                                        "that differ sooner)")
             if k == "ref":
-                self.visit(resolve_ref(self.root, s["$ref"]), f"{at}.$ref")
+                self.visit(resolve_ref(self.root, s["$ref"]), (*at, "$ref"))
             for i, alt in enumerate(s.get("anyOf", ())):
-                self.visit(alt, f"{at}.anyOf[{i}]")
+                self.visit(alt, (*at, "anyOf", i))
             return
         self.count(s, at, k)
         stacks = self.stacks(s, at)
         if stacks > MAX_STACKS:
-            raise InvalidRequest(f"{at}: up to {stacks} ways to read its text can be alive at once; at most "
-                                 f"{MAX_STACKS} are accepted (fewer optional properties or enum values sharing a "
-                                 "beginning)")
+            raise InvalidRequest.at(at, f": up to {stacks} ways to read its text can be alive at once; at most "
+                                    f"{MAX_STACKS} are accepted (fewer optional properties or enum values sharing a "
+                                    "beginning)")
         for child, where in self.children(s, at, k):
             self.visit(child, where)
 
-    def children(self, s: dict[str, Any], at: str, k: str) -> list[tuple[Any, str]]:
-        out: list[tuple[Any, str]] = []
+    def children(self, s: dict[str, Any], at: Path, k: str) -> list[tuple[Any, Path]]:
+        out: list[tuple[Any, Path]] = []
         if k == "object":
-            out += [(v, f"{at}.properties.{n}") for n, v in s.get("properties", {}).items()]
+            out += [(v, (*at, "properties", n)) for n, v in s.get("properties", {}).items()]
             if isinstance(s.get("additionalProperties"), dict):
-                out.append((s["additionalProperties"], f"{at}.additionalProperties"))
+                out.append((s["additionalProperties"], (*at, "additionalProperties")))
         elif k == "allOf":
             for i, part in enumerate(s["allOf"]):
                 part = resolve_ref(self.root, part["$ref"]) if "$ref" in part else part
-                out += [(v, f"{at}.allOf[{i}].properties.{n}") for n, v in part["properties"].items()]
+                out += [(v, (*at, "allOf", i, "properties", n)) for n, v in part["properties"].items()]
         elif k == "array":
             if "prefixItems" in s:
-                out += [(v, f"{at}.prefixItems[{i}]") for i, v in enumerate(s["prefixItems"])]
+                out += [(v, (*at, "prefixItems", i)) for i, v in enumerate(s["prefixItems"])]
             else:
-                out.append((s.get("items", True), f"{at}.items"))
+                out.append((s.get("items", True), (*at, "items")))
         return out
 
-    def count(self, s: dict[str, Any], at: str, k: str) -> None:
+    def count(self, s: dict[str, Any], at: Path, k: str) -> None:
         if k in ("object", "allOf"):
             names = [n for part in self.parts(s) for n in part.get("properties", {})]
             self.properties += len(names)
             self.name_chars += sum(len(n) for n in names)
             if self.properties > MAX_PROPERTIES:
-                raise InvalidRequest(f"{self.where}: more than {MAX_PROPERTIES} properties in all; at most "
-                                     f"{MAX_PROPERTIES} are accepted")
+                raise InvalidRequest.at(self.where, f": more than {MAX_PROPERTIES} properties in all; at most "
+                                        f"{MAX_PROPERTIES} are accepted")
         elif k in ("enum", "const"):
             values = s["enum"] if k == "enum" else [s["const"]]
             chars = sum(len(v) for v in values if isinstance(v, str))
             self.name_chars += chars
             self.enum_values += len(values) if k == "enum" else 0
             if self.enum_values > MAX_ENUM_VALUES:
-                raise InvalidRequest(f"{self.where}: more than {MAX_ENUM_VALUES} enum values in all; at most "
-                                     f"{MAX_ENUM_VALUES} are accepted")
+                raise InvalidRequest.at(self.where, f": more than {MAX_ENUM_VALUES} enum values in all; at most "
+                                        f"{MAX_ENUM_VALUES} are accepted")
             if len(values) > LARGE_ENUM and chars > LARGE_ENUM_CHARS:
-                raise InvalidRequest(f"{at}.enum: an enum of more than {LARGE_ENUM} values may hold at most "
-                                     f"{LARGE_ENUM_CHARS} characters")
+                raise InvalidRequest.at((*at, "enum"), f": an enum of more than {LARGE_ENUM} values may hold at most "
+                                        f"{LARGE_ENUM_CHARS} characters")
 
     def parts(self, s: dict[str, Any]) -> list[dict[str, Any]]:
         if "allOf" not in s:
@@ -182,13 +186,13 @@ class _Analysis:
         elif k == "anyOf":
             depth = max(self.nesting(a, path) for a in s["anyOf"])
         else:
-            below = [self.nesting(c, path) for c, _ in self.children(s, "", k)]
+            below = [self.nesting(c, path) for c, _ in self.children(s, (), k)]
             depth = (1 if k in ("object", "allOf", "array") else 0) + max(below, default=0)
         self.depth_memo[id(s)] = depth
         return depth
 
     # Stacks.
-    def stacks(self, c: dict[str, Any], at: str) -> int:
+    def stacks(self, c: dict[str, Any], at: Path) -> int:
         """The most stacks alive at once while the top level of ``c`` (a concrete schema) is written."""
         key = id(c)
         if key in self.stacks_memo:
@@ -198,7 +202,7 @@ class _Analysis:
             n = sum(self.stacks(a, w) for a, w in self.alts(c, at))
         elif k == "string":
             node = pattern_of(c, at)
-            n = 2 if node is None else measure(node, f"{at}.{'pattern' if 'pattern' in c else 'format'}").stacks
+            n = 2 if node is None else measure(node, (*at, "pattern" if "pattern" in c else "format")).stacks
         elif k in ("integer", "number"):
             # A bounded one: up to three lengths of digits (the lower bound's, those between, the upper's) per
             # sign, each deterministic, plus a fraction's digits.
@@ -215,29 +219,29 @@ class _Analysis:
                 required |= set(part.get("properties", {})) if k == "allOf" else set(part.get("required", []))
             extra = c.get("additionalProperties")
             keys = len([p for p in props if p not in required]) + (extra not in (None, False)) + 1
-            n = max([keys, *(self.value_stacks(v, f"{at}.properties.{p}") for p, v in props.items()),
-                     *([self.value_stacks(extra, f"{at}.additionalProperties")] if isinstance(extra, dict) else [])])
+            n = max([keys, *(self.value_stacks(v, (*at, "properties", p)) for p, v in props.items()),
+                     *([self.value_stacks(extra, (*at, "additionalProperties"))] if isinstance(extra, dict) else [])])
         elif k == "array":
             items = c["prefixItems"] if "prefixItems" in c else [c.get("items", True)]
-            n = 1 + max(self.value_stacks(v, f"{at}.items") for v in items)
+            n = 1 + max(self.value_stacks(v, (*at, "items")) for v in items)
         else:
             n = 2
         self.stacks_memo[key] = n
         return n
 
-    def value_stacks(self, s: Any, at: str) -> int:
+    def value_stacks(self, s: Any, at: Path) -> int:
         """Stacks alive at a value's position: its leaves' own, one per object or array it may open."""
         return sum(self.stacks(c, a) if kind(c) in _LEAVES else 1 for c, a in self.alts(s, at))
 
     # Ambiguity.
-    def no_ambiguity(self, alts: list[tuple[Any, str]]) -> None:
+    def no_ambiguity(self, alts: list[tuple[Any, Path]]) -> None:
         nfas = [self.nfa(c) for c, _ in alts]
         for i in range(len(alts)):
             for j in range(i + 1, len(alts)):
                 self.walk(nfas[i], nfas[j], alts[i][1], alts[j][1])
 
-    def walk(self, a: dict[int, list[tuple[Token, int]]], b: dict[int, list[tuple[Token, int]]], at_a: str,
-             at_b: str) -> None:
+    def walk(self, a: dict[int, list[tuple[Token, int]]], b: dict[int, list[tuple[Token, int]]], at_a: Path,
+             at_b: Path) -> None:
         todo = [(0, 0)]
         seen = {(0, 0)}
         while todo:
@@ -245,17 +249,18 @@ class _Analysis:
             for ta, na in a.get(qa, ()):
                 for tb, nb in b.get(qb, ()):
                     if ta[0] == "open" and tb[0] == "open" and ta[1] == tb[1]:
-                        raise InvalidRequest(
-                            f"{at_a} and {at_b}: these anyOf branches can both match the answer up to a nested "
-                            f"{'object' if ta[1] == '{' else 'array'}, which makes llama.cpp's grammar engine pay for "
-                            "every reading of it on every token; make the branches differ sooner (a first property "
-                            "of its own, or a const) to have this schema enforced")
+                        nested = "object" if ta[1] == "{" else "array"
+                        raise _branches(
+                            at_a, at_b, f"can both match the answer up to a nested {nested}",
+                            ", which makes llama.cpp's grammar engine pay for every reading of it on every token; make "
+                            "the branches differ sooner (a first property of its own, or a const) to have this schema "
+                            "enforced")
                     if na == ACCEPT or nb == ACCEPT or (na, nb) in seen or not _overlap(ta, tb):
                         continue
                     seen.add((na, nb))
                     if len(seen) > MAX_PAIR_STATES:
-                        raise InvalidRequest(f"{at_a} and {at_b}: these anyOf branches are too alike to compare at a "
-                                             "bounded cost; make them differ sooner")
+                        raise _branches(at_a, at_b, "are too alike to compare at a bounded cost",
+                                        "; make them differ sooner")
                     todo.append((na, nb))
 
     def nfa(self, c: dict[str, Any]) -> dict[int, list[tuple[Token, int]]]:
@@ -267,7 +272,7 @@ class _Analysis:
         k = kind(c)
 
         def value(frm: int, s: Any, to: int) -> None:
-            for alt, _ in self.alts(s, ""):
+            for alt, _ in self.alts(s, ()):
                 for tok in self.value_tokens(alt):
                     edges[frm].append((tok, to))
 

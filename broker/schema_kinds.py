@@ -10,6 +10,7 @@ import re
 from decimal import Decimal
 from typing import Any
 
+from broker.errors import Path
 from broker.schema_pattern import Node, parse
 
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
@@ -87,12 +88,12 @@ def resolve_ref(root: dict[str, Any], ref: str) -> Any:
     return root[m.group(1)][m.group(2)]
 
 
-def pattern_of(s: dict[str, Any], at: str) -> Node | None:
+def pattern_of(s: dict[str, Any], at: Path) -> Node | None:
     """The parsed pattern a string schema's text must match (its ``pattern`` or its ``format``'s), or None."""
     if "pattern" in s:
-        return parse(s["pattern"], f"{at}.pattern")
+        return parse(s["pattern"], (*at, "pattern"))
     if "format" in s:
-        return parse(FORMATS[s["format"]], f"{at}.format")
+        return parse(FORMATS[s["format"]], (*at, "format"))
     return None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, Path
 
 MAX_PATTERN_CHARS = 1024
 MAX_REPEAT = 1024  # a {m,n} count; llama.cpp spells each repetition out
@@ -104,14 +104,14 @@ class PatternRefused(InvalidRequest):
     pass
 
 
-def parse(pattern: str, at: str) -> Node:
+def parse(pattern: str, at: Path) -> Node:
     """The pattern as a tree (the anchors applied), or PatternRefused naming what rsb cannot enforce."""
     if not isinstance(pattern, str) or len(pattern) > MAX_PATTERN_CHARS:
-        raise InvalidRequest(f"{at} must be a string of at most {MAX_PATTERN_CHARS} characters")
+        raise InvalidRequest.at(at, f" must be a string of at most {MAX_PATTERN_CHARS} characters")
     try:
         re.compile(pattern)
     except re.error as e:
-        raise InvalidRequest(f"{at} is not a valid regular expression: {e}") from None
+        raise InvalidRequest.at(at, f" is not a valid regular expression: {e}") from None
     body = pattern
     head = body.startswith("^")
     tail = body.endswith("$") and not body.endswith("\\$") and len(body) > int(head)
@@ -122,12 +122,12 @@ def parse(pattern: str, at: str) -> Node:
 
 
 class _Parser:
-    def __init__(self, text: str, at: str) -> None:
+    def __init__(self, text: str, at: Path) -> None:
         self.s, self.i, self.at = text, 0, at
 
     def refuse(self, what: str) -> PatternRefused:
-        return PatternRefused(f"{self.at}: {what} in a pattern cannot be enforced by rsb's constrained decoding "
-                              "(docs/protocol.md lists what a pattern may use)")
+        return PatternRefused.at(self.at, f": {what} in a pattern cannot be enforced by rsb's constrained decoding "
+                                 "(docs/protocol.md lists what a pattern may use)")
 
     def parse(self) -> Node:
         node = self.alternation()
@@ -161,9 +161,9 @@ class _Parser:
                 lo = int(m.group(1))
                 hi = lo if m.group(2) is None else (int(m.group(3)) if m.group(3) else None)
                 if lo > MAX_REPEAT or (hi is not None and hi > MAX_REPEAT):
-                    raise InvalidRequest(f"{self.at}: quantifiers {{m,n}} take counts of at most {MAX_REPEAT}")
+                    raise InvalidRequest.at(self.at, f": quantifiers {{m,n}} take counts of at most {MAX_REPEAT}")
                 if hi is not None and hi < lo:
-                    raise InvalidRequest(f"{self.at}: the quantifier {m.group(0)} has its maximum below its minimum")
+                    raise InvalidRequest.at(self.at, f": the quantifier {m.group(0)} has its maximum below its minimum")
                 self.i = m.end()
             elif self.s.startswith("{,", self.i):
                 raise self.refuse("'{,n}' (a literal in ECMA-262, a quantifier in Python: write {0,n})")
@@ -248,7 +248,7 @@ class _Parser:
                 if not hi_single:
                     raise self.refuse("a class range to a shorthand")
                 if hi[0][0] < lo[0][0]:
-                    raise InvalidRequest(f"{self.at}: a class range is out of order")
+                    raise InvalidRequest.at(self.at, ": a class range is out of order")
                 parts.append((lo[0][0], hi[0][0]))
             else:
                 parts.extend(lo)

@@ -33,9 +33,10 @@ def resolve_tier(requested: str | None, key_tier: str = "", allowed: Collection[
     InvalidRequest naming the field."""
     tier = (key_tier or DEFAULT) if requested in (None, AUTO) else requested
     if tier not in TIERS:
-        raise InvalidRequest(f"service_tier must be one of {', '.join(REQUESTABLE)}")
+        raise InvalidRequest.at(("service_tier",), f" must be one of {', '.join(REQUESTABLE)}")
     if tier == PRIORITY and PRIORITY not in allowed:
         tier = DEFAULT
     if allowed and tier not in allowed:
-        raise InvalidRequest(f"this key may not use service_tier {tier!r} (it may use: {', '.join(sorted(allowed))})")
+        raise InvalidRequest(f"this key may not use service_tier {tier!r} (it may use: {', '.join(sorted(allowed))})",
+                             ("service_tier",))
     return tier

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, Path
 from broker.json_schema import check_enforceable
 
 MAX_TOOLS = 128
@@ -20,6 +20,10 @@ MAX_TOOL_CALLS = 128  # in one assistant message
 MAX_TOOL_CALL_ID_CHARS = 256
 TOOL_NAME = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
 TOOL_CHOICES = ("auto", "none", "required")
+_CHOICES = " must be auto, none, required or {\"type\": \"function\", \"function\": {\"name\"}}"
+#: Where a json_schema response format's fields are, and its schema.
+_SPEC: Path = ("response_format", "json_schema")
+SCHEMA: Path = (*_SPEC, "schema")
 #: response_format types that constrain the answer (``text`` is the default: stored as no format at all).
 JSON_FORMATS = ("json_object", "json_schema")
 
@@ -101,26 +105,26 @@ def schema_fragment(schema: dict[str, Any] | None) -> orjson.Fragment | None:
     return None if schema is None else orjson.Fragment(orjson.dumps(schema))
 
 
-def parse_tool_calls(raw: Any, at: str) -> tuple[ToolCall, ...]:
+def parse_tool_calls(raw: Any, at: Path) -> tuple[ToolCall, ...]:
     if not isinstance(raw, list) or not raw or len(raw) > MAX_TOOL_CALLS:
-        raise InvalidRequest(f"{at} must be a list of 1 to {MAX_TOOL_CALLS} calls")
+        raise InvalidRequest.at(at, f" must be a list of 1 to {MAX_TOOL_CALLS} calls")
     calls = []
     for j, c in enumerate(raw):
-        where = f"{at}[{j}]"
+        where = (*at, j)
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(c, dict) or set(c) - {"id", "type", "function"} or c.get("type", "function") != "function" \
                 or not isinstance(fn, dict) or set(fn) - {"name", "arguments"}:
-            raise InvalidRequest(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": "
-                                 "{\"name\", \"arguments\"}}")
+            raise InvalidRequest.at(where, " must be {\"id\", \"type\": \"function\", \"function\": "
+                                    "{\"name\", \"arguments\"}}")
         cid = c.get("id")
         if not isinstance(cid, str) or not 0 < len(cid) <= MAX_TOOL_CALL_ID_CHARS:
-            raise InvalidRequest(f"{where}.id must be a string of 1 to {MAX_TOOL_CALL_ID_CHARS} characters")
+            raise InvalidRequest.at((*where, "id"), f" must be a string of 1 to {MAX_TOOL_CALL_ID_CHARS} characters")
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise InvalidRequest(f"{where}.function.name must match {TOOL_NAME.pattern[2:-2]}")
+            raise InvalidRequest.at((*where, "function", "name"), f" must match {TOOL_NAME.pattern[2:-2]}")
         args = fn.get("arguments", "")
         if not isinstance(args, str):
-            raise InvalidRequest(f"{where}.function.arguments must be a string (JSON text)")
+            raise InvalidRequest.at((*where, "function", "arguments"), " must be a string (JSON text)")
         calls.append(ToolCall(cid, name, args))
     return tuple(calls)
 
@@ -129,35 +133,36 @@ def parse_tools(raw: Any) -> tuple[Tool, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
-        raise InvalidRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools")
+        raise InvalidRequest.at(("tools",), f" must be a list of at most {MAX_TOOLS} tools")
     size = len(orjson.dumps(raw))
     if size > MAX_TOOLS_BYTES:
-        raise InvalidRequest(f"'tools' is {size} bytes of JSON; at most {MAX_TOOLS_BYTES} are accepted")
+        raise InvalidRequest.at(("tools",), f" is {size} bytes of JSON; at most {MAX_TOOLS_BYTES} are accepted")
     tools: list[Tool] = []
     for i, t in enumerate(raw):
-        at = f"tools[{i}]"
+        at = ("tools", i)
+        fn_at = (*at, "function")
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or set(t) - {"type", "function"} or t.get("type") != "function" \
                 or not isinstance(fn, dict):
-            raise InvalidRequest(f"{at} must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}")
+            raise InvalidRequest.at(at, " must be {\"type\": \"function\", \"function\": {\"name\", ...}}")
         unknown = sorted(set(fn) - {"name", "description", "parameters", "strict"})
         if unknown:
-            raise InvalidRequest(f"{at}.function: unknown field(s): {', '.join(unknown)}")
+            raise InvalidRequest.at(fn_at, f": unknown field(s): {', '.join(unknown)}")
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise InvalidRequest(f"{at}.function.name must match {TOOL_NAME.pattern[2:-2]} (letters, digits, _ and -, "
-                                 "at most 64)")
+            raise InvalidRequest.at((*fn_at, "name"), f" must match {TOOL_NAME.pattern[2:-2]} (letters, digits, _ and "
+                                    "-, at most 64)")
         desc = fn.get("description")
         if desc is not None and (not isinstance(desc, str) or len(desc) > MAX_TOOL_DESCRIPTION_CHARS):
-            raise InvalidRequest(f"{at}.function.description must be a string of at most "
-                                 f"{MAX_TOOL_DESCRIPTION_CHARS} characters")
+            raise InvalidRequest.at((*fn_at, "description"), " must be a string of at most "
+                                    f"{MAX_TOOL_DESCRIPTION_CHARS} characters")
         params = fn.get("parameters")
         if params is not None and (not isinstance(params, dict) or params.get("type") != "object"):
-            raise InvalidRequest(f"{at}.function.parameters must be a JSON Schema of an object "
-                                 "({\"type\": \"object\", \"properties\": ...})")
+            raise InvalidRequest.at((*fn_at, "parameters"), " must be a JSON Schema of an object "
+                                    "({\"type\": \"object\", \"properties\": ...})")
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise InvalidRequest(f"{at}.function.strict must be true or false")
+            raise InvalidRequest.at((*fn_at, "strict"), " must be true or false")
         tools.append(Tool(name, desc, params, bool(strict)))
     return tuple(tools)
 
@@ -167,20 +172,18 @@ def parse_tool_choice(raw: Any, tools: tuple[Tool, ...]) -> ToolChoice | None:
         return None
     if isinstance(raw, str):
         if raw not in TOOL_CHOICES:
-            raise InvalidRequest("'tool_choice' must be auto, none, required or {\"type\": \"function\", "
-                                 "\"function\": {\"name\"}}")
+            raise InvalidRequest.at(("tool_choice",), _CHOICES)
         choice = ToolChoice(raw)
     else:
         fn = raw.get("function") if isinstance(raw, dict) else None
         if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(fn, dict) \
                 or not isinstance(fn.get("name"), str) or set(raw) - {"type", "function"} or set(fn) - {"name"}:
-            raise InvalidRequest("'tool_choice' must be auto, none, required or {\"type\": \"function\", "
-                                 "\"function\": {\"name\"}}")
+            raise InvalidRequest.at(("tool_choice",), _CHOICES)
         if not any(t.name == fn["name"] for t in tools):
-            raise InvalidRequest(f"'tool_choice' names {fn['name'][:64]!r}, which is not one of 'tools'")
+            raise InvalidRequest.at(("tool_choice",), f" names {fn['name'][:64]!r}, which is not one of 'tools'")
         choice = ToolChoice("function", fn["name"])
     if choice.mode == "required" and not tools:
-        raise InvalidRequest("'tool_choice' required needs 'tools'")
+        raise InvalidRequest.at(("tool_choice",), " required needs 'tools'")
     # The defaults are stored as no choice at all: auto with tools, none (nothing to call) without.
     if (choice.mode == "auto" and tools) or (choice.mode in ("auto", "none") and not tools):
         return None
@@ -192,31 +195,30 @@ def parse_response_format(raw: Any) -> ResponseFormat | None:
         return None
     kind = raw.get("type") if isinstance(raw, dict) else None
     if kind not in ("text", *JSON_FORMATS):
-        raise InvalidRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                             "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}")
+        raise InvalidRequest.at(("response_format",), " must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}")
     assert isinstance(raw, dict)
     allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
     if set(raw) - allowed:
-        raise InvalidRequest(f"response_format: unknown field(s): {', '.join(sorted(set(raw) - allowed))}")
+        raise InvalidRequest.at(("response_format",), f": unknown field(s): {', '.join(sorted(set(raw) - allowed))}")
     if kind == "text":
         return None
     if kind == "json_object":
         return ResponseFormat("json_object")
     spec = raw.get("json_schema")
     if not isinstance(spec, dict) or set(spec) - {"name", "schema", "strict", "description"}:
-        raise InvalidRequest("response_format.json_schema must be {\"name\", \"schema\", \"strict\"?, "
-                             "\"description\"?}")
+        raise InvalidRequest.at(_SPEC, " must be {\"name\", \"schema\", \"strict\"?, \"description\"?}")
     name = spec.get("name")
     if not isinstance(name, str) or not TOOL_NAME.match(name):
-        raise InvalidRequest(f"response_format.json_schema.name must match {TOOL_NAME.pattern[2:-2]}")
+        raise InvalidRequest.at((*_SPEC, "name"), f" must match {TOOL_NAME.pattern[2:-2]}")
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise InvalidRequest("response_format.json_schema.strict must be true or false")
+        raise InvalidRequest.at((*_SPEC, "strict"), " must be true or false")
     desc = spec.get("description")
     if desc is not None and (not isinstance(desc, str) or len(desc) > MAX_TOOL_DESCRIPTION_CHARS):
-        raise InvalidRequest(f"response_format.json_schema.description must be a string of at most "
-                             f"{MAX_TOOL_DESCRIPTION_CHARS} characters")
+        raise InvalidRequest.at((*_SPEC, "description"), " must be a string of at most "
+                                f"{MAX_TOOL_DESCRIPTION_CHARS} characters")
     if "schema" not in spec:
-        raise InvalidRequest("response_format.json_schema.schema is required")
-    check_enforceable(spec["schema"], "response_format.json_schema.schema")
+        raise InvalidRequest.at(SCHEMA, " is required")
+    check_enforceable(spec["schema"], SCHEMA)
     return ResponseFormat("json_schema", name, spec["schema"], bool(strict), desc)

@@ -27,7 +27,7 @@ from broker.request import (
     TOOL_NAME,
     RequestLimits,
 )
-from broker.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from broker.sampling import LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PENALTY, SEED, TEMPERATURE, TOP_P, Range
 from broker.sampling import MAX_TOOL_CALLS as MAX_SAMPLED_TOOL_CALLS
 from broker.streams.records import STATUSES
 from broker.streams.report import GROUP_BYS
@@ -99,6 +99,10 @@ _STREAM_LINKS = {name: {"operationId": op, "parameters": {"stream_id": "$respons
                  for name, op in (("status", "streamStatus"), ("events", "streamEvents"), ("cancel", "cancelStream"))}
 
 
+def _range(r: Range) -> dict[str, Any]:
+    return {"minimum": r.lo, "maximum": r.hi}
+
+
 def generation_properties(limits: RequestLimits) -> dict[str, Any]:
     """The schemas of the generation settings every view passes to rsb's validation as they are (each may be
     null: the default). The OpenAI views reuse them, so one rule has one description."""
@@ -109,9 +113,9 @@ def generation_properties(limits: RequestLimits) -> dict[str, Any]:
         "service_tier": nullable({"type": "string", "enum": list(tiers.REQUESTABLE),
                                   "description": "priority before default before flex; auto: the key's tier"}),
         "max_tokens": nullable({"type": "integer", "minimum": 1, "maximum": limits.max_tokens}),
-        "temperature": nullable({"type": "number", "minimum": 0, "maximum": 2}),
-        "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
-        "seed": nullable({"type": "integer", "minimum": 0, "maximum": 2**32 - 1}),
+        "temperature": nullable({"type": "number", **_range(TEMPERATURE)}),
+        "top_p": nullable({"type": "number", **_range(TOP_P)}),
+        "seed": nullable({"type": "integer", **_range(SEED)}),
         "stop": nullable({"anyOf": [
             {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
             {"type": "array", "maxItems": MAX_STOP_SEQUENCES,
@@ -119,11 +123,11 @@ def generation_properties(limits: RequestLimits) -> dict[str, Any]:
         "prompt_cache_key": nullable({"type": "string", "minLength": 1, "maxLength": PROMPT_CACHE_KEY_MAX_CHARS,
                                       "description": "requests sharing it go to the generator that holds their "
                                                      "prompt's prefix (OpenAI's prompt_cache_key)"}),
-        **{name: nullable({"type": "number", "minimum": -2, "maximum": 2}) for name in
+        **{name: nullable({"type": "number", **_range(PENALTY)}) for name in
            ("presence_penalty", "frequency_penalty")},
         "logit_bias": nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
                                 "propertyNames": {"pattern": "^[0-9]{1,9}$"},
-                                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                "additionalProperties": {"type": "number", **_range(LOGIT_BIAS)},
                                 "description": "token ids of the model that runs, and biases added to their logits"}),
         "parallel_tool_calls": nullable({"type": "boolean", "description": "false: at most one call per answer"}),
         "max_tool_calls": nullable({"type": "integer", "minimum": 1, "maximum": MAX_SAMPLED_TOOL_CALLS,

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, Path, spelled
 from broker.json_schema import check_enforceable
 from broker.request import GenerationRequest, Tool
+from broker.tools import SCHEMA
 from generator.engines.base import EngineError
 from generator.engines.schema_grammar import Grammar, GrammarTooBig, SchemaGrammar, literal
 from generator.engines.tool_syntax import CLOSE, OPEN
@@ -36,7 +37,7 @@ def answer_grammar(request: GenerationRequest) -> str | None:
         return None
     schema = {"type": "object"} if rf.type == "json_object" else rf.schema
     grammar = Grammar()
-    root = _visit(grammar, schema, "response_format.json_schema.schema", "")
+    root = _visit(grammar, schema, SCHEMA, "")
     return grammar.text(root)
 
 
@@ -46,17 +47,17 @@ def tool_call_grammar(tools: tuple[Tool, ...]) -> str:
     grammar = Grammar()
     alternatives = []
     for i, tool in enumerate(tools):
-        rule = _visit(grammar, tool.arguments_schema, f"tools[{i}].function.parameters", f"t{i}-")
+        rule = _visit(grammar, tool.arguments_schema, ("tools", i, "function", "parameters"), f"t{i}-")
         alternatives.append(f'{literal(tool.name + chr(34) + ", " + chr(34) + "arguments" + chr(34) + ": ")} {rule}')
     head = literal(OPEN + '\n{"name": "')
     return grammar.text(f'{head} ({" | ".join(alternatives)}) {literal("}" + chr(10) + CLOSE)}')
 
 
-def _visit(grammar: Grammar, schema: Any, where: str, prefix: str) -> str:
+def _visit(grammar: Grammar, schema: Any, where: Path, prefix: str) -> str:
     try:
         check_enforceable(schema, where)
         return SchemaGrammar(grammar, schema, prefix).rule(schema)
     except InvalidRequest as e:
         raise SchemaRefused(e.message) from None
     except GrammarTooBig as e:
-        raise SchemaRefused(f"{where}: {e}") from None
+        raise SchemaRefused(f"{spelled(where)}: {e}") from None

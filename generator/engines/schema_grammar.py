@@ -228,7 +228,7 @@ class SchemaGrammar:
 
     def string(self, s: dict[str, Any]) -> str:
         space = self.g.primitive("space")
-        node = pattern_of(s, "schema")
+        node = pattern_of(s, ("schema",))
         if node is not None:
             body = self.pattern(node)
         else:

@@ -153,7 +153,7 @@ def test_random_schemas_admitted_compile_and_write_only_valid_values(engine_eos:
     for i in range(150):
         schema = _node(r, 3)
         try:
-            check_enforceable(schema, "schema")
+            check_enforceable(schema, ("schema",))
         except InvalidRequest:
             continue  # a refusal by name is fine; anything else (a crash) fails the test
         gen = engine_eos.start(_request(schema, i), prefix_text="", max_tokens=1500, stop=threading.Event())

@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from broker.errors import InvalidRequest
+from broker.errors import ANY, InvalidRequest, Path
 from broker.request import MAX_TOOLS, GenerationRequest, RequestLimits, validate_create_body
 from consumer.views.anthropic.errors import AnthropicError, invalid
 
@@ -57,11 +57,11 @@ KNOWN = frozenset({"model", "max_tokens", "messages", "system", "tools", "tool_c
                    "temperature", "top_p", "top_k", "metadata", "thinking", "stream", "service_tier",
                    "output_config", "cache_control", "speed", *PLATFORM_FEATURES})
 SERVICE_TIERS = {"auto": "auto", "standard_only": "default"}
-#: rsb's validation messages, said in this API's terms.
-PHRASES = {"'stop'": "'stop_sequences'", ".function.parameters": ".input_schema", ".function.name": ".name",
-           "response_format.json_schema.schema": "output_config.format.schema",
-           "'response_format'": "'output_config.format'", "'user'": "'metadata.user_id'",
-           "'tool_choice' required needs 'tools'": "tool_choice: 'any' needs 'tools'"}
+#: rsb's fields, as this API names them (InvalidRequest.said).
+RENAMES: dict[Path, Path] = {
+    ("stop",): ("stop_sequences",), ("tools", ANY, "function", "parameters"): ("tools", ANY, "input_schema"),
+    ("tools", ANY, "function"): ("tools", ANY), ("response_format", "json_schema"): ("output_config", "format"),
+    ("response_format",): ("output_config", "format"), ("user",): ("metadata", "user_id")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,20 +97,20 @@ def parse_messages_request(body: dict[str, Any], limits: RequestLimits) -> Messa
     _cache_control(body.get("cache_control"), "cache_control")
     _bounded(body, limits)
     tools = _tools(body.get("tools"))
+    choice = _tool_choice(body.get("tool_choice"))
+    if choice.get("tool_choice") == "required" and not tools:
+        raise invalid("tool_choice: 'any' needs 'tools'")
     rsb: dict[str, Any] = {
         "model": body["model"], "max_tokens": body["max_tokens"], "temperature": temperature,
         "top_p": body.get("top_p"), "top_k": body.get("top_k"), "stop": body.get("stop_sequences"),
         "messages": [*_system(body.get("system")), *_messages(body["messages"])],
         "user": _user_id(body.get("metadata")), "service_tier": _service_tier(body.get("service_tier")),
         "response_format": _output_format(body.get("output_config")), "tools": tools,
-        **_tool_choice(body.get("tool_choice"))}
+        **choice}
     try:
         _, generation = validate_create_body({k: v for k, v in rsb.items() if v is not None}, limits)
     except InvalidRequest as e:
-        message = e.message
-        for ours, theirs in PHRASES.items():
-            message = message.replace(ours, theirs)
-        raise invalid(message) from None
+        raise invalid(e.said(RENAMES)[0]) from None
     return MessagesRequest(generation, bool(stream), _thinking(body.get("thinking"), generation.max_tokens))
 
 

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, Path
 from broker.events import Event, EventType
 from broker.request import RequestLimits, check_integer
 from broker.streams.records import StreamStatus
@@ -136,8 +136,8 @@ def _echoed_call(call: object) -> object:
 
 
 def _chat_body(body: dict[str, Any], limits: RequestLimits, *, drop: bool = False
-               ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
-    """The rsb create body for a chat request, the renames for its validation messages, and the parameters it
+               ) -> tuple[dict[str, Any], dict[Path, Path], list[str]]:
+    """The rsb create body for a chat request, the renames of rsb's fields for its errors, and the parameters it
     had dropped (``drop``: --drop-unsupported-params)."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -160,7 +160,7 @@ def _chat_body(body: dict[str, Any], limits: RequestLimits, *, drop: bool = Fals
     for name in PASSED_THROUGH:
         if body.get(name) is not None:
             rsb[name] = body[name]
-    return rsb, {"max_tokens": given[0] if given else "max_completion_tokens"}, dropped
+    return rsb, {("max_tokens",): (given[0] if given else "max_completion_tokens",)}, dropped
 
 
 class _Chat:

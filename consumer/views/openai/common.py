@@ -9,7 +9,6 @@ then the live hub), served by the consumer's one SSE response.
 from __future__ import annotations
 
 import dataclasses
-import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from broker.errors import (
     InvalidRequest,
     ModelNotFound,
     OverStorageQuota,
+    Path,
     RetryLater,
     RsbError,
 )
@@ -44,9 +44,6 @@ from consumer.streaming.sse import Draining, Gone, race
 from consumer.views.idempotency import HEADER as IDEMPOTENCY_HEADER
 from consumer.views.idempotency import stream_id_for_key
 
-# The parameter an rsb validation message is about: "'max_tokens' must be ...", "messages[3].role ..." or
-# "response_format.json_schema.name ...".
-_PARAM = re.compile(r"\A'?([a-z_]+)(?:'|\[|\.|:)")
 #: OpenAI's message roles, as rsb's (``developer`` is OpenAI's newer name for ``system``).
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -107,7 +104,8 @@ def error_response(exc: RsbError) -> JSONResponse:
     if status == 401:
         return error_json(401, exc.message, type_="invalid_request_error", code="invalid_api_key")
     type_ = "server_error" if status >= 500 else "invalid_request_error"
-    return error_json(status, exc.message, type_=type_, code=exc.code)
+    param = top_param(exc.param) if isinstance(exc, InvalidRequest) else None
+    return error_json(status, exc.message, type_=type_, code=exc.code, param=param)
 
 
 def openai_route(handler: Handler) -> Handler:
@@ -172,12 +170,6 @@ def no_items(name: str) -> Only:
 def boolean(name: str) -> Only:
     return Only(name, {"anyOf": [{"type": "boolean"}, NULL]}, lambda v: v is None or isinstance(v, bool),
                 f"'{name}' must be true or false")
-
-
-def text_format(name: str, message: str) -> Only:
-    """An object whose ``type`` is ``text`` (a response format), or null."""
-    schema = {"anyOf": [{"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}}, NULL]}
-    return Only(name, schema, lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), message)
 
 
 def check_only(body: dict[str, Any], rules: tuple[Only, ...], *, drop: bool = False) -> list[str]:
@@ -245,28 +237,26 @@ def stream_id_for(request: Request, caller: Caller) -> uuid.UUID:
         raise invalid(e.message, code="invalid_header") from None
 
 
-def validated(request: Request, rsb_body: dict[str, Any], renames: Mapping[str, str], *,
+def validated(request: Request, rsb_body: dict[str, Any], renames: Mapping[Path, Path], *,
               uncounted_messages: int = 0) -> GenerationRequest:
-    """``rsb_body`` (a ``POST /v1/streams`` body) validated exactly as the native route does. ``renames`` maps
-    rsb field names to the client's, for errors; ``uncounted_messages`` leading messages (Responses'
-    instructions) do not count against max_messages."""
+    """``rsb_body`` (a ``POST /v1/streams`` body) validated exactly as the native route does. ``renames`` maps rsb's
+    fields to the client's (InvalidRequest.said: its messages and its ``param`` say the client's names);
+    ``uncounted_messages`` leading messages (Responses' instructions) do not count against max_messages."""
     limits = state_of(request).service.limits_for(caller_of(request))
     limits = dataclasses.replace(limits, max_messages=limits.max_messages + uncounted_messages)
     try:
         return validate_create_body(rsb_body, limits)[1]
     except InvalidRequest as e:
-        message = e.message
-        for ours, theirs in renames.items():
-            if ours.isidentifier():
-                message = message.replace(f"'{ours}'", f"'{theirs}'").replace(f"{ours}[", f"{theirs}[")
-            else:
-                message = message.replace(ours, theirs)
-        m = _PARAM.match(message)
-        param = m.group(1) if m else renames.get("messages", "messages") if "messages" in message else None
-        raise invalid(message, param) from None
+        message, param = e.said(renames)
+        raise invalid(message, top_param(param)) from None
 
 
-async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Mapping[str, str], *,
+def top_param(path: Path | None) -> str | None:
+    """OpenAI's ``param``: the request's field an error is about (the first of its path)."""
+    return None if not path else str(path[0])
+
+
+async def create_stream(request: Request, rsb_body: dict[str, Any], renames: Mapping[Path, Path], *,
                         uncounted_messages: int = 0, history: History | None = None,
                         hook_name: Callable[[uuid.UUID], str] | None = None) -> tuple[uuid.UUID, StreamStatus]:
     """Validate ``rsb_body`` (``validated``), create the stream (recording ``history``), and return it with its

@@ -122,7 +122,7 @@ def input_items(request: Request, raw: object, param: str) -> tuple[Message, ...
     messages (their number and characters)."""
     if not isinstance(raw, list) or not raw or len(raw) > MAX_ITEMS:
         raise invalid(f"'{param}' must be a list of 1 to {MAX_ITEMS} items", param)
-    return validated(request, {"messages": input_messages(raw, param=param)}, {"messages": param}).messages or ()
+    return validated(request, {"messages": input_messages(raw, param=param)}, {("messages",): (param,)}).messages or ()
 
 
 # -- routes --------------------------------------------------------------------------------------------

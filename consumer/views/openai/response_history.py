@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from broker.errors import NotFound
+from broker.errors import NotFound, Path
 from broker.history import History
 from broker.on_busy import ON_BUSY
 from broker.streams.records import StreamStatus
@@ -67,7 +67,7 @@ def previous_response(raw: object, parse: Callable[[str], uuid.UUID | None]) -> 
 
 
 async def create_response_stream(request: Request, body: dict[str, Any], rsb_body: dict[str, Any],
-                                 renames: Mapping[str, str], lead: int,
+                                 renames: Mapping[Path, Path], lead: int,
                                  parse: Callable[[str], uuid.UUID | None]) -> tuple[uuid.UUID, StreamStatus]:
     """The stream of a Responses create, with the history ``conversation`` or ``previous_response_id`` names in
     front of its input. ``lead``: its instructions (a leading system message, never carried into a later

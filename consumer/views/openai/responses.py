@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
 from broker.ascii import decimal
-from broker.errors import NotFound
+from broker.errors import ANY, NotFound, Path
 from broker.sampling import MAX_TOP_LOGPROBS
 from broker.streams.conversations import Conversation
 from broker.streams.records import StreamStatus
@@ -111,10 +111,11 @@ PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "prompt_cache
 #: Every parameter a Responses create may carry; any other is a 400 naming it.
 KNOWN = frozenset({"input", "max_output_tokens", "tools", "tool_choice", "text", *PASSED_THROUGH,
                    *("instructions", "conversation", "previous_response_id")})
-#: rsb's validation messages, said in the Responses API's terms (its tools have no ``function`` level, its
-#: output format is ``text.format``).
-PHRASES = {"response_format.json_schema.": "text.format.", "'response_format'": "'text.format'",
-           "response_format:": "text.format:", "].function.": "]."}
+#: rsb's fields, as the Responses API names them (InvalidRequest.said): its tools have no ``function`` level, its
+#: output format is ``text.format`` (a json_schema's fields beside its type), its messages are ``input``.
+RENAMES: dict[Path, Path] = {
+    ("response_format",): ("text", "format"), ("response_format", "json_schema"): ("text", "format"),
+    ("tools", ANY, "function"): ("tools", ANY), ("max_tokens",): ("max_output_tokens",), ("messages",): ("input",)}
 
 
 def _responses_body(body: dict[str, Any], *, drop: bool = False) -> tuple[dict[str, Any], list[str]]:
@@ -200,13 +201,12 @@ async def create_response(request: Request) -> ASGIApp:
     rsb_body, dropped = _responses_body(body, drop=service.drops_unsupported(caller_of(request)))
     headers = dropped_header(dropped)
     stream, background = bool(body.get("stream")), bool(body.get("background"))
-    renames = {**PHRASES, "max_tokens": "max_output_tokens", "messages": "input"}
     uncounted = 1 if body.get("instructions") is not None else 0
     if not stream and background:
-        stream_id, st = await create_response_stream(request, body, rsb_body, renames, uncounted, parse_response_id)
+        stream_id, st = await create_response_stream(request, body, rsb_body, RENAMES, uncounted, parse_response_id)
         return JSONResponse((await _snapshot(service, stream_id, st)).response(), headers=headers)
     with service.connection(caller_of(request)) as slot:
-        stream_id, st = await create_response_stream(request, body, rsb_body, renames, uncounted, parse_response_id)
+        stream_id, st = await create_response_stream(request, body, rsb_body, RENAMES, uncounted, parse_response_id)
         if stream:
             return await _serve_events(request, slot, stream_id, st, -1, headers)
 
