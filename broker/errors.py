@@ -226,8 +226,8 @@ class OverStorageQuota(RsbError):
 
     code = "storage_quota"
 
-    def __init__(self, quota_bytes: int, partitions: int = 1) -> None:
-        share = f" ({-(-quota_bytes // partitions)} bytes in each of {partitions} partitions)" if partitions > 1 else ""
+    def __init__(self, quota_bytes: int, partitions: int = 1, share_bytes: int = 0) -> None:
+        share = f" ({share_bytes} bytes in each of {partitions} partitions)" if partitions > 1 else ""
         super().__init__(f"this caller holds as much data as it may ({quota_bytes} bytes{share}, "
                          "--storage-quota-bytes); delete streams, or let them expire")
 

@@ -4,14 +4,18 @@ when it ends, never one per retry, and its refusals are counted for the metrics.
 
 Pure bookkeeping (no Redis): a Redis error that is "out of memory" is a broker.errors.StoreFull (mapped in
 broker.redis.connection); the generator's retries (generator.retry) and the consumer's error
-boundary (consumer.edge.errors) report to an ``OutOfMemoryEpisodes`` each.
+boundary (consumer.edge.errors) report to an ``OutOfMemoryEpisodes`` each, and so does a background loop's round
+(``one_round``: the one place that says what Redis away, Redis full and a bug do to a loop that goes on).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from broker.errors import StoreFull, StoreUnavailable
 
 #: When Redis says it is full: a client's Retry-After, and the longest a worker waits between two tries.
 STORAGE_FULL_RETRY_AFTER_S = 5
@@ -69,3 +73,18 @@ class OutOfMemoryEpisodes:
                       extra={"storage_full": "end", "paused_s": round(at - self._started_at, 3),
                              "refused": self._in_episode})
         self._started_at = None
+
+
+@contextlib.contextmanager
+def one_round(log: logging.Logger, what: str, full: OutOfMemoryEpisodes) -> Iterator[None]:
+    """One round of a loop that runs for the process's life and tries again next round (touching the streams being
+    read, taking and recording webhook events, answering token counts): Redis away is a warning, Redis full a refusal
+    of ``full``'s episode, anything else a bug, logged with its traceback; none of them ends the loop."""
+    try:
+        yield
+    except StoreUnavailable as e:
+        log.warning("%s: redis unavailable, tried again: %s", what, e)
+    except StoreFull:
+        full.refused(what)
+    except Exception as e:
+        log.error("%s failed: %s", what, type(e).__name__, exc_info=e)

@@ -14,9 +14,9 @@ from starlette.types import ASGIApp
 
 from broker import telemetry
 from broker.durable.store import DurableStore
-from broker.errors import StoreUnavailable
 from broker.redis.connection import connect, connect_blocking
 from broker.scrape import serve_scrapes
+from broker.storage import one_round
 from broker.streams.budget import Teams
 from broker.streams.outbox import Outbox
 from broker.streams.read_token_secret import shared_read_token_secret
@@ -55,13 +55,9 @@ async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         ids = hub.stream_ids()
-        try:
+        with one_round(log, "touching the streams being read", OUT_OF_MEMORY):  # the next round touches them
             for i in range(0, len(ids), 1000):
                 await store.touch(ids[i:i + 1000])
-        except StoreUnavailable:  # the next round touches them
-            pass
-        except Exception as e:  # a bug, said
-            log.error("touching the streams being read failed: %s", type(e).__name__, exc_info=e)
 
 
 # How long the start waits for Redis's maxmemory (the default storage quota) before going on without it.

@@ -217,7 +217,7 @@ class DurableStore:
         if tag == "limit":
             raise TooManyStreams("this API key holds as many durable streams as it may")
         if tag == "quota":
-            raise OverStorageQuota(quota.quota_bytes, partitions)
+            raise OverStorageQuota(quota.quota_bytes, partitions, quota.share(partitions))
         raise Conflict("a stream exists at this path with a different configuration")
 
     async def _fork(self, keys: DurableKeys, spec: StreamSpec, body: bytes, fork: ForkSpec, max_streams: int,
@@ -329,7 +329,7 @@ class DurableStore:
         if tag == "notfound":
             raise NotFound("no stream at this path")
         if tag == "quota":
-            raise OverStorageQuota(quota.quota_bytes, self.partitions)
+            raise OverStorageQuota(quota.quota_bytes, self.partitions, quota.share(self.partitions))
         if tag == "gone":
             raise await self._gone(keys)
         outcome = Outcome(tag)

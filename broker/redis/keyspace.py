@@ -26,6 +26,13 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 PREFIX = "rsb"
 
 
+def partition_share(limit: int, partitions: int) -> int:
+    """What one partition allows of a caller's ``limit`` (0: no limit), when its counter lives in each partition's slot
+    so that a script checks it in the one step that counts it: ceil(limit / partitions), exact with one partition (the
+    default); with more, a caller whose work crowds one partition meets its share there a little before the whole."""
+    return -(-limit // partitions) if limit > 0 else 0
+
+
 @functools.cache
 def partition_tag(partition: int, partitions: int) -> str:
     """The hash tag (without braces) of partition ``partition`` of ``partitions``; see the module doc."""

@@ -26,7 +26,7 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 
 from broker.redis.connection import REFUSE_WHEN_FULL, RedisClient, is_cluster
-from broker.redis.keyspace import tagged
+from broker.redis.keyspace import partition_share, tagged
 from broker.redis.lua import SERVER_MS
 
 #: Expired items swept per charging call: bounds the call's time in Redis.
@@ -70,7 +70,7 @@ class StorageQuota:
 
     def share(self, partitions: int) -> int:
         """The bytes one partition allows (ceil(quota / P): exact with one partition, the default)."""
-        return -(-self.quota_bytes // partitions) if self.quota_bytes > 0 else 0
+        return partition_share(self.quota_bytes, partitions)
 
 
 NO_STORAGE_QUOTA = StorageQuota()

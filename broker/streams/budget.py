@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from broker.redis.keyspace import partition_share
 from broker.request import prompt_token_bound
 from broker.streams.usage import Price, json_object
 
@@ -62,11 +63,11 @@ class Budget:
         return self.tokens > 0 or self.usd > 0
 
     def share(self, partitions: int) -> int:
-        return -(-self.tokens // partitions) if self.tokens > 0 else 0
+        return partition_share(self.tokens, partitions)
 
     def usd_share(self, partitions: int) -> int:
         """This partition's share of the money, in nano-USD (0: no bound)."""
-        return -(-round(self.usd * NANO_PER_USD) // partitions) if self.usd > 0 else 0
+        return partition_share(round(self.usd * NANO_PER_USD), partitions)
 
     def window(self, now: float) -> tuple[str, float]:
         """The period ``now`` falls in: its name (``2026-12-03``, ``2026-12``) and its end (Unix seconds)."""

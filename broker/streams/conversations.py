@@ -57,6 +57,7 @@ import orjson
 from broker.errors import OverStorageQuota, TooManyConversations
 from broker.events import Event
 from broker.redis.connection import register_script, reply_text
+from broker.redis.keyspace import partition_share
 from broker.redis.quota import StorageQuota, storage_key
 from broker.request import GenerationRequest
 from broker.streams import conversation_scripts as scripts
@@ -180,8 +181,7 @@ class ConversationStore:
         return ConversationKeys.of(key_id, name, self.partitions)
 
     def _share(self, limits: Limits) -> int:
-        n = limits.max_conversations
-        return -(-n // self.partitions) if n > 0 else 0
+        return partition_share(limits.max_conversations, self.partitions)
 
     def _storage(self, k: ConversationKeys, owner: str) -> str:
         return storage_key(k.partition, k.partitions, owner)
@@ -214,7 +214,8 @@ class ConversationStore:
         if outcome is Begin.FULL:
             raise TooManyConversations(limits.max_conversations)
         if outcome is Begin.QUOTA:
-            raise OverStorageQuota(limits.storage_quota_bytes, self.partitions)
+            raise OverStorageQuota(limits.storage_quota_bytes, self.partitions, StorageQuota(
+                owner, limits.storage_quota_bytes).share(self.partitions))
         return outcome is Begin.RESERVED
 
     async def begin(self, conv: Conversation, stream_id: uuid.UUID, owner: str, limits: Limits, *,
@@ -281,7 +282,7 @@ class ConversationStore:
             *(t.to_json() for t in turns)))
         outcome = Begin(reply_text(res[0]))
         if outcome is Begin.QUOTA:
-            raise OverStorageQuota(storage_quota_bytes, self.partitions)
+            raise OverStorageQuota(storage_quota_bytes, self.partitions, share)
         return outcome
 
     async def update(self, key_id: str, name: str, metadata: dict[str, Any]) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.events import TERMINAL_TYPES, Event
+from broker.redis.keyspace import partition_share
 from broker.request import GenerationRequest
 from broker.streams.keys import QueueKeys, StreamKeys
 
@@ -35,10 +36,10 @@ class Quota:
         each of P partitions allows ceil(limit / P) and the rate / P (exact with one partition, the
         default; with more, a caller whose creates happen to crowd one partition meets its share there a
         little before the whole)."""
-        max_active = -(-self.max_active // partitions) if self.max_active > 0 else 0
+        max_active = partition_share(self.max_active, partitions)
         if self.burst <= 0 or self.rate_per_s <= 0:
             return max_active, 0, 0
-        return max_active, -(-self.burst // partitions), max(1, round(1000 * partitions / self.rate_per_s))
+        return max_active, partition_share(self.burst, partitions), max(1, round(1000 * partitions / self.rate_per_s))
 
 
 NO_QUOTA = Quota()

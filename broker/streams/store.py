@@ -45,6 +45,7 @@ from broker.redis.connection import (
     reply_text,
     xrange_raw,
 )
+from broker.redis.keyspace import partition_share
 from broker.redis.lua import Lua, record
 from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.request import GenerationRequest
@@ -176,7 +177,7 @@ class Store:
         the request's hash)."""
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
-        queue_share = -(-max_queue // self.partitions) if max_queue > 0 else 0
+        queue_share = partition_share(max_queue, self.partitions)
         who = quota.principal or principal(key_id, "")
         now = time.time()
         period, period_end = budget.window(now)
@@ -210,7 +211,7 @@ class Store:
                 "team_period_end": f"{team_period_end:.0f}",
                 "hook": (webhook or ("", ""))[0], "hid": (webhook or ("", ""))[1], "qp": q.prefix, "tier": tier,
                 "who": who or "-", "position_updates": POSITION_UPDATES, "usage_retention_s": usage_retention_s,
-                "max_hooks": -(-max_pending_hooks // self.partitions) if max_pending_hooks > 0 else 0,
+                "max_hooks": partition_share(max_pending_hooks, self.partitions),
                 "trace": trace, "held": encode_data(held) if held is not None else ""}),
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
@@ -223,7 +224,7 @@ class Store:
         if tag == "expired":
             raise Expired("a stream with this id existed and expired; use a new id")
         if tag == "storage_quota":
-            raise OverStorageQuota(storage.quota_bytes, self.partitions)
+            raise OverStorageQuota(storage.quota_bytes, self.partitions, storage.share(self.partitions))
         if tag == "webhook_backlog":
             raise WebhookBacklog(f"this caller has {reply_text(res[1])} webhook events its receiver has not taken yet "
                                  f"(at most {max_pending_hooks}, --webhook-max-pending); creates with a webhook wait "

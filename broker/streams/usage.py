@@ -25,8 +25,8 @@ ran, ``default`` without one); ``status`` (done, cancelled, error); ``reason`` (
 its reason; error: its code); ``max_tokens``; ``prompt_tokens``, ``cached_tokens`` (of them, served from a prompt
 cache), ``completion_tokens`` (the tokens the stream holds: every attempt's), ``wasted_tokens`` (computed by an
 attempt that was lost and not kept: see generator.generation); ``compute_s`` (engine time of the attempt that
-ended it); ``queue_s`` (from the create to the first claim, or to the end when it never ran); ``ttft_ms``
-('' when no token came). A day's sums: DAY_COUNTERS, each field ``<counter> <JSON [model, tier, status, reason]>``.
+ended it); ``queue_s`` (from the create to the claim of the attempt that ended it, or to the end when it never
+ran); ``ttft_ms`` ('' when no token came). A day's sums: DAY_COUNTERS, each field ``<counter> <JSON [model, tier, status, reason]>``.
 """
 
 from __future__ import annotations
@@ -69,23 +69,22 @@ Record = dict[str, str]
 #: its creator's storage quota. Names are built from ``prefix`` (broker.streams.keys.usage_log_prefix: same slot)
 #: and the stream's ``key_id``. What the stream's meta knows (key, tier, max_tokens, times, tokens a lost attempt
 #: wasted, its storage quota's key ``qs``, the retention ``urs``) is read here; the rest is the ending attempt's.
-#: ``meta`` fields: ``started_at`` (ms of the first claim) when the queue sets it, else ``claimed_at`` (s);
-#: ``wasted`` (tokens lost attempts reported: broker.streams.store.Store.add_wasted).
+#: ``meta`` fields: ``claimed_at`` (s, the last claim's); ``wasted`` (tokens lost attempts reported: broker.streams.store.Store.add_wasted).
 RECORD_USAGE_LUA = SERVER_MS + f"""
 local function record_usage(index, prefix, rollups_since, meta, sid, now_s, status, reason, model, prompt_tokens,
                             cached_tokens, completion_tokens, wasted_tokens, compute_s, ttft_ms)
-  local m = redis.call('HMGET', meta, 'key_id', 'tier', 'max_tokens', 'created_at', 'started_at', 'claimed_at',
-    'wasted', 'qs', 'urs')
+  local m = redis.call('HMGET', meta, 'key_id', 'tier', 'max_tokens', 'created_at', 'claimed_at', 'wasted', 'qs',
+    'urs')
   local key = m[1] or ''
   local name = key ~= '' and key or '-'
   local now = tonumber(now_s)
   local started = now
-  if m[5] then started = tonumber(m[5]) / 1000 elseif m[6] then started = tonumber(m[6]) end
+  if m[5] then started = tonumber(m[5]) end
   local queue_s = ''
   if m[4] then queue_s = string.format('%.3f', math.max(0, started - tonumber(m[4]))) end
-  local wasted = tonumber(wasted_tokens) + tonumber(m[7] or '0')
-  local tier = (m[2] and m[2] ~= '') and m[2] or 'default'
-  local keep_s = tonumber(m[9] or '{RETENTION_S}')
+  local wasted = tonumber(wasted_tokens) + tonumber(m[6] or '0')
+  local tier = (m[2] and m[2] ~= '') and m[2] or '{DEFAULT_TIER}'
+  local keep_s = tonumber(m[8] or '{RETENTION_S}')
   local now_ms = server_ms()
   local day = math.floor(now_ms / {DAY_S * 1000})
   -- The first record with day sums: on a ledger that had records, its day and those before are read as records.
@@ -118,10 +117,10 @@ local function record_usage(index, prefix, rollups_since, meta, sid, now_s, stat
   redis.call('EXPIREAT', sums, (day + 1) * {DAY_S} + keep_s)
   redis.call('ZADD', index, now_ms, name)
   redis.call('ZREMRANGEBYSCORE', index, '-inf', now_ms - keep_s * 1000)
-  if billed and m[8] then
+  if billed and m[7] then
     local item = 'usage:' .. day
-    quota_charge(m[8], item, {RECORD_BYTES})
-    quota_expire(m[8], item, string.format('%d', ((day + 1) * {DAY_S} + keep_s) * 1000))
+    quota_charge(m[7], item, {RECORD_BYTES})
+    quota_expire(m[7], item, string.format('%d', ((day + 1) * {DAY_S} + keep_s) * 1000))
   end
 end
 """

@@ -12,7 +12,6 @@ configured, requests take the app's path, where the CORS middleware adds its hea
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
@@ -23,11 +22,8 @@ from broker.errors import Unauthorized
 from consumer.edge.auth import ApiKeys
 from consumer.edge.errors import error_for
 from consumer.edge.middleware import authenticate, unauthorized
+from consumer.edge.paths import EVENTS_PATH, EVENTS_ROUTE
 from consumer.edge.tracing import ROUTE_KEY
-
-EVENTS_ROUTE = "/v1/streams/{stream_id}/events"
-
-_EVENTS = re.compile(r"\A/v1/streams/([^/]+)/events\Z")
 
 
 class FrontDoor:
@@ -42,13 +38,13 @@ class FrontDoor:
         self.cors = cors
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        m = _EVENTS.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "GET" else None
+        m = EVENTS_PATH.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "GET" else None
         if m is None or self.cors:
             await self.app(scope, receive, send)
             return
         # This frame stays suspended under every open reader for as long as it reads: it keeps only the
         # response. The match, the Request and the handler's frame are gone by then (_respond returns).
-        response = await self._respond(scope, receive, m.group(1))
+        response = await self._respond(scope, receive, m.group("stream_id"))
         await response(scope, receive, send)
 
     async def _respond(self, scope: Scope, receive: Receive, stream_id: str) -> Response:

@@ -4,7 +4,6 @@ routes (``/v1/...`` and the AI SDK view's ``/api/...``), before any handler runs
 from __future__ import annotations
 
 import hmac
-import re
 from urllib.parse import parse_qs
 
 from starlette.requests import Request
@@ -16,6 +15,7 @@ from broker.errors import TooManyRefusals, Unauthorized
 from consumer.edge.auth import ApiKeys
 from consumer.edge.errors import anthropic_error_object, error_for, refusal
 from consumer.edge.limits import RefusalBudget, address_group
+from consumer.edge.paths import EVENTS_PATH, STREAM_PATH
 
 # The paths that need an API key when keys are configured (the page, its assets and the probes do not).
 _API_PREFIXES = ("/v1/", "/api/")
@@ -24,7 +24,7 @@ METRICS_PATH = "/metrics"
 # Anthropic's Messages view (consumer/views/anthropic): its 401 is in Anthropic's error shape.
 ANTHROPIC_PREFIX = "/v1/messages"
 # The routes a read token opens (EventSource and a status poll): GET only, one stream.
-_READABLE = re.compile(r"\A/v1/streams/([0-9a-fA-F-]{36})(/events)?\Z")
+_READABLE = (EVENTS_PATH, STREAM_PATH)
 
 
 # Requests without a body: refused by an address's empty budget like any other, but not watched (no wrapper on
@@ -137,10 +137,10 @@ async def authenticate(keys: ApiKeys, scope: Scope) -> str:
     if authorization is None and api_key is not None:
         authorization = f"Bearer {api_key}"
     if authorization is None and scope["method"] == "GET":
-        m = _READABLE.match(scope["path"])
+        m = next((m for p in _READABLE if (m := p.match(scope["path"])) is not None), None)
         token = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
         if m is not None and token:
-            stream_id = parse_uuid(m.group(1))
+            stream_id = parse_uuid(m.group("stream_id"))
             if stream_id is None:
                 raise Unauthorized("invalid read token")
             return await keys.check_read_token(token[0], stream_id)

@@ -38,8 +38,10 @@ import httpx
 
 from broker.errors import StoreUnavailable
 from broker.redis.connection import RedisClient
+from broker.storage import one_round
 from broker.streams.outbox import HookEvent, Outbox
 from consumer.edge.auth import ApiKeys
+from consumer.edge.errors import OUT_OF_MEMORY
 from consumer.metrics import Metrics
 
 log = logging.getLogger("rsb.consumer")
@@ -210,12 +212,8 @@ class Deliverer:
     async def run(self) -> None:
         try:
             while True:
-                try:
+                with one_round(log, "taking webhook events", OUT_OF_MEMORY):
                     await self._round()
-                except StoreUnavailable:  # Redis away: the next round
-                    pass
-                except Exception as e:  # a bug: said, and tried again next round
-                    log.error("taking webhook events failed: %s", type(e).__name__, exc_info=e)
                 await asyncio.sleep(POLL_S)
         finally:
             for t in self._tasks:
@@ -258,7 +256,8 @@ class Deliverer:
             why = type(e).__name__ if not isinstance(e, WebhookRefused) else str(e)
         except StoreUnavailable:
             return
-        try:
+        # Redis away or full: the lease runs out and the event is taken (and sent) again.
+        with one_round(log, "recording a webhook delivery", OUT_OF_MEMORY):
             if ok:
                 await self.outbox.done(event, delivered=True)
                 self.metrics.webhooks_delivered.inc()
@@ -269,7 +268,3 @@ class Deliverer:
             else:
                 self.metrics.webhooks_given_up.inc()
                 log.warning("webhook given up after a day of tries", extra={"event": event.id, "why": why})
-        except StoreUnavailable:  # Redis away: the lease runs out and the event is taken (and sent) again
-            pass
-        except Exception as e:
-            log.error("recording a webhook delivery failed: %s", type(e).__name__, exc_info=e)

@@ -23,6 +23,7 @@ from broker.streams.records import StreamStatus
 from broker.streams.report import aborted_report
 from broker.streams.turns import Turn, as_messages
 from consumer.edge.http import read_body
+from consumer.edge.paths import EVENTS_ROUTE, STREAM_ROUTE
 from consumer.metrics import Metrics
 from consumer.state import caller_of, state_of
 from consumer.streaming.conversations import conversation_name
@@ -65,13 +66,13 @@ async def create_stream(request: Request) -> Response:
         stream_id = sid or uuid.uuid4()
         res = await state.service.create(caller, gen_request, stream_id)
     body: dict[str, object] = {"id": str(stream_id), "status": res.status,
-                               "events_url": f"/v1/streams/{stream_id}/events", "created": res.created}
+                               "events_url": EVENTS_ROUTE.format(stream_id=stream_id), "created": res.created}
     if conversation is not None:
         body["conversation"] = conversation
     if state.api_keys.enabled:  # for EventSource, which cannot send an Authorization header
         token = await state.api_keys.issue_read_token(stream_id, caller.key_id, state.settings.read_token_ttl_s)
         body["read_token"] = token
-        body["events_url"] = f"/v1/streams/{stream_id}/events?token={token}"
+        body["events_url"] = f"{EVENTS_ROUTE.format(stream_id=stream_id)}?token={token}"
     return JSONResponse(body, status_code=201 if res.created else 200)
 
 
@@ -159,7 +160,7 @@ def turn_body(turn: Turn) -> dict[str, object]:
     if turn.error is not None:
         body["error"] = turn.error
     if turn.has_stream:
-        body["events_url"] = f"/v1/streams/{turn.id}/events"
+        body["events_url"] = EVENTS_ROUTE.format(stream_id=turn.id)
     return body
 
 
@@ -237,8 +238,8 @@ async def usage_report_route(request: Request) -> Response:
 
 ROUTES = [
     Route("/v1/streams", create_stream, methods=["POST"]),
-    Route("/v1/streams/{stream_id}/events", stream_events, methods=["GET"]),
-    Route("/v1/streams/{stream_id}", stream_status, methods=["GET"]),
+    Route(EVENTS_ROUTE, stream_events, methods=["GET"]),
+    Route(STREAM_ROUTE, stream_status, methods=["GET"]),
     Route("/v1/streams/{stream_id}/cancel", cancel_stream, methods=["POST"]),
     Route("/v1/reports/aborted", aborted_report_route, methods=["GET"]),
     Route("/v1/reports/usage", usage_report_route, methods=["GET"]),

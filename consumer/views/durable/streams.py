@@ -11,6 +11,7 @@ from broker.durable.format import offset_of
 from broker.durable.keys import DurableKeys
 from broker.durable.store import Appended, ForkSpec, Outcome, StreamSpec
 from broker.errors import InvalidRequest, PayloadTooLarge
+from broker.redis.keyspace import partition_share
 from consumer.edge.errors import error_response
 from consumer.edge.http import read_body
 from consumer.state import State, caller_of, state_of
@@ -66,7 +67,7 @@ def max_streams(request: Request, state: State) -> int:
     """The caller's stream allowance in one partition (the count is checked atomically per partition, as
     for max_active: with P partitions each allows ceil(limit / P); exact with the default single one)."""
     limit = state.service.key_limit(caller_of(request), "max_ds_streams") or state.settings.ds_max_streams
-    return 0 if limit <= 0 else -(-limit // state.durable.partitions)
+    return partition_share(limit, state.durable.partitions)
 
 
 async def put(request: Request, path: str) -> Response:
