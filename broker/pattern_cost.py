@@ -1,12 +1,12 @@
 """What a parsed pattern (broker.schema_pattern) costs llama.cpp's grammar engine.
 
 llama.cpp's grammar engine keeps one parse stack per position the text so far may have reached, and on every
-character advances each of them and deduplicates the new ones linearly (NOTES.md: ``^(a?){1024}$`` took 593 s for
-12 tokens). The stacks after a character are exactly the positions of the pattern's Glushkov automaton, with the
-repetitions spelled out as llama.cpp spells them (``x{2,4}`` is ``x x`` then a chain of two optional copies).
-``measure`` walks the deterministic automaton of those position sets and refuses a pattern if, after any text,
-more than ``MAX_STACKS`` stacks are alive or one character costs more than ``MAX_STEP_WORK`` stack pushes times
-the stacks they are compared with.
+character advances each of them and deduplicates the new ones linearly (docs/dependencies.md: ``^(a?){1024}$``
+took 593 s for 12 tokens). The stacks after a character are exactly the positions of the pattern's Glushkov
+automaton, with the repetitions spelled out as llama.cpp spells them (``x{2,4}`` is ``x x`` then a chain of two
+optional copies). ``measure`` walks the deterministic automaton of those position sets and refuses a pattern if,
+after any text, more than ``MAX_STACKS`` stacks are alive or one character costs more than ``MAX_STEP_WORK`` stack
+pushes times the stacks they are compared with.
 """
 
 from __future__ import annotations

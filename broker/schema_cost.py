@@ -1,8 +1,8 @@
 """What one schema may cost the grammar engine, bounded at create (broker.json_schema calls ``check_cost``).
 
 llama.cpp's grammar engine keeps one parse stack per way the answer so far can be read, and pays for each of them
-on every character (NOTES.md: an ambiguous ``anyOf`` nested through ``$ref`` cost 43.7 s per token at depth 15).
-Ambiguity that stays inside one string, number or key costs a bounded amount and ends with it; ambiguity that
+on every character (docs/dependencies.md: an ambiguous ``anyOf`` nested through ``$ref`` cost 43.7 s per token at
+depth 15). Ambiguity that stays inside one string, number or key costs a bounded amount and ends with it; ambiguity that
 enters a nested object or array multiplies with whatever ambiguity lies inside, level after level. So:
 
 - the branches of an ``anyOf`` must differ before either opens a nested object or array: walking two branches'

@@ -33,8 +33,6 @@ class OutOfMemoryEpisodes:
         self.on_refused = on_refused
         self.gap_s = gap_s
         self.clock = clock
-        self.refusals = 0  # in this process, all episodes
-        self.episodes = 0
         self._started_at: float | None = None
         self._last_at = 0.0
         self._in_episode = 0  # refusals of the current episode
@@ -48,14 +46,12 @@ class OutOfMemoryEpisodes:
         now = self.clock()
         if self._started_at is not None and now - self._last_at > self.gap_s:
             self._end(self._last_at)  # quiet for longer than a gap: that episode ended unseen
-        self.refusals += 1
         self._last_at = now
         if self.on_refused is not None:
             self.on_refused()
         if self._started_at is None:
             self._started_at = now
             self._in_episode = 0
-            self.episodes += 1
             self.log.warning("redis is out of memory (maxmemory): writes are refused, %s waits and retries; "
                              "free memory or raise maxmemory", self.role,
                              extra={"storage_full": "start", "first_refused": what})

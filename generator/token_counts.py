@@ -18,7 +18,7 @@ from generator.engines.base import EngineError, TokenCounter, error_code
 
 log = logging.getLogger("rsb.generator")
 
-# A BLPOP well under the pooled client's socket timeout (NOTES.md: it does not extend it).
+# A BLPOP well under the pooled client's socket timeout (docs/dependencies.md: it does not extend it).
 BLOCK_S = 2.0
 RETRY_S = 1.0
 

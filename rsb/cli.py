@@ -1,5 +1,6 @@
-"""The ``rsb`` command line: one console script, a subcommand per role. The only module allowed to import
-every layer (the roles' settings and entry points), and it does so only to dispatch.
+"""The ``rsb`` command line: one console script, a subcommand per role. With the modules it dispatches to (rsb.up,
+rsb.commands, rsb.docs: the entry points tests/test_code_quality.py names), the only code allowed to import every
+layer (the roles' settings and entry points), and it does so only to dispatch.
 
 Every flag comes from a settings class (broker.settings explains how): ``rsb consumer`` has the
 consumer's, ``rsb generator`` the generator's, ``rsb up`` both, the client commands their own. Each flag

@@ -38,8 +38,8 @@ tails all its streams with one SSUBSCRIBE connection per master.
 The scripts of Durable Streams (streams named and written by clients, broker.durable.store) are in
 broker.durable.scripts.
 
-Long because every multi-step change to a stream is one script here, beside the prelude they share; the pieces
-that other concepts own (the storage quota, the usage ledger, budgets) are those modules' Lua, included.
+Every multi-step change to a stream is one script here; the pieces that other concepts own (the prelude,
+broker.streams.lua; the storage quota, the usage ledger, budgets) are those modules' Lua, included.
 """
 
 from __future__ import annotations

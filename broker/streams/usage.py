@@ -26,7 +26,8 @@ its reason; error: its code); ``max_tokens``; ``prompt_tokens``, ``cached_tokens
 cache), ``completion_tokens`` (the tokens the stream holds: every attempt's), ``wasted_tokens`` (computed by an
 attempt that was lost and not kept: see generator.generation); ``compute_s`` (engine time of the attempt that
 ended it); ``queue_s`` (from the create to the claim of the attempt that ended it, or to the end when it never
-ran); ``ttft_ms`` ('' when no token came). A day's sums: DAY_COUNTERS, each field ``<counter> <JSON [model, tier, status, reason]>``.
+ran); ``ttft_ms`` ('' when no token came). A day's sums: DAY_COUNTERS, each field
+``<counter> <JSON [model, tier, status, reason]>``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ Record = dict[str, str]
 #: its creator's storage quota. Names are built from ``prefix`` (broker.streams.keys.usage_log_prefix: same slot)
 #: and the stream's ``key_id``. What the stream's meta knows (key, tier, max_tokens, times, tokens a lost attempt
 #: wasted, its storage quota's key ``qs``, the retention ``urs``) is read here; the rest is the ending attempt's.
-#: ``meta`` fields: ``claimed_at`` (s, the last claim's); ``wasted`` (tokens lost attempts reported: broker.streams.store.Store.add_wasted).
+#: ``meta`` fields: ``claimed_at`` (s, the last claim's); ``wasted`` (tokens lost attempts reported:
+#: broker.streams.store.Store.add_wasted).
 RECORD_USAGE_LUA = SERVER_MS + f"""
 local function record_usage(index, prefix, rollups_since, meta, sid, now_s, status, reason, model, prompt_tokens,
                             cached_tokens, completion_tokens, wasted_tokens, compute_s, ttft_ms)

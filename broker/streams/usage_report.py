@@ -37,7 +37,6 @@ from broker.tiers import DEFAULT as DEFAULT_TIER
 GROUP_BYS = ("key", "model", "day", "status", "reason", "tier")
 #: What the usage report sums of each group (the aborted report sums its own: broker.streams.report.COUNTERS).
 COUNTERS = ("streams", "prompt_tokens", "cached_tokens", "completion_tokens", "wasted_tokens", "compute_s")
-PRICED = ("cost_usd", "unpriced_streams")
 #: What a usage report is rendered as (``format``, ``rsb report --usage --json|--csv``).
 FORMATS = ("json", "csv")
 _NAME = "(" + "|".join(GROUP_BYS) + ")"

@@ -7,7 +7,7 @@ Python callback over the vocabulary) when ``ignore_eos`` is on.
 A grammar (a JSON answer, a forced tool call) is applied as llama.cpp's common sampler applies it: the token is
 sampled without it first, and only checked against it (one candidate); only a rejected token makes the
 grammar filter the candidates before sampling again. Filtering the whole vocabulary (49k tokens for SmolLM2)
-every token is what halved the speed of ``Llama.generate(grammar=...)`` (NOTES.md: 49 against 91 tokens/s);
+every token is what halved the speed of ``Llama.generate(grammar=...)`` (docs/dependencies.md: 49 against 91 tokens/s);
 most tokens of a JSON answer are what the model wanted anyway. On a rejection rsb filters the top-k candidates
 (the cost bound the free sampler has anyway); when none of them is admitted, the ``WIDE`` most likely tokens and
 every token of one character (which can spell any text: when the grammar admits anything, it admits one of them),

@@ -254,7 +254,7 @@ def test_every_item_of_a_conversation_has_its_own_id_and_can_be_referenced(rsb: 
     ids = [i["id"] for i in items]
     assert len(set(ids)) == len(ids) == 7, ids
     assert ids[-2:] == [o.id for o in answer.output] and [i["type"] for i in items[-2:]] == ["reasoning", "message"]
-    got = client.conversations.items.retrieve(answer.output[1].id, conversation_id=conv.id)
+    got = client.conversations.items.retrieve(ids[-1], conversation_id=conv.id)
     assert got.model_dump(exclude_none=True) == items[-1]  # the answer, not the turn's second input message
     # Referenced in a response of the conversation: the input call and its result, and the input message (not the
     # answer that once shared its id).

@@ -41,7 +41,7 @@ from consumer.views.idempotency import stream_id_for_key
 from consumer.views.openai.common import DeferredResponse
 
 #: How long a token count waits for a generator's answer: well under the pooled Redis client's socket timeout, which
-#: a blocking command does not extend (NOTES.md).
+#: a blocking command does not extend (docs/dependencies.md: redis-py).
 COUNT_WAIT_S = 4.0
 
 
