@@ -1,6 +1,6 @@
-"""The exception hierarchy, in one place. Each error carries the JSON ``code`` clients see (and a
-``RetryLater``, when to retry); what HTTP status a code is answered with is the HTTP edge's to say, once
-(consumer.edge.errors.STATUS)."""
+"""The exception hierarchy, in one place. Each error carries the JSON ``code`` clients see (a ``RetryLater``, when
+to retry; an ``InvalidRequest``, the ``Path`` of the field it is about); what HTTP status a code is answered with is
+the HTTP edge's to say, once (consumer.edge.errors.STATUS), and what a protocol calls a field is its view's."""
 
 from __future__ import annotations
 
@@ -226,7 +226,7 @@ class OverStorageQuota(RsbError):
 
     code = "storage_quota"
 
-    def __init__(self, quota_bytes: int, partitions: int = 1, share_bytes: int = 0) -> None:
+    def __init__(self, quota_bytes: int, partitions: int, share_bytes: int) -> None:
         share = f" ({share_bytes} bytes in each of {partitions} partitions)" if partitions > 1 else ""
         super().__init__(f"this caller holds as much data as it may ({quota_bytes} bytes{share}, "
                          "--storage-quota-bytes); delete streams, or let them expire")

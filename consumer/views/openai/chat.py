@@ -110,14 +110,14 @@ def _message(i: int, m: object) -> dict[str, Any]:
     if role is None:
         raise invalid(f"messages[{i}].role must be one of system, developer, user, assistant, tool "
                       "(function messages are not supported: use tool)", "messages")
-    where, content = f"messages[{i}]", m.get("content")
+    where, at, content = f"messages[{i}]", ("messages", i), m.get("content")
     if role == "tool":
-        return {"role": "tool", "tool_call_id": m.get("tool_call_id"), "content": text_of(content, where, TEXT_PARTS)}
+        return {"role": "tool", "tool_call_id": m.get("tool_call_id"), "content": text_of(content, at, TEXT_PARTS)}
     if role != "assistant":
-        return {"role": role, "content": text_of(content, where, TEXT_PARTS)}
+        return {"role": role, "content": text_of(content, at, TEXT_PARTS)}
     if m.get("function_call") is not None:
         raise invalid(f"{where}.function_call is not supported: send tool_calls", "messages")
-    text = None if content is None else text_of(content, where, TEXT_PARTS)
+    text = None if content is None else text_of(content, at, TEXT_PARTS)
     out: dict[str, Any] = {"role": "assistant", "content": text}
     if m.get("tool_calls"):  # null and [] are what clients send back for "no calls"
         out["tool_calls"] = [_echoed_call(c) for c in m["tool_calls"]] if isinstance(m["tool_calls"], list) \

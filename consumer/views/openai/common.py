@@ -29,6 +29,7 @@ from broker.errors import (
     Path,
     RetryLater,
     RsbError,
+    spelled,
 )
 from broker.history import History
 from broker.request import GenerationRequest, check_body_depth, validate_create_body
@@ -197,9 +198,9 @@ def check_known(body: Mapping[str, Any], known: frozenset[str]) -> None:
         raise invalid(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
 
 
-def text_of(content: object, where: str, part_types: frozenset[str], field: str = "content") -> str:
-    """A message's text (or a tool result's: ``field``): a string, or a list of text parts (joined); anything
-    else is refused."""
+def text_of(content: object, at: Path, part_types: frozenset[str], field: str = "content") -> str:
+    """The text of the message at ``at`` (``("messages", 3)``; or a tool result's: ``field``): a string, or a list of
+    text parts (joined); anything else is refused."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -207,11 +208,11 @@ def text_of(content: object, where: str, part_types: frozenset[str], field: str 
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if not (isinstance(kind, str) and kind in part_types and isinstance(part.get("text"), str)):
-                raise invalid(f"{where}.{field}[{j}]: only text parts ({', '.join(sorted(part_types))}) are "
-                              "supported", where.split("[", 1)[0])
+                raise invalid(f"{spelled((*at, field, j))}: only text parts ({', '.join(sorted(part_types))}) are "
+                              "supported", top_param(at))
             texts.append(part["text"])
         return "".join(texts)
-    raise invalid(f"{where}.{field} must be a string or a list of text parts", where.split("[", 1)[0])
+    raise invalid(f"{spelled((*at, field))} must be a string or a list of text parts", top_param(at))
 
 
 def unanswered_result(messages: Sequence[Mapping[str, Any]]) -> int | None:

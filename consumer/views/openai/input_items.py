@@ -19,18 +19,18 @@ INPUT_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 INPUT_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 
 
-def _string(item: dict[str, Any], name: str, at: str) -> str:
+def _string(item: dict[str, Any], name: str, param: str, i: int) -> str:
     value = item.get(name)
     if not isinstance(value, str) or (name != "arguments" and not value):
-        raise invalid(f"{at}.{name} must be a{'' if name == 'arguments' else ' non-empty'} string", at.split("[")[0])
+        raise invalid(f"{param}[{i}].{name} must be a{'' if name == 'arguments' else ' non-empty'} string", param)
     return value
 
 
-def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], at: str) -> None:
+def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], param: str, i: int) -> None:
     """A ``function_call`` item as a tool call of the assistant message it belongs to: the one right before it (the
     text and calls of one answer are one assistant message), or a new one."""
-    call = {"id": _string(item, "call_id", at), "type": "function",
-            "function": {"name": _string(item, "name", at), "arguments": _string(item, "arguments", at)}}
+    call = {"id": _string(item, "call_id", param, i), "type": "function",
+            "function": {"name": _string(item, "name", param, i), "arguments": _string(item, "arguments", param, i)}}
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant":
         last.setdefault("tool_calls", []).append(call)
@@ -62,15 +62,15 @@ def input_messages(raw: object, *, instructions: object = None, param: str = "in
         assert isinstance(item, dict)
         before = len(messages)
         if kind == "function_call":
-            _add_call(messages, item, at)
+            _add_call(messages, item, param, i)
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", at),
-                             "content": text_of(item.get("output"), at, INPUT_TEXT_PARTS, "output")})
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param, i),
+                             "content": text_of(item.get("output"), (param, i), INPUT_TEXT_PARTS, "output")})
         elif kind == "message":
             role = ROLES.get(str(item.get("role")))
             if role is None:
                 raise invalid(f"{at}.role must be one of system, developer, user, assistant", param)
-            messages.append({"role": role, "content": text_of(item.get("content"), at, INPUT_TEXT_PARTS)})
+            messages.append({"role": role, "content": text_of(item.get("content"), (param, i), INPUT_TEXT_PARTS)})
         origin.extend([i] * (len(messages) - before))
     if not messages:
         raise invalid(f"'{param}' has no message (reasoning items alone are no conversation)", param)
