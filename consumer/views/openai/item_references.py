@@ -85,10 +85,11 @@ async def _conversation_items(conversation: ConversationOf, ids: set[str], found
     if conv is None:
         raise invalid(f"input: item_reference {sorted(ids)[0]!r} names an input item of a conversation: only a "
                       "response of that conversation ('conversation') can reference it", "input")
-    spelled = {str(ItemId.parse(i)): i for i in ids}
+    spellings: dict[str, list[str]] = {}
+    for i in ids:
+        spellings.setdefault(str(ItemId.parse(i)), []).append(i)
     for item in all_items(conv):
-        given = spelled.get(item["id"])
-        if given is not None:
+        for given in spellings.get(item["id"], ()):
             found[given] = _as_input(item)
 
 
