@@ -265,10 +265,6 @@ def _number(body: dict[str, Any], name: str, default: float, bounds: Range) -> f
     return float(v)
 
 
-def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
-    return check_integer(body.get(name), name, lo, hi)
-
-
 def check_integer(v: object, name: str, lo: int, hi: int) -> int | None:
     """``v`` as an integer in [lo, hi] (None stays None); an integral float (7.0) counts, a bool does not."""
     if v is None:
@@ -398,7 +394,7 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
     if tier is not None and tier not in tiers.REQUESTABLE:
         raise InvalidRequest.at(("service_tier",), f" must be one of {', '.join(tiers.REQUESTABLE)}")
 
-    max_tokens = _integer(body, "max_tokens", 1, limits.max_tokens)
+    max_tokens = check_integer(body.get("max_tokens"), "max_tokens", 1, limits.max_tokens)
     return sid, GenerationRequest(
         messages=messages,
         prompt=prompt,
@@ -406,7 +402,7 @@ def validate_create_body(body: dict[str, Any], limits: RequestLimits) -> tuple[u
         max_tokens=min(limits.default_max_tokens, limits.max_tokens) if max_tokens is None else max_tokens,
         temperature=_number(body, "temperature", DEFAULT_TEMPERATURE, TEMPERATURE),
         top_p=_number(body, "top_p", DEFAULT_TOP_P, TOP_P),
-        seed=_integer(body, "seed", int(SEED.lo), int(SEED.hi)),
+        seed=check_integer(body.get("seed"), "seed", int(SEED.lo), int(SEED.hi)),
         stop=stop,
         cancel_on_disconnect=cod,
         tools=tools,
