@@ -39,6 +39,12 @@ from broker.redis.errors import closed_under_the_command, reply, store_errors
 # Ordinary commands: short, so a dead server is noticed in seconds, not minutes.
 COMMAND_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0
+#: The longest a blocking command (BLPOP) may block. A blocking client's socket timeout is this plus
+#: COMMAND_TIMEOUT_S, so a half-open link (no FIN, no RST: the network just stopped delivering) under a blocked
+#: command is noticed within BLOCKING_TIMEOUT_S, as under any other command within COMMAND_TIMEOUT_S. TCP keepalive
+#: alone takes the kernel's 2 hours, and never fires when a middlebox (a proxy, a NAT) answers for the dead end.
+LONGEST_BLOCK_S = 2.0
+BLOCKING_TIMEOUT_S = LONGEST_BLOCK_S + COMMAND_TIMEOUT_S
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
@@ -318,7 +324,8 @@ def _cluster(url: str, *, max_connections: int, retries: int, socket_timeout: fl
     return client
 
 
-def _standalone(url: str, *, max_connections: int, retries: int, socket_timeout: float | None) -> Redis:
+def _standalone(url: str, *, max_connections: int, retries: int, socket_timeout: float | None,
+                health_check_s: int = 30) -> Redis:
     # A blocking pool: a burst of requests waits for a connection instead of failing, so however many
     # requests a process serves, it never holds more than max_connections.
     pool = BlockingConnectionPool.from_url(
@@ -328,8 +335,9 @@ def _standalone(url: str, *, max_connections: int, retries: int, socket_timeout:
         socket_timeout=socket_timeout,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_keepalive=True,
-        # Only connections with a timeout can afford a PING before reuse; a blocked reader must not.
-        health_check_interval=30 if socket_timeout is not None else 0,
+        # A PING before reusing a connection idle this long. Not on blocking clients: their pub/sub connections
+        # have a liveness check of their own (broker.redis.pubsub), and their BLPOPs run back to back.
+        health_check_interval=health_check_s,
     )
     client = MappedRedis(connection_pool=pool, retry=_retry(retries))
     _raw_entries_on_request(client)
@@ -349,24 +357,27 @@ def connect(url: str, *, max_connections: int = 8, retries: int = 3, cluster: bo
 
 
 def connect_blocking(url: str, *, max_connections: int = 2, cluster: bool = False) -> RedisClient:
-    """A client for blocking reads (BLPOP, pub/sub). redis-py does not extend the socket
-    timeout for blocking commands, so these connections have none; TCP keepalive detects a dead server instead.
+    """A client for blocking reads (BLPOP, pub/sub). redis-py does not extend the socket timeout for blocking
+    commands, so its timeout is BLOCKING_TIMEOUT_S and no command blocks longer than LONGEST_BLOCK_S. A pub/sub
+    connection's reads wait for messages without a timeout: broker.redis.pubsub checks it is alive itself.
     On a cluster, pub/sub does not go through this client's pool: see ``connect_node``."""
     if cluster or is_cluster_url(url):
-        return _cluster(cluster_url(url), max_connections=max_connections, retries=0, socket_timeout=None)
+        return _cluster(cluster_url(url), max_connections=max_connections, retries=0,
+                        socket_timeout=BLOCKING_TIMEOUT_S)
     if is_sentinel_url(url):
-        return _sentinel(url, max_connections=max_connections, retries=0, socket_timeout=None)
-    return _standalone(url, max_connections=max_connections, retries=0, socket_timeout=None)
+        return _sentinel(url, max_connections=max_connections, retries=0, socket_timeout=BLOCKING_TIMEOUT_S)
+    return _standalone(url, max_connections=max_connections, retries=0, socket_timeout=BLOCKING_TIMEOUT_S,
+                       health_check_s=0)
 
 
 def connect_node(cluster: RedisCluster, host: str, port: int, *, max_connections: int = 1,
-                 socket_timeout: float | None = None) -> Redis:
+                 socket_timeout: float = BLOCKING_TIMEOUT_S, health_check_s: int = 30) -> Redis:
     """A standalone client for one cluster node: for its sharded pub/sub connection (SSUBSCRIBE only
-    works on the node that owns the channel's slot; one connection, no socket timeout), or for a script
-    and the WAIT that must follow it on the same connection (broker.streams.replication)."""
+    works on the node that owns the channel's slot; one connection, its liveness checked by broker.redis.pubsub),
+    or for a script and the WAIT that must follow it on the same connection (broker.streams.replication)."""
     url = getattr(cluster, "source_url", None) or f"redis://{host}:{port}"
     return _standalone(node_url(url, host, port), max_connections=max_connections, retries=0,
-                       socket_timeout=socket_timeout)
+                       socket_timeout=socket_timeout, health_check_s=health_check_s)
 
 
 def probe(url: str, timeout_s: float) -> tuple[str, str] | None:

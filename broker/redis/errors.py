@@ -42,10 +42,18 @@ UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
     ReadOnlyError, SlotNotCoveredError, TryAgainError, MovedError, AskError, ConnectionError, OSError)
 
 
+def transport_closed(exc: BaseException) -> bool:
+    """Whether ``exc`` is uvloop refusing to write on a connection the network reset: after an RST on a pooled
+    connection, redis-py's next command on it raises ``RuntimeError: unable to perform operation on <TCPTransport
+    closed=True ...>; the handler is closed`` (uvloop's transport, where asyncio's raises ConnectionResetError). It
+    is the same event as a dropped connection; any other RuntimeError is a bug and stays one."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith("unable to perform operation on <TCPTransport")
+
+
 def is_unavailable(exc: BaseException) -> bool:
-    """Whether a redis-py error means "Redis is away" (one of UNAVAILABLE_ERRORS), here where redis-py's errors are
-    seen; everywhere else sees StoreUnavailable."""
-    return isinstance(exc, (*UNAVAILABLE_ERRORS, StoreUnavailable))
+    """Whether a redis-py error means "Redis is away" (one of UNAVAILABLE_ERRORS, or a connection uvloop saw reset),
+    here where redis-py's errors are seen; everywhere else sees StoreUnavailable."""
+    return isinstance(exc, (*UNAVAILABLE_ERRORS, StoreUnavailable)) or transport_closed(exc)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -79,6 +87,10 @@ def store_errors() -> Iterator[None]:
     except NoScriptError:
         raise
     except (RedisError, OSError) as e:
+        raise store_error(e) from e
+    except RuntimeError as e:
+        if not transport_closed(e):
+            raise
         raise store_error(e) from e
 
 

@@ -43,6 +43,13 @@ OnReset = Callable[[Iterable[bytes]], None]
 RECONNECT_BACKOFF = Backoff(base_s=0.05, cap_s=5.0)
 # A dispatch loop wakes at least this often even when no message comes (cheap; lets cancellation in).
 _IDLE_WAKE_S = 30.0
+#: A pub/sub connection waits for messages with no command in flight, so no socket timeout can tell a quiet link
+#: from a half-open one (no FIN, no RST: the network stopped delivering). Silent for PING_AFTER_S, it is sent a
+#: PING; silent for DEAD_AFTER_S (the pong never came), it is dropped and made again, and its channels are reset
+#: (their readers re-read the stream). So a dead link is noticed within DEAD_AFTER_S + WATCH_TICK_S.
+PING_AFTER_S = 3.0
+DEAD_AFTER_S = 8.0
+WATCH_TICK_S = 1.0
 # One socket read of the raw dispatch loop: at most this many bytes of messages are handed on per loop turn.
 _READ_BYTES = 1 << 18
 
@@ -74,6 +81,8 @@ class _Shard:
         # tasks, so one nobody holds may be collected mid-run; stop() ends them with the shard.
         self._side_tasks: set[asyncio.Task[None]] = set()
         self.reconnects = 0
+        #: When Redis was last heard on this connection (the loop's clock): a message, a reply, a pong.
+        self.heard_at = 0.0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"pubsub-{self.name or 'main'}")
@@ -85,6 +94,11 @@ class _Shard:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._close()
+
+    @property
+    def healthy(self) -> bool:
+        """Connected, and heard from within DEAD_AFTER_S (a dead link is not healthy before it is noticed)."""
+        return self._connected.is_set() and asyncio.get_running_loop().time() - self.heard_at < DEAD_AFTER_S
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -165,6 +179,7 @@ class _Shard:
             ps = self._connect()
             try:
                 await ps.connect()
+                self.heard_at = asyncio.get_running_loop().time()
                 async with self._lock:
                     # Every channel is (re)subscribed here, and reset once confirmed: its readers were told
                     # of the loss when the connection dropped (or started reading before we connected).
@@ -179,7 +194,7 @@ class _Shard:
                     self.reconnects += 1
                     log.info("pub/sub reconnected", extra={"node": self.name, "channels": len(channels)})
                 attempt = 0
-                await self._dispatch(ps)
+                await self._listen(ps)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -210,6 +225,34 @@ class _Shard:
                 log.warning("pub/sub lost redis, reconnecting in %.2fs: %s", delay, e, extra={"node": self.name})
                 await asyncio.sleep(delay)
 
+    async def _listen(self, ps: PubSub) -> None:
+        """Dispatch the connection's messages while ``_watch`` checks it is alive; either one's error ends both."""
+        dispatch = asyncio.ensure_future(self._dispatch(ps))
+        watch = asyncio.ensure_future(self._watch(ps))
+        try:
+            done, _ = await asyncio.wait({dispatch, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dispatch.cancel()
+            watch.cancel()
+            await asyncio.gather(dispatch, watch, return_exceptions=True)
+        for task in done:
+            task.result()
+
+    async def _watch(self, ps: PubSub) -> None:
+        """Ping a quiet connection; raise once it stayed silent past DEAD_AFTER_S (see PING_AFTER_S)."""
+        loop = asyncio.get_running_loop()
+        pinged_at = 0.0
+        while True:
+            await asyncio.sleep(WATCH_TICK_S)
+            now = loop.time()
+            silent = now - self.heard_at
+            if silent >= DEAD_AFTER_S:
+                raise RedisConnectionError(f"the pub/sub connection was silent for {silent:.1f}s: a dead link")
+            if silent >= PING_AFTER_S and pinged_at <= self.heard_at:
+                pinged_at = now
+                async with self._lock:  # never between the parts of another command
+                    await ps.ping()
+
     async def _dispatch(self, ps: PubSub) -> None:
         parser = getattr(ps.connection, "_parser", None)
         reader, stream = getattr(parser, "_reader", None), getattr(parser, "_stream", None)
@@ -217,6 +260,7 @@ class _Shard:
             await self._dispatch_raw(ps, reader, stream)
             return
         msg_kind = self._msg_type.encode()
+        clock = asyncio.get_running_loop().time
         while True:
             # get_message is parse_response + handle_message; a data message (every token of every tailed
             # stream) is handed on from the raw reply, without the dict and the handler lookups redis-py
@@ -224,6 +268,7 @@ class _Shard:
             response: Any = await ps.parse_response(block=False, timeout=_IDLE_WAKE_S)
             if not response:
                 continue
+            self.heard_at = clock()
             if response[0] == msg_kind and len(response) == 3:
                 self.owner.on_message(response[1], response[2])
                 continue
@@ -238,12 +283,14 @@ class _Shard:
         msg_kind = self._msg_type.encode()
         on_message = self.owner.on_message
         gets, feed = reader.gets, reader.feed
+        clock = asyncio.get_running_loop().time
         while True:
             reply: Any = gets()
             if reply is NOT_ENOUGH_DATA:
                 data = await stream.read(_READ_BYTES)
                 if not data:
                     raise RedisConnectionError("the pub/sub connection was closed by the server")
+                self.heard_at = clock()
                 feed(data)
                 continue
             if isinstance(reply, list) and len(reply) == 3 and reply[0] == msg_kind:  # hiredis: a PushNotification
@@ -307,6 +354,11 @@ class Channels:
     @property
     def reconnects(self) -> int:
         return self._retired_reconnects + sum(s.reconnects for s in self._shards.values())
+
+    @property
+    def healthy(self) -> bool:
+        """Every pub/sub connection is up and alive (see PING_AFTER_S): what this process hears is live."""
+        return all(s.healthy for s in self._shards.values())
 
     async def start(self) -> None:
         if self._cluster is None:
@@ -409,5 +461,5 @@ class Channels:
 
 
 def _node_pubsub(cluster: RedisCluster, host: str, port: int) -> PubSub:
-    client: Redis = connect_node(cluster, host, port)
+    client: Redis = connect_node(cluster, host, port, health_check_s=0)
     return client.pubsub()

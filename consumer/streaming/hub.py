@@ -124,6 +124,11 @@ class LiveHub:
     def reconnects(self) -> int:
         return self._channels.reconnects
 
+    @property
+    def healthy(self) -> bool:
+        """The pub/sub connections are up and alive (broker.redis.pubsub.PING_AFTER_S): live events reach readers."""
+        return self._channels.healthy
+
     async def start(self) -> None:
         await self._channels.start()
 

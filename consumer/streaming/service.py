@@ -26,6 +26,7 @@ from broker.errors import (
     OverStorageQuota,
     RetryLater,
     Starting,
+    StoreUnavailable,
 )
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
 from broker.on_busy import REJECT
@@ -162,11 +163,14 @@ class StreamService:
         raise ModelNotFound(name, [m.id for m in await self.served_models()])
 
     async def ready(self) -> None:
-        """Raise unless this pod can serve: Redis answers (else StoreUnavailable) and, when it
-        ``expect_model``, a model is served (Starting), so that ``GET /v1/models`` lists one from the first
-        ready answer on. A standalone pod does not wait for generators: it serves reads and queues creates
-        without them, and its model list is what they announce (empty while none runs)."""
+        """Raise unless this pod can serve: Redis answers and the live hub's pub/sub connections are up and alive
+        (else StoreUnavailable: a pod whose pub/sub link died would serve readers no live event until it
+        resubscribed), and, when it ``expect_model``, a model is served (Starting), so that ``GET /v1/models`` lists
+        one from the first ready answer on. A standalone pod does not wait for generators: it serves reads and queues
+        creates without them, and its model list is what they announce (empty while none runs)."""
         await self.store.redis.ping()
+        if not self.hub.healthy:
+            raise StoreUnavailable("the live hub's pub/sub connection is down or silent: reconnecting")
         if self.expect_model and not await self.announced_models():
             raise Starting("no generator has announced its model yet", retry_after_s=1)
 

@@ -62,8 +62,13 @@ class SequenceDecoder:
         return out
 
     def end(self, finish: str = FinishReason.LENGTH) -> list[Piece]:
-        """The generation ends here (``finish``: "stop" at end-of-generation, else it was stopped)."""
+        """The generation ends here (``finish``: "stop" at end-of-generation, else it was stopped). Stopped, the
+        bytes of a character it had begun are dropped, never flushed as U+FFFD: a stopped generation is often
+        continued (handed over, parked, taken over), and its next owner continues from the stream's text, so a
+        U+FFFD there would stay in the answer for good, where the character it began is made again."""
         self.ended = True
+        if finish != FinishReason.STOP:
+            self._detok.drop_unfinished()
         tail = self._detok.flush()
         syntax = self._syntax
         out: list[Piece] = []

@@ -42,6 +42,11 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
 
+    def drop_unfinished(self) -> None:
+        """Forget the bytes of a character still held back (what a generation stopped early leaves: its next owner
+        makes the character again from the text before it; flushed, it would be a U+FFFD in the stream)."""
+        self._decoder.reset()
+
 
 class LlamaPieces:
     """``PieceFn`` for a llama.cpp vocabulary, caching each piece on first use so the cost per token stays a

@@ -153,3 +153,11 @@ def test_matches_llama_detokenize_on_generated_tokens(demo_llm: llama_cpp.Llama)
     with_bos = demo_llm.detokenize([demo_llm.token_bos(), *generated])
     stripped = IncrementalDetokenizer(LlamaPieces.for_llama(demo_llm), strip_leading_space=True)
     assert "".join(stripped.push(t) for t in generated) + stripped.flush() == with_bos.decode("utf-8", "replace")
+
+
+def test_a_stopped_generation_drops_the_character_it_began() -> None:
+    chunks = [b"ok", "你".encode()[:2]]
+    detok = IncrementalDetokenizer(lambda tok: chunks[tok])
+    assert [detok.push(0), detok.push(1)] == ["ok", ""]
+    detok.drop_unfinished()
+    assert detok.flush() == ""
