@@ -23,15 +23,16 @@ import logging
 import time
 
 from broker.errors import StoreTransient
-from broker.redis.connection import RedisClient
+from broker.redis.connection import LONGEST_BLOCK_S, RedisClient
 from broker.redis.keyspace import partition_slot
 from broker.streams.records import Claim
 from broker.streams.store import Store
 
 log = logging.getLogger("rsb.generator")
 
-# A wait stays well under any socket timeout and bounds how long shutdown waits for it.
-POLL_BLOCK_S = 2.0
+# A wait stays under the blocking client's socket timeout (broker.redis.connection: what notices a dead link under
+# it) and bounds how long shutdown waits for it.
+POLL_BLOCK_S = LONGEST_BLOCK_S
 # How long a partition whose shard failed a claim is passed over (its jobs wait for the shard in any case).
 AWAY_S = 1.0
 
