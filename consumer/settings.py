@@ -59,6 +59,11 @@ class ConsumerSettings(Settings):
         "--max-connections, what bounds the memory unread responses pin in a pod: docs/security.md)")
     default_model: str | None = setting(
         None, "model name recorded for requests that name none (default: the model the generators serve)")
+    models: tuple[str, ...] = setting(
+        (), "models this deployment serves (comma-separated), declared so that they are known with no generator "
+        "running: a create naming one is accepted and queued (its queued event says workers 0) until a generator "
+        "of it starts, e.g. one an autoscaler starts from zero on that backlog; GET /v1/models lists them. A name "
+        "neither declared nor announced by a live generator is 404 model_not_found")
     api_keys_file: str | None = setting(
         None, "JSON file of API keys; when set, every /v1 and /api route needs 'Authorization: Bearer' (or "
               "'x-api-key', as Anthropic's clients send it)",

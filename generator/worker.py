@@ -88,7 +88,15 @@ class Worker:
 
     async def announce_now(self) -> None:
         """Tell the consumers which model (and aliases) this worker serves, once; raises what Redis raises."""
-        await ServedModels(self.store.redis).announce(self.engine.name, self.settings.engine.model_aliases)
+        await ServedModels(self.store.redis).announce(self.engine.name, self.settings.engine.model_aliases,
+                                                      worker_id=self.worker_id)
+
+    async def _withdraw(self) -> None:
+        """This worker stops: it is not counted as serving its model any more (its announcements lapse anyway)."""
+        try:
+            await ServedModels(self.store.redis).withdraw(self.engine.name, self.worker_id)
+        except StoreTransient as e:
+            log.info("could not withdraw the model's announcement: %s", type(e).__name__)
 
     async def _announce_model(self) -> None:
         """Tell the consumers which model this worker serves (GET /v1/models), now and every few seconds."""
@@ -166,6 +174,7 @@ class Worker:
             for task in helpers:
                 task.cancel()
             await asyncio.gather(*helpers, *self._background, return_exceptions=True)
+            await self._withdraw()
 
     async def _claim_unless_stopping(self) -> Claim | None:
         if self._stopping.is_set():  # never claim (take over) a job just handed over by this very worker

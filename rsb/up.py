@@ -325,6 +325,11 @@ def run_stack(settings: UpSettings) -> int:
             gen = dataclasses.replace(gen, engine=dataclasses.replace(engine, model_path=str(model.path),
                                                                       model_name=model.name))
             log.info("model", extra={"model": model.name, "path": str(model.path)})
+        # The model the generators serve is declared (--models): a create naming it queues while a generator
+        # restarts, rather than a 404 once its announcements lapse.
+        served = gen.engine.model_name if not engine.upstream_url else gen.engine.upstream_model
+        if served and served not in api.models:
+            api = dataclasses.replace(api, models=(*api.models, served))
         redis_url = gen.broker.redis_url
         if redis_url:
             check_redis(redis_url)

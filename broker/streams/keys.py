@@ -286,6 +286,12 @@ def served_models_key() -> str:
     return f"{PREFIX}:models"
 
 
+def served_workers_key() -> str:
+    """Sorted set: each generator serving a model, as ``<model>\n<worker id>``, scored by when (Unix ms) it last
+    said so; a generator that stops cleanly withdraws. Beside ``served_models_key``, with the same reach."""
+    return f"{PREFIX}:models:workers"
+
+
 def read_token_secret_key() -> str:
     """String: the random key that signs read tokens when no ``--read-token-secret`` is configured (made once, by
     the first pod that needs it: broker.streams.read_token_secret). One key for the deployment, outside every

@@ -154,8 +154,12 @@ local function eta_of(position, stats)
   return string.format('%.3f', position * tonumber(q[1]) / math.max(1, tonumber(q[2] or '1')))
 end
 
-local function queued_data(position, stats)
-  return '{{"position":' .. position .. ',"eta_s":' .. eta_of(position, stats) .. '}}'
+-- ``workers``: the generators serving the model as its create saw them (only a create says: a claim's position
+-- updates come from a worker); nil or '' leaves the field out.
+local function queued_data(position, stats, workers)
+  local w = ''
+  if workers and workers ~= '' then w = ',"workers":' .. workers end
+  return '{{"position":' .. position .. ',"eta_s":' .. eta_of(position, stats) .. w .. '}}'
 end
 
 -- Tell the first ``count`` waiting jobs their place (their streams' keys: prefix .. id .. suffix).

@@ -124,7 +124,8 @@ CREATE = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + BUDGET_LUA + QUEUE + """
 --   s); A.hook: the webhook URL ('': none), A.hid: the id its event names (broker.streams.outbox); A.tier, A.who:
 --   the job's tier and tenant (broker.tiers, broker.streams.keys.principal); A.trace: the create span's traceparent
 --   ('': not traced); A.held: the data of its `queued` event when the job is held (a conversation's turn waiting for
---   the one before it: it gets into its line at UNHOLD; the queue's bounds are its then), '' otherwise
+--   the one before it: it gets into its line at UNHOLD; the queue's bounds are its then), '' otherwise; A.workers:
+--   the generators serving the model as the consumer knows them ('': unknown), told in the ``queued`` event
 -- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'storage_quota'}
 --   | {'rate_limited', early_ms, ema, busy}
 --   | {'too_many_generations', max_active, ema, busy} | {'queue_full', waiting, ema, busy, 'count' | 'wait'}
@@ -203,7 +204,7 @@ if held then
 end
 redis.call('HSET', K.meta, 'jid', redis.call('XADD', K.backlog, '*', 'sid', A.sid))
 enqueue(A.qp, A.tier, A.who, A.sid, K.totals, now_ms, false)
-append_event(K.events, A.channel, 'queued', queued_data(position, K.stats))
+append_event(K.events, A.channel, 'queued', queued_data(position, K.stats, A.workers))
 return {'created'}
 """, key_names=("meta", "events", "totals", "stats", "backlog", "tombstone", "tenant", "storage", "budget",
                 "team_budget"),
@@ -211,7 +212,7 @@ return {'created'}
                "retention_s", "abandon_s", "cod", "max_active", "burst", "interval_ms", "max_wait_s", "keep",
                "storage_share", "affinity", "budget_share", "usd_share", "team_share", "team_usd_share",
                "reservation", "usd_reservation", "price", "period_end", "team_period_end", "hook", "hid", "qp",
-               "tier", "who", "position_updates", "usage_retention_s", "max_hooks", "trace", "held"))
+               "tier", "who", "position_updates", "usage_retention_s", "max_hooks", "trace", "held", "workers"))
 
 # Closes: a held turn (CREATE's A.held) started twice (every pod that settles its conversation, and the worker that
 # folded the turn before it, may start it at once), or started after a cancel ended it. Its request becomes the one

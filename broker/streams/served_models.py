@@ -1,7 +1,9 @@
 """Which models the generators serve, as the consumers learn it: every generator announces the name its
-engine serves, and the aliases it answers to, every ``ANNOUNCE_INTERVAL_S``; a model is served while announced
-within ``SEEN_WITHIN_S``. Nothing is ever configured twice: the name a consumer shows is the one the generator's
-``started`` events carry, and the queue a create goes to is that name's (broker.streams.keys.QueueKeys).
+engine serves, the aliases it answers to, and itself, every ``ANNOUNCE_INTERVAL_S``; a model is served while
+announced within ``SEEN_WITHIN_S``, by as many generators as announced it that recently (a generator that stops
+cleanly withdraws at once). Nothing is ever configured twice: the name a consumer shows is the one the generator's
+``started`` events carry, and the queue a create goes to is that name's (broker.streams.keys.QueueKeys). Models an
+operator declares (the consumer's ``--models``) are known with no generator at all: that is the consumer's.
 
 Scores are the announcing process's clock: a skew between machines well under ``SEEN_WITHIN_S`` only
 shifts when a stopped generator's model leaves the list.
@@ -10,10 +12,11 @@ shifts when a stopped generator's model leaves the list.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from broker.redis.connection import RedisClient, reply_text
-from broker.streams.keys import served_models_key
+from broker.streams.keys import served_models_key, served_workers_key
 
 ANNOUNCE_INTERVAL_S = 10.0
 # Three missed announcements: a generator that stopped (or lost Redis) leaves the list after this long, and a
@@ -27,10 +30,12 @@ _ALIAS = "alias:"
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """A name a create may give: a model (``root`` is itself) or an alias of one (``root``: the model)."""
+    """A name a create may give: a model (``root`` is itself) or an alias of one (``root``: the model), and the
+    generators serving its model now (0: a declared model none runs yet)."""
 
     id: str
     root: str
+    workers: int = 0
 
 
 class ServedModels:
@@ -38,25 +43,41 @@ class ServedModels:
         self.redis = redis
         self.key = served_models_key()
         self.aliases_key = self.key + ":aliases"
+        self.workers_key = served_workers_key()
 
-    async def announce(self, name: str, aliases: tuple[str, ...] = (), now_s: float | None = None) -> None:
+    async def announce(self, name: str, aliases: tuple[str, ...] = (), now_s: float | None = None, *,
+                       worker_id: str = "") -> None:
         now_ms = int((time.time() if now_s is None else now_s) * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(self.key, {name: now_ms, **{_ALIAS + a: now_ms for a in aliases if a != name}})
         if aliases:
             pipe.hset(self.aliases_key, mapping={a: name for a in aliases if a != name})
         pipe.zremrangebyscore(self.key, "-inf", now_ms - int(FORGET_AFTER_S * 1000))
+        if worker_id:
+            pipe.zadd(self.workers_key, {f"{name}\n{worker_id}": now_ms})
+            pipe.zremrangebyscore(self.workers_key, "-inf", now_ms - int(SEEN_WITHIN_S * 1000))
         await pipe.execute()
+
+    async def withdraw(self, name: str, worker_id: str) -> None:
+        """This generator serves ``name`` no more (a clean stop): it is not counted from now on."""
+        await self.redis.zrem(self.workers_key, f"{name}\n{worker_id}")
 
     async def recent(self, within_s: float = SEEN_WITHIN_S, now_s: float | None = None) -> list[ServedModel]:
         """Models and aliases announced within ``within_s``, the most recently announced first (models before
-        aliases); an alias whose model has not been announced as recently is left out."""
+        aliases), each with its model's generators announced as recently; an alias whose model has not been
+        announced as recently is left out."""
         now_ms = int((time.time() if now_s is None else now_s) * 1000)
-        raw = await self.redis.zrevrangebyscore(self.key, "+inf", now_ms - int(within_s * 1000))
-        names = [reply_text(n) for n in raw]  # type: ignore[arg-type]  # members only, no scores
+        since = now_ms - int(within_s * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrevrangebyscore(self.key, "+inf", since)
+        pipe.zrangebyscore(self.workers_key, since, "+inf")
+        raw, raw_workers = await pipe.execute()
+        names = [reply_text(n) for n in raw]
+        workers = Counter(reply_text(w).partition("\n")[0] for w in raw_workers)
         models = [n for n in names if not n.startswith(_ALIAS)]
         aliases = [n[len(_ALIAS):] for n in names if n.startswith(_ALIAS)]
         roots = [reply_text(r) if r is not None else "" for r in await self.redis.hmget(self.aliases_key, aliases)] \
             if aliases else []
-        return [ServedModel(m, m) for m in models] + [
-            ServedModel(a, r) for a, r in zip(aliases, roots, strict=True) if r in models and a not in models]
+        return [ServedModel(m, m, workers[m]) for m in models] + [ServedModel(a, r, workers[r]) for a, r in
+                                                                  zip(aliases, roots, strict=True)
+                                                                  if r in models and a not in models]

@@ -159,6 +159,7 @@ class Store:
         trace: str = "",
         identity: str | None = None,
         held: dict[str, Any] | None = None,
+        workers: int | None = None,
     ) -> Created:
         """Create the stream and enqueue its job in ``model``'s queue (a served model's name: the consumer resolved
         the request's) in ``tier`` (broker.tiers), or recognise a retry of the same request (which no limit
@@ -174,7 +175,8 @@ class Store:
         W3C traceparent, stored with the stream for its generation's spans (broker.telemetry). ``held``: the stream is
         a conversation's turn that waits for the one before it (broker.on_busy), and this is its ``queued`` event's
         data: its job gets into its line at ``unhold``. ``identity``: what a retry of this id must match (default:
-        the request's hash)."""
+        the request's hash). ``workers``: the generators serving ``model`` now
+        (broker.streams.served_models), told in the ``queued`` event (None: not)."""
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = partition_share(max_queue, self.partitions)
@@ -212,7 +214,8 @@ class Store:
                 "hook": (webhook or ("", ""))[0], "hid": (webhook or ("", ""))[1], "qp": q.prefix, "tier": tier,
                 "who": who or "-", "position_updates": POSITION_UPDATES, "usage_retention_s": usage_retention_s,
                 "max_hooks": partition_share(max_pending_hooks, self.partitions),
-                "trace": trace, "held": encode_data(held) if held is not None else ""}),
+                "trace": trace, "held": encode_data(held) if held is not None else "",
+                "workers": "" if workers is None else workers}),
             lambda r: "" if reply_text(r[0]) == "created" else None)
         tag = reply_text(res[0])
         if tag == "created":

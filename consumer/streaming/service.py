@@ -129,37 +129,44 @@ class StreamService:
             self._served_at = now
         return self._served
 
-    async def served_models(self) -> list[ServedModel]:
-        """What this deployment serves: the announced models and aliases, and ``--default-model`` (listed while no
-        generator announces it: its creates wait in its queue for one)."""
-        served = await self.announced_models()
-        default = self.settings.default_model
-        if default and all(m.id != default for m in served):
-            return [*served, ServedModel(default, default)]
-        return served
+    def declared(self) -> list[str]:
+        """The models an operator declared (``--models``, then ``--default-model``): known with no generator."""
+        return list(dict.fromkeys((*self.settings.models, *filter(None, [self.settings.default_model]))))
 
-    async def resolve_model(self, requested: str | None) -> str:
-        """The served model a create runs on: the one it names, or the model of the alias it names; naming none,
-        ``--default-model`` (resolved the same way), else the only model served. ``--default-model`` itself is
-        accepted while no generator announces it: its jobs wait in its queue for one. Raises ModelNotFound (nothing
-        is stored or queued), InvalidRequest (it names none, several are served, and there is no default) or
-        Starting (it names none and nothing is served)."""
+    async def served_models(self) -> list[ServedModel]:
+        """What this deployment serves: the announced models and aliases, and the declared ones (listed while no
+        generator announces them: their creates wait in their queue for one)."""
+        served = await self.announced_models()
+        named = {m.id for m in served}
+        return [*served, *(ServedModel(d, d) for d in self.declared() if d not in named)]
+
+    async def resolve_model(self, requested: str | None) -> ServedModel:
+        """The served model a create runs on (with its generators now): the one it names, or the model of the alias
+        it names; naming none, ``--default-model`` (resolved the same way), else the only model served or declared.
+        A declared model (``--models``, ``--default-model``) is accepted while no generator announces it: its jobs
+        wait in its queue for one. Raises ModelNotFound (nothing is stored or queued), InvalidRequest (it names
+        none, several are served, and there is no default) or Starting (it names none and nothing is served)."""
         default = self.settings.default_model
         name = requested or default
         if not name:
-            roots = list(dict.fromkeys(m.root for m in await self.announced_models()))
+            roots = list(dict.fromkeys([*(m.root for m in await self.announced_models()), *self.declared()]))
             if len(roots) == 1:
-                return roots[0]
-            if not roots:
+                name = roots[0]
+            elif not roots:
                 raise Starting("no generator has announced its model yet", retry_after_s=1)
-            raise InvalidRequest(f"name a model: this server serves {', '.join(roots)} and has no --default-model")
+            else:
+                raise InvalidRequest(f"name a model: this server serves {', '.join(roots)} and has no "
+                                     "--default-model")
         # Looked up once more on a miss: a generator that started since the list was cached.
         for fresh in (False, True):
-            for m in await self.announced_models(fresh=fresh):
+            served = await self.announced_models(fresh=fresh)
+            for m in served:
                 if m.id == name:
-                    return m.root
-        if name == default:
-            return name
+                    return ServedModel(m.root, m.root, m.workers)
+            if fresh or name in self.declared():
+                break
+        if name in self.declared():
+            return ServedModel(name, name, 0)
         raise ModelNotFound(name, [m.id for m in await self.served_models()])
 
     async def ready(self) -> None:
@@ -287,7 +294,8 @@ class StreamService:
         s = self.settings
         key = self.api_keys.get(caller.key_id)
         tier = resolve_tier(request.service_tier, key.service_tier if key else "", key.service_tiers if key else ())
-        model = await self.resolve_model(request.model)
+        served = await self.resolve_model(request.model)
+        model = served.root
         budget, team_budget = self.budgets(caller)
         price = self.prices.price(model, tier) if self.prices is not None else None
         if price is None and (budget.usd > 0 or team_budget.usd > 0):
@@ -295,7 +303,7 @@ class StreamService:
                                  "USD: name a priced model")
         try:
             with self.quota_counted():
-                res = await self.store.create(stream_id, request, model=model, tier=tier,
+                res = await self.store.create(stream_id, request, model=model, workers=served.workers, tier=tier,
                                               max_queue=s.max_queue, max_queue_wait_s=s.max_queue_wait_s,
                                               retention_s=s.retention_s, abandon_after_s=s.abandon_after_s,
                                               key_id=caller.key_id, quota=self.quota(caller),
