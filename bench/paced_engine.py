@@ -49,7 +49,8 @@ class PacedEngine:
         """Not a batching engine: no steps to observe."""
 
     def start(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int,
-              stop: threading.Event, partial: PartialAnswer | None = None, cache_scope: str = "") -> Generation:
+              stop: threading.Event, partial: PartialAnswer | None = None, cache_scope: str = "",
+              tier: str = "") -> Generation:
         first = len(prefix_text.split())
         gen = Generation(prompt_tokens=1, pieces=iter(()))
         if self.on_loop:

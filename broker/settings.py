@@ -183,6 +183,10 @@ class Settings:
                                    default=default, help=help_text)
                 continue
             must = opt.flag in required and default is None
+            if opt.kind is tuple:  # a list: the flag may be repeated (--upstream A --upstream B), or comma-separated
+                group.add_argument(f"--{opt.flag}", dest=opt.dest, type=opt.parse, default=default, required=must,
+                                   action=_Repeatable, metavar=opt.metavar, help=help_text)
+                continue
             group.add_argument(f"--{opt.flag}", dest=opt.dest, type=opt.parse, default=default, required=must,
                                choices=opt.spec.choices, metavar=opt.metavar, help=help_text)
 
@@ -231,6 +235,18 @@ class Settings:
         """The secrets that differ from their defaults, as ``RSB_*`` variables for a child process."""
         return {opt.env: opt.render(value) for opt, value in self._values()
                 if opt.spec.secret and value != opt.default and value is not None}
+
+
+class _Repeatable(argparse.Action):
+    """A list flag given several times adds up: the first occurrence replaces the default (or its variable's
+    value), each later one appends its items."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = f"_given_{self.dest}"
+        before = getattr(namespace, self.dest) if getattr(namespace, given, False) else ()
+        setattr(namespace, given, True)
+        setattr(namespace, self.dest, (*before, *values))
 
 
 def _options(cls: type, path: tuple[str, ...]) -> Iterator[Option]:

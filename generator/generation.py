@@ -28,7 +28,7 @@ from broker.streams.conversations import ConversationStore
 from broker.streams.records import AppendResult, Claim
 from broker.streams.store import Store, started_event
 from generator.answer import AnswerEvents, AnswerSoFar
-from generator.engines import Engine, Generation, error_code
+from generator.engines import Engine, Generation, GenerationLost, error_code
 from generator.engines.pieces import PartialAnswer
 from generator.handoff import TokenHandoff, produce
 from generator.lease import Ending, Run, keep_lease
@@ -275,7 +275,7 @@ class JobRunner:
         gen_holder: list[Generation] = []
         producer = produce(self.engine, req, handoff, prefix_text=prefix, max_tokens=remaining, stop=run.stop,
                            on_start=gen_holder.append, partial=partial if partial.typed else None,
-                           cache_scope=self.settings.engine.cache_scope(claim.tenant))
+                           cache_scope=self.settings.engine.cache_scope(claim.tenant), tier=claim.tier)
         offered = frozenset(t.name for t in req.tools) if req.offers_tools else frozenset()
         answer = AnswerEvents(req.stop, partial if partial.typed else PartialAnswer(), req.sampling.max_calls, offered)
         seq = tokens = progress.seq  # tokens counted in Redis (all attempts); tokens generated (all attempts)
@@ -321,6 +321,9 @@ class JobRunner:
                 if batch.closed:
                     closed = True
                     progress.error = batch.error
+                    if isinstance(batch.error, GenerationLost):  # its next claim continues it (another upstream)
+                        log.warning("generation lost: %s", batch.error, extra={"stream_id": str(claim.stream_id)})
+                        run.hand_over()
                     if batch.error is None and not run.stop.is_set():
                         events += answer.flush()
                 if events and run.ending is not Ending.FENCED_OUT:

@@ -182,10 +182,10 @@ class TokenHandoff:
 
 def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *, prefix_text: str,
             max_tokens: int, stop: threading.Event, on_start: Callable[[Generation], None] | None = None,
-            partial: PartialAnswer | None = None, cache_scope: str = "") -> asyncio.Future[None]:
+            partial: PartialAnswer | None = None, cache_scope: str = "", tier: str = "") -> asyncio.Future[None]:
     """Run a generation of ``engine`` into ``handoff`` (closed at the end, with the error if one was raised);
-    ``on_start`` gets the Generation; ``cache_scope`` is what the engine's caches are
-    scoped to (Engine.start). In an inference thread of its own, or, for an engine that says
+    ``on_start`` gets the Generation; ``cache_scope`` (what the engine's caches are scoped to) and ``tier`` are
+    Engine.start's. In an inference thread of its own, or, for an engine that says
     ``on_loop``, as a task on the running loop. The future ends when the producer has.
 
     A thread per generation, not a pool's: asyncio's default executor (``asyncio.to_thread``) holds
@@ -201,7 +201,7 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
         async def on_loop() -> None:
             try:
                 gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial,
-                                   cache_scope=cache_scope)
+                                   cache_scope=cache_scope, tier=tier)
                 started(gen)
                 assert gen.apieces is not None, "an on_loop engine fills apieces"
                 apieces = gen.apieces
@@ -236,7 +236,7 @@ def produce(engine: Engine, request: GenerationRequest, handoff: TokenHandoff, *
         after: Callable[[], None] | None = None
         try:
             gen = engine.start(request, prefix_text=prefix_text, max_tokens=max_tokens, stop=stop, partial=partial,
-                                   cache_scope=cache_scope)
+                                   cache_scope=cache_scope, tier=tier)
             started(gen)
             text: list[str] | None = [] if gen.after is not None else None
             ended = True

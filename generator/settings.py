@@ -22,8 +22,11 @@ class EngineSettings(Settings):
     model_aliases: tuple[str, ...] = setting(
         (), "other names requests may give this model (comma-separated, e.g. gpt-4o-mini): a create naming one runs "
         "on this model's workers, and every response names the model itself", flag="model-alias")
-    upstream_url: str | None = setting(
-        None, "URL of an OpenAI-compatible or Ollama server to drive instead of a local model", flag="upstream")
+    upstream_urls: tuple[str, ...] = setting(
+        (), "URL of an OpenAI-compatible or Ollama server to drive instead of a local model; several (the flag "
+        "repeated, or comma-separated) serve one model together: each generation goes to a healthy one (checked "
+        "every few seconds; one that fails is skipped), and a generation cut by its upstream's death is continued "
+        "on another, as a crashed worker's is", flag="upstream")
     n_threads: int | None = setting(None, "llama.cpp threads (default: physical cores)")
     n_ctx: int = setting(4096, "llama.cpp context size in tokens (per sequence: see --parallel)")
     parallel: int = setting(
@@ -46,9 +49,15 @@ class EngineSettings(Settings):
         "single-tenant deployment sharing system prompts across keys); applies to the in-process cache and to the "
         "prompt_cache_key sent to an --upstream", choices=("tenant", "global"))
     upstream_api: str | None = setting(
-        None, "protocol of --upstream: 'openai' (/v1/chat/completions, /v1/completions: vLLM, llama.cpp "
-        "server, Ollama's /v1) or 'ollama' (native /api/chat, /api/generate); default: ollama when the URL "
-        "ends in /api, else openai", choices=("openai", "ollama"))
+        None, "what --upstream is, which decides its protocol and the request fields of its own it gets: 'openai' "
+        "(OpenAI itself, or any OpenAI-compatible server: OpenAI's own fields only), 'vllm' (the same protocol, "
+        "plus cache_salt per tenant, priority from the job's tier, ignore_eos), 'llama.cpp' (plus ignore_eos), "
+        "'ollama' (native /api/chat and /api/generate, plus keep_alive); default: ollama when the URL ends in /api, "
+        "else what the server's model list says it is (vLLM's and llama.cpp's name themselves), else openai",
+        choices=("openai", "vllm", "llama.cpp", "ollama"))
+    upstream_keep_alive: str = setting(
+        "30m", "ollama: how long Ollama keeps the model loaded after a request (its keep_alive: a duration such as "
+        "30m, seconds, or -1 for ever; Ollama's own default unloads an idle model after 5 minutes)")
     upstream_model: str | None = setting(
         None, "model name sent upstream (default: the first one the server lists)")
     upstream_api_key: str | None = setting(None, "bearer key sent to the --upstream server", secret=True)

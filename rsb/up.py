@@ -315,7 +315,7 @@ def run_stack(settings: UpSettings) -> int:
             raise StackError(str(e)) from None
         gen = settings.generator
         engine = gen.engine
-        if not engine.upstream_url:
+        if not engine.upstream_urls:
             try:
                 model = resolve_model(engine.model_path, engine.model_name)
             except ModelNotFound as e:
@@ -327,7 +327,7 @@ def run_stack(settings: UpSettings) -> int:
             log.info("model", extra={"model": model.name, "path": str(model.path)})
         # The model the generators serve is declared (--models): a create naming it queues while a generator
         # restarts, rather than a 404 once its announcements lapse.
-        served = gen.engine.model_name if not engine.upstream_url else gen.engine.upstream_model
+        served = gen.engine.model_name if not engine.upstream_urls else gen.engine.upstream_model
         if served and served not in api.models:
             api = dataclasses.replace(api, models=(*api.models, served))
         redis_url = gen.broker.redis_url

@@ -16,7 +16,9 @@ import httpx
 import orjson
 
 from broker.errors import RsbError
+from broker.events import Event
 from broker.sse import ByteDecoder, parse_block
+from broker.streams.keys import StreamKeys
 from broker.streams.records import Created
 
 T = TypeVar("T")
@@ -339,3 +341,14 @@ def parse_bytes(size: str) -> int:
     m = re.fullmatch(r"(\d+)\s*([kmg]?)(i?b?)", size.strip().lower())
     assert m, f"bad size {size!r}"
     return int(m.group(1)) * int(1024 ** " kmg".index(m.group(2) or " "))
+
+
+def stored_events(client: Any, sid: str, partitions: int = 1) -> list[Event]:
+    """The events a stream holds in Redis now (``client``: a redis-py client), without waiting for more."""
+    key = StreamKeys.of(uuid.UUID(sid), partitions).events
+    return [Event.from_entry(eid, fields) for eid, fields in client.xrange(key)]
+
+
+def stored_text(client: Any, sid: str, partitions: int = 1) -> str:
+    """The answer's text a stream holds in Redis now (its deltas so far)."""
+    return "".join(e.json()["text"] for e in stored_events(client, sid, partitions) if e.type == "delta")

@@ -106,10 +106,17 @@ class Received:
 
 
 class ScriptedUpstream:
-    def __init__(self, *, reasoning_field: str = "reasoning_content") -> None:
-        self.port = free_port()
+    """``owned_by``: what its model list says (``vllm``: it is vLLM, as rsb detects one); ``priority_scheduling``:
+    False answers a request with a ``priority`` other than 0 as a vLLM without ``--scheduling-policy priority``
+    does (400). Ollama's native API is served too (``/api/tags``, ``/api/chat``, ``/api/generate``: NDJSON)."""
+
+    def __init__(self, *, reasoning_field: str = "reasoning_content", owned_by: str = "tests",
+                 priority_scheduling: bool = True, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.reasoning_field = reasoning_field
+        self.owned_by = owned_by
+        self.priority_scheduling = priority_scheduling
         self.requests: list[Received] = []
         self.disconnects = 0
         self.respond: Callable[[dict[str, Any]], Reply] = default_reply
@@ -119,6 +126,9 @@ class ScriptedUpstream:
             Route("/v1/models", self._models),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/api/tags", self._tags),
+            Route("/api/chat", self._ollama, methods=["POST"]),
+            Route("/api/generate", self._ollama, methods=["POST"]),
         ])
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=1)
@@ -169,7 +179,30 @@ class ScriptedUpstream:
         return self.respond(body)
 
     async def _models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "tests"}]})
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": self.owned_by}]})
+
+    async def _tags(self, request: Request) -> Response:
+        return JSONResponse({"models": [{"name": MODEL, "model": MODEL}]})
+
+    async def _ollama(self, request: Request) -> Response:
+        """Ollama's native API, streamed as NDJSON: the reply's text, then the ``done`` line with its counts."""
+        body = orjson.loads(await request.body())
+        self.requests.append(Received(request.url.path, body))
+        reply = self._next(body)
+        chat = request.url.path == "/api/chat"
+
+        async def lines() -> AsyncIterator[bytes]:
+            for i, delta in enumerate(reply.deltas):
+                if i and reply.delay_s:
+                    await asyncio.sleep(reply.delay_s)
+                piece = delta.get("content", "")
+                line = {"message": {"role": "assistant", "content": piece}} if chat else {"response": piece}
+                yield orjson.dumps({"model": MODEL, **line, "done": False}) + b"\n"
+            end = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+            yield orjson.dumps({"model": MODEL, **end, "done": True, "done_reason": reply.finish_reason,
+                                "prompt_eval_count": 10, "eval_count": len(reply.deltas)}) + b"\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def _chat(self, request: Request) -> Response:
         return await self._answer(request, chat=True)
@@ -180,6 +213,10 @@ class ScriptedUpstream:
     async def _answer(self, request: Request, *, chat: bool) -> Response:
         body = orjson.loads(await request.body())
         self.requests.append(Received(request.url.path, body, headers=dict(request.headers)))
+        if body.get("priority") and not self.priority_scheduling:  # vLLM's own refusal, word for word
+            return JSONResponse({"object": "error", "message": f"Got priority {body['priority']} but Priority "
+                                 "scheduling is not enabled.", "type": "BadRequestError", "param": None, "code": 400},
+                                status_code=400)
         reply = _within(self._next(body), body.get("max_completion_tokens") or body.get("max_tokens"))
         if reply.status != 200:
             return JSONResponse({"error": {"message": reply.error, "type": "BadRequestError", "code": reply.status}},

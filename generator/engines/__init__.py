@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import logging
 
-from generator.engines.base import Engine, EngineError, Generation, PromptTooLong, UpstreamError, error_code
+from generator.engines.base import (
+    Engine,
+    EngineError,
+    Generation,
+    GenerationLost,
+    PromptTooLong,
+    UpstreamError,
+    error_code,
+)
 from generator.settings import EngineSettings
 
 log = logging.getLogger("rsb.generator")
 
-__all__ = ["Engine", "EngineError", "EngineUnavailable", "Generation", "PromptTooLong", "UpstreamError",
-           "build_engine", "error_code"]
+__all__ = ["Engine", "EngineError", "EngineUnavailable", "Generation", "GenerationLost", "PromptTooLong",
+           "UpstreamError", "build_engine", "error_code"]
 
 
 class EngineUnavailable(Exception):
@@ -20,12 +28,12 @@ class EngineUnavailable(Exception):
 
 
 def build_engine(settings: EngineSettings) -> Engine:
-    if settings.upstream_url:
+    if settings.upstream_urls:
         from generator.engines.upstream import UpstreamEngine
 
-        return UpstreamEngine(settings.upstream_url, api=settings.upstream_api, model=settings.upstream_model,
+        return UpstreamEngine(settings.upstream_urls, api=settings.upstream_api, model=settings.upstream_model,
                               api_key=settings.upstream_api_key, timeout_s=settings.upstream_timeout_s,
-                              ignore_eos=settings.ignore_eos)
+                              ignore_eos=settings.ignore_eos, keep_alive=settings.upstream_keep_alive)
     try:
         from generator.engines.llama import LlamaEngine
     except ImportError as e:

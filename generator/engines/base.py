@@ -44,6 +44,19 @@ class UpstreamError(EngineError):
     code = "upstream"
 
 
+class UpstreamCut(UpstreamError):
+    """The upstream's stream ended (its connection closed or broke) before the answer did: the server died, or the
+    network between."""
+
+
+class GenerationLost(EngineError):
+    """The engine lost this generation midway, and another attempt may continue it (its upstream died, and
+    another upstream of the model is healthy): the run hands its job over, and the next claim continues it from
+    the stream, exactly as a crashed worker's is."""
+
+    code = "upstream"
+
+
 def error_code(error: BaseException) -> str:
     """The ``error`` event code for whatever a generation raised."""
     return error.code if isinstance(error, EngineError) else EngineError.code
@@ -117,6 +130,7 @@ class Engine(Protocol):
         stop: threading.Event,
         partial: PartialAnswer | None = None,
         cache_scope: str = "",
+        tier: str = "",
     ) -> Generation:
         """Tokenize the prompt (chat template applied for ``messages``) followed by ``prefix_text``
         (answer text already appended by an earlier attempt, which the generation continues; ``partial``:
@@ -127,7 +141,8 @@ class Engine(Protocol):
 
         ``cache_scope``: whose earlier prompts this one may reuse the cached state of (or, upstream, share a
         routing key with): one tenant's, or everyone's (""). A prompt never gets a cached prefix, nor a quicker
-        first token, from another scope's prompts (``--prompt-cache-scope``)."""
+        first token, from another scope's prompts (``--prompt-cache-scope``). ``tier``: the service tier the job runs
+        in (broker.tiers; "": not known), for an upstream's own scheduler."""
         ...
 
     def observe_steps(self, observer: StepObserver) -> None:

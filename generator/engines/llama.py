@@ -222,6 +222,7 @@ class LlamaEngine(Engine):
         stop: threading.Event,
         partial: PartialAnswer | None = None,
         cache_scope: str = "",
+        tier: str = "",
     ) -> Generation:
         if self._closed:
             raise RuntimeError("engine is closed")

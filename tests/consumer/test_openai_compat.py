@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -314,7 +315,19 @@ def test_a_draining_pod_ends_response_streams_for_a_resume_and_chat_streams_with
     client = _client(s.base_url)
     stream = client.responses.create(model="m", input="Tell me a story", max_output_tokens=16, background=True,
                                      stream=True)
-    chat = client.chat.completions.create(model="m", messages=CHAT, max_tokens=8, stream=True)
+    # A streamed chat completion holds its status line until its generator counted the prompt: it waits in the
+    # queue for it (created, and tailed) while the pod drains.
+    chat_failed: list[BaseException] = []
+
+    def chat() -> None:
+        try:
+            list(_client(s.base_url, max_retries=0).chat.completions.create(model="m", messages=CHAT, max_tokens=8,
+                                                                             stream=True))
+        except BaseException as e:
+            chat_failed.append(e)
+
+    chatting = threading.Thread(target=chat)
+    chatting.start()
     head = [next(stream), next(stream)]
     assert [e.type for e in head] == ["response.created", "response.queued"]
     # Both readers tailing and past their first Redis calls: a drain that lands inside a redis-py call can
@@ -327,9 +340,11 @@ def test_a_draining_pod_ends_response_streams_for_a_resume_and_chat_streams_with
     # field), no terminal event, so the client knows to resume.
     head += list(stream)
     assert [e.type for e in head] == ["response.created", "response.queued"]
-    with pytest.raises(openai.APIError) as e:
-        list(chat)  # a chat completion cannot be resumed through the SDK: an error, not a silent end
-    assert isinstance(e.value.body, dict) and e.value.body["code"] == "shutting_down"
+    chatting.join(10)
+    # A chat completion cannot be resumed through the SDK: an error, not a silent end (before its status line: 503).
+    [failed] = chat_failed
+    assert isinstance(failed, openai.APIStatusError) and failed.status_code == 503
+    assert isinstance(failed.body, dict) and failed.body["code"] == "shutting_down"
     assert first.wait(10) == 0
 
     assert httpx.post(f"{second_url}/v1/streams/{blocker}/cancel").status_code == 202
@@ -554,11 +569,19 @@ def test_item_references_read_only_the_items_they_name_within_a_bound(stack_fact
 
 
 def test_a_prompt_past_the_context_is_a_400_for_a_completion(shared_stack: SharedStack) -> None:
+    """As OpenAI answers it, streamed too: a streamed completion holds its status line until its generator counted
+    the prompt. A native create keeps its error event."""
     client = _client(shared_stack.base_url)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 6000}],
-                                       max_tokens=4)
-    assert isinstance(e.value.body, dict) and e.value.body["code"] == "context_length_exceeded"
+    long: list[ChatCompletionMessageParam] = [{"role": "user", "content": "word " * 6000}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=long, max_tokens=4, stream=stream)
+        assert isinstance(e.value.body, dict) and e.value.body["code"] == "context_length_exceeded", stream
+        assert e.value.response.headers["x-should-retry"] == "false"
+    with shared_stack.client() as c:
+        sid = create(c, messages=long, max_tokens=4).json()["id"]
+        end = read_sse(c, f"/v1/streams/{sid}/events").events[-1]
+    assert end.event == "error" and end.data["code"] == "context_length_exceeded"
 
 
 def test_logprobs_of_every_text_token(shared_stack: SharedStack) -> None:

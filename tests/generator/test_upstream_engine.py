@@ -788,6 +788,24 @@ async def test_a_stream_with_no_usage_charges_the_prompts_bound() -> None:
     assert gen.prompt_tokens == prompt_token_bound(request.canonical_json()) > 5_000
 
 
+async def test_a_prompt_the_upstream_finds_too_long_is_context_length_exceeded() -> None:
+    """vLLM's 400 for a prompt past the model's context ends the stream with the code a local engine gives it (and
+    the OpenAI chat view answers a 400 for), not a generic ``upstream`` error."""
+    from scripted_upstream import Reply, ScriptedUpstream
+
+    from generator.engines import error_code
+
+    with ScriptedUpstream() as up:
+        up.script(Reply([], status=400, error="This model's maximum context length is 2048 tokens. However, you "
+                                              "requested 9000 tokens (8990 in the messages, 10 in the completion)."))
+        engine = UpstreamEngine(up.url, model="scripted-model")
+        gen = engine.start(_chat_request(STORY, max_tokens=10), prefix_text="", max_tokens=10,
+                           stop=StopSignal())
+        with pytest.raises(UpstreamError) as e:
+            await collect(gen)
+    assert error_code(e.value) == "context_length_exceeded" and "maximum context length" in str(e.value)
+
+
 @pytest.mark.slow
 def test_budgets_and_the_ledger_count_an_upstreams_prompt(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ the stream, which ``/v1/streams/{id}/events`` resumes.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -219,11 +219,52 @@ def _delta(ev: Event) -> dict[str, Any] | None:
     return None
 
 
-async def _frames(service: StreamService, chat: _Chat, stream_id: uuid.UUID,
+#: Events before a generator has counted the prompt: a streamed completion holds its status line through them.
+_BEFORE_THE_PROMPT = frozenset({EventType.QUEUED, EventType.STARTED})
+
+
+async def _held(service: StreamService, chat: _Chat, stream_id: uuid.UUID, include_usage: bool,
+                make: Callable[[AsyncIterator[bytes | None]], Response]) -> Response:
+    """A streamed completion's response once its generator has counted the prompt: at its first event past the
+    queue and ``started`` (a token, prefill progress, or the end). OpenAI refuses a prompt past the model's context
+    before it streams anything (``400 context_length_exceeded``), and its SDK raises that as a BadRequestError; a
+    ``200`` whose stream then carries the error would raise a generic APIError instead. So an end that is the
+    request's fault (REQUEST_ERRORS) is that 400; anything else streams (``make``) from the stream's start."""
+    events = service.tail(stream_id)
+    seen: list[Event] = []
+    try:
+        async for ev in events:
+            if ev is None:
+                continue  # a heartbeat: no status line yet to send it after
+            seen.append(ev)
+            if ev.type not in _BEFORE_THE_PROMPT:
+                break
+    except BaseException:
+        await events.aclose()
+        raise
+    last = seen[-1] if seen else None
+    if last is not None and last.type == EventType.ERROR and last.json().get("code") in REQUEST_ERRORS:
+        await events.aclose()
+        err = _terminal_error(last)
+        return error_json(400, err["message"], type_="invalid_request_error", code=err["code"],
+                          headers={"x-should-retry": "false"})
+    return make(_frames(chat, _again(seen, events), include_usage))
+
+
+async def _again(seen: list[Event], rest: AsyncGenerator[Event | None, None]) -> AsyncGenerator[Event | None, None]:
+    """The events read already, then the rest of the tail (closed with this generator)."""
+    async with aclosing(rest):
+        for ev in seen:
+            yield ev
+        async for later in rest:
+            yield later
+
+
+async def _frames(chat: _Chat, events: AsyncGenerator[Event | None, None],
                   include_usage: bool) -> AsyncIterator[bytes | None]:
-    # The role comes first, as OpenAI sends it, before the queue wait: the client sees the call was taken.
+    # The role comes first, as OpenAI sends it.
     yield data_frame(chat.chunk({"role": "assistant", "content": ""}))
-    async with aclosing(service.tail(stream_id)) as events:
+    async with aclosing(events):
         async for ev in events:
             if ev is None:
                 yield None  # heartbeat comment: the SDK skips it
@@ -318,9 +359,13 @@ async def chat_completions(request: Request) -> ASGIApp:
         stream_id, st = await create_stream(request, rsb_body, renames)
         chat = _Chat(stream_id, st)
         if stream:
-            return SSEResponse(_frames(service, chat, stream_id, include_usage), shutdown=state.draining,
-                               send_timeout_s=state.settings.send_timeout_s,
-                               headers={STREAM_ID_HEADER: str(stream_id), **dropped_header(dropped)},
-                               shutdown_frame=_SHUTDOWN_FRAME, on_close=slot.release)
+            def streamed(frames: AsyncIterator[bytes | None]) -> Response:
+                return SSEResponse(frames, shutdown=state.draining, send_timeout_s=state.settings.send_timeout_s,
+                                   headers={STREAM_ID_HEADER: str(stream_id), **dropped_header(dropped)},
+                                   shutdown_frame=_SHUTDOWN_FRAME, on_close=slot.release)
+
+            return DeferredResponse(request, stream_id,
+                                    lambda: _held(service, chat, stream_id, include_usage, streamed), slot.release,
+                                    dropped_header(dropped))
         return DeferredResponse(request, stream_id, lambda: _completion(service, chat, stream_id), slot.release,
                                 dropped_header(dropped))

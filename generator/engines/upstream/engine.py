@@ -1,12 +1,19 @@
-"""The upstream engine: drives a remote inference server over streaming HTTP instead of a local model,
-in one of the protocols of this package (``openai``, ``ollama``: see their modules, and
-``generator.engines.upstream.protocol`` for what they share).
+"""The upstream engine: drives remote inference servers over streaming HTTP instead of a local model, in one of
+the protocols of this package (``openai``, ``ollama``: see their modules, and
+``generator.engines.upstream.protocol`` for what they share), with what each kind of server takes beyond it
+(``generator.engines.upstream.kinds``), over a pool of servers of one model (``generator.engines.upstream.pool``).
 
 It produces on the event loop (``on_loop``): a generation is one ``httpx.AsyncClient`` request, so a worker
 runs hundreds at once with no thread each. Cancelling. The worker cancels the producing task as soon as
 ``stop`` is set (generator.handoff), even while the request waits for the server (a long prefill, a queue in
 front of the model); cancelling closes the request's connection, so the server sees the client leave and
 stops computing.
+
+Several servers. A generation goes to the least busy server that is up; one that cannot be reached (or answers
+502/503/504) before the answer began is marked down and the next one is tried at once. A server that dies midway
+(its stream cut, its connection broken) is marked down too, and when another is up the generation is *lost*
+(GenerationLost): its run hands the job over, and the next claim continues it from the stream on a server that is
+up, exactly as a crashed worker's is. With no other server up, it ends with error ``upstream`` as before.
 
 ``request.model`` is ignored, like the local engine ignores it: a generator serves one model, chosen with
 ``--upstream-model`` (or the first one the server lists).
@@ -20,22 +27,24 @@ import json
 import logging
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from urllib.parse import urlsplit
 
 import httpx
 
 from broker.request import GenerationRequest, prompt_token_bound
-from generator.engines.base import Engine, Generation, UpstreamError
+from generator.engines.base import Engine, Generation, GenerationLost, UpstreamCut, UpstreamError
 from generator.engines.pieces import PartialAnswer, Piece
 from generator.engines.upstream.ollama import OLLAMA
 from generator.engines.upstream.openai import OPENAI
+from generator.engines.upstream.pool import Pool, Server, detect_kind
 from generator.engines.upstream.protocol import (
     LineReader,
     Replay,
     UpstreamGeneration,
     UpstreamPieces,
     UpstreamProtocol,
+    UpstreamRequest,
     error_message,
     replays,
 )
@@ -52,27 +61,35 @@ _ERROR_BODY_LIMIT = 2048
 # ends at once; one that ignores it is cut after these, and the prompt is counted by its bound.
 USAGE_TAIL_RECORDS = 16
 USAGE_TAIL_S = 5.0
+#: Answers of a server that is there but cannot serve now (a proxy in front of a dead one, an overloaded one):
+#: before the answer began, the next server is tried.
+UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+#: What a request whose connection failed or broke raised: the server (or the network to it) is gone.
+GONE_ERRORS = (httpx.TransportError,)
+
+
+class UpstreamPromptTooLong(UpstreamError):
+    """The upstream refused the prompt as longer than its model's context."""
+
+    code = "context_length_exceeded"
 
 
 def detect_api(url: str, api: str | None = None) -> UpstreamProtocol:
-    """The protocol: ``api`` when given, else ``ollama`` for a URL whose path ends in ``/api``, else ``openai``."""
-    if api:
-        protocol = PROTOCOLS.get(api)
-        if protocol is None:
-            raise ValueError(f"unknown upstream API {api!r}: use one of {', '.join(PROTOCOLS)}")
-        return protocol
-    return OLLAMA if urlsplit(url).path.rstrip("/").endswith(OLLAMA.root_suffix) else OPENAI
+    """The protocol: the one of the kind ``api`` names, else ``ollama`` for a URL whose path ends in ``/api``, else
+    ``openai``."""
+    kind = detect_kind(url, api)
+    return kind.protocol if kind is not None else OPENAI
 
 
 class UpstreamEngine(Engine):
-    """``Engine`` over a remote server. Generations are independent HTTP requests, so any number run at
-    once (the worker's ``--concurrency``), each a task on the worker's event loop."""
+    """``Engine`` over remote servers of one model. Generations are independent HTTP requests, so any number
+    run at once (the worker's ``--concurrency``), each a task on the worker's event loop."""
 
     on_loop = True
 
     def __init__(
         self,
-        url: str,
+        urls: str | Sequence[str],
         *,
         api: str | None = None,
         model: str | None = None,
@@ -80,10 +97,13 @@ class UpstreamEngine(Engine):
         timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
         ignore_eos: bool = False,
+        keep_alive: str = "",
     ) -> None:
-        self.protocol = detect_api(url, api)
-        self.base_url = self.protocol.base_url(url)
+        self.pool = Pool([urls] if isinstance(urls, str) else list(urls), api, self._client_for_loop, self._listed)
+        self.protocol = self.pool.protocol
+        self.base_url = self.pool.servers[0].base_url
         self.ignore_eos = ignore_eos
+        self.keep_alive = keep_alive
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         # Made on first use, on the worker's loop (an AsyncClient belongs to the loop it first ran on).
@@ -105,22 +125,18 @@ class UpstreamEngine(Engine):
         """Without ``--upstream-model``, use the first model the server lists. Failure is not fatal (the
         server may start later); it is tried again before each generation until it succeeds. At start this
         is one blocking request (the worker's loop is not serving yet)."""
-        try:
-            r = httpx.get(self.base_url + self.protocol.models_path, headers=self._headers, timeout=5.0)
-            r.raise_for_status()
-            self._listed(r.json())
-        except (httpx.HTTPError, ValueError, AttributeError, TypeError, IndexError) as e:
-            log.warning("could not list the upstream's models: %s", e, extra={"upstream": self.base_url})
-
-    async def _adiscover_model(self) -> None:
-        try:
-            r = await self._client_for_loop().get(self.base_url + self.protocol.models_path, timeout=5.0)
-            r.raise_for_status()
-            self._listed(r.json())
-        except (httpx.HTTPError, ValueError, AttributeError, TypeError, IndexError) as e:
-            log.warning("could not list the upstream's models: %s", e, extra={"upstream": self.base_url})
+        for server in self.pool.servers:
+            try:
+                r = httpx.get(server.base_url + self.protocol.models_path, headers=self._headers, timeout=5.0)
+                r.raise_for_status()
+                self._listed(r.json())
+                return
+            except (httpx.HTTPError, ValueError, AttributeError, TypeError, IndexError) as e:
+                log.warning("could not list the upstream's models: %s", e, extra={"upstream": server.base_url})
 
     def _listed(self, listing: object) -> None:
+        if self._discovered:
+            return
         first = self.protocol.first_model(listing)
         self._discovered = True
         if first is not None:
@@ -137,21 +153,20 @@ class UpstreamEngine(Engine):
         stop: threading.Event,
         partial: PartialAnswer | None = None,
         cache_scope: str = "",
+        tier: str = "",
     ) -> Generation:
         generation = UpstreamGeneration(prompt_tokens=0, pieces=iter(()))
-        generation.apieces = self._run(generation, request, prefix_text, max_tokens, stop, partial, cache_scope)
+        generation.apieces = self._run(generation, request, prefix_text, max_tokens, stop, partial, cache_scope, tier)
         return generation
 
     async def _run(self, generation: UpstreamGeneration, request: GenerationRequest, prefix_text: str,
                    max_tokens: int, stop: threading.Event, partial: PartialAnswer | None,
-                   cache_scope: str) -> AsyncIterator[Piece]:
+                   cache_scope: str, tier: str) -> AsyncIterator[Piece]:
         if stop.is_set():
             return
         if max_tokens <= 0:  # nothing left to generate; servers refuse max_tokens=0
             generation.finish_reason = "length"
             return
-        if not self._discovered:
-            await self._adiscover_model()
         replay = None
         ask_tokens = max_tokens
         if replays(request, prefix_text, partial):
@@ -159,40 +174,88 @@ class UpstreamEngine(Engine):
             replay = Replay(prefix_text, partial)
             prefix_text = ""
             ask_tokens = request.max_tokens
-        call = self.protocol.build_request(request, prefix_text=prefix_text, max_tokens=ask_tokens,
-                                           model=self._model, ignore_eos=self.ignore_eos, cache_scope=cache_scope)
-        pieces = UpstreamPieces(generation=generation, max_tokens=max_tokens, stop=stop, replay=replay)
+        failed: UpstreamError | None = None
+        for server in self.pool.choices():
+            if server.kind is None or not self._discovered:
+                await self.pool.check(server)  # what it is (the fields it takes), and the model's name
+            call = self.protocol.build_request(request, prefix_text=prefix_text, max_tokens=ask_tokens,
+                                               model=self._model, cache_scope=cache_scope)
+            pieces = UpstreamPieces(generation=generation, max_tokens=max_tokens, stop=stop, replay=replay)
+            server.busy += 1
+            try:
+                async for piece in self._request(server, call, pieces, request, cache_scope, tier):
+                    yield piece
+                return
+            except _Unreachable as e:  # nothing was answered: the next server
+                self.pool.down(server, str(e))
+                failed = UpstreamError(f"upstream unreachable at {server.base_url}: {e}")
+            except (*GONE_ERRORS, UpstreamCut) as e:
+                if stop.is_set():
+                    return  # our own abort: the caller knows why the generation stopped
+                self.pool.down(server, f"{type(e).__name__}: {e}")
+                if self.pool.others_up(server):
+                    raise GenerationLost(f"upstream {server.base_url} failed mid-answer ({type(e).__name__}); "
+                                         "continued on another") from e
+                if isinstance(e, UpstreamError):
+                    raise
+                raise UpstreamError(f"upstream request failed: {type(e).__name__}: {e}") from e
+            except httpx.HTTPError as e:
+                if stop.is_set():
+                    return
+                raise UpstreamError(f"upstream request failed: {type(e).__name__}: {e}") from e
+            finally:
+                server.busy -= 1
+        assert failed is not None
+        raise failed
+
+    async def _request(self, server: Server, call: UpstreamRequest, pieces: UpstreamPieces,
+                       request: GenerationRequest, cache_scope: str, tier: str) -> AsyncIterator[Piece]:
+        """One request to ``server``, streamed into pieces. Raises _Unreachable when nothing was answered."""
+        generation = pieces.generation
         reader = self.protocol.reader(chat=call.chat)
-        span = upstream_span(self.protocol.name, self.base_url, self._model, chat=call.chat)  # None: not traced
+        kind = server.fields_of
+        span = upstream_span(self.protocol.name, server.base_url, self._model, chat=call.chat)  # None: not traced
         status: int | None = None
         try:
-            async with self._client_for_loop().stream("POST", self.base_url + call.path, json=call.body,
-                                                       headers=upstream_headers(span)) as response:
-                status = response.status_code
-                if response.status_code >= 400:
-                    raise UpstreamError(await self._http_error(response))
-                # The upstream took the prompt. Until it reports its count, the prompt's bound: a generation cut
-                # before the usage record (cancelled, or a server that reports none) is charged that, never 0.
-                generation.prompt_tokens = prompt_token_bound(request.canonical_json())
-                lines = response.aiter_lines()
-                async for line in lines:
-                    chunk = reader.feed(line)
-                    if chunk is None:
-                        continue
-                    for piece in pieces.feed(chunk):
-                        yield piece
-                    if pieces.over:
-                        break
-                if pieces.awaits_usage:
-                    await _read_usage(lines, reader, pieces)
-            for piece in pieces.end():
-                yield piece
-        except httpx.HTTPError as e:
-            if stop.is_set():
-                return  # our own abort: the caller knows why the generation stopped
-            if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
-                raise UpstreamError(f"upstream unreachable at {self.base_url}: {e}") from e
-            raise UpstreamError(f"upstream request failed: {type(e).__name__}: {e}") from e
+            while True:
+                sent = {**call.body, **kind.fields(cache_scope=cache_scope, tier=tier, ignore_eos=self.ignore_eos,
+                                                   keep_alive=self.keep_alive, priority=server.takes_priority)}
+                try:
+                    async with self._client_for_loop().stream("POST", server.base_url + call.path, json=sent,
+                                                              headers=upstream_headers(span)) as response:
+                        status = response.status_code
+                        if response.status_code in UNAVAILABLE_STATUSES:
+                            raise _Unreachable(f"HTTP {response.status_code}")
+                        if response.status_code >= 400:
+                            message = await self._http_error(response)
+                            if "priority" in sent and "priority scheduling" in message.lower():
+                                # A vLLM without --scheduling-policy priority: the field never again; the request again.
+                                log.warning("the upstream has no priority scheduling: its jobs are sent no priority",
+                                            extra={"upstream": server.base_url})
+                                server.takes_priority = False
+                                continue
+                            if response.status_code == 400 and _context_exceeded(message):
+                                raise UpstreamPromptTooLong(message)
+                            raise UpstreamError(message)
+                        # The upstream took the prompt. Until it reports its count, the prompt's bound: a generation
+                        # cut before the usage record (cancelled, or a server that reports none) is charged that.
+                        generation.prompt_tokens = prompt_token_bound(request.canonical_json())
+                        lines = response.aiter_lines()
+                        async for line in lines:
+                            chunk = reader.feed(line)
+                            if chunk is None:
+                                continue
+                            for piece in pieces.feed(chunk):
+                                yield piece
+                            if pieces.over:
+                                break
+                        if pieces.awaits_usage:
+                            await _read_usage(lines, reader, pieces)
+                except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                    raise _Unreachable(f"{type(e).__name__}: {e}") from e
+                for piece in pieces.end():
+                    yield piece
+                return
         finally:
             end_upstream(span, status, sys.exc_info()[1])
 
@@ -210,6 +273,8 @@ class UpstreamEngine(Engine):
                 text = error_message(obj["error"])
             elif isinstance(obj, dict) and "detail" in obj:  # FastAPI-based servers
                 text = str(obj["detail"])
+            elif isinstance(obj, dict) and "message" in obj:  # vLLM's own error object
+                text = str(obj["message"])
         except ValueError:
             pass
         return f"upstream answered HTTP {response.status_code}: {text or response.reason_phrase}"
@@ -218,7 +283,22 @@ class UpstreamEngine(Engine):
         """The worker closes its engine as it exits, when no generation is in flight: the pool's idle
         keep-alive connections are left to close with the process (``close`` is synchronous; an
         AsyncClient closes by awaiting)."""
+        self.pool.close()
         self._client = None
+
+
+class _Unreachable(Exception):
+    """A server that answered nothing (connection refused or timed out, or a 502/503/504 from in front of it)."""
+
+
+#: How servers say a prompt is past the model's context: OpenAI's code, vLLM's message, llama.cpp's error type.
+_CONTEXT_MARKERS = ("context_length_exceeded", "maximum context length", "exceed_context_size",
+                    "exceeds the available context size", "context length")
+
+
+def _context_exceeded(message: str) -> bool:
+    lowered = message.lower()
+    return any(m in lowered for m in _CONTEXT_MARKERS)
 
 
 async def _read_usage(lines: AsyncIterator[str], reader: LineReader, pieces: UpstreamPieces) -> None:

@@ -37,7 +37,7 @@ class OllamaProtocol(UpstreamProtocol):
     models_path = "/api/tags"
 
     def build_request(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int, model: str | None,
-                      ignore_eos: bool = False, cache_scope: str = "") -> UpstreamRequest:
+                      cache_scope: str = "") -> UpstreamRequest:
         options: dict[str, Any] = {
             "num_predict": max_tokens,
             "temperature": request.temperature,

@@ -40,7 +40,7 @@ class OpenAIProtocol(UpstreamProtocol):
     models_path = "/v1/models"
 
     def build_request(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int, model: str | None,
-                      ignore_eos: bool = False, cache_scope: str = "") -> UpstreamRequest:
+                      cache_scope: str = "") -> UpstreamRequest:
         body: dict[str, Any] = {
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -67,8 +67,6 @@ class OpenAIProtocol(UpstreamProtocol):
         body["prompt_cache_key"] = f"rsb-{request.affinity(cache_scope)}"
         if request.stop:
             body["stop"] = list(request.stop)
-        if ignore_eos:  # a vLLM / llama.cpp server extension; other servers ignore unknown fields
-            body["ignore_eos"] = True
         if request.response_format is not None:
             body["response_format"] = request.response_format.as_openai()
         if request.messages is not None and request.tools:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.request import GenerationRequest
-from generator.engines.base import EngineError, Generation, UpstreamError
+from generator.engines.base import EngineError, Generation, UpstreamCut, UpstreamError
 from generator.engines.pieces import (
     REASONING,
     TEXT,
@@ -116,7 +116,7 @@ class UpstreamProtocol(abc.ABC):
 
     @abc.abstractmethod
     def build_request(self, request: GenerationRequest, *, prefix_text: str, max_tokens: int, model: str | None,
-                      ignore_eos: bool = False, cache_scope: str = "") -> UpstreamRequest:
+                      cache_scope: str = "") -> UpstreamRequest:
         """The path and JSON body of a streaming request (``prefix_text``: the plain answer text to continue,
         see the module doc; a replayed request gets ""; ``cache_scope``: Engine.start's)."""
 
@@ -374,7 +374,7 @@ class UpstreamPieces:
         if self.stop.is_set():
             return []
         if not self._ended:
-            raise UpstreamError("the upstream closed the stream before the answer ended")
+            raise UpstreamCut("the upstream closed the stream before the answer ended")
         if self._replay is not None:
             self._replay.finished()
         out: list[Piece] = []
