@@ -15,6 +15,8 @@ connection to Redis) pumped both ways. The faults:
 - ``reset()``: every open link gets an RST on its client side (and its Redis side is closed); new ones work.
 - ``refuse()``: new connections are reset at once and existing ones too (a host that is down answers RST), until
   ``heal()``.
+- ``retarget(port)``: new links go to another server, and the open ones are reset (a service address moved to a
+  promoted replica: a failover behind one name).
 
 ``links`` counts the links open now and ``accepted`` every one ever accepted: a test waits for a reconnect by them.
 """
@@ -33,6 +35,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _READ_BYTES = 1 << 16
+_SEEN_BYTES = 4096
 
 
 class _Link:
@@ -46,6 +49,8 @@ class _Link:
         self.flowing = asyncio.Event()
         self.flowing.set()
         self.tasks: set[asyncio.Task[None]] = set()
+        #: The first bytes the client sent: which link is which (a pub/sub connection sent SUBSCRIBE).
+        self.sent = b""
 
     async def run(self) -> None:
         try:
@@ -60,6 +65,7 @@ class _Link:
         self.abort(rst=False)
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        upstream = src is self.client_r
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         deliver = asyncio.ensure_future(self._deliver(queue, dst))
         try:
@@ -72,6 +78,8 @@ class _Link:
                 # Read before the link went dark: held (as the kernel would, with the packets in flight lost) until
                 # it flows again.
                 await self.flowing.wait()
+                if upstream and len(self.sent) < _SEEN_BYTES:
+                    self.sent += data[:_SEEN_BYTES]
                 queue.put_nowait((time.monotonic() + self.proxy.delay_s, data))
                 if not data:
                     break
@@ -140,8 +148,10 @@ class FaultProxy:
     def latency(self, seconds: float) -> None:
         self.delay_s = seconds
 
-    def dark(self, *, new_too: bool = True) -> None:
-        self._call(self._set_dark(new_too))
+    def dark(self, *, new_too: bool = True, sent: bytes | None = None) -> None:
+        """See the module doc; ``sent``: only the open links whose client sent these bytes (``b"SUBSCRIBE"``: the
+        pub/sub connections), and no new one."""
+        self._call(self._set_dark(new_too and sent is None, sent))
 
     def heal(self) -> None:
         self._call(self._heal())
@@ -151,6 +161,10 @@ class FaultProxy:
 
     def refuse(self) -> None:
         self._refusing = True
+        self.reset()
+
+    def retarget(self, port: int, host: str = "127.0.0.1") -> None:
+        self.target_host, self.target_port = host, port
         self.reset()
 
     def close(self) -> None:
@@ -183,10 +197,11 @@ class FaultProxy:
     async def _count(self) -> int:
         return len(self._links)
 
-    async def _set_dark(self, new_too: bool) -> None:
+    async def _set_dark(self, new_too: bool, sent: bytes | None) -> None:
         self._dark_new = new_too
         for link in self._links:
-            link.flowing.clear()
+            if sent is None or sent in link.sent:
+                link.flowing.clear()
 
     async def _heal(self) -> None:
         self._dark_new = False

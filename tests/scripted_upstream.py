@@ -97,6 +97,17 @@ def default_reply(body: dict[str, Any]) -> Reply:
     return Reply([text("Hello"), text(" there"), text("!")])
 
 
+def paced(tokens_per_s: float) -> Callable[[dict[str, Any]], Reply]:
+    """A ``respond`` that answers every request with as many words as it asks for (``max_tokens``: `` w0 w1 ...``,
+    then ``length``), at a steady pace: an engine whose speed a test can count on, at no CPU cost (the fault tests'
+    generations last as long as the faults they ride through)."""
+    def reply(body: dict[str, Any]) -> Reply:
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        return Reply([text(f" w{i}") for i in range(n)], delay_s=1 / tokens_per_s, finish_reason="length")
+
+    return reply
+
+
 @dataclass
 class Received:
     path: str
