@@ -30,9 +30,10 @@ from broker.streams.store import Store
 
 log = logging.getLogger("rsb.generator")
 
-# A wait stays under the blocking client's socket timeout (broker.redis.connection: what notices a dead link under
-# it) and bounds how long shutdown waits for it.
-POLL_BLOCK_S = LONGEST_BLOCK_S
+# A wait stays within LONGEST_BLOCK_S (the blocking client's socket timeout, which notices a dead link under it, is
+# that plus a command's) and bounds how long shutdown waits for it.
+POLL_BLOCK_S = 2.0
+assert POLL_BLOCK_S <= LONGEST_BLOCK_S
 # How long a partition whose shard failed a claim is passed over (its jobs wait for the shard in any case).
 AWAY_S = 1.0
 

@@ -39,11 +39,12 @@ from broker.redis.errors import closed_under_the_command, reply, store_errors
 # Ordinary commands: short, so a dead server is noticed in seconds, not minutes.
 COMMAND_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0
-#: The longest a blocking command (BLPOP) may block. A blocking client's socket timeout is this plus
-#: COMMAND_TIMEOUT_S, so a half-open link (no FIN, no RST: the network just stopped delivering) under a blocked
-#: command is noticed within BLOCKING_TIMEOUT_S, as under any other command within COMMAND_TIMEOUT_S. TCP keepalive
-#: alone takes the kernel's 2 hours, and never fires when a middlebox (a proxy, a NAT) answers for the dead end.
-LONGEST_BLOCK_S = 2.0
+#: The longest a blocking command (BLPOP) may block: a generator's poll for jobs (2 s), a count_tokens wait (4 s).
+#: A blocking client's socket timeout is this plus COMMAND_TIMEOUT_S, so a half-open link (no FIN, no RST: the
+#: network just stopped delivering) under a blocked command is noticed within BLOCKING_TIMEOUT_S, as under any other
+#: command within COMMAND_TIMEOUT_S. TCP keepalive alone takes the kernel's 2 hours, and never fires when a
+#: middlebox (a proxy, a NAT) answers for the dead end.
+LONGEST_BLOCK_S = 4.0
 BLOCKING_TIMEOUT_S = LONGEST_BLOCK_S + COMMAND_TIMEOUT_S
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
