@@ -10,7 +10,11 @@ The owner of a ``Channels`` gets three things: messages (``on_message``), confir
 that is delivered), and resets (``on_reset``): channels whose messages may have been lost (the connection
 dropped, or the slot moved to another master) and which are subscribed again; a reset is reported twice,
 when the loss is seen and once the new subscription is confirmed, so whoever re-reads the source of truth
-at the second report misses nothing.
+at the second report misses nothing. A connection that stays silent is pinged, and one that stays silent past
+DEAD_AFTER_S is dropped and made again, as one that failed.
+
+Long because a connection's whole life is one loop here (connect, resubscribe, dispatch raw or through redis-py,
+liveness, the server dropping a channel, reroutes on a cluster): each step depends on the state the others leave.
 """
 
 from __future__ import annotations

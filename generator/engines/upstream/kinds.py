@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from broker.ascii import decimal
 from generator.engines.upstream.ollama import OLLAMA
 from generator.engines.upstream.openai import OPENAI
 from generator.engines.upstream.protocol import UpstreamProtocol
@@ -63,7 +64,8 @@ class UpstreamKind:
         if self.ignore_eos and ignore_eos:
             out["ignore_eos"] = True
         if self.keep_alive and keep_alive:
-            out["keep_alive"] = int(keep_alive) if keep_alive.lstrip("-").isdigit() else keep_alive
+            seconds = decimal(keep_alive.removeprefix("-"))  # a number is seconds (negative: for ever); else "30m"
+            out["keep_alive"] = keep_alive if seconds is None else -seconds if keep_alive[0] == "-" else seconds
         return out
 
 
