@@ -140,7 +140,11 @@ class StreamService:
         named = {m.id for m in served}
         return [*served, *(ServedModel(d, d) for d in self.declared() if d not in named)]
 
-    async def resolve_model(self, requested: str | None) -> ServedModel:
+    async def resolve_model(self, requested: str | None) -> str:
+        """The name of the served model a create runs on (``resolve_served``)."""
+        return (await self.resolve_served(requested)).root
+
+    async def resolve_served(self, requested: str | None) -> ServedModel:
         """The served model a create runs on (with its generators now): the one it names, or the model of the alias
         it names; naming none, ``--default-model`` (resolved the same way), else the only model served or declared.
         A declared model (``--models``, ``--default-model``) is accepted while no generator announces it: its jobs
@@ -294,7 +298,7 @@ class StreamService:
         s = self.settings
         key = self.api_keys.get(caller.key_id)
         tier = resolve_tier(request.service_tier, key.service_tier if key else "", key.service_tiers if key else ())
-        served = await self.resolve_model(request.model)
+        served = await self.resolve_served(request.model)
         model = served.root
         budget, team_budget = self.budgets(caller)
         price = self.prices.price(model, tier) if self.prices is not None else None

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import redis
 from faultproxy import FaultProxy
-from helpers import create, eventually, stored_events, stored_text
+from helpers import create, eventually, stored_events, stored_text, wait_status
 from history import HistoryReader, check_history
 from scripted_upstream import ScriptedUpstream, paced
 from servers import StackFactory
@@ -108,7 +108,7 @@ def test_an_idle_generator_whose_links_died_claims_again(
         stack_factory(proxy.url).generator(*_upstream_args(upstream), ignore_eos=False)
         with httpx.Client(base_url=url, timeout=30) as c:
             sid = create(c, max_tokens=5).json()["id"]
-            eventually(lambda: c.get(f"/v1/streams/{sid}").json()["status"] == "done", 30)
+            wait_status(c, sid, {"done"}, 30)
             took = []
             # Replaced: the links open now die (no FIN, no RST); new ones work. Then healed: a partition that ends.
             for fault in ("replaced", "healed"):
@@ -121,8 +121,7 @@ def test_an_idle_generator_whose_links_died_claims_again(
                     assert c.get(f"/v1/streams/{sid}").json()["status"] == "queued"
                     proxy.heal()
                     t0 = time.monotonic()
-                eventually(lambda s=sid: c.get(f"/v1/streams/{s}").json()["status"] == "done", CLAIM_BOUND_S,
-                           f"the generator to claim again ({fault})")
+                wait_status(c, sid, {"done"}, CLAIM_BOUND_S)  # claimed again ({fault})
                 took.append(time.monotonic() - t0)
         print(f"\nan idle generator's dead links: claimed again {took[0]:.1f}s after the job came (links replaced), "
               f"{took[1]:.1f}s after the partition healed")
