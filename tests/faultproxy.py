@@ -131,6 +131,7 @@ class FaultProxy:
         self._dark_new = False
         self._refusing = False
         self._links: set[_Link] = set()
+        self._accepting: set[asyncio.Task[None]] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
         self._thread.start()
@@ -184,6 +185,10 @@ class FaultProxy:
         return await asyncio.start_server(self._accept, "127.0.0.1", 0)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._accepting.add(task)
+            task.add_done_callback(self._accepting.discard)
         self.accepted += 1
         link = _Link(self, (reader, writer))
         if self._refusing:
@@ -216,3 +221,6 @@ class FaultProxy:
     async def _close(self) -> None:
         self._server.close()
         await self._reset()
+        for task in list(self._accepting):
+            task.cancel()
+        await asyncio.gather(*self._accepting, return_exceptions=True)
