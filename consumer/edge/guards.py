@@ -27,6 +27,13 @@ using only what they share: ``self.cycle`` becomes a new request cycle when a he
 what a new cycle runs; ``on_response_complete`` is called after each response; ``self.connections`` is
 every open connection of the server.
 
+**Draining** (SIGTERM): uvicorn closes every idle keep-alive connection at once, but a balancer may have sent a
+request on one a moment before (nginx reuses idle upstream connections, and learns a pod drains only from its
+failures): closed unread, that request is lost (nginx answers the client 502 and, for a POST, does not retry). So
+an idle connection is closed ``DRAIN_IDLE_S`` later instead; a request that comes meanwhile is served, and the
+connection closed after its answer. New connections are refused (the listening socket is closed): a balancer
+tries the next pod.
+
 The **write-stall guard** (``stall_guarded``) drops a connection whose client stopped reading. And the
 protocol tells a response that its client left without a task waiting in ``receive`` (``watch_disconnect``):
 an open SSE reader otherwise holds a task, its coroutine and an event's waiter (~2 KiB) only to learn that.
@@ -56,6 +63,8 @@ log = logging.getLogger("rsb.consumer")
 MAX_HEAD_BYTES = 64 * 1024
 REFUSED_HEAD_TIMEOUT_S = 2.0
 REFUSED_RETRY_AFTER_S = 2
+#: Draining: how long an idle keep-alive connection stays open for a request its balancer had already sent on it.
+DRAIN_IDLE_S = 1.0
 # One warning per kind of refusal per this many seconds: a flood must not become a flood of log lines.
 WARN_EVERY_S = 10.0
 # Descriptors kept for what is not a client connection (Redis, files, the listening socket).
@@ -134,16 +143,18 @@ def guarded(base: type[asyncio.Protocol], guards: Guards) -> type[asyncio.Protoc
     # are slots, not instance attributes: a few more keys in uvicorn's already large instance dict would
     # end its key sharing and cost every connection about 1 KiB.
     class Guarded(base):  # type: ignore[valid-type,misc]
-        __slots__ = ("_guard_cycle", "_guard_group", "_guard_head_bytes", "_guard_on_lost", "_guard_timer")
+        __slots__ = ("_guard_closing", "_guard_cycle", "_guard_group", "_guard_head_bytes", "_guard_on_lost",
+                     "_guard_timer")
         _guard_group: str | None
         _guard_timer: asyncio.TimerHandle | None
         _guard_cycle: object  # the request cycle whose body the timer waits for; None: a request head
         _guard_head_bytes: int
         _guard_on_lost: Callable[[], None] | None  # watch_disconnect's callback for the running cycle
+        _guard_closing: bool  # draining: closed after its next answer (see the module doc)
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             self._guard_group, self._guard_timer, self._guard_cycle, self._guard_head_bytes = None, None, None, 0
-            self._guard_on_lost = None
+            self._guard_on_lost, self._guard_closing = None, False
             super().connection_made(transport)
             host = self.client[0] if self.client else None
             app = None
@@ -187,7 +198,24 @@ def guarded(base: type[asyncio.Protocol], guards: Guards) -> type[asyncio.Protoc
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            if self._guard_closing:  # draining: this connection's last answer
+                self.transport.close()
+                return
             self._guard_follow()  # a pipelined request may have started
+
+        def shutdown(self) -> None:
+            """Draining (see the module doc): an idle connection stays DRAIN_IDLE_S for a request already sent."""
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                super().shutdown()  # a request in flight: closed after its answer (uvicorn's own way)
+                return
+            self._guard_closing = True
+            self.loop.call_later(DRAIN_IDLE_S, self._guard_close_idle)
+
+        def _guard_close_idle(self) -> None:
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:
+                self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._guard_disarm()
