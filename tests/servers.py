@@ -60,7 +60,8 @@ class RedisClusterServers:
     """A real Redis Cluster of ``masters`` redis-server processes (and ``replicas`` per master) on free ports,
     created with ``redis-cli --cluster create`` like an operator would."""
 
-    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 2000) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 2000,
+                 extra_args: tuple[str, ...] = (), appendonly: bool = False) -> None:
         # Each node needs a client port and a cluster-bus port (by default port + 10000, which may be taken or
         # past 65535): pick both explicitly, holding the sockets until all are chosen so none repeats.
         self.replicas = replicas
@@ -73,9 +74,9 @@ class RedisClusterServers:
         ports = [int(sock.getsockname()[1]) for sock in held]
         for sock in held:
             sock.close()
-        self.nodes = [RedisServer(ports[2 * i], extra_args=(
+        self.nodes = [RedisServer(ports[2 * i], appendonly=appendonly, extra_args=(
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout",
-            str(node_timeout_ms), "--cluster-port", str(ports[2 * i + 1]))) for i in range(count)]
+            str(node_timeout_ms), "--cluster-port", str(ports[2 * i + 1]), *extra_args)) for i in range(count)]
 
     @property
     def url(self) -> str:

@@ -21,7 +21,7 @@ import redis as redis_sync
 from redis._parsers.helpers import parse_stream_list
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.client import Pipeline
-from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import AbstractBackoff
@@ -74,6 +74,36 @@ local function refuse_when_full(key) redis.call('SETRANGE', key .. ':oom', 0, ''
 ALLOW_WHEN_FULL = """
 local function allow_when_full(key) redis.call('PERSIST', key) end
 """
+
+
+#: How long one node may take to answer CLUSTER SLOTS in a slot-map refresh before the next node is asked.
+SLOT_MAP_NODE_TIMEOUT_S = 1.0
+#: The least time between two slot-map refreshes of one client (BoundedRedisCluster.initialize).
+SLOT_MAP_REFRESH_MIN_S = 1.0
+
+
+def _bounded_slot_map_queries() -> None:
+    """Bound each node's CLUSTER SLOTS in redis-py's slot-map refresh (NodesManager.initialize) to
+    SLOT_MAP_NODE_TIMEOUT_S. A refresh follows every connection error to a node that died, asks the known nodes in a
+    random order, holds a lock every command that needs the map waits on, and gives each node the client's socket
+    timeout (5 s; 9 s on a blocking client). A node that takes connections but never answers (a stopped process,
+    a host gone behind a proxy or a NAT) then stalled every command of every shard, again and again: on a 3+3
+    cluster with one primary killed and its replica stopped, healthy shards' streams waited seconds at a time,
+    their leases lapsed, and they ended worker_lost (docs/failures.md, "A shard down"). CLUSTER SLOTS is answered in
+    microseconds by a live node, and is sent only by that refresh; a node cut off mid-answer is retried by the next
+    refresh. Applied once, to redis-py's ClusterNode (every cluster client in an rsb process is rsb's)."""
+    if getattr(ClusterNode.execute_command, "_rsb_bounded", False):
+        return
+    unbounded = ClusterNode.execute_command
+
+    async def execute_command(self: ClusterNode, *args: Any, **kwargs: Any) -> Any:
+        if args and args[0] == "CLUSTER SLOTS":
+            async with asyncio.timeout(SLOT_MAP_NODE_TIMEOUT_S):
+                return await unbounded(self, *args, **kwargs)
+        return await unbounded(self, *args, **kwargs)
+
+    execute_command._rsb_bounded = True  # type: ignore[attr-defined]
+    ClusterNode.execute_command = execute_command  # type: ignore[method-assign]
 
 
 def is_cluster(client: RedisClient) -> bool:
@@ -238,6 +268,24 @@ class BoundedRedisCluster(RedisCluster):
 
     gate: asyncio.Semaphore
     source_url: str
+    #: When the last slot-map refresh ended (the loop's clock; None: never).
+    refreshed_at: float | None
+
+    async def initialize(self, additional_startup_nodes_info: Any = None,
+                         last_failed_node_name: str | None = None) -> BoundedRedisCluster:
+        """The slot map, refreshed at most every SLOT_MAP_REFRESH_MIN_S. redis-py refreshes it after every
+        connection error to a node, under a lock every command that sees the flag waits on: with a node dead, each
+        command that met it (parked generations' writes, claims, cancels, announcements) made the next command of
+        any shard refresh again, and healthy shards' commands queued behind refresh after refresh (their leases
+        lapsed: docs/failures.md, "A shard down"). A refresh a moment ago already knows what the cluster knows; a
+        dead node's command fails (StoreUnavailable, waited out by its caller) without another."""
+        now = asyncio.get_running_loop().time()
+        if self._initialize and self.refreshed_at is not None and now - self.refreshed_at < SLOT_MAP_REFRESH_MIN_S:
+            self._initialize = False
+            return self
+        await super().initialize(additional_startup_nodes_info, last_failed_node_name)
+        self.refreshed_at = asyncio.get_running_loop().time()
+        return self
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self.gate:
@@ -309,6 +357,7 @@ def _raw_entries_on_request(client: RedisClient) -> None:
 
 
 def _cluster(url: str, *, max_connections: int, retries: int, socket_timeout: float | None) -> BoundedRedisCluster:
+    _bounded_slot_map_queries()
     client = BoundedRedisCluster.from_url(
         plain_url(url),
         max_connections=max_connections,
@@ -321,6 +370,7 @@ def _cluster(url: str, *, max_connections: int, retries: int, socket_timeout: fl
     assert isinstance(client, BoundedRedisCluster)
     client.gate = asyncio.Semaphore(max_connections)
     client.source_url = url
+    client.refreshed_at = None
     _raw_entries_on_request(client)
     return client
 
