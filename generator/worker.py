@@ -131,6 +131,7 @@ class Worker:
         self.slots = slots
         self.metrics.parked.set_function(lambda: slots.parked)
         jobs: set[asyncio.Task[None]] = set()
+        by_stream: dict[uuid.UUID, asyncio.Task[None]] = {}  # the task of each stream's run, by stream
         try:
             while not self._stopping.is_set():
                 await slots.take()
@@ -147,10 +148,9 @@ class Worker:
                     OUT_OF_MEMORY.refused("claim a job")
                     await attempts.sleep()
                     continue
-                if claim is not None and (slots.resume_wanted or claim.stream_id in self.runner.running):
+                if claim is not None and slots.resume_wanted:
                     # A parked generation's write landed while this claim ran: the slot is its, and the job goes back
-                    # to the front of its line. Or this worker's own run whose lease lapsed while it stalled: the
-                    # claim fenced that run out, and the job is given back to be continued once it has stopped.
+                    # to the front of its line.
                     self._spawn(self._give_back(claim))
                     claim = None
                 if claim is None:
@@ -158,11 +158,16 @@ class Worker:
                     await self._wait_unless_stopping()
                     continue
                 seat = slots.seat()
-                task = asyncio.create_task(self.runner.run(claim, seat))
+                own = by_stream.get(claim.stream_id)
+                task = asyncio.create_task(self._continue_own(own, claim, seat) if own is not None
+                                           else self.runner.run(claim, seat))
+                by_stream[claim.stream_id] = task
                 jobs.add(task)
 
-                def done(t: asyncio.Task[None], seat: Seat = seat) -> None:
+                def done(t: asyncio.Task[None], seat: Seat = seat, sid: uuid.UUID = claim.stream_id) -> None:
                     jobs.discard(t)
+                    if by_stream.get(sid) is t:
+                        del by_stream[sid]
                     seat.close()
                     if not t.cancelled() and t.exception() is not None:  # a bug the run could not even report
                         log.error("a job failed: %s", type(t.exception()).__name__, exc_info=t.exception())
@@ -175,6 +180,17 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*helpers, *self._background, return_exceptions=True)
             await self._withdraw()
+
+    async def _continue_own(self, own: asyncio.Task[None], claim: Claim, seat: Seat) -> None:
+        """This worker's own run of the stream stalled past its lease (a partition, a stopped process) and this claim
+        fenced it out: the claim runs once that run has stopped (its next write or renewal meets the fence). Given
+        back instead, the job came straight back to this worker's next claim, and again, each claim an attempt:
+        hundreds in a few seconds, then worker_lost (found by tests/fault_schedule.py)."""
+        await asyncio.wait({own})
+        if self._stopping.is_set():  # handed over meanwhile: the next worker continues it
+            await self._give_back(claim)
+            return
+        await self.runner.run(claim, seat)
 
     async def _claim_unless_stopping(self) -> Claim | None:
         if self._stopping.is_set():  # never claim (take over) a job just handed over by this very worker
