@@ -127,4 +127,3 @@ def test_an_idle_generator_whose_links_died_claims_again(
               f"{took[1]:.1f}s after the partition healed")
     finally:
         proxy.close()
-
