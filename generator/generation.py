@@ -322,7 +322,6 @@ class JobRunner:
                     closed = True
                     progress.error = batch.error
                     if isinstance(batch.error, GenerationLost):  # its next claim continues it (another upstream)
-                        log.warning("generation lost: %s", batch.error, extra={"stream_id": str(claim.stream_id)})
                         run.hand_over()
                     if batch.error is None and not run.stop.is_set():
                         events += answer.flush()
