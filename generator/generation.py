@@ -28,7 +28,7 @@ from broker.streams.conversations import ConversationStore
 from broker.streams.records import AppendResult, Claim
 from broker.streams.store import Store, started_event
 from generator.answer import AnswerEvents, AnswerSoFar
-from generator.engines import Engine, Generation, GenerationLost, error_code
+from generator.engines import Engine, Generation, error_code
 from generator.engines.pieces import PartialAnswer
 from generator.handoff import TokenHandoff, produce
 from generator.lease import Ending, Run, keep_lease
@@ -320,9 +320,7 @@ class JobRunner:
                     run.stop.set()
                 if batch.closed:
                     closed = True
-                    progress.error = batch.error
-                    if isinstance(batch.error, GenerationLost):  # its next claim continues it (another upstream)
-                        run.hand_over()
+                    progress.error = run.engine_ended(batch.error)
                     if batch.error is None and not run.stop.is_set():
                         events += answer.flush()
                 if events and run.ending is not Ending.FENCED_OUT:

@@ -26,6 +26,7 @@ from broker.redis.pubsub import Channels
 from broker.streams.keys import control_channel
 from broker.streams.records import Claim
 from broker.streams.store import Store
+from generator.engines import GenerationLost
 from generator.handoff import StopSignal
 from generator.retry import OUT_OF_MEMORY
 from generator.slots import StallWatch
@@ -101,6 +102,13 @@ class Run:
 
     def fence_out(self) -> None:
         self._reach(Ending.FENCED_OUT)
+
+    def engine_ended(self, error: BaseException | None) -> BaseException | None:
+        """The engine's generation ended, with ``error`` (None: none). A lost generation (GenerationLost: its upstream
+        died midway and another is up) is handed over: the next claim continues it, as a crashed worker's."""
+        if isinstance(error, GenerationLost):
+            self.hand_over()
+        return error
 
     def resume(self) -> None:
         """A parked run goes on in a new segment: a new ``stop`` (the parked segment's was set to stop its

@@ -63,3 +63,13 @@ def test_a_parked_run_resumes_with_a_new_stop_signal_and_an_ended_one_never_does
     run.hand_over()
     with pytest.raises(AssertionError):
         run.resume()
+
+
+def test_a_lost_generation_is_handed_over_and_other_engine_errors_are_the_streams() -> None:
+    from generator.engines import GenerationLost, UpstreamError
+
+    run = new_run()
+    error = UpstreamError("upstream answered HTTP 400")
+    assert run.engine_ended(error) is error and run.ending is None  # the stream ends with it (error upstream)
+    lost = GenerationLost("upstream died mid-answer; another is up")
+    assert run.engine_ended(lost) is lost and run.ending is Ending.HANDED_OVER  # continued by the next claim
