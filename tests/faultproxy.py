@@ -133,6 +133,7 @@ class FaultProxy:
         self._links: set[_Link] = set()
         self._accepting: set[asyncio.Task[None]] = set()
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_quiet_cancellations)
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
         self._thread.start()
         self._server: asyncio.Server = self._call(self._listen())
@@ -224,3 +225,10 @@ class FaultProxy:
         for task in list(self._accepting):
             task.cancel()
         await asyncio.gather(*self._accepting, return_exceptions=True)
+
+
+def _quiet_cancellations(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """A link's task cancelled at close is no news (asyncio's stream callback reports it as an error)."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        return
+    loop.default_exception_handler(context)
