@@ -6,6 +6,7 @@ tiers keep their order, and a SIGKILLed worker's job continues on a worker of th
 from __future__ import annotations
 
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ from helpers import create, eventually, read_sse
 from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
+from broker.streams.keys import queue_stats_key
 from consumer.edge.auth import new_key
 
 pytestmark = pytest.mark.slow
@@ -198,17 +200,28 @@ def test_a_key_flooding_priority_is_served_default_and_delays_another_by_one_job
 
         # Queued before any worker runs: the order is the scheduler's alone, whatever the machine's speed.
         floods = [make(c, m, "priority") for _ in range(7)]
-        chat = sdk.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                           service_tier="priority", stream=True)
-        first = next(iter(chat))
-        chat.close()
-        assert first.service_tier == "default"
-        floods.append(str(uuid.UUID(first.id.removeprefix("chatcmpl-"))))
+        # A streamed chat completion holds its status line until a generator counted its prompt: its first chunk is
+        # read once one runs (below); its job is queued at once, before bob's.
+        chunks: list[Any] = []
+
+        def chat() -> None:
+            stream = sdk.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, service_tier="priority", stream=True)
+            chunks.append(next(iter(stream)))
+            stream.close()
+
+        chatting = threading.Thread(target=chat)
+        chatting.start()
+        eventually(lambda: int(redis_client.hget(queue_stats_key(0, 1), "waiting") or 0) == 8, 10, "the chat queued")
         bobs = make(c, b, None)
         queued = read_sse(c, f"/v1/streams/{bobs}/events", headers=b, stop_after=1)
         assert [e.data["position"] for e in queued.events if e.event == "queued"] == [2]
         anonymous = make(anon, {}, "priority")
     s.generator("--model-name", "alpha", model=slow_model)
+    chatting.join(60)
+    [first] = chunks
+    assert first.service_tier == "default"
+    floods.append(str(uuid.UUID(first.id.removeprefix("chatcmpl-"))))
     with s.client() as c, s.client(open_url) as anon:
         started = {sid: _order(_started(c, sid, m, "default")[0]) for sid in floods}
         bob_started = _order(_started(c, bobs, b)[0])
