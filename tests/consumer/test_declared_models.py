@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -50,12 +51,14 @@ def test_a_declared_model_queues_with_no_generator_and_runs_once_one_starts(
         gen = s.generator("--model-name", MODEL, wait=False)
         firsts: dict[str, float] = {}
 
-        def first_token(ev: SSE, sid: str) -> None:
-            if ev.event == "delta":
-                firsts.setdefault(sid, time.monotonic() - t0)
+        def first_token(sid: str) -> Callable[[SSE], None]:
+            def seen(ev: SSE) -> None:
+                if ev.event == "delta":
+                    firsts.setdefault(sid, time.monotonic() - t0)
+            return seen
 
         for sid in sids:
-            read_sse(c, f"/v1/streams/{sid}/events", on_event=lambda ev, sid=sid: first_token(ev, sid))
+            read_sse(c, f"/v1/streams/{sid}/events", on_event=first_token(sid))
         assert set(firsts) == set(sids)
         print(f"\ncold start: a generator started with 2 creates queued; first tokens after "
               f"{firsts[sids[0]]:.2f} s and {firsts[sids[1]]:.2f} s")
