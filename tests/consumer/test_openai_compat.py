@@ -584,6 +584,22 @@ def test_a_prompt_past_the_context_is_a_400_for_a_completion(shared_stack: Share
     assert end.event == "error" and end.data["code"] == "context_length_exceeded"
 
 
+@pytest.mark.slow
+def test_a_streamed_completion_waiting_in_the_queue_gets_its_status_line_and_heartbeats(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """The hold of the status line is bounded by --heartbeat-s: a job no generator serves yet (a queue, a scale from
+    zero) answers 200 and heartbeats, not a silent connection a proxy's read timeout would cut."""
+    s = stack_factory(redis_server.url)
+    _, url = s.consumer("--heartbeat-s", "1")  # no generator: the job stays queued
+    body = {"model": "m", "messages": CHAT, "max_tokens": 4, "stream": True}
+    with httpx.Client(base_url=url, timeout=30) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert first.startswith("data: ") and orjson.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+        assert next(line for line in lines if line).startswith(":")  # a heartbeat comment, while it waits
+
+
 def test_logprobs_of_every_text_token(shared_stack: SharedStack) -> None:
     client = _client(shared_stack.base_url)
     done = client.chat.completions.create(model="m", messages=CHAT, max_tokens=12, logprobs=True, top_logprobs=2,

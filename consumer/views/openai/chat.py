@@ -12,6 +12,7 @@ the stream, which ``/v1/streams/{id}/events`` resumes.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
@@ -229,15 +230,21 @@ async def _held(service: StreamService, chat: _Chat, stream_id: uuid.UUID, inclu
     queue and ``started`` (a token, prefill progress, or the end). OpenAI refuses a prompt past the model's context
     before it streams anything (``400 context_length_exceeded``), and its SDK raises that as a BadRequestError; a
     ``200`` whose stream then carries the error would raise a generic APIError instead. So an end that is the
-    request's fault (REQUEST_ERRORS) is that 400; anything else streams (``make``) from the stream's start."""
+    request's fault (REQUEST_ERRORS) is that 400; anything else streams (``make``) from the stream's start.
+
+    The hold is bounded by --heartbeat-s (at the first heartbeat due, or the first event past that long): a job
+    that waits in a long queue (or for a generator to start from zero) gets its status line and heartbeats
+    instead of a silent connection that a proxy's read timeout, or the client's, would cut. Its prompt, refused
+    later, ends that stream with the error chunk, as before."""
     events = service.tail(stream_id)
     seen: list[Event] = []
+    deadline = time.monotonic() + service.settings.heartbeat_s
     try:
         async for ev in events:
             if ev is None:
-                continue  # a heartbeat: no status line yet to send it after
+                break  # a heartbeat is due: the status line goes, and the heartbeat after it
             seen.append(ev)
-            if ev.type not in _BEFORE_THE_PROMPT:
+            if ev.type not in _BEFORE_THE_PROMPT or time.monotonic() >= deadline:
                 break
     except BaseException:
         await events.aclose()
