@@ -122,11 +122,14 @@ def test_two_pods_taking_two_interrupts_at_once_run_one_turn(
         reads = {t["id"]: _read(a, t["id"]) for t in (running, x, y)}
         ends = {sid: read.events[-1] for sid, read in reads.items()}
         assert ends[running["id"]].event == "cancelled"
-        # The later interrupt in line wins; the earlier one is cancelled before it ever ran (no model call).
+        # The later interrupt in line wins and the earlier one is cancelled. Usually it never ran; when the running
+        # turn ended before the later request reached Redis (two pods, no order between them), it was claimed first
+        # and then interrupted like any running turn: cancelled either way, never done.
         winner = next(t for t in (x, y) if ends[t["id"]].event == "done")
         loser = next(t for t in (x, y) if t is not winner)
-        assert ends[loser["id"]].event == "cancelled" and ends[loser["id"]].data["usage"]["completion_tokens"] == 0
-        assert "started" not in [e.event for e in reads[loser["id"]].events]
+        assert ends[loser["id"]].event == "cancelled"
+        if "started" not in [e.event for e in reads[loser["id"]].events]:
+            assert ends[loser["id"]].data["usage"]["completion_tokens"] == 0
         assert _engine_messages(redis_client, winner["id"])[:2] == [
             ("user", "Go on forever."), ("assistant", reads[running["id"]].text)]
         turns = b.get(f"/v1/conversations/{conv}/turns").json()["turns"]
