@@ -7,7 +7,9 @@ A claim is one script call per partition, tried from a partition that turns with
 jobs wait behind another's), and the first that claims wins: the script itself takes what is due first (a job
 left for this worker, a lapsed lease, a left job whose wait is over) and then the next job in line, tiers in
 order and tenants in turn. A worker never holds a job it has not claimed, and a claimed job it cannot start after
-all goes back to the front of its line (``Store.give_back``).
+all goes back to the front of its line (``Store.give_back``). A claim whose reply was lost (its script ran, the
+link failed) is asked again with its token, which gets the same job back (QueueKeys.receipt): never a job held
+by no one until its lease lapses.
 
 Idle, a worker blocks on wake tokens (BLPOP): each enqueue pushes one on its queue, so one new job wakes one idle
 worker, and a job left for this worker pushes one on its own list. All partitions' lists in one call on a
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 from broker.errors import StoreTransient
 from broker.redis.connection import LONGEST_BLOCK_S, RedisClient
@@ -52,6 +55,7 @@ class JobPoller:
         self._start = 0  # the partition the next claim tries first
         self._due_s: float | None = None  # when, after the last empty claim, something falls due
         self._away_until: dict[int, float] = {}  # partitions whose shard failed a claim: passed over until then
+        self._tokens: dict[tuple[int, str], str] = {}  # the token of each queue's claim that failed (its reply lost?)
         by_slot: dict[int, list[str]] = {}
         self._partition_of: dict[str, int] = {}
         for model in self.models:
@@ -73,8 +77,13 @@ class JobPoller:
         for p in ready or [(self._start + i) % n for i in range(n)]:
             try:
                 for model in self.models:
+                    # A try that failed keeps its token for the queue's next one: its script may have run and
+                    # claimed a stream whose reply was lost, which the same token gets back (QueueKeys.receipt).
+                    token = self._tokens.setdefault((p, model), uuid.uuid4().hex)
                     got = await self.store.claim_next(model, p, self.worker_id, lease_s=self.lease_s,
-                                                      aging_s=self.aging_s, affinity_wait_s=self.affinity_wait_s)
+                                                      aging_s=self.aging_s, affinity_wait_s=self.affinity_wait_s,
+                                                      token=token)
+                    del self._tokens[(p, model)]
                     if isinstance(got, Claim):
                         self._start = (p + 1) % n
                         return got

@@ -34,6 +34,9 @@ from generator.telemetry import GenerationTrace
 
 log = logging.getLogger("rsb.generator")
 
+# How soon a renewal that met a transient Redis error is tried again (at most lease_s / 3, the usual interval).
+RENEW_RETRY_S = 0.5
+
 
 class Ending(enum.IntEnum):
     """Why a run makes no more tokens. A run reaches one, and a later one replaces it only if it ranks higher,
@@ -123,8 +126,14 @@ class Run:
 async def keep_lease(run: Run, store: Store, lease_s: float, disconnect_grace_s: float) -> None:
     """Renew ``run``'s lease until its generation is over; stop it when cancelled or fenced out."""
     interval = max(0.05, lease_s / 3)
+    # A renewal refused by a passing fault (a cluster client refreshing its slot map after another shard's
+    # error, a busy Redis) is asked again soon, not a whole interval later: three missed renewals in a row lose
+    # the lease, and a few failed tries must not add up to that while Redis answers most commands.
+    retry_s = min(interval, RENEW_RETRY_S)
+    wait_s = interval
     while not run.generation_over:
-        await asyncio.sleep(interval)
+        await asyncio.sleep(wait_s)
+        wait_s = retry_s
         try:
             res = await store.renew(run.claim, disconnect_grace_s, lease_s)
         except StoreUnavailable:
@@ -143,6 +152,7 @@ async def keep_lease(run: Run, store: Store, lease_s: float, disconnect_grace_s:
         if not res.ok:
             run.fence_out()
             return
+        wait_s = interval
         run.cancel(res.cancel_reason)
 
 

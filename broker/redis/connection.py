@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 import redis as redis_sync
+from redis._parsers import AsyncCommandsParser
 from redis._parsers.helpers import parse_stream_list
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.client import Pipeline
@@ -25,6 +26,7 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import AbstractBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
     MasterDownError,
@@ -117,9 +119,26 @@ def register_script(client: RedisClient, lua: str) -> Script:
     a script publishes on carries the hash tag of the keys it writes, so SPUBLISH stays inside the script's
     slot. SPUBLISH needs Redis 7; a standalone server keeps PUBLISH, which every server rsb can embed supports."""
     if is_cluster(client):
-        lua = lua.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
+        return ShardScript(client, lua.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',"))
     script: Script = client.register_script(lua)
     return script
+
+
+class ShardScript(AsyncScript):
+    """A script of a Redis Cluster client, loaded on the shard that runs it. redis-py loads a script a node lacks
+    with SCRIPT LOAD sent to every primary, which fails while any primary is down: a script no call had loaded
+    before a shard died (the first lease renewal, a continuation's first read) then failed on every healthy
+    shard too, and healthy streams' leases lapsed (tests/broker/test_shard_down.py). EVAL runs it on its keys'
+    shard and leaves it cached there."""
+
+    async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        keys = list(keys or ())
+        args = tuple(args or ())
+        client = client or self.registered_client
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await client.eval(self.script, len(keys), *keys, *args)
 
 
 async def evalsha_many(client: RedisClient, script: Script, calls: list[tuple[list[str], list[Any]]]
@@ -134,7 +153,7 @@ async def evalsha_many(client: RedisClient, script: Script, calls: list[tuple[li
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
             raw: list[Any] = await pipe.execute(raise_on_error=False)
         if attempt == 0 and any(isinstance(r, NoScriptError) for r in raw):
-            await client.script_load(script.script)
+            await client.script_load(script.script)  # standalone or Sentinel only: a cluster pipeline has no EVALSHA
             continue
         return raw
     raise AssertionError("unreachable")
@@ -356,6 +375,19 @@ def _raw_entries_on_request(client: RedisClient) -> None:
         client.set_response_callback(command, _stream_list)
 
 
+class _CommandTable(AsyncCommandsParser):
+    """redis-py's command table (which keys each command takes), read once. redis-py reads it again (COMMAND) at
+    every slot-map refresh, of the map's first primary: when that primary is the one that died, every refresh
+    failed, and a failed refresh closes every connection to every node (commands in flight on healthy shards cut,
+    their replies lost) and leaves the next command to refresh again: no command of any shard went through while
+    that one shard was down (tests/broker/test_shard_down.py, a third of its runs). The table does not change
+    under a running client."""
+
+    async def initialize(self, node: ClusterNode | None = None) -> None:
+        if not self.commands:
+            await super().initialize(node)
+
+
 def _cluster(url: str, *, max_connections: int, retries: int, socket_timeout: float | None) -> BoundedRedisCluster:
     _bounded_slot_map_queries()
     client = BoundedRedisCluster.from_url(
@@ -371,6 +403,7 @@ def _cluster(url: str, *, max_connections: int, retries: int, socket_timeout: fl
     client.gate = asyncio.Semaphore(max_connections)
     client.source_url = url
     client.refreshed_at = None
+    client.commands_parser = _CommandTable()
     _raw_entries_on_request(client)
     return client
 

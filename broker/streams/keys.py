@@ -392,6 +392,12 @@ class QueueKeys:
         """List of the stream ids of jobs left for one worker (chat-affine claiming); stale ones are skipped."""
         return f"{self.prefix}inbox:{worker_id}"
 
+    def receipt(self, worker_id: str) -> str:
+        """Hash: one worker's last claim in this queue (its token, stream id and fence), kept for a lease. A claim
+        whose reply was lost (a connection cut after the script ran) asked again with its token gets the same stream
+        back, instead of claiming another and leaving the first to lapse (an attempt lost, a lease of stall)."""
+        return f"{self.prefix}receipt:{worker_id}"
+
     def ring(self, tier: str) -> str:
         """List: the tenants with queued jobs in ``tier``, in turn order (a claim takes the head's next job and
         moves it to the tail: round robin)."""

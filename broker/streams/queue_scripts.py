@@ -170,6 +170,13 @@ local function refresh_positions(qp, count, stream_prefix, events_suffix, channe
   end
 end
 
+-- The reply of a claim (claim_stream's; CLAIM_NEXT's again, for a retry whose first reply was lost).
+local function claim_reply(meta, sid, fence, attempts, tier, claimed_at)
+  local r = redis.call('HMGET', meta, 'req', 'cancel', 'model', 'seq', 'tenant', 'created_at', 'tp')
+  return {{'claimed', sid, fence, attempts, r[1], r[2] or '', r[3] or '', r[4] or '0', r[5] or '', tier,
+    r[6] or claimed_at, claimed_at, r[7] or ''}}
+end
+
 -- Claim one stream for ``worker`` (its job out of line already, or running under a lapsed lease): every earlier
 -- claimant is fenced out. Reply: {{'claimed', sid, fence, attempts, req, cancel, model, seq, tenant key, tier,
 -- created_at, claimed_at (both server time, s), traceparent ('': not traced)}}.
@@ -189,9 +196,7 @@ local function claim_stream(meta, sid, worker, now_s, now_ms, lease_ms, was_queu
     redis.call('HSET', meta, 'cancel', 'abandoned')
   end
   redis.call('ZADD', qp .. 'leases', now_ms + lease_ms, sid)
-  local r = redis.call('HMGET', meta, 'req', 'cancel', 'model', 'seq', 'tenant', 'created_at', 'tp')
-  return {{'claimed', sid, fence, attempts, r[1], r[2] or '', r[3] or '', r[4] or '0', r[5] or '', tier, r[6] or now_s,
-    now_s, r[7] or ''}}
+  return claim_reply(meta, sid, fence, attempts, tier, now_s)
 end
 """
 
@@ -202,15 +207,28 @@ _HEAD = PRELUDE + APPEND_EVENT + QUEUE + REFUSE_WHEN_FULL
 # takeover racing a slow owner's renewal (the fence decides). A worker that finds nothing learns how long it may
 # sleep before a lease or a left job falls due.
 CLAIM_NEXT = Lua(_HEAD + """
--- Redis full: no claim (its first write, an LPOP, would let every later one through; the job would start and
--- stall at its first append). Refused before anything is written.
-refuse_when_full(K.stats)
 local now_ms = server_ms()
 local now_s = string.format('%.6f', now_ms / 1000)
 local qp = A.qp
 local function meta_of(sid) return A.stream_prefix .. sid .. A.meta_suffix end
+-- Asked again with the token of a claim whose reply never reached the worker (redis-py's retry of a call cut
+-- after the script ran, or the worker's next try of this queue): the stream it claimed then, while still its.
+local receipt = redis.call('HMGET', K.receipt, 'token', 'sid', 'fence')
+if receipt[1] == A.token then
+  local meta = meta_of(receipt[2])
+  local m = redis.call('HMGET', meta, 'status', 'worker', 'fence', 'attempts', 'tier', 'claimed_at')
+  if m[1] == 'running' and m[2] == A.worker and m[3] == receipt[3] then
+    redis.call('ZADD', K.leases, 'XX', now_ms + tonumber(A.lease_ms), receipt[2])
+    return claim_reply(meta, receipt[2], m[3], m[4], m[5], m[6] or now_s)
+  end
+end
+-- Redis full: no claim (its first write, an LPOP, would let every later one through; the job would start and
+-- stall at its first append). Refused before anything is written.
+refuse_when_full(K.stats)
 local function done(reply)
   if reply[1] == 'claimed' then
+    redis.call('HSET', K.receipt, 'token', A.token, 'sid', reply[2], 'fence', reply[3])
+    redis.call('PEXPIRE', K.receipt, A.lease_ms)
     refresh_positions(qp, tonumber(A.position_updates), A.stream_prefix, A.events_suffix, A.channel_suffix)
   end
   return reply
@@ -302,8 +320,8 @@ for _, z in ipairs({K.leases, K.deferred}) do
   end
 end
 return {'empty', due and tostring(due) or ''}
-""", key_names=("totals", "stats", "leases", "deferred", "inbox"),
-    arg_names=("qp", "worker", "lease_ms", "aging_ms", "affinity_wait_ms", "affinity_prefix", "tries",
+""", key_names=("totals", "stats", "leases", "deferred", "inbox", "receipt"),
+    arg_names=("qp", "worker", "token", "lease_ms", "aging_ms", "affinity_wait_ms", "affinity_prefix", "tries",
                "stream_prefix", "meta_suffix", "events_suffix", "channel_suffix", "position_updates"))
 
 # One named stream claimed, wherever its job is (waiting in line, left for a worker, or running under any lease):

@@ -431,16 +431,22 @@ class Store:
     # -- generator side ------------------------------------------------------------------------
 
     async def claim_next(self, model: str, partition: int, worker_id: str, *, lease_s: float,
-                         aging_s: float = 0.0, affinity_wait_s: float = 0.0) -> Claim | float | None:
+                         aging_s: float = 0.0, affinity_wait_s: float = 0.0, token: str = "") -> Claim | float | None:
         """Claim the next job of ``model``'s queue in ``partition`` for ``worker_id``: one left for it, else a lapsed
         lease's, else the next in line (broker.streams.queue_scripts). With nothing to claim: how long (s) until a
-        lease or a left job falls due, or None for nothing due."""
+        lease or a left job falls due, or None for nothing due.
+
+        ``token``: this claim's, unique to it; asked again with the same token after an error (its reply lost: the
+        script may have run), the claim answers the stream it took then, if still the worker's (QueueKeys.receipt).
+        Without one, a fresh token per call."""
         q = self.queue(partition, model)
         script = queue_scripts.CLAIM_NEXT
         res = await self._claim_next(
             keys=script.keys({"totals": queue_stats_key(partition, self.partitions), "stats": q.stats,
-                              "leases": q.leases, "deferred": q.deferred, "inbox": q.inbox(worker_id)}),
-            args=script.args({"qp": q.prefix, "worker": worker_id, "lease_ms": int(lease_s * 1000),
+                              "leases": q.leases, "deferred": q.deferred, "inbox": q.inbox(worker_id),
+                              "receipt": q.receipt(worker_id)}),
+            args=script.args({"qp": q.prefix, "worker": worker_id, "token": token or uuid.uuid4().hex,
+                              "lease_ms": int(lease_s * 1000),
                               "aging_ms": int(aging_s * 1000), "affinity_wait_ms": int(affinity_wait_s * 1000),
                               "affinity_prefix": affinity_key(partition, self.partitions, ""),
                               "tries": queue_scripts.CLAIM_TRIES,

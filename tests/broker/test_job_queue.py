@@ -39,7 +39,13 @@ async def _create(store: Store, model: str = "alpha", tenant: str = "a", tier: s
 
 
 async def _next(store: Store, model: str = "alpha", worker: str = "w1", **kw: float) -> Claim | None:
-    got = await store.claim_next(model, 0, worker, lease_s=kw.pop("lease_s", LEASE_S), **kw)
+    got = await store.claim_next(model, 0, worker, lease_s=kw.get("lease_s", LEASE_S), aging_s=kw.get("aging_s", 0.0),
+                                 affinity_wait_s=kw.get("affinity_wait_s", 0.0))
+    return got if isinstance(got, Claim) else None
+
+
+async def _next_by_token(store: Store, token: str, worker: str = "w1") -> Claim | None:
+    got = await store.claim_next("alpha", 0, worker, lease_s=LEASE_S, token=token)
     return got if isinstance(got, Claim) else None
 
 
@@ -250,3 +256,22 @@ async def test_an_idle_worker_is_woken_by_a_create(store: Store, redis_server: R
         assert await store.wait_for_jobs(blocking, store.wake_keys("beta", "w1")[0], 0.1) is None
     finally:
         await blocking.aclose()
+
+
+async def test_a_claim_asked_again_with_its_token_gets_the_same_job_never_a_second_one(store: Store) -> None:
+    # The reply of a claim can be lost after its script ran (a link cut under it): redis-py's retry, or the worker's
+    # next try, sends the same token. Claiming a second job instead left the first held by no one until its lease
+    # lapsed (an attempt lost; the shard-down test met it under load).
+    first, second = await _create(store), await _create(store)
+    got = await _next_by_token(store, "t1")
+    assert got is not None and got.stream_id == first and got.attempts == 1
+    again = await _next_by_token(store, "t1")
+    assert again is not None and (again.stream_id, again.fence, again.attempts) == (first, got.fence, 1)
+    assert await store.backlog("alpha") == {"priority": 0, "default": 1, "flex": 0}
+    other = await _next_by_token(store, "t2")
+    assert other is not None and other.stream_id == second
+    # Another worker's token, or one the worker no longer holds the job of, claims as usual: nothing left here.
+    assert await _next_by_token(store, "t2", worker="w2") is None
+    await store.give_back(other)
+    back = await _next_by_token(store, "t2")  # given back: t2's receipt names a job no longer this worker's
+    assert back is not None and back.stream_id == second and back.fence == other.fence + 1

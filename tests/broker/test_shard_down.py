@@ -24,7 +24,10 @@ from helpers import create, eventually, stored_events
 from history import HistoryReader, check_history
 from servers import RedisClusterServers, StackFactory
 
+from broker.errors import StoreUnavailable
 from broker.events import Event
+from broker.redis import connection
+from broker.redis.connection import BoundedRedisCluster, connect, register_script
 from broker.streams.keys import StreamKeys
 
 pytestmark = pytest.mark.slow
@@ -122,3 +125,38 @@ def test_healthy_shards_streams_go_on_at_full_speed_while_a_shard_is_down(
         owner = redis.Redis(port=cluster.primary_of(key).port, decode_responses=True)
         assert owner.hget(key, "attempts") == "1", sid
         owner.close()
+
+
+async def test_with_the_clients_default_node_down_every_healthy_shard_answers_scripts_included(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # redis-py reads its command table again at every slot-map refresh, of the map's first primary; and loads a
+    # missing script on every primary. With that primary down, both failed on every shard: a failed refresh
+    # closes every connection, and each next command refreshed again (a third of the shard-down runs above lost
+    # a healthy stream's lease so).
+    monkeypatch.setattr(connection, "SLOT_MAP_REFRESH_MIN_S", 0.0)  # every error refreshes the map
+    c = RedisClusterServers(3, extra_args=("--cluster-require-full-coverage", "no"))
+    try:
+        c.start()
+        r = connect(c.url)
+        try:
+            assert isinstance(r, BoundedRedisCluster)
+            await r.initialize()
+            dead = int(r.get_default_node().port)
+            keys: dict[int, str] = {}
+            while len(keys) < 3:
+                key = f"k{{{uuid.uuid4().hex}}}"
+                keys.setdefault(c.primary_of(key).port, key)
+            next(n for n in c.nodes if n.port == dead).kill()
+            script = register_script(r, f"-- {uuid.uuid4().hex}: a script no node has\n"
+                                        "return redis.call('INCR', KEYS[1])")
+            for n in range(1, 4):
+                # A refresh is due (any connection error, MOVED or CLUSTERDOWN asks for one): the dead node is
+                # still the map's first primary, the node redis-py reads its command table from.
+                r._initialize = True
+                for port, key in keys.items():
+                    if port != dead:
+                        assert await script(keys=[key]) == n
+        finally:
+            await r.aclose()
+    finally:
+        c.cleanup()

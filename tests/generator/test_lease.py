@@ -3,6 +3,7 @@ stops the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import uuid
 from types import SimpleNamespace
@@ -10,7 +11,10 @@ from typing import cast
 
 import pytest
 
-from broker.streams.records import Claim
+from broker.errors import StoreFull, StoreUnavailable
+from broker.streams.records import AppendResult, Claim
+from broker.streams.store import Store
+from generator import lease
 from generator.lease import Ending, Run
 
 
@@ -73,3 +77,35 @@ def test_a_lost_generation_is_handed_over_and_other_engine_errors_are_the_stream
     assert run.engine_ended(error) is error and run.ending is None  # the stream ends with it (error upstream)
     lost = GenerationLost("upstream died mid-answer; another is up")
     assert run.engine_ended(lost) is lost and run.ending is Ending.HANDED_OVER  # continued by the next claim
+
+
+async def test_a_renewal_that_met_a_passing_fault_is_asked_again_soon_not_a_whole_interval_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three missed renewals lose the lease: a busy cluster client failing a few in a row (another shard down)
+    # must not add up to that while Redis answers. The waits are recorded, not slept.
+    run = new_run()
+    replies: list[object] = [StoreUnavailable("refreshing"), StoreUnavailable("refreshing"),
+                             AppendResult(True, ""), StoreFull("OOM"), AppendResult(True, "")]
+    waits: list[float] = []
+
+    class FakeStore:
+        async def renew(self, claim: Claim, disconnect_grace_s: float, lease_s: float) -> AppendResult:
+            reply = replies.pop(0)
+            if not replies:
+                run.end_generation()
+            if isinstance(reply, Exception):
+                raise reply
+            assert isinstance(reply, AppendResult)
+            return reply
+
+    real_sleep = asyncio.sleep
+
+    async def recorded(delay: float) -> None:
+        waits.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", recorded)
+    await lease.keep_lease(run, cast(Store, FakeStore()), 30.0, 5.0)
+    retry = lease.RENEW_RETRY_S
+    assert waits == [10.0, retry, retry, 10.0, retry]
+    assert run.ending is None
