@@ -132,13 +132,15 @@ class ShardScript(AsyncScript):
     shard and leaves it cached there."""
 
     async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        client = client or self.registered_client
+        if not isinstance(client, RedisCluster):  # one node's client or pipeline (broker.redis.replicas): as redis-py
+            return await super().__call__(keys, args, client)
         keys = list(keys or ())
         args = tuple(args or ())
-        client = client or self.registered_client
         try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            return await client.eval(self.script, len(keys), *keys, *args)
+            return await client.execute_command("EVAL", self.script, len(keys), *keys, *args)
 
 
 async def evalsha_many(client: RedisClient, script: Script, calls: list[tuple[list[str], list[Any]]]

@@ -24,7 +24,6 @@ from helpers import create, eventually, stored_events
 from history import HistoryReader, check_history
 from servers import RedisClusterServers, StackFactory
 
-from broker.errors import StoreUnavailable
 from broker.events import Event
 from broker.redis import connection
 from broker.redis.connection import BoundedRedisCluster, connect, register_script

@@ -56,6 +56,19 @@ def test_a_tool_loop_becomes_rsbs_messages() -> None:
     assert (req.stream, req.thinking) == (False, False)
 
 
+@pytest.mark.parametrize(("choice", "mode", "name"), [
+    ({"type": "auto"}, None, None), ({"type": "any"}, "required", None), ({"type": "none"}, "none", None),
+    ({"type": "tool", "name": "get_weather"}, "function", "get_weather")])
+def test_each_tool_choice_is_rsbs(choice: dict[str, Any], mode: str | None, name: str | None) -> None:
+    gen = _request(messages=[{"role": "user", "content": "Weather in Paris?"}], tool_choice=choice,
+                   tools=[{"name": "get_weather", "input_schema": {"type": "object"}}]).generation
+    if mode is None:  # auto: what a request with tools and no choice does
+        assert gen.tool_choice is None and gen.tools
+    else:
+        assert gen.tool_choice is not None and (gen.tool_choice.mode, gen.tool_choice.name) == (mode, name)
+    assert gen.sampling.parallel_tool_calls is not False  # only disable_parallel_tool_use turns it off
+
+
 def test_error_results_thinking_tiers_and_formats() -> None:
     req = _request(stream=True, thinking={"type": "adaptive"}, service_tier="standard_only",
                    metadata={"user_id": "u1"}, messages=[

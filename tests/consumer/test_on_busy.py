@@ -22,6 +22,7 @@ from broker.redis.server import RedisServer
 from broker.request import GenerationRequest, Message
 from broker.streams.conversations import MAX_WAITING
 from broker.streams.records import Claim, Unclaimable
+from consumer.edge.auth import ApiKey, ApiKeys
 from consumer.streaming.conversations import ConversationService, TurnStarted
 from consumer.streaming.service import Caller
 
@@ -216,3 +217,23 @@ async def test_sends_racing_each_other_keep_one_turn_at_a_time_in_line(redis_ser
         snap = await convs.get(CALLER, name)
         assert snap.pending_id is None and snap.conversation.waiting == ()
         assert sorted(map(str, [t.id for t in snap.conversation.turns])) == sorted(map(str, {first.stream_id, *ids}))
+
+
+async def test_a_keys_on_busy_is_what_its_turns_do_when_they_name_none(convs: ConversationService) -> None:
+    # An agent app's key that always interrupts: its clients need not learn the parameter; one that names it wins.
+    entry = {"id": "agent", "sha256": "00" * 32, "on_busy": "interrupt"}
+    convs.service.api_keys = ApiKeys([ApiKey.from_entry(entry), ApiKey.from_entry({**entry, "id": "plain",
+                                                                                     "on_busy": ""})])
+    agent, plain = Caller("agent", "127.0.0.1"), Caller("plain", "127.0.0.1")
+    service = convs.service
+    assert [service.on_busy(agent, None), service.on_busy(agent, "enqueue"), service.on_busy(plain, None),
+            service.on_busy(CALLER, None)] == ["interrupt", "enqueue", "reject", "reject"]
+    name = str(uuid.uuid4())
+    first = await convs.start(agent, name, _request("Tell me a story."), on_busy=service.on_busy(agent, None))
+    running = await Worker(convs, first.stream_id).start()
+    assert await running.write("Once") == ""
+    second = await convs.start(agent, name, _request("Shorter."), on_busy=service.on_busy(agent, None))
+    assert await running.write(" upon") == "client"  # interrupted: the running turn hears it is cancelled
+    assert second.stream_id != first.stream_id
+    with pytest.raises(ValueError, match="'on_busy' must be one of"):
+        ApiKey.from_entry({**entry, "on_busy": "later"})
