@@ -181,6 +181,9 @@ class Store:
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = partition_share(max_queue, self.partitions)
         who = quota.principal or principal(key_id, "")
+        # The one pod clock a create reads: a budget period's name is part of its key, which is named before the
+        # script runs (on Redis Cluster a script is routed by its keys). A pod off by a minute counts a create made
+        # within that minute of a period's end in the neighbouring period; every other time is the server's.
         now = time.time()
         period, period_end = budget.window(now)
         team_period, team_period_end = team_budget.window(now)
