@@ -17,7 +17,8 @@ cd "$(dirname "$0")/.."
 
 # prometheus: its promtool checks deploy/prometheus and the dashboard's queries. tests/deploy also renders the
 # Kubernetes overlays with kubectl (`kubectl kustomize`), which Debian does not package: without it they skip.
-SYSTEM_PACKAGES=(redis-server chromium redis-tools nginx prometheus)
+# faketime: libfaketime, which moves one process's clock (tests/consumer/test_clock_skew.py; without it that skips).
+SYSTEM_PACKAGES=(redis-server chromium redis-tools nginx prometheus faketime)
 missing=()
 for pkg in "${SYSTEM_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

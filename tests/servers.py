@@ -167,12 +167,15 @@ class Stack:
         self.procs: list[Proc] = []
         self.base_url = ""
 
-    def _run(self, name: str, args: list[str]) -> Proc:
-        p = Proc([sys.executable, "-m", "rsb", *args], name, log_path=self.tmp / f"{name}-{len(self.procs)}.log")
+    def _run(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        p = Proc([sys.executable, "-m", "rsb", *args], name, env=env,
+                 log_path=self.tmp / f"{name}-{len(self.procs)}.log")
         self.procs.append(p)
         return p
 
-    def generator(self, *extra: str, ignore_eos: bool = True, wait: bool = True, model: Path | None = None) -> Proc:
+    def generator(self, *extra: str, ignore_eos: bool = True, wait: bool = True, model: Path | None = None,
+                  env: dict[str, str] | None = None) -> Proc:
+        """``env``: added to this process's environment (a skewed clock: tests/consumer/test_clock_skew.py)."""
         args = ["generator", "--redis-url", self.redis_url, "--model", str(model or self.model), "--n-threads", "1",
                 "--log-level", "info", *extra]
         if not any(a.startswith(("--model-name", "--model-alias")) for a in extra):
@@ -184,7 +187,7 @@ class Stack:
             # One generation at a time, as these tests' expectations of a worker's queue are written (the
             # batching tests, tests/generator/test_batch.py, and rsb up's test run the default).
             args += ["--parallel", "1"]
-        p = self._run("generator", args)
+        p = self._run("generator", args, env)
         if wait:
             deadline = time.monotonic() + 30
             while "generator ready" not in p.output():
@@ -193,14 +196,16 @@ class Stack:
                 time.sleep(0.05)
         return p
 
-    def consumer(self, *extra: str, port: int | None = None, test_default: bool = True) -> tuple[Proc, str]:
+    def consumer(self, *extra: str, port: int | None = None, test_default: bool = True,
+                 env: dict[str, str] | None = None) -> tuple[Proc, str]:
         """A consumer; ``test_default``: with ``--default-model`` the first of TEST_MODEL_NAMES (an alias every
-        test generator answers to), so creates that name no model queue while no generator runs yet."""
+        test generator answers to), so creates that name no model queue while no generator runs yet. ``env``: added
+        to its environment."""
         port = port or free_port()
         if test_default and not any(a.startswith("--default-model") for a in extra) and \
                 "RSB_DEFAULT_MODEL" not in os.environ:
             extra = (*extra, "--default-model", TEST_MODEL_NAMES[0])
-        p = self._run("consumer", ["consumer", "--redis-url", self.redis_url, "--port", str(port), *extra])
+        p = self._run("consumer", ["consumer", "--redis-url", self.redis_url, "--port", str(port), *extra], env)
         url = f"http://127.0.0.1:{port}"
         wait_serving(f"{url}/healthz", p.alive, p.output, 30)
         if not self.base_url:

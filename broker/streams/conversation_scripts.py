@@ -1,7 +1,7 @@
 """The Lua scripts of conversations (broker.streams.conversations), each with the race it closes.
 
-Meta hash fields (``ConversationKeys.meta``): ``created_at`` (Unix s), ``ttl_s`` (the sliding expiry),
-``version`` (bumped when history is rewritten: a branch), ``turns`` (how many finished turns the list holds),
+Meta hash fields (``ConversationKeys.meta``): ``created_at`` (Unix s, the server's clock), ``ttl_s`` (the sliding
+expiry), ``version`` (bumped when history is rewritten: a branch), ``turns`` (how many finished turns the list holds),
 ``bytes`` (their records' size), ``pending`` (the stream id of the turn that runs, or is being created; '' =
 none), ``pending_at`` (when it was reserved, Unix ms, the server's clock), ``owner`` (the key of the owner's
 set, ``ConversationKeys.owner``), ``metadata`` (JSON: OpenAI's 16 key-value pairs), ``waiting`` (the stream ids
@@ -77,13 +77,13 @@ end
 # round trip and incremented in another would let a flood of creates through past it). Expired members are
 # dropped from the owner's set first: their keys expired by themselves.
 _OPEN = """
-local function open(meta, turns, owner, digest, ttl, max_count, created_at, metadata, storage)
+local function open(meta, turns, owner, digest, ttl, max_count, metadata, storage)
   quota_sweep(storage)  -- first: a full Redis refuses the script here, before ZREMRANGEBYSCORE lets writes by
   local now = server_ms()
   redis.call('ZREMRANGEBYSCORE', owner, '-inf', now)
   if max_count > 0 and redis.call('ZCARD', owner) >= max_count then return false end
-  redis.call('HSET', meta, 'created_at', created_at, 'ttl_s', ttl, 'version', 0, 'turns', 0, 'bytes', 0,
-    'pending', '', 'pending_at', 0, 'owner', owner, 'metadata', metadata, 'qs', storage)
+  redis.call('HSET', meta, 'created_at', string.format('%.6f', now / 1000), 'ttl_s', ttl, 'version', 0, 'turns', 0,
+    'bytes', 0, 'pending', '', 'pending_at', 0, 'owner', owner, 'metadata', metadata, 'qs', storage)
   return true
 end
 """
@@ -118,7 +118,7 @@ local size = 0
 for i = A_NAMES + 1, #ARGV do size = size + #ARGV[i] end
 quota_sweep(K.storage)
 if not quota_room(K.storage, size, tonumber(A.storage_share)) then return {'quota'} end
-if not open(K.meta, K.turns, K.owner, A.digest, tonumber(A.ttl_s), tonumber(A.max_conversations), A.created_at,
+if not open(K.meta, K.turns, K.owner, A.digest, tonumber(A.ttl_s), tonumber(A.max_conversations),
     A.metadata, K.storage) then
   return {'full'}
 end
@@ -127,7 +127,7 @@ redis.call('HSET', K.meta, 'turns', #ARGV - A_NAMES, 'bytes', size)
 touch(K.meta, K.turns, A.digest)
 return {'reserved'}
 """, key_names=(*CONVERSATION_KEYS, "owner", "storage"),
-    arg_names=("digest", "ttl_s", "max_conversations", "created_at", "metadata", "storage_share"))
+    arg_names=("digest", "ttl_s", "max_conversations", "metadata", "storage_share"))
 
 # Closes: two devices starting the next turn at once (one turn, and a conflict for the other), and a turn
 # started on a history that changed since its request read it (a turn folded in, a branch): its prompt would
@@ -142,7 +142,7 @@ return {'reserved'}
 BEGIN = Lua(_TOUCH + _OPEN + """
 if redis.call('EXISTS', K.meta) == 0 then
   if A.create ~= '1' or A.version ~= '0' or A.turns ~= '0' then return {'gone'} end
-  if not open(K.meta, K.turns, K.owner, A.digest, tonumber(A.ttl_s), tonumber(A.max_conversations), A.created_at,
+  if not open(K.meta, K.turns, K.owner, A.digest, tonumber(A.ttl_s), tonumber(A.max_conversations),
       '{}', K.storage) then
     return {'full'}
   end
@@ -158,7 +158,7 @@ redis.call('HSET', K.meta, 'pending', A.sid, 'pending_at', server_ms())
 touch(K.meta, K.turns, A.digest)
 return {'reserved'}
 """, key_names=(*CONVERSATION_KEYS, "owner", "storage"),
-    arg_names=("digest", "version", "turns", "sid", "ttl_s", "max_conversations", "created_at", "create"))
+    arg_names=("digest", "version", "turns", "sid", "ttl_s", "max_conversations", "create"))
 
 # Closes: a turn's output landing twice (the worker that finished it, a pod that read the conversation and
 # found it ended, a retry whose reply was lost: all fold the same record, built from the stream's events) or
@@ -207,7 +207,7 @@ return 1
 QUEUE = Lua(_TOUCH + _OPEN + _NEXT + """
 if redis.call('EXISTS', K.meta) == 0 then
   if A.create ~= '1' or A.version ~= '0' then return {'gone'} end
-  if not open(K.meta, K.turns, K.owner, A.digest, tonumber(A.ttl_s), tonumber(A.max_conversations), A.created_at,
+  if not open(K.meta, K.turns, K.owner, A.digest, tonumber(A.ttl_s), tonumber(A.max_conversations),
       '{}', K.storage) then
     return {'full'}
   end
@@ -227,8 +227,7 @@ if A.mode == 'interrupt' then redis.call('HSET', K.meta, 'cut', A.sid) end
 touch(K.meta, K.turns, A.digest)
 return {'queued', m[1], tostring(#waiting - 1)}
 """, key_names=(*CONVERSATION_KEYS, "owner", "storage"),
-    arg_names=("digest", "version", "sid", "mode", "max_waiting", "ttl_s", "max_conversations", "created_at",
-               "create"))
+    arg_names=("digest", "version", "sid", "mode", "max_waiting", "ttl_s", "max_conversations", "create"))
 
 # Closes: a turn started (reserved) while the history is rewritten under it, and two rewrites at once. Keeps
 # the first ``keep`` turns (the AI SDK's regenerate and edit continue from an earlier turn) and bumps the

@@ -198,16 +198,16 @@ class ConversationStore:
                             tuple(Turn.from_json(t) for t in raw[9:]),
                             tuple(uuid.UUID(w) for w in waiting.split(",") if w), uuid.UUID(cut) if cut else None)
 
-    async def create(self, key_id: str, name: str, owner: str, limits: Limits, *, created_at: float,
-                     metadata: dict[str, Any], turns: Sequence[Turn] = ()) -> bool:
-        """Make a conversation with these first turns (items). False: one of this name exists. Raises
-        TooManyConversations."""
+    async def create(self, key_id: str, name: str, owner: str, limits: Limits, *, metadata: dict[str, Any],
+                     turns: Sequence[Turn] = ()) -> bool:
+        """Make a conversation with these first turns (items), created at the server's time. False: one of this name
+        exists. Raises TooManyConversations."""
         k = self.keys(key_id, name)
         script = scripts.CREATE
         res = await self._create(
             keys=script.keys({**k.named, "owner": k.owner(owner), "storage": self._storage(k, owner)}),
             args=script.args({"digest": k.digest, "ttl_s": limits.ttl_s, "max_conversations": self._share(limits),
-                              "created_at": f"{created_at:.6f}", "metadata": orjson.dumps(metadata),
+                              "metadata": orjson.dumps(metadata),
                               "storage_share": StorageQuota(owner, limits.storage_quota_bytes).share(self.partitions)},
                              *(t.to_json() for t in turns)))
         outcome = Begin(reply_text(res[0]))
@@ -219,7 +219,7 @@ class ConversationStore:
         return outcome is Begin.RESERVED
 
     async def begin(self, conv: Conversation, stream_id: uuid.UUID, owner: str, limits: Limits, *,
-                    created_at: float, create: bool) -> tuple[Begin, uuid.UUID | None]:
+                    create: bool) -> tuple[Begin, uuid.UUID | None]:
         """Reserve the conversation's next turn for ``stream_id`` on the history ``conv`` holds (``create``:
         make the conversation if ``conv`` is ``absent``). The pending stream id comes back with BUSY."""
         k = self.keys(conv.key_id, conv.name)
@@ -228,12 +228,12 @@ class ConversationStore:
             keys=script.keys({**k.named, "owner": k.owner(owner), "storage": self._storage(k, owner)}),
             args=script.args({"digest": k.digest, "version": conv.version, "turns": conv.count,
                               "sid": str(stream_id), "ttl_s": limits.ttl_s, "max_conversations": self._share(limits),
-                              "created_at": f"{created_at:.6f}", "create": int(create)}))
+                              "create": int(create)}))
         outcome = Begin(reply_text(res[0]))
         return outcome, uuid.UUID(reply_text(res[1])) if outcome is Begin.BUSY else None
 
     async def queue(self, conv: Conversation, stream_id: uuid.UUID, owner: str, limits: Limits, *, mode: str,
-                    created_at: float, create: bool) -> tuple[Begin, uuid.UUID | None, int]:
+                    create: bool) -> tuple[Begin, uuid.UUID | None, int]:
         """Put ``stream_id`` in line behind the conversation's pending turn (``mode``: broker.on_busy's ``enqueue``
         or ``interrupt``), on the history version ``conv`` holds. Returns QUEUED with the pending turn's id and how
         many turns wait before it; ALREADY (a retry), IDLE (nothing runs: BEGIN), CHANGED, GONE, FULL, or BUSY with
@@ -244,8 +244,7 @@ class ConversationStore:
             keys=script.keys({**k.named, "owner": k.owner(owner), "storage": self._storage(k, owner)}),
             args=script.args({"digest": k.digest, "version": conv.version, "sid": str(stream_id), "mode": mode,
                               "max_waiting": MAX_WAITING, "ttl_s": limits.ttl_s,
-                              "max_conversations": self._share(limits), "created_at": f"{created_at:.6f}",
-                              "create": int(create)}))
+                              "max_conversations": self._share(limits), "create": int(create)}))
         outcome = Begin(reply_text(res[0]))
         pending = uuid.UUID(reply_text(res[1])) if outcome in (Begin.QUEUED, Begin.BUSY) else None
         return outcome, pending, int(res[2]) if outcome is Begin.QUEUED else 0

@@ -8,7 +8,7 @@ Where, per partition (broker.streams.keys.outbox_key and the names below it, all
   the event names: the stream's, or ``resp_...`` for a Responses create), ``url``, ``dest`` (its destination: a
   digest of the URL's scheme, host and port), ``key`` (the API key whose secret signs it, '' for --webhook-secret),
   ``qs`` (its creator's storage quota), ``type``, ``created_at`` (Unix s of the end), ``first_ms`` (when it was first
-  due), ``attempts``);
+  due), ``attempts``); every time here is the Redis server's (TIME, read by the scripts), never a pod's;
 - ``hooks:d:<dest>``: per destination, a sorted set of its event ids by when each is next due (ms);
 - ``hooks:dests``: the destinations with pending events, by when the first may next be taken (its earliest event,
   or later while the destination is held);
@@ -53,6 +53,7 @@ LEASE_MS = 30_000
 FIRST_RETRY_S = 1.0
 HOUR_GAP_S = 60.0
 LATER_GAP_S = 300.0
+LATE_AFTER_S = 3600.0
 GIVE_UP_AFTER_S = 86_400.0
 #: The circuit breaker: after this many failed tries in a row a destination is held (none of its events is taken)
 #: BREAKER_FIRST_S, doubling with each further failure up to BREAKER_MAX_S; when the hold ends one event is tried
@@ -69,7 +70,7 @@ MIGRATE_PER_TAKE = 100
 def retry_delay_s(attempts: int, age_s: float) -> float:
     """The wait before the next try of an event tried ``attempts`` times, first due ``age_s`` ago (jittered down
     by up to a fifth, so that receivers coming back are not met by every pod's retries at once)."""
-    gap = min(HOUR_GAP_S, FIRST_RETRY_S * 2 ** max(0, attempts - 1)) if age_s < 3600 else LATER_GAP_S
+    gap = min(HOUR_GAP_S, FIRST_RETRY_S * 2 ** max(0, attempts - 1)) if age_s < LATE_AFTER_S else LATER_GAP_S
     return gap * random.uniform(0.8, 1.0)
 
 
@@ -111,7 +112,7 @@ end
 #: when its meta names a destination (``hook``, and ``hid``: set by CREATE), counted in its creator's quota.
 HOOK_LUA = SERVER_MS + _DEST_LUA + f"""
 local HOOK_TYPES = {{{", ".join(f"[{k!r}] = {v!r}" for k, v in EVENT_TYPES.items())}}}
-local function hook_enqueue(outbox, dests, holds, meta, sid, status, reason, now_s)
+local function hook_enqueue(outbox, dests, holds, meta, sid, status, reason)
   local h = redis.call('HMGET', meta, 'hook', 'hid', 'key_id', 'qs')
   if not h[1] then return end
   local etype = HOOK_TYPES[status]
@@ -120,7 +121,7 @@ local function hook_enqueue(outbox, dests, holds, meta, sid, status, reason, now
   local id = 'evt_' .. string.gsub(sid, '-', '')
   local dest = dest_of(h[1])
   redis.call('HSET', outbox, id, cjson.encode({{sid = sid, hid = h[2] or sid, url = h[1], dest = dest,
-    key = h[3] or '', qs = h[4] or '', type = etype, created_at = math.floor(tonumber(now_s)), first_ms = now_ms,
+    key = h[3] or '', qs = h[4] or '', type = etype, created_at = math.floor(now_ms / 1000), first_ms = now_ms,
     attempts = 0}}))
   redis.call('ZADD', dest_set(outbox, dest), now_ms, id)
   dest_place(outbox, dests, holds, dest)
@@ -134,12 +135,12 @@ end
 #: The KEYS of the outbox's scripts: one partition's outbox (its destinations' sets are named from ``outbox``).
 OUTBOX_KEYS = ("outbox", "dests", "holds", "legacy_due")
 
-# Takes due events, destination by destination (those whose first event is due by A.now_ms, earliest first), at most
+# Takes due events, destination by destination (those whose first event is due by now, earliest first), at most
 # A.count in all: of each destination at most A.per_dest less what this pod has in flight to it (ARGV past the named
 # ones: dest1, n1, dest2, n2, ...), and one while it is held (failures in a row: a probe). Each is due again a lease
 # later (A.lease_ms), so no other pod takes it meanwhile. An id without its record (delivered by another pod whose
 # reply was lost) is dropped. Reply: {id1, record1, id2, record2, ...}
-TAKE = Lua(_DEST_LUA + """
+TAKE = Lua(SERVER_MS + _DEST_LUA + """
 -- Events from before destinations were kept apart: into their destination's set, a few per call.
 for _, id in ipairs(redis.call('ZRANGE', K.legacy_due, 0, tonumber(A.migrate) - 1)) do
   local record = redis.call('HGET', K.outbox, id)
@@ -154,7 +155,7 @@ for _, id in ipairs(redis.call('ZRANGE', K.legacy_due, 0, tonumber(A.migrate) - 
 end
 local busy = {}
 for i = A_NAMES + 1, #ARGV, 2 do busy[ARGV[i]] = tonumber(ARGV[i + 1]) end
-local now, left, per = tonumber(A.now_ms), tonumber(A.count), tonumber(A.per_dest)
+local now, left, per = server_ms(), tonumber(A.count), tonumber(A.per_dest)
 local out = {}
 local ready = redis.call('ZRANGEBYSCORE', K.dests, '-inf', now, 'LIMIT', 0, left + (#ARGV - A_NAMES) / 2)
 for _, dest in ipairs(ready) do
@@ -182,7 +183,7 @@ for _, dest in ipairs(ready) do
   end
 end
 return out
-""", key_names=OUTBOX_KEYS, arg_names=("now_ms", "lease_ms", "count", "per_dest", "breaker", "migrate"))
+""", key_names=OUTBOX_KEYS, arg_names=("lease_ms", "count", "per_dest", "breaker", "migrate"))
 
 # Delivered, or given up: the event leaves the outbox, and its creator's quota; a delivery (A.delivered = 1) clears
 # its destination's hold.
@@ -203,13 +204,20 @@ end
 return gone
 """, key_names=OUTBOX_KEYS, arg_names=("id", "dest", "delivered"))
 
-# Failed: the event, with its attempts counted (A.record), is due again at A.due_ms, unless it left meanwhile; its
-# destination's failures in a row are counted and, from A.breaker on, it is held until A.now_ms + its hold
-# (A.holds_ms: the hold of each count of failures from A.breaker on, the last repeating).
-RETRY = Lua(_DEST_LUA + """
+# Failed: past A.give_up_ms since it was first due (A.first_ms), it is given up (-1: the caller takes it out, as
+# DONE); otherwise the event, with its attempts counted (A.record), is due again after A.soon_ms (A.late_ms once it
+# is A.late_after_ms old), unless it left meanwhile (0); its destination's failures in a row are counted and, from
+# A.breaker on, it is held for its hold (A.holds_ms: the hold of each count of failures from A.breaker on, the last
+# repeating). Every time is the server's: pods whose clocks disagree agree on what is due.
+RETRY = Lua(SERVER_MS + _DEST_LUA + """
+local now = server_ms()
+local age = now - tonumber(A.first_ms)
+if age >= tonumber(A.give_up_ms) then return -1 end
 if redis.call('HEXISTS', K.outbox, A.id) == 0 then return 0 end
 redis.call('HSET', K.outbox, A.id, A.record)
-redis.call('ZADD', dest_set(K.outbox, A.dest), A.due_ms, A.id)
+local delay = tonumber(A.soon_ms)
+if age >= tonumber(A.late_after_ms) then delay = tonumber(A.late_ms) end
+redis.call('ZADD', dest_set(K.outbox, A.dest), now + delay, A.id)
 local h = redis.call('HGET', K.holds, A.dest)
 local failures = (h and tonumber(string.match(h, '%S+$')) or 0) + 1
 local until_ms = 0
@@ -217,12 +225,13 @@ local breaker = tonumber(A.breaker)
 if failures >= breaker then
   local holds = {}
   for v in string.gmatch(A.holds_ms, '%S+') do holds[#holds + 1] = tonumber(v) end
-  until_ms = tonumber(A.now_ms) + holds[math.min(failures - breaker + 1, #holds)]
+  until_ms = now + holds[math.min(failures - breaker + 1, #holds)]
 end
 redis.call('HSET', K.holds, A.dest, string.format('%d %d', until_ms, failures))
 dest_place(K.outbox, K.dests, K.holds, A.dest)
 return 1
-""", key_names=OUTBOX_KEYS, arg_names=("id", "record", "due_ms", "dest", "now_ms", "breaker", "holds_ms"))
+""", key_names=OUTBOX_KEYS, arg_names=("id", "record", "dest", "first_ms", "give_up_ms", "soon_ms", "late_ms",
+                                          "late_after_ms", "breaker", "holds_ms"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,13 +274,13 @@ class Outbox:
         return TAKE.keys({"outbox": outbox_key(*p), "dests": outbox_dests_key(*p), "holds": outbox_holds_key(*p),
                           "legacy_due": outbox_due_key(*p)})
 
-    async def take(self, partition: int, now_ms: int, count: int, per_dest: int, busy: dict[str, int],
+    async def take(self, partition: int, count: int, per_dest: int, busy: dict[str, int],
                    lease_ms: int = LEASE_MS) -> list[HookEvent]:
-        """Up to ``count`` due events of ``partition``, at most ``per_dest`` in flight per destination with this
-        pod's ``busy`` (destination -> events in flight) counted."""
+        """Up to ``count`` events of ``partition`` due by the server's time, at most ``per_dest`` in flight per
+        destination with this pod's ``busy`` (destination -> events in flight) counted."""
         tail = [x for dest, n in busy.items() if n > 0 for x in (dest, n)]
         raw = await self._take(keys=self._keys(partition),
-                               args=TAKE.args({"now_ms": now_ms, "lease_ms": lease_ms, "count": count,
+                               args=TAKE.args({"lease_ms": lease_ms, "count": count,
                                                "per_dest": per_dest, "breaker": BREAKER_FAILURES,
                                                "migrate": MIGRATE_PER_TAKE}, *tail))
         return [HookEvent(partition, reply_text(raw[i]), orjson.loads(raw[i + 1])) for i in range(0, len(raw), 2)]
@@ -280,20 +289,20 @@ class Outbox:
         await self._done(keys=self._keys(event.partition),
                          args=DONE.args({"id": event.id, "dest": event.dest, "delivered": int(delivered)}))
 
-    async def retry(self, event: HookEvent, now_ms: int) -> bool:
+    async def retry(self, event: HookEvent) -> bool:
         """Count the failed try (and its destination's failure); False when the event is past its day and given up
-        (it left the outbox)."""
+        (it left the outbox). Its age and next try are the server's time (RETRY): this pod's clock decides neither."""
         attempts = int(event.record.get("attempts", 0)) + 1
-        age_s = (now_ms - int(event.record["first_ms"])) / 1000
-        if age_s >= GIVE_UP_AFTER_S:
-            await self.done(event, delivered=False)
-            return False
-        due = now_ms + int(retry_delay_s(attempts, age_s) * 1000)
         record = orjson.dumps({**event.record, "attempts": attempts})
         holds = " ".join(str(int(hold_s(n) * 1000)) for n in range(BREAKER_FAILURES, BREAKER_FAILURES + 8))
-        await self._retry(keys=self._keys(event.partition),
-                          args=RETRY.args({"id": event.id, "record": record, "due_ms": due, "dest": event.dest,
-                                           "now_ms": now_ms, "breaker": BREAKER_FAILURES, "holds_ms": holds}))
+        res = await self._retry(keys=self._keys(event.partition), args=RETRY.args({
+            "id": event.id, "record": record, "dest": event.dest, "first_ms": int(event.record["first_ms"]),
+            "give_up_ms": int(GIVE_UP_AFTER_S * 1000), "soon_ms": int(retry_delay_s(attempts, 0.0) * 1000),
+            "late_ms": int(retry_delay_s(attempts, LATE_AFTER_S) * 1000), "late_after_ms": int(LATE_AFTER_S * 1000),
+            "breaker": BREAKER_FAILURES, "holds_ms": holds}))
+        if int(res) < 0:
+            await self.done(event, delivered=False)
+            return False
         return True
 
     async def pending(self) -> int:

@@ -178,8 +178,9 @@ local function claim_reply(meta, sid, fence, attempts, tier, claimed_at)
 end
 
 -- Claim one stream for ``worker`` (its job out of line already, or running under a lapsed lease): every earlier
--- claimant is fenced out. Reply: {{'claimed', sid, fence, attempts, req, cancel, model, seq, tenant key, tier,
--- created_at, claimed_at (both server time, s), traceparent ('': not traced)}}.
+-- claimant is fenced out. ``now_s``/``now_ms``: the server's time (so are ``created_at`` and ``seen``: CREATE, TOUCH).
+-- Reply: {{'claimed', sid, fence, attempts, req, cancel, model, seq, tenant key, tier, created_at, claimed_at (both
+-- server time, s), traceparent ('': not traced)}}.
 local function claim_stream(meta, sid, worker, now_s, now_ms, lease_ms, was_queued)
   local m = redis.call('HMGET', meta, 'qp', 'tier')
   local qp, tier = m[1], m[2]
@@ -190,6 +191,7 @@ local function claim_stream(meta, sid, worker, now_s, now_ms, lease_ms, was_queu
   local attempts = redis.call('HINCRBY', meta, 'attempts', 1)
   local fence = redis.call('HINCRBY', meta, 'fence', 1)
   redis.call('HSET', meta, 'status', 'running', 'worker', worker, 'claimed_at', now_s)
+  redis.call('HSETNX', meta, 'started_at', now_s)  -- the first claim's: the job's wait ends there (its usage record)
   local a = redis.call('HMGET', meta, 'abandon_s', 'seen', 'cancel')
   local now = tonumber(now_s)
   if not a[3] and tonumber(a[1] or '0') > 0 and now - tonumber(a[2] or now) > tonumber(a[1]) then
@@ -353,9 +355,12 @@ RENEW = Lua(SERVER_MS + ALLOW_WHEN_FULL + """
 local m = redis.call('HMGET', K.meta, 'fence', 'status', 'cancel', 'abandon_s', 'cod', 'read', 'seen')
 if m[1] ~= A.fence or m[2] ~= 'running' then return {'fenced'} end
 allow_when_full(K.leases)  -- a new deadline takes no memory: kept through an out-of-memory episode
-redis.call('ZADD', K.leases, 'XX', server_ms() + tonumber(A.lease_ms), A.sid)
+local now_ms = server_ms()
+redis.call('ZADD', K.leases, 'XX', now_ms + tonumber(A.lease_ms), A.sid)
 if m[3] then return {'renewed', m[3]} end
-local now, seen = tonumber(A.now_s), tonumber(m[7] or A.now_s)
+-- Both times are the server's (``seen``: TOUCH, CREATE): a worker pod's clock decides no abandonment.
+local now = now_ms / 1000
+local seen = tonumber(m[7] or now)
 local reason = ''
 if tonumber(m[4] or '0') > 0 and now - seen > tonumber(m[4]) then
   reason = 'abandoned'
@@ -364,7 +369,7 @@ elseif m[5] == '1' and m[6] == '1' and now - seen > tonumber(A.disconnect_grace_
 end
 if reason ~= '' then redis.call('HSET', K.meta, 'cancel', reason) end
 return {'renewed', reason}
-""", key_names=("meta", "leases"), arg_names=("fence", "sid", "lease_ms", "now_s", "disconnect_grace_s"))
+""", key_names=("meta", "leases"), arg_names=("fence", "sid", "lease_ms", "disconnect_grace_s"))
 
 # Hands a running job over at once (a worker stopping past its grace period): its lease lapses now, one idle
 # worker is woken, and the next claim takes it over (fencing this worker out).
@@ -394,7 +399,7 @@ redis.call('ZREM', qp .. 'leases', A.sid)
 redis.call('HINCRBY', qp .. 'stats', 'busy', -1)
 redis.call('HINCRBY', K.meta, 'attempts', -1)
 redis.call('HSET', K.meta, 'status', 'queued')
-redis.call('HDEL', K.meta, 'worker', 'claimed_at')
+redis.call('HDEL', K.meta, 'worker', 'claimed_at', 'started_at')  -- never claimed: its wait goes on
 enqueue(qp, m[5], m[6], A.sid, K.totals, server_ms(), true)
 return 1
 """, key_names=("meta", "totals"), arg_names=("fence", "sid"))

@@ -75,8 +75,8 @@ class Claim:
     # Whom the stream is charged to (broker.streams.keys.principal: the API key id, or ``a:`` and a digest of
     # the client's address): the scheduler's fair-share unit, and the scope of what a worker caches for it.
     tenant: str = ""
-    # From create to this claim (s): the consumer pod's create time to Redis's clock (what a user waited, give or
-    # take the clocks' skew).
+    # From create to this claim (s), both the Redis server's time (CREATE, the claim): what a user waited, whatever
+    # the pods' clocks say.
     waited_s: float = 0.0
     # The W3C traceparent of the create's span ('': not traced): this attempt's generation span is its child.
     trace: str = ""

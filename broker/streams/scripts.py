@@ -4,10 +4,10 @@ Meta hash fields (``StreamKeys.meta``): ``status`` (queued|running|done|cancelle
 (request hash), ``req`` (canonical request JSON: dropped when the stream ends unless ``keep`` is 1, i.e. a view
 reads it back: a conversation's turn, a Responses response), ``model``, ``max_tokens``, ``created_at``, ``jid``
 (its backlog entry: broker.streams.keys.QueueKeys), ``fence`` (claim counter), ``attempts``, ``worker``,
-``claimed_at``, ``seq`` (tokens
+``claimed_at`` (the last claim), ``started_at`` (the first claim), ``seq`` (tokens
 appended), ``cancel`` (reason of a pending cancel), ``last_id`` (terminal event id), ``usage`` (JSON),
 ``finished_at``, ``key_id``, ``retention_s``, ``abandon_s``, ``cod`` (cancel_on_disconnect),
-``seen`` (last time a reader was connected, refreshed by consumer pods), ``read`` (ever read), ``tenant`` (the
+``seen`` (last time a reader was connected, refreshed by consumer pods' TOUCH), ``read`` (ever read), ``tenant`` (the
 key of the creating caller's counters, ``StreamKeys.tenant``), ``wm``/``wb`` (broker.streams.replication),
 ``wasted`` (tokens lost attempts computed and did not keep: for the usage record, broker.streams.usage);
 ``tp`` (the W3C traceparent of the create's span, when tracing is on: broker.telemetry; every attempt's generation
@@ -27,7 +27,10 @@ slot on Redis Cluster; that includes the keys the queue's scripts build inside L
 tenant lines of its own partition, from the prefixes and suffixes broker.streams.keys passes them) and the
 channels they publish on. What the scripts share (an event's fields and payload, the final statuses) is
 broker.streams.lua's ``PRELUDE``, generated from their Python definitions; KEYS and ARGV are named once, in
-Python (broker.redis.lua). Replies lead with a named tag (``{'created'}``, ``{'fenced', ...}``), as
+Python (broker.redis.lua). Every time a script stores or compares (``created_at``, ``seen``, ``claimed_at``,
+``started_at``, ``finished_at``, leases, the ledger's and the outbox's times) is the Redis server's, read in the script
+(TIME): no pod passes its clock, so pods whose clocks disagree agree on leases, abandonment, waits and webhooks.
+Replies lead with a named tag (``{'created'}``, ``{'fenced', ...}``), as
 the Durable Streams scripts' do. Retrying a script whose reply was lost must be safe:
 CREATE and CANCEL are idempotent, APPEND carries a sequence number, FINISH and the queue's scripts check the
 fence and status.
@@ -45,7 +48,7 @@ broker.streams.lua; the storage quota, the usage ledger, budgets) are those modu
 from __future__ import annotations
 
 from broker.redis.connection import REFUSE_WHEN_FULL
-from broker.redis.lua import Lua, record_reader
+from broker.redis.lua import SERVER_MS, Lua, record_reader
 from broker.redis.quota import QUOTA_LUA
 from broker.streams.budget import BUDGET_LUA
 from broker.streams.lua import APPEND_EVENT, PRELUDE
@@ -180,9 +183,11 @@ for _, b in ipairs(budgets) do
   local over = budget_fits(b[1], b[2], b[3], amount, usd)
   if over then return {'budget_exceeded', b[5], over} end
 end
-redis.call('HSET', K.meta, 'status', 'queued', 'rh', A.rh, 'req', A.req, 'created_at', A.created_at,
+-- Its birth, and the first sign of a reader, in the server's time: every pod compares them with the server's.
+local created_at = string.format('%.6f', now_ms / 1000)
+redis.call('HSET', K.meta, 'status', 'queued', 'rh', A.rh, 'req', A.req, 'created_at', created_at,
   'model', A.model, 'max_tokens', A.max_tokens, 'fence', 0, 'attempts', 0, 'key_id', A.key_id,
-  'retention_s', A.retention_s, 'abandon_s', A.abandon_s, 'cod', A.cod, 'seen', A.created_at, 'read', 0,
+  'retention_s', A.retention_s, 'abandon_s', A.abandon_s, 'cod', A.cod, 'seen', created_at, 'read', 0,
   'tenant', K.tenant, 'keep', A.keep, 'qs', K.storage, 'qp', A.qp, 'tier', A.tier, 'who', A.who,
   'aff', A.affinity, 'urs', A.usage_retention_s)
 quota_charge(K.storage, K.meta, #A.req)
@@ -208,7 +213,7 @@ append_event(K.events, A.channel, 'queued', queued_data(position, K.stats, A.wor
 return {'created'}
 """, key_names=("meta", "events", "totals", "stats", "backlog", "tombstone", "tenant", "storage", "budget",
                 "team_budget"),
-    arg_names=("sid", "rh", "req", "created_at", "max_queue", "model", "max_tokens", "channel", "key_id",
+    arg_names=("sid", "rh", "req", "max_queue", "model", "max_tokens", "channel", "key_id",
                "retention_s", "abandon_s", "cod", "max_active", "burst", "interval_ms", "max_wait_s", "keep",
                "storage_share", "affinity", "budget_share", "usd_share", "team_share", "team_usd_share",
                "reservation", "usd_reservation", "price", "period_end", "team_period_end", "hook", "hid", "qp",
@@ -297,9 +302,9 @@ if m[1] ~= A.fence or m[2] ~= 'running' then return false end
 local model = m[3]
 if A.model ~= '' then model = A.model end
 redis.call('HSET', K.meta, 'model', model or '')
-local now = tonumber(A.now_s)
-local eid = close_stream(K.meta, K.events, K.tombstone, A.channel, A.type, A.data, A.status, A.usage, A.now_s,
-  tonumber(m[6] or '3600'))
+local now = server_ms() / 1000
+local eid = close_stream(K.meta, K.events, K.tombstone, A.channel, A.type, A.data, A.status, A.usage,
+  string.format('%.6f', now), tonumber(m[6] or '3600'))
 -- Out of the queue: no lease to take over, and out of the backlog KEDA counts.
 redis.call('ZREM', K.leases, A.sid)
 if m[8] then redis.call('XDEL', K.backlog, m[8]) end
@@ -309,17 +314,17 @@ local took = math.max(0, now - tonumber(m[7] or now))
 local ema = redis.call('HGET', K.stats, 'ema_job_s')
 if ema then took = 0.8 * tonumber(ema) + 0.2 * took end
 redis.call('HSET', K.stats, 'ema_job_s', string.format('%.6f', took))
-record_usage(K.usage_index, A.usage_prefix, K.usage_rollups_since, K.meta, A.sid, A.now_s, A.status, A.reason, model,
+record_usage(K.usage_index, A.usage_prefix, K.usage_rollups_since, K.meta, A.sid, A.status, A.reason, model,
   A.prompt_tokens, A.cached_tokens, A.completion_tokens, A.wasted_tokens, A.compute_s, A.ttft_ms)
 budget_settle(K.meta, A.prompt_tokens, A.cached_tokens, A.completion_tokens)
-hook_enqueue(K.outbox, K.outbox_dests, K.outbox_holds, K.meta, A.sid, A.status, A.reason, A.now_s)
+hook_enqueue(K.outbox, K.outbox_dests, K.outbox_holds, K.meta, A.sid, A.status, A.reason)
 if A.status ~= 'done' then
   record_abort(K.aborted_totals, A.reason, m[4], A.prompt_tokens, A.completion_tokens, A.compute_s)
 end
 return eid
 """, key_names=("meta", "events", "usage_index", "stats", "leases", "backlog", "tombstone", "aborted_totals",
                 "outbox", "outbox_dests", "outbox_holds", "usage_rollups_since"),
-    arg_names=("fence", "channel", "type", "data", "status", "usage", "model", "now_s", "reason", "prompt_tokens",
+    arg_names=("fence", "channel", "type", "data", "status", "usage", "model", "reason", "prompt_tokens",
                "completion_tokens", "compute_s", "sid", "cached_tokens", "wasted_tokens", "ttft_ms", "usage_prefix"))
 
 # Closes: cancel racing claim (a queued stream cancelled while a worker claims it: exactly one of them
@@ -340,12 +345,12 @@ if st == 'queued' then
     if m[7] then redis.call('XDEL', m[6] .. 'jobs', m[7]) end  -- the backlog (broker.streams.keys.QueueKeys.backlog)
   end
   redis.call('HSET', K.meta, 'cancel', A.reason)
-  close_stream(K.meta, K.events, K.tombstone, A.channel, 'cancelled', A.cancelled_data, 'cancelled', A.usage, A.now_s,
-    tonumber(m[5] or '3600'))
-  record_usage(K.usage_index, A.usage_prefix, K.usage_rollups_since, K.meta, A.sid, A.now_s, 'cancelled', A.reason,
+  close_stream(K.meta, K.events, K.tombstone, A.channel, 'cancelled', A.cancelled_data, 'cancelled', A.usage,
+    string.format('%.6f', server_ms() / 1000), tonumber(m[5] or '3600'))
+  record_usage(K.usage_index, A.usage_prefix, K.usage_rollups_since, K.meta, A.sid, 'cancelled', A.reason,
     m[2], 0, 0, 0, 0, 0, '')
   budget_settle(K.meta, 0, 0, 0)
-  hook_enqueue(K.outbox, K.outbox_dests, K.outbox_holds, K.meta, A.sid, 'cancelled', A.reason, A.now_s)
+  hook_enqueue(K.outbox, K.outbox_dests, K.outbox_holds, K.meta, A.sid, 'cancelled', A.reason)
   record_abort(K.aborted_totals, A.reason, m[3], 0, 0, 0)
   return {'cancelled'}
 end
@@ -354,7 +359,7 @@ redis.call('PUBLISH', A.control_channel, A.sid)
 return {'requested', st}
 """, key_names=("meta", "events", "totals", "usage_index", "tombstone", "aborted_totals", "outbox", "outbox_dests",
                 "outbox_holds", "usage_rollups_since"),
-    arg_names=("reason", "channel", "cancelled_data", "usage", "now_s", "control_channel", "sid", "usage_prefix"))
+    arg_names=("reason", "channel", "cancelled_data", "usage", "control_channel", "sid", "usage_prefix"))
 
 # Tokens an attempt computed and its stream will not hold (lease lost, job handed over), for its usage record.
 WASTED = Lua(PRELUDE + """
@@ -365,11 +370,13 @@ return redis.call('HINCRBY', K.meta, 'wasted', A.tokens)
 
 # Records that a reader is connected (consumer pods call it every few seconds for each stream they
 # serve), for any number of streams of one partition (one slot) in one call. Never creates a hash:
-# touching an expired stream must not resurrect part of it.
-TOUCH = Lua("""
+# touching an expired stream must not resurrect part of it. ``seen`` is the server's time, as RENEW's and the
+# claim's abandonment checks that compare with it: a consumer pod's clock decides nothing.
+TOUCH = Lua(SERVER_MS + """
 -- KEYS: every stream's meta (one partition)
+local now = string.format('%.3f', server_ms() / 1000)
 for _, meta in ipairs(KEYS) do
-  if redis.call('EXISTS', meta) == 1 then redis.call('HSET', meta, 'seen', A.now_s, 'read', 1) end
+  if redis.call('EXISTS', meta) == 1 then redis.call('HSET', meta, 'seen', now, 'read', 1) end
 end
 return 0
-""", arg_names=("now_s",))
+""")

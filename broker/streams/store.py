@@ -181,6 +181,9 @@ class Store:
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = partition_share(max_queue, self.partitions)
         who = quota.principal or principal(key_id, "")
+        # The one pod clock a create reads: a budget period's name is part of its key, which is named before the
+        # script runs (on Redis Cluster a script is routed by its keys). A pod off by a minute counts a create made
+        # within that minute of a period's end in the neighbouring period; every other time is the server's.
         now = time.time()
         period, period_end = budget.window(now)
         team_period, team_period_end = team_budget.window(now)
@@ -200,7 +203,6 @@ class Store:
                          if team_budget.bounded else key_budget}),
             script.args({
                 "sid": str(stream_id), "rh": identity or request.request_hash(), "req": canonical,
-                "created_at": f"{now:.6f}",
                 "max_queue": queue_share, "model": model, "max_tokens": request.max_tokens, "channel": k.channel,
                 "key_id": key_id, "retention_s": retention_s, "abandon_s": abandon_after_s,
                 "cod": int(request.cancel_on_disconnect), "max_active": max_active, "burst": burst,
@@ -375,7 +377,6 @@ class Store:
     async def touch(self, stream_ids: Sequence[uuid.UUID]) -> None:
         """Record that these streams have a reader connected now (for abandon / cancel_on_disconnect).
         One script call per partition (its keys share a slot), whatever the number of streams."""
-        now = f"{time.time():.3f}"
         by_partition: dict[int, list[str]] = {}
         for sid in stream_ids:
             k = self.keys(sid)
@@ -384,7 +385,7 @@ class Store:
             for i in range(0, len(metas), TOUCH_BATCH):
                 # Redis full: a mark is advisory (the next round makes it), and readers must go on reading.
                 with contextlib.suppress(StoreFull):
-                    await self._touch(keys=metas[i:i + TOUCH_BATCH], args=scripts.TOUCH.args({"now_s": now}))
+                    await self._touch(keys=metas[i:i + TOUCH_BATCH], args=scripts.TOUCH.args({}))
 
     async def cancel(self, stream_id: uuid.UUID, reason: str) -> str | None:
         """Request a cancel. Returns the status after the request (None: unknown stream)."""
@@ -399,7 +400,7 @@ class Store:
                          "outbox_dests": k.outbox_dests, "outbox_holds": k.outbox_holds,
                          "usage_rollups_since": k.usage_rollups_since}),
             script.args({"reason": reason, "channel": k.channel, "cancelled_data": data, "usage": usage,
-                         "now_s": f"{time.time():.6f}", "control_channel": k.control, "sid": str(stream_id),
+                         "control_channel": k.control, "sid": str(stream_id),
                          "usage_prefix": k.usage_prefix}),
             lambda r: "" if reply_text(r[0]) in ("ended", "cancelled") else None)  # nothing comes after those
         tag = reply_text(res[0])
@@ -591,7 +592,7 @@ class Store:
                          "aborted_totals": k.aborted_totals, "outbox": k.outbox, "outbox_dests": k.outbox_dests,
                          "outbox_holds": k.outbox_holds, "usage_rollups_since": k.usage_rollups_since}),
             script.args({"fence": claim.fence, "channel": k.channel, "type": etype, "data": encode_data(data),
-                         "status": status, "usage": orjson.dumps(usage), "model": model, "now_s": f"{time.time():.6f}",
+                         "status": status, "usage": orjson.dumps(usage), "model": model,
                          "reason": reason or status, "prompt_tokens": usage.get("prompt_tokens", 0),
                          "completion_tokens": usage.get("completion_tokens", 0), "compute_s": f"{compute_s:.6f}",
                          "sid": str(claim.stream_id), "cached_tokens": usage.get("cached_tokens") or 0,
@@ -613,7 +614,7 @@ class Store:
         res = await self._batch.script(
             self._renew, script.keys({"meta": claim.keys.meta, "leases": claim.queue.leases}),
             script.args({"fence": claim.fence, "sid": str(claim.stream_id), "lease_ms": int(lease_s * 1000),
-                         "now_s": f"{time.time():.3f}", "disconnect_grace_s": disconnect_grace_s}))
+                         "disconnect_grace_s": disconnect_grace_s}))
         renewed = reply_text(res[0]) == "renewed"
         return AppendResult(renewed, reply_text(res[1]) if renewed else "")
 

@@ -70,24 +70,26 @@ Record = dict[str, str]
 #: its creator's storage quota. Names are built from ``prefix`` (broker.streams.keys.usage_log_prefix: same slot)
 #: and the stream's ``key_id``. What the stream's meta knows (key, tier, max_tokens, times, tokens a lost attempt
 #: wasted, its storage quota's key ``qs``, the retention ``urs``) is read here; the rest is the ending attempt's.
-#: ``meta`` fields: ``claimed_at`` (s, the last claim's); ``wasted`` (tokens lost attempts reported:
+#: ``meta`` fields: ``created_at`` and ``started_at`` (s, the server's time of the create and of the first claim:
+#: ``queue_s`` is the wait between them, wholly in one clock; a record of a stream never claimed waited until its
+#: end); ``wasted`` (tokens lost attempts reported:
 #: broker.streams.store.Store.add_wasted).
 RECORD_USAGE_LUA = SERVER_MS + f"""
-local function record_usage(index, prefix, rollups_since, meta, sid, now_s, status, reason, model, prompt_tokens,
+local function record_usage(index, prefix, rollups_since, meta, sid, status, reason, model, prompt_tokens,
                             cached_tokens, completion_tokens, wasted_tokens, compute_s, ttft_ms)
-  local m = redis.call('HMGET', meta, 'key_id', 'tier', 'max_tokens', 'created_at', 'claimed_at', 'wasted', 'qs',
+  local m = redis.call('HMGET', meta, 'key_id', 'tier', 'max_tokens', 'created_at', 'started_at', 'wasted', 'qs',
     'urs')
   local key = m[1] or ''
   local name = key ~= '' and key or '-'
-  local now = tonumber(now_s)
-  local started = now
+  local now_ms = server_ms()
+  local now_s = string.format('%.6f', now_ms / 1000)
+  local started = now_ms / 1000
   if m[5] then started = tonumber(m[5]) end
   local queue_s = ''
-  if m[4] then queue_s = string.format('%.3f', math.max(0, started - tonumber(m[4]))) end
+  if m[4] then queue_s = string.format('%.3f', started - tonumber(m[4])) end
   local wasted = tonumber(wasted_tokens) + tonumber(m[6] or '0')
   local tier = (m[2] and m[2] ~= '') and m[2] or '{DEFAULT_TIER}'
   local keep_s = tonumber(m[8] or '{RETENTION_S}')
-  local now_ms = server_ms()
   local day = math.floor(now_ms / {DAY_S * 1000})
   -- The first record with day sums: on a ledger that had records, its day and those before are read as records.
   if redis.call('EXISTS', rollups_since) == 0 then

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -237,7 +236,7 @@ class ConversationService:
         the conversation changed since it was read (read it again), or (``busy`` other than ``reject``) a turn
         began meanwhile. Raises Conflict when another turn is pending, and whatever the stream's create raises."""
         outcome, other = await self.conversations.begin(conv, stream_id, self.owner(caller), self.limits(caller),
-                                                        created_at=time.time(), create=implicit)
+                                                        create=implicit)
         if outcome is Begin.BUSY:
             if busy != REJECT:
                 return None  # read again: the turn that runs is there to queue behind
@@ -261,8 +260,7 @@ class ConversationService:
         up). ``interrupt`` cancels the running turn. None: nothing runs any more, or the history changed (read
         again). Raises Conflict when MAX_WAITING turns wait already, and whatever the stream's create raises."""
         outcome, pending, ahead = await self.conversations.queue(
-            conv, stream_id, self.owner(caller), self.limits(caller), mode=mode, created_at=time.time(),
-            create=implicit)
+            conv, stream_id, self.owner(caller), self.limits(caller), mode=mode, create=implicit)
         if outcome is Begin.BUSY:
             raise Conflict(f"{MAX_WAITING} turns of this conversation wait already behind the running one (stream "
                            f"{pending}); wait for its end")

@@ -226,7 +226,7 @@ class Deliverer:
             free = self.max_in_flight - len(self._tasks)
             if free <= 0:
                 return
-            for event in await self.outbox.take(p, int(time.time() * 1000), free, self.per_destination,
+            for event in await self.outbox.take(p, free, self.per_destination,
                                                 dict(self._busy)):
                 self._busy[event.dest] += 1
                 task = asyncio.create_task(self._deliver(event), name=f"webhook {event.id}")
@@ -261,7 +261,7 @@ class Deliverer:
             if ok:
                 await self.outbox.done(event, delivered=True)
                 self.metrics.webhooks_delivered.inc()
-            elif await self.outbox.retry(event, int(time.time() * 1000)):
+            elif await self.outbox.retry(event):
                 self.metrics.webhooks_retried.inc()
                 log.info("webhook not delivered; retried later", extra={"event": event.id, "why": why,
                                                                        "attempt": event.record.get("attempts", 0) + 1})

@@ -63,7 +63,7 @@ async def _turn(convs: ConversationStore, key_id: str, name: str, text: str, ans
     """Reserve, create and (with ``answer``) finish one turn, as the consumer and a worker do."""
     conv = await convs.read(key_id, name) or absent(key_id, name)
     sid = uuid.uuid4()
-    outcome, _ = await convs.begin(conv, sid, OWNER, LIMITS, created_at=time.time(), create=True)
+    outcome, _ = await convs.begin(conv, sid, OWNER, LIMITS, create=True)
     assert outcome is Begin.RESERVED
     history = History(start=0, conversation=name, tenant=key_id, version=conv.version, turn=conv.count)
     await convs.store.create(sid, _request(text, history), model="m", max_queue=0, retention_s=60,
@@ -85,14 +85,14 @@ async def _finish(store: Store, sid: uuid.UUID, answer: str) -> None:
 async def test_two_devices_reserving_the_next_turn_at_once_make_one_turn(convs: ConversationStore) -> None:
     seen = absent("alice", "c1")
     ids = [uuid.uuid4() for _ in range(20)]
-    results = await asyncio.gather(*(convs.begin(seen, sid, OWNER, LIMITS, created_at=time.time(), create=True)
+    results = await asyncio.gather(*(convs.begin(seen, sid, OWNER, LIMITS, create=True)
                                      for sid in ids))
     outcomes = [r[0] for r in results]
     assert outcomes.count(Begin.RESERVED) == 1 and outcomes.count(Begin.BUSY) == 19
     winner = ids[outcomes.index(Begin.RESERVED)]
     assert {r[1] for r in results if r[0] is Begin.BUSY} == {winner}  # each loser is told which turn runs
     # The winner's retry (its reply lost) finds its own reservation.
-    assert (await convs.begin(seen, winner, OWNER, LIMITS, created_at=time.time(), create=True))[0] is Begin.ALREADY
+    assert (await convs.begin(seen, winner, OWNER, LIMITS, create=True))[0] is Begin.ALREADY
     conv = await convs.read("alice", "c1")
     assert conv is not None and conv.pending is not None and conv.pending.stream_id == winner
 
@@ -139,8 +139,7 @@ async def test_a_deleted_conversation_is_never_brought_back_by_its_running_turn(
 async def test_a_reservation_whose_create_never_came_is_taken_back(convs: ConversationStore,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     dead = uuid.uuid4()
-    assert (await convs.begin(absent("alice", "c1"), dead, OWNER, LIMITS, created_at=time.time(),
-                              create=True))[0] is Begin.RESERVED
+    assert (await convs.begin(absent("alice", "c1"), dead, OWNER, LIMITS, create=True))[0] is Begin.RESERVED
     conv = await convs.read("alice", "c1")
     assert conv is not None
     # Moments after the reservation its create is presumed in flight.
@@ -172,8 +171,7 @@ async def test_a_reservation_naming_another_stream_is_released(convs: Conversati
     other = uuid.uuid4()
     await convs.store.create(other, _request("not a turn"), model="m", max_queue=0, retention_s=60,
                              key_id="alice")
-    assert (await convs.begin(absent("alice", "c1"), other, OWNER, LIMITS, created_at=time.time(),
-                              create=True))[0] is Begin.RESERVED
+    assert (await convs.begin(absent("alice", "c1"), other, OWNER, LIMITS, create=True))[0] is Begin.RESERVED
     conv = await convs.read("alice", "c1")
     assert conv is not None and (await convs.settle(conv))[0] is Settled.DROPPED
     conv = await convs.read("alice", "c1")
@@ -199,17 +197,17 @@ async def test_a_branch_keeps_a_prefix_bumps_the_version_and_waits_for_the_runni
     assert after is not None and [t.id for t in after.turns] == [first] and after.version == version
     assert after.bytes == len(after.turns[0].to_json())
     # A turn reserved on the history before the branch is refused.
-    assert (await convs.begin(conv, uuid.uuid4(), OWNER, LIMITS, created_at=time.time(),
-                              create=True))[0] is Begin.CHANGED
+    assert (await convs.begin(conv, uuid.uuid4(), OWNER, LIMITS, create=True))[0] is Begin.CHANGED
 
 
 async def test_items_join_only_between_turns(convs: ConversationStore) -> None:
     now = time.time()
-    assert await convs.create("alice", "c1", OWNER, LIMITS, created_at=now, metadata={"k": "v"},
+    assert await convs.create("alice", "c1", OWNER, LIMITS, metadata={"k": "v"},
                               turns=[items_turn((Message("system", "be brief"),), now)])
-    assert not await convs.create("alice", "c1", OWNER, LIMITS, created_at=now, metadata={})
+    assert not await convs.create("alice", "c1", OWNER, LIMITS, metadata={})
     conv = await convs.read("alice", "c1")
     assert conv is not None and conv.count == 1 and conv.metadata == {"k": "v"}
+    assert abs(conv.created_at - now) < 10  # the server's time (no pod passes its own)
     sid = await _turn(convs, "alice", "c1", "hello")
     conv = await convs.read("alice", "c1")
     assert conv is not None
@@ -235,20 +233,20 @@ async def test_an_owner_holds_at_most_its_share_of_conversations(convs: Conversa
     made = 0
     with pytest.raises(TooManyConversations):
         for i in range(1000):
-            await convs.create("alice", f"c{i}", OWNER, limits, created_at=time.time(), metadata={})
+            await convs.create("alice", f"c{i}", OWNER, limits, metadata={})
             made += 1
     assert 3 <= made <= 3 * convs.partitions
     # A deleted one frees its place; another owner is counted apart.
-    await convs.create("alice", "other-owner", "owner-b", limits, created_at=time.time(), metadata={})
+    await convs.create("alice", "other-owner", "owner-b", limits, metadata={})
     victim = next(f"c{i}" for i in range(made) if convs.keys("alice", f"c{i}").partition
                   == convs.keys("alice", f"c{made}").partition)
     assert await convs.delete("alice", victim)
-    assert await convs.create("alice", f"c{made}", OWNER, limits, created_at=time.time(), metadata={})
+    assert await convs.create("alice", f"c{made}", OWNER, limits, metadata={})
 
 
 async def test_use_restarts_the_sliding_expiry(convs: ConversationStore, redis_async: RedisClient) -> None:
     limits = dataclasses.replace(LIMITS, ttl_s=100)
-    await convs.create("alice", "c1", OWNER, limits, created_at=time.time(), metadata={})
+    await convs.create("alice", "c1", OWNER, limits, metadata={})
     k = convs.keys("alice", "c1")
     await redis_async.expire(k.meta, 5)
     assert await convs.read("alice", "c1") is not None

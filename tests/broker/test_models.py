@@ -20,22 +20,29 @@ async def models(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncI
     await r.aclose()
 
 
-async def test_recent_lists_announced_models_newest_first_and_drops_silent_ones(models: ServedModels) -> None:
-    t = 1_800_000_000.0
-    assert await models.recent(now_s=t) == []
-    await models.announce("old-model", now_s=t - SEEN_WITHIN_S - 1)
-    await models.announce("SmolLM2", now_s=t - 5)
-    await models.announce("other", now_s=t - 1)
-    assert [m.id for m in await models.recent(now_s=t)] == ["other", "SmolLM2"]
-    await models.announce("SmolLM2", now_s=t)  # announced again: the newest
-    assert [m.id for m in await models.recent(now_s=t)] == ["SmolLM2", "other"]
-    assert [m.id for m in await models.recent(now_s=t + SEEN_WITHIN_S - 0.5)] == ["SmolLM2"]  # "other" fell silent
+def _announced_ago(redis_client: redis.Redis, key: str, name: str, s: float) -> None:
+    """As if ``name`` had been announced ``s`` earlier than it was (the scores are the Redis server's time)."""
+    redis_client.zincrby(key, -s * 1000, name)
+
+
+async def test_recent_lists_announced_models_newest_first_and_drops_silent_ones(
+        models: ServedModels, redis_client: redis.Redis) -> None:
+    redis_client.delete(models.key)
+    assert await models.recent() == []
+    for name, ago_s in (("old-model", SEEN_WITHIN_S + 1), ("SmolLM2", 5), ("other", 1)):
+        await models.announce(name)
+        _announced_ago(redis_client, models.key, name, ago_s)
+    assert [m.id for m in await models.recent()] == ["other", "SmolLM2"]
+    await models.announce("SmolLM2")  # announced again: the newest
+    assert [m.id for m in await models.recent()] == ["SmolLM2", "other"]
+    _announced_ago(redis_client, models.key, "other", SEEN_WITHIN_S)
+    assert [m.id for m in await models.recent()] == ["SmolLM2"]  # "other" fell silent
 
 
 async def test_names_silent_for_a_long_time_are_deleted_at_the_next_announcement(
         models: ServedModels, redis_client: redis.Redis) -> None:
-    t = 1_800_000_000.0
-    await models.announce("gone", now_s=t - FORGET_AFTER_S - 1)
-    await models.announce("kept", now_s=t - FORGET_AFTER_S + 60)
-    await models.announce("live", now_s=t)
+    redis_client.delete(models.key)
+    for name, ago_s in (("gone", FORGET_AFTER_S + 1), ("kept", FORGET_AFTER_S - 60), ("live", 0)):
+        await models.announce(name)
+        _announced_ago(redis_client, models.key, name, ago_s)
     assert redis_client.zrange(models.key, 0, -1) == [b"kept", b"live"]

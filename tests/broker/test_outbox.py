@@ -9,18 +9,19 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import cast
 
 import orjson
 import pytest
 import redis
 
 from broker.errors import WebhookBacklog
-from broker.redis.connection import connect
+from broker.redis.connection import connect, reply_text
 from broker.redis.quota import storage_key
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
-from broker.streams.keys import outbox_due_key, outbox_key
-from broker.streams.outbox import BREAKER_FAILURES, HOOK_BYTES, Outbox, hold_s
+from broker.streams.keys import outbox_dests_key, outbox_due_key, outbox_holds_key, outbox_key
+from broker.streams.outbox import BREAKER_FAILURES, HOOK_BYTES, HookEvent, Outbox, hold_s
 from broker.streams.store import Store
 
 REQ = GenerationRequest(None, "hello", None, 8, 0.8, 0.95, None, (), False)
@@ -48,35 +49,49 @@ def _now() -> int:
     return int(time.time() * 1000)
 
 
+async def _later(store: Store, ms: int) -> None:
+    """As if ``ms`` passed on the Redis server (whose clock the outbox's scripts read): every due time and hold of
+    partition 0's outbox moved ``ms`` earlier."""
+    r, outbox = store.redis, outbox_key(0, 1)
+    for key in [outbox_dests_key(0, 1)] + [k async for k in r.scan_iter(match=outbox + ":d:*")]:
+        for member in cast("list[bytes]", await r.zrange(key, 0, -1)):
+            await r.zincrby(key, -ms, member)
+    for dest, hold in (await r.hgetall(outbox_holds_key(0, 1))).items():
+        until, failures = reply_text(hold).split()
+        await r.hset(outbox_holds_key(0, 1), dest, f"{int(until) - ms} {failures}")
+
+
 async def test_taking_is_fair_across_destinations(store: Store) -> None:
     outbox = Outbox(store.redis, 1)
     for _ in range(50):
         await _ended(store, A)
     b = await _ended(store, B)
-    taken = await outbox.take(0, _now(), 10, 4, {})
+    taken = await outbox.take(0, 10, 4, {})
     assert sorted(e.url for e in taken) == [A] * 4 + [B]
     a_dest = taken[0].dest if taken[0].url == A else taken[1].dest
     # This pod already has 4 in flight to A: none more of A; B's was taken and is leased.
-    assert await outbox.take(0, _now(), 10, 4, {a_dest: 4}) == []
-    assert [e.id for e in await outbox.take(0, _now() + 31_000, 10, 4, {a_dest: 4})] == [b]
+    assert await outbox.take(0, 10, 4, {a_dest: 4}) == []
+    await _later(store, 31_000)
+    assert [e.id for e in await outbox.take(0, 10, 4, {a_dest: 4})] == [b]
 
 
 async def test_a_failing_destination_is_held_then_probed_and_a_delivery_clears_it(store: Store) -> None:
     outbox = Outbox(store.redis, 1)
     for _ in range(6):
         await _ended(store, A)
-    now = _now()
-    failed = await outbox.take(0, now, 10, 4, {})
+    failed = await outbox.take(0, 10, 4, {})
     assert len(failed) == 4
     for e in failed[:BREAKER_FAILURES]:
-        assert await outbox.retry(e, now)
+        assert await outbox.retry(e)
     # Held: nothing of A is taken until the hold is over, though two of its events are due.
     held_ms = int(hold_s(BREAKER_FAILURES) * 1000)
-    assert await outbox.take(0, now + held_ms - 100, 10, 4, {}) == []
-    probe = await outbox.take(0, now + 2 * 60_000, 10, 4, {})
+    await _later(store, held_ms - 1000)  # a second before the hold's end (its slack: this test's own time)
+    assert await outbox.take(0, 10, 4, {}) == []
+    await _later(store, 2 * 60_000)
+    probe = await outbox.take(0, 10, 4, {})
     assert len(probe) == 1  # then one event: a probe
     await outbox.done(probe[0], delivered=True)
-    assert len(await outbox.take(0, now + 2 * 60_000, 10, 4, {})) == 4  # the hold cleared: as many as may go
+    assert len(await outbox.take(0, 10, 4, {})) == 4  # the hold cleared: as many as may go
     assert await store.redis.hlen(outbox_key(0, 1)) == 5
 
 
@@ -93,7 +108,7 @@ async def test_pending_events_count_in_their_creators_quota_and_are_bounded(stor
                        max_pending_hooks=3)  # no webhook: not held up
     await store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60, key_id="bob",
                        webhook=(A, "x"), max_pending_hooks=3)  # another caller
-    for event in await outbox.take(0, _now(), 10, 8, {}):
+    for event in await outbox.take(0, 10, 8, {}):
         await outbox.done(event, delivered=True)
     assert await store.redis.hget(quota, "hooks") in (None, b"0")
     await _ended(store, A, max_pending=3)
@@ -105,8 +120,18 @@ async def test_events_from_before_destinations_are_moved_into_theirs(store: Stor
               "first_ms": _now(), "attempts": 0}
     await store.redis.hset(outbox_key(0, 1), "evt_old", orjson.dumps(record))
     await store.redis.zadd(outbox_due_key(0, 1), {"evt_old": _now()})
-    [event] = await outbox.take(0, _now(), 10, 4, {})
+    [event] = await outbox.take(0, 10, 4, {})
     assert event.id == "evt_old" and event.url == B and event.dest
     assert await store.redis.zcard(outbox_due_key(0, 1)) == 0
     await outbox.done(event, delivered=True)
+    assert await outbox.pending() == 0
+
+
+async def test_an_event_a_day_old_by_the_servers_clock_is_given_up(store: Store) -> None:
+    outbox = Outbox(store.redis, 1)
+    await _ended(store, A)
+    [event] = await outbox.take(0, 10, 4, {})
+    assert await outbox.retry(event)  # a failed try: due again
+    day_old = HookEvent(0, event.id, {**event.record, "first_ms": int(event.record["first_ms"]) - 86_400_000})
+    assert not await outbox.retry(day_old)  # its age is the server's: past a day, it leaves the outbox
     assert await outbox.pending() == 0

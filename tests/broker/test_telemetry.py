@@ -50,11 +50,8 @@ class TracedStack(Stack):
         super().__init__(redis_url, model, tmp)
         self.env = env
 
-    def _run(self, name: str, args: list[str]) -> Proc:
-        p = Proc([sys.executable, "-m", "rsb", *args], name, log_path=self.tmp / f"{name}-{len(self.procs)}.log",
-                 env=self.env)
-        self.procs.append(p)
-        return p
+    def _run(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        return super()._run(name, args, {**self.env, **(env or {})})
 
 
 @pytest.fixture(scope="module")

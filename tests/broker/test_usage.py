@@ -14,7 +14,7 @@ import redis
 
 from broker.errors import InvalidRequest, OverStorageQuota
 from broker.events import EventType
-from broker.redis.connection import connect
+from broker.redis.connection import connect, reply_text
 from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
@@ -270,3 +270,27 @@ async def test_records_from_before_the_day_sums_are_read_as_records(store: Store
     assert [(r["streams"], r["prompt_tokens"]) for r in report["rows"]] == [(1, 7), (1, 10)]
     # Bounds inside a day read that part as records: only the newer record.
     assert (await usage_report(store.redis, 1, since=time.time() - 60))["total"]["streams"] == 1
+
+
+async def test_queue_s_runs_from_the_create_to_the_first_claim_in_the_servers_time(store: Store) -> None:
+    sid = uuid.uuid4()
+    await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id="carol")
+    meta = store.keys(sid).meta
+    given_back = await store.claim(sid, "w0")
+    assert isinstance(given_back, Claim)
+    await store.give_back(given_back)  # claimed and not started: as if never claimed, its wait goes on
+    assert await store.redis.hget(meta, "started_at") is None
+    first = await store.claim(sid, "w1")
+    assert isinstance(first, Claim)
+    started = float(reply_text(await store.redis.hget(meta, "started_at")))
+    second = await store.claim(sid, "w2")  # taken over: a later claim, the same start
+    assert isinstance(second, Claim)
+    created, claimed, started_again = (float(reply_text(v)) for v in
+                                       await store.redis.hmget(meta, "created_at", "claimed_at", "started_at"))
+    assert started_again == started and claimed >= started
+    assert 0 <= second.waited_s == claimed - created  # both the server's: no pod clock in between
+    u = {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0, "ttft_ms": None, "tpot_ms": None}
+    assert await store.finish(second, EventType.DONE, {"usage": u}, status="done", usage=u, model="m") is not None
+    [record] = await _all(store, "carol")
+    assert record["queue_s"] == f"{started - created:.3f}"
+    assert created <= float(record["ts"]) and abs(float(record["ts"]) - time.time()) < 10

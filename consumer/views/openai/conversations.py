@@ -143,7 +143,7 @@ async def create_conversation(request: Request) -> ASGIApp:
     name = str(uuid.uuid4())
     with convs.service.quota_counted():
         await convs.conversations.create(caller.key_id, name, convs.owner(caller), convs.limits(caller),
-                                         created_at=now, metadata=metadata, turns=turns)
+                                         metadata=metadata, turns=turns)
     snap = await convs.get(caller, name)
     return JSONResponse(conversation_object(snap.conversation))
 

@@ -1,0 +1,181 @@
+"""Pods whose clocks disagree agree on every time rsb stores or compares: a consumer and a generator run under
+libfaketime with their clocks moved a minute apart (+60 s / -60 s each way), and no lease, abandonment, usage or
+webhook figure changes. Every such time is the Redis server's, read inside the script that uses it
+(docs/ARCHITECTURE.md, "One clock"); before, a consumer behind cancelled a read stream as ``abandoned``, a generator
+ahead cancelled it as ``disconnect`` (one behind went on generating past the grace), the ledger's ``queue_s`` read 0
+for a real wait, and two webhook pods delivered events twice. Real processes on a real redis-server."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import cast
+
+import orjson
+import pytest
+import redis
+from helpers import SSERead, create, eventually, read_sse, wait_status
+from servers import StackFactory
+
+from broker.redis.connection import reply_text
+from broker.redis.server import RedisServer, free_port
+from broker.streams.keys import outbox_key, usage_log_prefix
+
+pytestmark = pytest.mark.slow
+
+SKEW_S = 60
+#: Where Debian's libfaketime (the ``faketime`` package, scripts/test.sh's SYSTEM_PACKAGES) puts its library.
+_LIBFAKETIME = [*sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1")), "/usr/lib/faketime/libfaketime.so.1",
+                "/usr/local/lib/faketime/libfaketime.so.1"]
+
+
+def _library() -> str | None:
+    return next((p for p in _LIBFAKETIME if os.path.exists(p)), None)
+
+
+def skewed(offset_s: int) -> dict[str, str]:
+    """The environment of a process whose wall clock is ``offset_s`` off (its monotonic clock is left alone)."""
+    lib = _library()
+    if lib is None:
+        pytest.skip("libfaketime is not installed (Debian: apt-get install faketime): no clock to skew")
+    env = {"LD_PRELOAD": lib, "FAKETIME": f"{offset_s:+d}s", "DONT_FAKE_MONOTONIC": "1"}
+    # The library must move what Python's time.time() reads in a child process, or this test proves nothing.
+    out = subprocess.run([sys.executable, "-c", "import time; print(time.time())"], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    if abs(float(out) - time.time() - offset_s) > 10:
+        pytest.skip(f"libfaketime at {lib} does not move time.time() in a child process")
+    return env
+
+
+@pytest.mark.parametrize("skew", [SKEW_S, -SKEW_S], ids=["consumer-ahead", "consumer-behind"])
+def test_skewed_pods_agree_on_abandonment_disconnect_and_the_wait(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path,
+        skew: int) -> None:
+    """The consumer's clock ``skew`` off and the generator's as far the other way (two minutes apart)."""
+    s = stack_factory(redis_server.url)
+    # A reader's pod marks it every 2 s (consumer.app.TOUCH_INTERVAL_S): the grace and the abandonment bound are over
+    # that. A skewed minute is far past either.
+    abandon_s, grace_s = 5, 3
+    s.consumer("--abandon-after-s", str(abandon_s), env=skewed(skew))
+    s.generator("--lease-s", "1", "--disconnect-grace-s", str(grace_s), model=slow_model, env=skewed(-skew))
+    with s.client() as c:
+        # Streams read to their end: not abandoned, not disconnected, whoever's clock is ahead. B waits behind A (one
+        # generation at a time), its reader connected while it waits.
+        a = create(c, max_tokens=300, cancel_on_disconnect=True).json()["id"]
+        b = create(c, max_tokens=16).json()["id"]
+        b_created = time.monotonic()
+        reads: dict[str, SSERead] = {}
+
+        def read_b() -> None:
+            with s.client() as cb:
+                reads["b"] = read_sse(cb, f"/v1/streams/{b}/events")
+
+        reader_b = threading.Thread(target=read_b)
+        reader_b.start()
+        read_a = read_sse(c, f"/v1/streams/{a}/events")
+        a_ended = time.monotonic()
+        assert read_a.events[-1].event == "done", read_a.events[-1]
+        reader_b.join(60)
+        assert reads["b"].events[-1].event == "done", reads["b"].events[-1]  # not cancelled at its claim
+        # Its ledger's wait is the server's, from its create to its claim: what this test saw it wait, not 0 and
+        # not a minute more.
+        log = cast("list[tuple[bytes, dict[bytes, bytes]]]", redis_client.xrange(usage_log_prefix(0, 1) + "-"))
+        records = {reply_text(f[b"sid"]): f for _, f in log}
+        queue_s = float(records[b][b"queue_s"])
+        assert a_ended - b_created - 1.0 <= queue_s <= time.monotonic() - b_created, queue_s
+        assert abs(float(records[b][b"ts"]) - time.time()) < 30  # the server's time, not a pod's
+
+        # C's reader leaves: it is cancelled as ``disconnect`` within the grace, not generated to its end.
+        c_id = create(c, max_tokens=4000, cancel_on_disconnect=True).json()["id"]
+        head = read_sse(c, f"/v1/streams/{c_id}/events", stop_after=10)
+        left = time.monotonic()
+        st = wait_status(c, c_id, {"cancelled", "done"}, timeout_s=30)
+        cancelled_after = time.monotonic() - left
+        assert st["status"] == "cancelled", st
+        end = read_sse(c, f"/v1/streams/{c_id}/events", headers={"Last-Event-ID": head.ids[-1]}).events[-1]
+        assert end.data["reason"] == "disconnect" and end.data["usage"]["completion_tokens"] < 4000
+        # The grace, a renewal (a third of the 1 s lease) and this machine's latency; far from the skew's minute.
+        assert cancelled_after < grace_s + 10, cancelled_after
+
+
+class _Receiver:
+    """A webhook receiver that holds each delivery ``hold_s`` before its 200: deliveries stay in flight while the
+    other pod polls the outbox."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self.ids: list[str] = []
+        self.bodies: list[dict[str, object]] = []
+        self.in_flight = 0
+        self._lock = threading.Lock()
+        self.port = free_port()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with receiver._lock:
+                    receiver.ids.append(self.headers["webhook-id"])
+                    receiver.bodies.append(orjson.loads(body))
+                    receiver.in_flight += 1
+                try:
+                    time.sleep(receiver.hold_s)
+                    self.send_response(200)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                except OSError:
+                    pass
+                finally:
+                    with receiver._lock:
+                        receiver.in_flight -= 1
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hooks"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[_Receiver]:
+    r = _Receiver(hold_s=1.0)
+    yield r
+    r.stop()
+
+
+@pytest.mark.parametrize("skew", [SKEW_S, -SKEW_S], ids=["ahead", "behind"])
+def test_two_webhook_pods_whose_clocks_disagree_deliver_each_event_once(
+        stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, receiver: _Receiver,
+        monkeypatch: pytest.MonkeyPatch, skew: int) -> None:
+    monkeypatch.setenv("RSB_WEBHOOK_SECRET", "whsec_" + "A" * 44)  # the pods inherit it
+    s = stack_factory(redis_server.url)
+    hooks = ("--webhook-url", receiver.url, "--webhook-allow-private")
+    _, right = s.consumer(*hooks)
+    _, off = s.consumer(*hooks, env=skewed(skew))
+    n = 8
+    for i in range(n):  # no generator: each is cancelled while queued, and its end is one webhook event
+        with s.client(right if i % 2 else off) as c:
+            sid = create(c, max_tokens=8).json()["id"]
+            assert c.post(f"/v1/streams/{sid}/cancel").json()["status"] == "cancelled"
+    # Delivered and out of the outbox, and no delivery in flight: then every POST the pods made has arrived.
+    eventually(lambda: len(receiver.ids) >= n and redis_client.hlen(outbox_key(0, 1)) == 0
+               and receiver.in_flight == 0, 60, "every event delivered")
+    assert len(receiver.ids) == n and len(set(receiver.ids)) == n, sorted(receiver.ids)
+    # Each event's created_at is the server's time of its end, whichever pod's request ended it.
+    assert all(abs(int(str(b["created_at"])) - time.time()) < 30 for b in receiver.bodies), receiver.bodies
