@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
-from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis as redis_sync
 from redis._parsers import AsyncCommandsParser
@@ -37,6 +37,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.backoff import Backoff
 from broker.redis.errors import closed_under_the_command, reply, store_errors
+from broker.redis.urls import (
+    SENTINEL_SCHEMES,
+    cluster_url,
+    is_cluster_url,
+    is_sentinel_url,
+    node_url,
+    plain_url,
+    sentinel_auth,
+)
 
 # Ordinary commands: short, so a dead server is noticed in seconds, not minutes.
 COMMAND_TIMEOUT_S = 5.0
@@ -49,8 +58,6 @@ CONNECT_TIMEOUT_S = 2.0
 LONGEST_BLOCK_S = 4.0
 BLOCKING_TIMEOUT_S = LONGEST_BLOCK_S + COMMAND_TIMEOUT_S
 
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
 
 # Either kind of client: the commands rsb uses have the same signatures on both.
 RedisClient = Redis | RedisCluster
@@ -170,10 +177,6 @@ async def xrange_raw(client: RedisClient, key: str, start: str, count: int) -> l
     return entries if isinstance(entries, list) else list(entries)
 
 
-def is_sentinel_url(url: str) -> bool:
-    return urlsplit(url).scheme in SENTINEL_SCHEMES
-
-
 def _sentinel(url: str, *, max_connections: int, retries: int, socket_timeout: float | None) -> Redis:
     """A client of the primary that the sentinels of ``url`` name for its service."""
     parts = urlsplit(url)
@@ -191,44 +194,6 @@ def _sentinel(url: str, *, max_connections: int, retries: int, socket_timeout: f
         path[0], redis_class=MappedRedis, db=db, socket_timeout=socket_timeout, max_connections=max_connections,
         retry=_retry(retries), ssl=SENTINEL_SCHEMES[parts.scheme] == "rediss", **sentinel_auth(parts))
     return client
-
-
-def sentinel_auth(parts: SplitResult) -> dict[str, Any]:
-    """The primary's credentials in a sentinel URL, percent-decoded as redis-py decodes them in a redis:// URL
-    (a password with ``@``, ``:`` or ``/`` is written quoted; --redis-password is added quoted)."""
-    if parts.password is None:
-        return {}
-    return {"username": unquote(parts.username) if parts.username else None, "password": unquote(parts.password)}
-
-
-def is_cluster_url(url: str) -> bool:
-    return urlsplit(url).scheme in CLUSTER_SCHEMES
-
-
-def plain_url(url: str) -> str:
-    """The URL with a ``+cluster`` scheme turned into the plain one redis-py parses."""
-    parts = urlsplit(url)
-    if parts.scheme in CLUSTER_SCHEMES:
-        parts = parts._replace(scheme=CLUSTER_SCHEMES[parts.scheme])
-    return urlunsplit(parts)
-
-
-def cluster_url(url: str) -> str:
-    """The same server(s) as a cluster URL (``--redis-cluster`` with a plain ``redis://`` URL)."""
-    parts = urlsplit(url)
-    if parts.scheme in CLUSTER_SCHEMES:
-        return url
-    if parts.path not in ("", "/", "/0"):
-        raise ValueError("Redis Cluster has only database 0: drop the /<db> from --redis-url")
-    return urlunsplit(parts._replace(scheme=f"{parts.scheme}+cluster", path=""))
-
-
-def node_url(url: str, host: str, port: int) -> str:
-    """A standalone URL for one node of a cluster, keeping the credentials and TLS of ``url``."""
-    parts = urlsplit(plain_url(url))
-    auth = parts.netloc.rpartition("@")[0]
-    netloc = f"{auth}@{host}:{port}" if auth else f"{host}:{port}"
-    return urlunsplit(parts._replace(netloc=netloc, path=""))
 
 
 class _RetryBackoff(AbstractBackoff):

@@ -20,7 +20,7 @@ from typing import Any
 
 import redis as redis_sync
 
-from broker.redis.connection import is_cluster_url, is_sentinel_url, plain_url
+from broker.redis.urls import is_cluster_url, is_sentinel_url, plain_url
 
 log = logging.getLogger("rsb")
 

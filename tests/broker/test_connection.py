@@ -15,8 +15,9 @@ import redis
 from servers import PrimaryReplica, RedisClusterServers
 
 from broker.errors import StoreUnavailable
-from broker.redis.connection import RedisClient, connect, is_sentinel_url, register_script
+from broker.redis.connection import RedisClient, connect, register_script
 from broker.redis.server import find_server_binary, free_port
+from broker.redis.urls import is_sentinel_url
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +101,7 @@ async def test_a_sentinel_url_follows_a_failover(sentinel: SentinelSetup) -> Non
 def test_a_sentinel_urls_credentials_are_percent_decoded() -> None:
     from urllib.parse import quote, urlsplit
 
-    from broker.redis.connection import sentinel_auth
+    from broker.redis.urls import sentinel_auth
 
     password = "p@ss:w/rd%"
     parts = urlsplit(f"redis+sentinel://us%40er:{quote(password, safe='')}@h1:26379,h2:26379/mymaster/0")
