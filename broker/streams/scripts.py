@@ -342,7 +342,7 @@ if st == 'queued' then
   refuse_when_full(K.meta)  -- Redis full: refused whole (dequeue's first write, a ZREM, would let it all through)
   if redis.call('HGET', K.meta, 'held') ~= '1' then  -- a held turn is in no line yet
     dequeue(K.meta, A.sid, K.totals)
-    if m[7] then redis.call('XDEL', m[6] .. 'jobs', m[7]) end  -- the backlog (broker.streams.keys.QueueKeys.backlog)
+    if m[7] then redis.call('XDEL', queue_backlog(m[6]), m[7]) end
   end
   redis.call('HSET', K.meta, 'cancel', A.reason)
   close_stream(K.meta, K.events, K.tombstone, A.channel, 'cancelled', A.cancelled_data, 'cancelled', A.usage,
