@@ -199,7 +199,7 @@ def queue_stats_key(partition: int, partitions: int) -> str:
 
 def stream_key_prefix(partition: int, partitions: int) -> str:
     """``<prefix><uuid><suffix>`` are a stream's keys: the claim script walks the waiting jobs of its partition
-    (same slot) with it and the suffixes to update their queue positions."""
+    (same slot) from it, with the Lua builders of ``STREAM_META`` and ``STREAM_EVENTS``, to update their places."""
     return STREAM_PREFIX.build(tag=tagged(partition, partitions))
 
 

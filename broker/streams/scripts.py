@@ -24,7 +24,7 @@ nothing, and the events are published once a replica has them.
 
 All keys a script touches share the partition's hash tag (broker.streams.keys), so every script runs in one
 slot on Redis Cluster; that includes the keys the queue's scripts build inside Lua (the waiting streams and
-tenant lines of its own partition, from the prefixes and suffixes broker.streams.keys passes them) and the
+tenant lines of its own partition, with builders generated from broker.streams.keys's templates) and the
 channels they publish on. What the scripts share (an event's fields and payload, the final statuses) is
 broker.streams.lua's ``PRELUDE``, generated from their Python definitions; KEYS and ARGV are named once, in
 Python (broker.redis.lua). Every time a script stores or compares (``created_at``, ``seen``, ``claimed_at``,
