@@ -22,17 +22,28 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from broker.errors import RsbError, StoreTransient
-from broker.events import EventType, FinishReason, encode_data
+from broker.errors import StoreTransient
+from broker.events import EventType, encode_data
 from broker.streams.conversations import ConversationStore
 from broker.streams.records import AppendResult, Claim
 from broker.streams.store import Store, started_event
 from generator.answer import AnswerEvents, AnswerSoFar
-from generator.engines import Engine, Generation, error_code
+from generator.engines import Engine, Generation
 from generator.engines.pieces import PartialAnswer
 from generator.handoff import TokenHandoff, produce
 from generator.lease import Ending, Run, keep_lease
 from generator.metrics import GeneratorMetrics
+from generator.outcome import (
+    INTERNAL,
+    AnswerEnd,
+    Cancelled,
+    Failed,
+    FencedOut,
+    HandOver,
+    Outcome,
+    decide_outcome,
+    describe,
+)
 from generator.retry import until_done
 from generator.settings import GeneratorSettings
 from generator.slots import Seat, Slots, StallWatch
@@ -45,16 +56,8 @@ log = logging.getLogger("rsb.generator")
 AFFINITY_TTL_S = 1800
 # How long a finished generation waits for its lease renewer to stop (it is mid-command at worst).
 RENEWER_STOP_S = 1.0
-# The ``error`` code of a generation ended by a bug of rsb's own (not the engine's): broker.errors' base code.
-INTERNAL = RsbError.code
 # The endings after which another worker writes the stream's terminal event.
 _UNWRITTEN = (Ending.FENCED_OUT, Ending.HANDED_OVER)
-
-
-def _describe(error: BaseException) -> str:
-    """An ``error`` event's message for a bug: the exception's type and message (a Redis error names a command
-    or a script, never a prompt)."""
-    return f"{type(error).__name__}: {error}"
 
 
 class Appender(Protocol):
@@ -103,6 +106,10 @@ class _Progress:
     finish_reason: str | None = None
     lost_runs: int = 0  # earlier attempts that had started the generation and were lost (a crash, a lost lease)
     claimed_seq: int = 0  # tokens the stream held when this attempt claimed it
+
+    def answer_end(self) -> AnswerEnd:
+        return AnswerEnd(self.stopped, self.stop_sequence, self.capped, self.undeclared, self.error,
+                         self.finish_reason)
 
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens or 0, self.tokens, self.t_start, self.first_token_at, self.last_token_at,
@@ -173,7 +180,7 @@ class JobRunner:
             except Exception as e:  # a bug of the store (a failing script, WRONGTYPE): not retried, surfaced
                 log.error("generation failed: %s", type(e).__name__, exc_info=e,
                           extra={"stream_id": str(claim.stream_id)})
-                await self._finish_error(run, INTERNAL, _describe(e), Usage(0, claim.seq))
+                await self._finish_error(run, INTERNAL, describe(e), Usage(0, claim.seq))
             finally:
                 del self.running[claim.stream_id]
                 self.metrics.running.dec()
@@ -214,42 +221,33 @@ class JobRunner:
             run.end_generation()
             renewer.cancel()
             await asyncio.wait({renewer}, timeout=RENEWER_STOP_S)
-        claim = run.claim
-        ending = run.ending
-        if ending in (Ending.FENCED_OUT, Ending.HANDED_OVER):
+        await self._write(run, progress, decide_outcome(run.ending, progress.answer_end(), failure=run.failure,
+                                                        cancel_reason=run.cancel_reason,
+                                                        deadline_s=s.max_generation_s))
+
+    async def _write(self, run: Run, progress: _Progress, outcome: Outcome) -> None:
+        """Carry out what generator.outcome decided."""
+        sid = str(run.claim.stream_id)
+        if isinstance(outcome, (FencedOut, HandOver)):
             await self._report_wasted(run, progress.tokens - progress.seq)
-        if ending is Ending.FENCED_OUT:
-            log.warning("lost the lease; another worker owns the stream", extra={"stream_id": str(claim.stream_id)})
+            if isinstance(outcome, FencedOut):
+                log.warning("lost the lease; another worker owns the stream", extra={"stream_id": sid})
+            else:
+                await self._hand_over(run)
             return
-        if ending is Ending.HANDED_OVER:
-            await self._hand_over(run)
-            return
-        wasted = progress.wasted()
-        compute_s = progress.compute_s
-        usage = progress.usage()
-        deadline = s.max_generation_s
-        error = progress.error
-        if ending is Ending.FAILED and run.failure is not None:  # (FAILED comes with its failure)
-            await self._finish_error(run, INTERNAL, _describe(run.failure), usage, compute_s, wasted)
-        elif ending is Ending.CANCELLED and not progress.stopped:  # an answer complete before it: done
-            await self._finish_cancelled(run, run.cancel_reason, usage, compute_s, wasted)
-        elif ending is Ending.DEADLINE:
-            await self._finish_error(run, "deadline", f"generation exceeded {deadline:g} s", usage, compute_s, wasted)
-        elif progress.undeclared is not None:
-            await self._finish_error(run, "undeclared_tool", f"the model called {progress.undeclared[:64]!r}, a tool "
-                                     "the request did not offer", usage, compute_s, wasted)
-        elif error is not None:
-            log.error("engine failed: %s", type(error).__name__, extra={"stream_id": str(claim.stream_id)})
-            await self._finish_error(run, error_code(error), str(error) or type(error).__name__, usage, compute_s,
-                                     wasted)
+        wasted, compute_s, usage = progress.wasted(), progress.compute_s, progress.usage()
+        if isinstance(outcome, Cancelled):
+            await self._finish_cancelled(run, outcome.reason, usage, compute_s, wasted)
+        elif isinstance(outcome, Failed):
+            if outcome.engine:
+                log.error("engine failed: %s", type(progress.error).__name__, extra={"stream_id": sid})
+            await self._finish_error(run, outcome.code, outcome.message, usage, compute_s, wasted)
         else:
-            reason = FinishReason.TOOL_CALLS if progress.capped else FinishReason.STOP if progress.stopped else (
-                progress.finish_reason or FinishReason.STOP)
             u = usage.as_dict()
-            done: dict[str, object] = {"finish_reason": reason, "usage": u}
-            if progress.stop_sequence is not None and not progress.capped:
-                done["stop_sequence"] = progress.stop_sequence  # which one (Anthropic's stop_sequence)
-            await self._finish(run, EventType.DONE, done, "done", u, reason, compute_s, wasted)
+            done: dict[str, object] = {"finish_reason": outcome.finish_reason, "usage": u}
+            if outcome.stop_sequence is not None:
+                done["stop_sequence"] = outcome.stop_sequence
+            await self._finish(run, EventType.DONE, done, "done", u, outcome.finish_reason, compute_s, wasted)
 
     async def _segment(self, run: Run, progress: _Progress) -> bool:
         """Run the engine from what the stream holds until the generation ends, or parks: True when it parked

@@ -37,6 +37,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.backoff import Backoff
 from broker.redis.errors import closed_under_the_command, reply, store_errors
+from broker.redis.keyspace import NEVER_WRITTEN
 from broker.redis.urls import (
     SENTINEL_SCHEMES,
     cluster_url,
@@ -70,10 +71,10 @@ Script = Any
 #: for lack of memory only while the script has written nothing (it cannot stop a script midway), and only for
 #: commands that may grow memory (HSET, XADD, SADD...), not for ZREMRANGEBYSCORE, EXPIRE, DEL or XCLAIM: a
 #: script that starts with one of those would then write everything else past ``maxmemory``. Such a script calls
-#: ``refuse_when_full(key)`` first: a SETRANGE of nothing on a key that never exists (``key`` .. ':oom', in
+#: ``refuse_when_full(key)`` first: a SETRANGE of nothing on a key that never exists (``NEVER_WRITTEN``, in
 #: ``key``'s slot) changes nothing, but is refused when Redis is full, so the whole script is, before it wrote.
-REFUSE_WHEN_FULL = """
-local function refuse_when_full(key) redis.call('SETRANGE', key .. ':oom', 0, '') end
+REFUSE_WHEN_FULL = NEVER_WRITTEN.lua("never_written") + """
+local function refuse_when_full(key) redis.call('SETRANGE', never_written(key), 0, '') end
 """
 
 #: The converse, for scripts that must write when Redis is full because what they write takes no new memory (a

@@ -20,6 +20,9 @@ The key names themselves are broker.streams.keys's (rsb's streams, jobs and chat
 from __future__ import annotations
 
 import functools
+import re
+import string
+from dataclasses import dataclass
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
@@ -58,3 +61,83 @@ def partition_slot(partition: int, partitions: int) -> int:
 def tagged(partition: int, partitions: int) -> str:
     """``rsb:{<tag>}``: what every key of the partition starts with."""
     return f"{PREFIX}:{{{partition_tag(partition, partitions)}}}"
+
+
+#: What a named part of a key may hold, as the key-schema test matches it (any other part: some text).
+PART_PATTERNS = {
+    "tag": re.escape(PREFIX) + r":\{[^{}]+\}",
+    "sid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+    "day": r"-?\d+",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KeyTemplate:
+    """One kind of key: literal text and named parts (``"{qp}w:{tier}:{who}"``). Python builds a key with ``build``; a
+    script that names the key inside Lua, from a prefix it holds (a queue's ``qp``, stored in a stream's meta), gets
+    its builder from ``lua``, generated from the same text, so the two languages cannot spell a key differently; the
+    key-schema test (tests/broker/test_key_schema.py) matches every key Redis holds against ``pattern``. A part that
+    is itself the beginning of a key names that key's template in ``within``."""
+
+    text: str
+    within: tuple[tuple[str, KeyTemplate], ...] = ()
+
+    @classmethod
+    def under(cls, text: str, **within: KeyTemplate) -> KeyTemplate:
+        return cls(text, tuple(within.items()))
+
+    def __post_init__(self) -> None:
+        for literal, _ in self.pieces:
+            if any(c in literal for c in "'\\\n{}"):
+                raise ValueError(f"a key template's literal text is plain: {self.text!r}")
+
+    @property
+    def pieces(self) -> list[tuple[str, str | None]]:
+        """(literal, part name or None) pairs, in order."""
+        return [(literal, name) for literal, name, _, _ in string.Formatter().parse(self.text)]
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(name for _, name in self.pieces if name is not None)
+
+    @property
+    def literals(self) -> tuple[str, ...]:
+        """The literal text between the parts (what a Lua script must not spell itself)."""
+        return tuple(literal for literal, _ in self.pieces if literal)
+
+    def build(self, **parts: str) -> str:
+        if parts.keys() != set(self.parts):
+            raise TypeError(f"key {self.text!r} has parts {self.parts}, given {sorted(parts)}")
+        return self.text.format(**parts)
+
+    def lua(self, function: str) -> str:
+        """``local function <function>(<parts>) return <the key> end``: the Lua builder of this kind of key."""
+        terms = []
+        for literal, name in self.pieces:
+            if literal:
+                terms.append(f"'{literal}'")
+            if name is not None:
+                terms.append(name)
+        return f"local function {function}({', '.join(self.parts)}) return {' .. '.join(terms)} end\n"
+
+    @property
+    def pattern(self) -> str:
+        """A regular expression every key of this kind matches whole."""
+        within = dict(self.within)
+        out = []
+        for literal, name in self.pieces:
+            out.append(re.escape(literal))
+            if name is not None:
+                out.append(f"(?:{within[name].pattern})" if name in within else PART_PATTERNS.get(name, ".+?"))
+        return "".join(out)
+
+
+def lua_builders(**builders: KeyTemplate) -> str:
+    """Lua functions, one per ``name=template``, each building that kind of key from its parts (for a script that
+    names keys inside Lua)."""
+    return "".join(template.lua(name) for name, template in builders.items())
+
+
+#: A key no script ever writes (a SETRANGE of nothing leaves none), beside ``key`` in its slot
+#: (broker.redis.connection.REFUSE_WHEN_FULL).
+NEVER_WRITTEN = KeyTemplate("{key}:oom")

@@ -26,7 +26,7 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 
 from broker.redis.connection import REFUSE_WHEN_FULL, RedisClient, is_cluster
-from broker.redis.keyspace import partition_share, tagged
+from broker.redis.keyspace import KeyTemplate, partition_share, tagged
 from broker.redis.lua import SERVER_MS
 
 #: Expired items swept per charging call: bounds the call's time in Redis.
@@ -76,35 +76,41 @@ class StorageQuota:
 NO_STORAGE_QUOTA = StorageQuota()
 
 
+#: A caller's stored bytes in one partition (a hash), and its items by expiry (a sorted set beside it). Here, not in
+#: broker.streams.keys: Durable Streams count in it too.
+STORAGE = KeyTemplate("{tag}:storage:{principal}")
+STORAGE_EXPIRY = KeyTemplate.under("{storage}:exp", storage=STORAGE)
+
+
 def storage_key(partition: int, partitions: int, principal: str) -> str:
-    """Hash of one caller's stored bytes in one partition (and, + ``:exp``, its items by expiry)."""
-    return f"{tagged(partition, partitions)}:storage:{principal or '-'}"
+    """Hash of one caller's stored bytes in one partition (and, ``STORAGE_EXPIRY``, its items by expiry)."""
+    return STORAGE.build(tag=tagged(partition, partitions), principal=principal or "-")
 
 
 #: The Lua of the quota, for the scripts that write counted data (broker.streams.scripts, broker.durable.scripts).
 #: ``s`` is a caller's storage_key; ``item`` the key an item's charge is recorded under (its meta key).
-QUOTA_LUA = REFUSE_WHEN_FULL + SERVER_MS + f"""
+QUOTA_LUA = REFUSE_WHEN_FULL + SERVER_MS + STORAGE_EXPIRY.lua("expiries") + f"""
 -- The caller's two keys live as long as its longest-lived item (then they count nothing): the counts of the
 -- many callers seen once do not pile up in Redis.
 local function quota_keep(s)
-  local top = redis.call('ZRANGE', s .. ':exp', -1, -1, 'WITHSCORES')
+  local top = redis.call('ZRANGE', expiries(s), -1, -1, 'WITHSCORES')
   if #top == 0 then return end
   if tonumber(top[2]) == math.huge then
     redis.call('PERSIST', s)
-    redis.call('PERSIST', s .. ':exp')
+    redis.call('PERSIST', expiries(s))
   else
     local at = string.format('%d', tonumber(top[2]) + 1000)
     redis.call('PEXPIREAT', s, at)
-    redis.call('PEXPIREAT', s .. ':exp', at)
+    redis.call('PEXPIREAT', expiries(s), at)
   end
 end
 local function quota_release(s, item)
   local b = tonumber(redis.call('HGET', s, item) or '0')
   if b ~= 0 then redis.call('HINCRBY', s, 'bytes', -b) end
   redis.call('HDEL', s, item)
-  redis.call('ZREM', s .. ':exp', item)
-  if tonumber(redis.call('HGET', s, 'bytes') or '0') <= 0 and redis.call('ZCARD', s .. ':exp') == 0 then
-    redis.call('DEL', s, s .. ':exp')
+  redis.call('ZREM', expiries(s), item)
+  if tonumber(redis.call('HGET', s, 'bytes') or '0') <= 0 and redis.call('ZCARD', expiries(s)) == 0 then
+    redis.call('DEL', s, expiries(s))
   else
     quota_keep(s)
   end
@@ -112,7 +118,7 @@ end
 -- The caller's items whose keys expired, taken off its total. A full Redis refuses the whole script here.
 local function quota_sweep(s)
   refuse_when_full(s)
-  local gone = redis.call('ZRANGEBYSCORE', s .. ':exp', '-inf', server_ms(), 'LIMIT', 0, {SWEEP_MAX})
+  local gone = redis.call('ZRANGEBYSCORE', expiries(s), '-inf', server_ms(), 'LIMIT', 0, {SWEEP_MAX})
   for _, item in ipairs(gone) do quota_release(s, item) end
 end
 -- Whether ``charge`` more bytes fit the caller's ``quota`` (0: no bound). Sweep first.
@@ -124,11 +130,11 @@ local function quota_charge(s, item, charge)
   if charge == 0 then return end
   redis.call('HINCRBY', s, item, charge)
   redis.call('HINCRBY', s, 'bytes', charge)
-  redis.call('ZADD', s .. ':exp', 'NX', 'inf', item)
+  redis.call('ZADD', expiries(s), 'NX', 'inf', item)
   quota_keep(s)
 end
 -- ``item``'s keys expire at ``at_ms`` ('inf': never): swept then.
 local function quota_expire(s, item, at_ms)
-  if redis.call('ZADD', s .. ':exp', 'XX', 'CH', at_ms, item) == 1 then quota_keep(s) end
+  if redis.call('ZADD', expiries(s), 'XX', 'CH', at_ms, item) == 1 then quota_keep(s) end
 end
 """

@@ -39,9 +39,10 @@ from typing import Any
 import orjson
 
 from broker.redis.connection import RedisClient, register_script, reply_text
+from broker.redis.keyspace import lua_builders
 from broker.redis.lua import SERVER_MS, Lua
 from broker.redis.quota import QUOTA_LUA
-from broker.streams.keys import outbox_dests_key, outbox_due_key, outbox_holds_key, outbox_key
+from broker.streams.keys import OUTBOX_DEST, outbox_dests_key, outbox_due_key, outbox_holds_key, outbox_key
 
 #: The webhook event of each end: ``done`` that stopped at ``max_tokens`` (finish reason ``length``) is
 #: ``response.incomplete``.
@@ -87,8 +88,7 @@ def event_id(sid: str) -> str:
 
 #: Shared by the outbox's scripts: a destination's set, and its place in ``dests`` (its earliest event, or its hold's
 #: end if later; out of ``dests`` when it has none).
-_DEST_LUA = """
-local function dest_set(outbox, dest) return outbox .. ':d:' .. dest end
+_DEST_LUA = lua_builders(dest_set=OUTBOX_DEST) + """
 local function dest_place(outbox, dests, holds, dest)
   local first = redis.call('ZRANGE', dest_set(outbox, dest), 0, 0, 'WITHSCORES')
   if #first == 0 then

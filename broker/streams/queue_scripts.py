@@ -16,8 +16,8 @@ A model's queue in one partition (broker.streams.keys.QueueKeys) holds:
 
 A stream's meta (broker.streams.scripts) says where its job is: ``qp`` (its queue's key prefix), ``tier``, ``who``
 (its tenant), ``jid`` (its backlog entry), ``aff`` (its chat's affinity digest). The scripts name the per-tenant
-lists and the waiting streams' keys from those, inside Lua: every one shares the partition's hash tag, so each
-script stays in one slot on Redis Cluster.
+lists and the waiting streams' keys from those, inside Lua, with builders generated from broker.streams.keys
+(``QUEUE_KEYS``): every one shares the partition's hash tag, so each script stays in one slot on Redis Cluster.
 
 Positions: each claim tells the first ``position_updates`` jobs still waiting their new place in the order the
 claims will take them (tiers in order, tenants in turn; aging and affinity aside), so the ``queued`` events
@@ -27,7 +27,23 @@ count down under the same policy the claims follow. A create computes its own jo
 from __future__ import annotations
 
 from broker.redis.connection import ALLOW_WHEN_FULL, REFUSE_WHEN_FULL
+from broker.redis.keyspace import lua_builders
 from broker.redis.lua import SERVER_MS, Lua
+from broker.streams.keys import (
+    AFFINITY,
+    QUEUE_BACKLOG,
+    QUEUE_DEFERRED,
+    QUEUE_INBOX,
+    QUEUE_LEASES,
+    QUEUE_RING,
+    QUEUE_STATS,
+    QUEUE_WAITING,
+    QUEUE_WAKE,
+    QUEUE_WAKE_FOR,
+    STREAM_CHANNEL,
+    STREAM_EVENTS,
+    STREAM_META,
+)
 from broker.streams.lua import APPEND_EVENT, PRELUDE
 from broker.tiers import TIERS
 
@@ -44,13 +60,19 @@ def _lua_list(values: tuple[str, ...]) -> str:
     return "{" + ", ".join(f"'{v}'" for v in values) + "}"
 
 
+#: The Lua builders of the keys the queue's scripts name themselves (from a stream's ``qp``, the partition's stream
+#: prefix, the affinities' prefix): generated from broker.streams.keys, the one place each key is spelled.
+QUEUE_KEYS = lua_builders(
+    queue_stats=QUEUE_STATS, queue_backlog=QUEUE_BACKLOG, queue_leases=QUEUE_LEASES, queue_deferred=QUEUE_DEFERRED,
+    queue_wake=QUEUE_WAKE, queue_wake_for=QUEUE_WAKE_FOR, queue_inbox=QUEUE_INBOX, ring_of=QUEUE_RING,
+    tenant_list=QUEUE_WAITING, stream_meta=STREAM_META, stream_events=STREAM_EVENTS, stream_channel=STREAM_CHANNEL,
+    affinity_key=AFFINITY)
+
 #: What the queue's scripts share: putting a job in line and taking it out, counting, the service order, and
 #: claiming one stream. Defined after PRELUDE and APPEND_EVENT (which it uses).
-QUEUE = SERVER_MS + f"""
+QUEUE = SERVER_MS + QUEUE_KEYS + f"""
 local TIERS = {_lua_list(TIERS)}
 local WAKE_TOKENS, INBOX_MAX, INBOX_TTL_S = {WAKE_TOKENS}, {INBOX_MAX}, {INBOX_TTL_S}
-local function tenant_list(qp, tier, who) return qp .. 'w:' .. tier .. ':' .. who end
-local function ring_of(qp, tier) return qp .. 'ring:' .. tier end
 
 local function wake(list)
   redis.call('RPUSH', list, '1')
@@ -60,8 +82,8 @@ end
 
 -- Counts of waiting jobs: the model queue's (all tiers, per tier) and the partition's over every model.
 local function count_waiting(qp, tier, totals, delta)
-  redis.call('HINCRBY', qp .. 'stats', 'waiting', delta)
-  redis.call('HINCRBY', qp .. 'stats', 'waiting:' .. tier, delta)
+  redis.call('HINCRBY', queue_stats(qp), 'waiting', delta)
+  redis.call('HINCRBY', queue_stats(qp), 'waiting:' .. tier, delta)
   redis.call('HINCRBY', totals, 'waiting', delta)
 end
 
@@ -71,7 +93,7 @@ local function enqueue(qp, tier, who, sid, totals, now_ms, front)
   local ring = ring_of(qp, tier)
   if redis.call('LLEN', ring) == 0 then
     -- The tier starts waiting now: its age (broker.tiers) counts from here, not from its last claim long ago.
-    redis.call('HSET', qp .. 'stats', 'served:' .. tier, now_ms)
+    redis.call('HSET', queue_stats(qp), 'served:' .. tier, now_ms)
   end
   local n
   if front then n = redis.call('LPUSH', tenant_list(qp, tier, who), sid)
@@ -80,14 +102,14 @@ local function enqueue(qp, tier, who, sid, totals, now_ms, front)
     if front then redis.call('LPUSH', ring, who) else redis.call('RPUSH', ring, who) end
   end
   count_waiting(qp, tier, totals, 1)
-  wake(qp .. 'wake')
+  wake(queue_wake(qp))
 end
 
 -- Out of line (a cancel, or a claim naming the stream), wherever it waits: its tenant's list, or left for a worker.
 local function dequeue(meta, sid, totals)
   local m = redis.call('HMGET', meta, 'qp', 'tier', 'who')
   local qp, tier, who = m[1], m[2], m[3]
-  if redis.call('ZREM', qp .. 'deferred', sid) == 0 then
+  if redis.call('ZREM', queue_deferred(qp), sid) == 0 then
     local list = tenant_list(qp, tier, who)
     redis.call('LREM', list, 1, sid)
     if redis.call('LLEN', list) == 0 then redis.call('LREM', ring_of(qp, tier), 0, who) end
@@ -125,7 +147,7 @@ end
 -- before, then, in its own, the rounds its tenant's earlier jobs take (each other tenant adds at most one job a
 -- round). Tenants past the first ``count`` of the ring are estimated from the tier's count.
 local function new_position(qp, tier, who, count)
-  local stats = qp .. 'stats'
+  local stats = queue_stats(qp)
   local ahead = 0
   for _, t in ipairs(TIERS) do
     if t == tier then break end
@@ -162,11 +184,10 @@ local function queued_data(position, stats, workers)
   return '{{"position":' .. position .. ',"eta_s":' .. eta_of(position, stats) .. w .. '}}'
 end
 
--- Tell the first ``count`` waiting jobs their place (their streams' keys: prefix .. id .. suffix).
-local function refresh_positions(qp, count, stream_prefix, events_suffix, channel_suffix)
+-- Tell the first ``count`` waiting jobs their place (``streams``: the partition's stream prefix).
+local function refresh_positions(qp, count, streams)
   for pos, sid in ipairs(service_order(qp, count)) do
-    local s = stream_prefix .. sid
-    append_event(s .. events_suffix, s .. channel_suffix, 'queued', queued_data(pos, qp .. 'stats'))
+    append_event(stream_events(streams, sid), stream_channel(streams, sid), 'queued', queued_data(pos, queue_stats(qp)))
   end
 end
 
@@ -185,8 +206,8 @@ local function claim_stream(meta, sid, worker, now_s, now_ms, lease_ms, was_queu
   local m = redis.call('HMGET', meta, 'qp', 'tier')
   local qp, tier = m[1], m[2]
   if was_queued then
-    redis.call('HINCRBY', qp .. 'stats', 'busy', 1)
-    redis.call('HSET', qp .. 'stats', 'served:' .. tier, now_ms)
+    redis.call('HINCRBY', queue_stats(qp), 'busy', 1)
+    redis.call('HSET', queue_stats(qp), 'served:' .. tier, now_ms)
   end
   local attempts = redis.call('HINCRBY', meta, 'attempts', 1)
   local fence = redis.call('HINCRBY', meta, 'fence', 1)
@@ -197,7 +218,7 @@ local function claim_stream(meta, sid, worker, now_s, now_ms, lease_ms, was_queu
   if not a[3] and tonumber(a[1] or '0') > 0 and now - tonumber(a[2] or now) > tonumber(a[1]) then
     redis.call('HSET', meta, 'cancel', 'abandoned')
   end
-  redis.call('ZADD', qp .. 'leases', now_ms + lease_ms, sid)
+  redis.call('ZADD', queue_leases(qp), now_ms + lease_ms, sid)
   return claim_reply(meta, sid, fence, attempts, tier, now_s)
 end
 """
@@ -212,7 +233,7 @@ CLAIM_NEXT = Lua(_HEAD + """
 local now_ms = server_ms()
 local now_s = string.format('%.6f', now_ms / 1000)
 local qp = A.qp
-local function meta_of(sid) return A.stream_prefix .. sid .. A.meta_suffix end
+local function meta_of(sid) return stream_meta(A.stream_prefix, sid) end
 -- Asked again with the token of a claim whose reply never reached the worker (redis-py's retry of a call cut
 -- after the script ran, or the worker's next try of this queue): the stream it claimed then, while still its.
 local receipt = redis.call('HMGET', K.receipt, 'token', 'sid', 'fence')
@@ -231,7 +252,7 @@ local function done(reply)
   if reply[1] == 'claimed' then
     redis.call('HSET', K.receipt, 'token', A.token, 'sid', reply[2], 'fence', reply[3])
     redis.call('PEXPIRE', K.receipt, A.lease_ms)
-    refresh_positions(qp, tonumber(A.position_updates), A.stream_prefix, A.events_suffix, A.channel_suffix)
+    refresh_positions(qp, tonumber(A.position_updates), A.stream_prefix)
   end
   return reply
 end
@@ -294,17 +315,17 @@ for _ = 1, tonumber(A.tries) do
       count_waiting(qp, tier, K.totals, -1)  -- a stream lost while it waited (evicted): out of the counts
     else
       local owner = nil
-      if wait_ms > 0 and m[2] and m[2] ~= '' then owner = redis.call('GET', A.affinity_prefix .. m[2]) end
+      if wait_ms > 0 and m[2] and m[2] ~= '' then owner = redis.call('GET', affinity_key(A.affinity_prefix, m[2])) end
       local left = 0
       if owner and owner ~= A.worker then left = wait_ms - (now_ms - math.floor(tonumber(m[3]) * 1000)) end
       if left > 0 then
         -- Left for the worker holding the chat's prefix, which is woken; anyone's after ``left``.
         redis.call('ZADD', K.deferred, now_ms + left, sid)
-        local inbox = qp .. 'inbox:' .. owner
+        local inbox = queue_inbox(qp, owner)
         redis.call('RPUSH', inbox, sid)
         redis.call('LTRIM', inbox, -INBOX_MAX, -1)
         redis.call('EXPIRE', inbox, INBOX_TTL_S)
-        wake(qp .. 'wake:' .. owner)
+        wake(queue_wake_for(qp, owner))
       else
         count_waiting(qp, tier, K.totals, -1)
         return done(claim_stream(meta, sid, A.worker, now_s, now_ms, tonumber(A.lease_ms), true))
@@ -324,7 +345,7 @@ end
 return {'empty', due and tostring(due) or ''}
 """, key_names=("totals", "stats", "leases", "deferred", "inbox", "receipt"),
     arg_names=("qp", "worker", "token", "lease_ms", "aging_ms", "affinity_wait_ms", "affinity_prefix", "tries",
-               "stream_prefix", "meta_suffix", "events_suffix", "channel_suffix", "position_updates"))
+               "stream_prefix", "position_updates"))
 
 # One named stream claimed, wherever its job is (waiting in line, left for a worker, or running under any lease):
 # what a stand-in writer (tests, bench) does; the same fencing as CLAIM_NEXT.
@@ -340,12 +361,11 @@ if queued then dequeue(K.meta, A.sid, K.totals) end
 local reply = claim_stream(K.meta, A.sid, A.worker, string.format('%.6f', now_ms / 1000), now_ms,
   tonumber(A.lease_ms), queued)
 if queued then
-  refresh_positions(redis.call('HGET', K.meta, 'qp'), tonumber(A.position_updates), A.stream_prefix,
-    A.events_suffix, A.channel_suffix)
+  refresh_positions(redis.call('HGET', K.meta, 'qp'), tonumber(A.position_updates), A.stream_prefix)
 end
 return reply
 """, key_names=("meta", "totals"),
-    arg_names=("sid", "worker", "lease_ms", "stream_prefix", "events_suffix", "channel_suffix", "position_updates"))
+    arg_names=("sid", "worker", "lease_ms", "stream_prefix", "position_updates"))
 
 # Keeps a running job's lease, so no claim takes it over while its worker lives. Refused for a fenced-out owner,
 # which then stops generating. Also where nobody-is-reading turns into a cancel: a stream unread for abandon_s, or
@@ -391,12 +411,12 @@ local m = redis.call('HMGET', K.meta, 'fence', 'status', 'seq', 'qp', 'tier', 'w
 if m[1] ~= A.fence or m[2] ~= 'running' then return 0 end
 local qp = m[4]
 if (m[3] or '0') ~= '0' or tonumber(m[7]) > 1 then
-  redis.call('ZADD', qp .. 'leases', 'XX', 0, A.sid)
-  wake(qp .. 'wake')
+  redis.call('ZADD', queue_leases(qp), 'XX', 0, A.sid)
+  wake(queue_wake(qp))
   return 1
 end
-redis.call('ZREM', qp .. 'leases', A.sid)
-redis.call('HINCRBY', qp .. 'stats', 'busy', -1)
+redis.call('ZREM', queue_leases(qp), A.sid)
+redis.call('HINCRBY', queue_stats(qp), 'busy', -1)
 redis.call('HINCRBY', K.meta, 'attempts', -1)
 redis.call('HSET', K.meta, 'status', 'queued')
 redis.call('HDEL', K.meta, 'worker', 'claimed_at', 'started_at')  -- never claimed: its wait goes on

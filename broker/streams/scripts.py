@@ -24,7 +24,7 @@ nothing, and the events are published once a replica has them.
 
 All keys a script touches share the partition's hash tag (broker.streams.keys), so every script runs in one
 slot on Redis Cluster; that includes the keys the queue's scripts build inside Lua (the waiting streams and
-tenant lines of its own partition, from the prefixes and suffixes broker.streams.keys passes them) and the
+tenant lines of its own partition, with builders generated from broker.streams.keys's templates) and the
 channels they publish on. What the scripts share (an event's fields and payload, the final statuses) is
 broker.streams.lua's ``PRELUDE``, generated from their Python definitions; KEYS and ARGV are named once, in
 Python (broker.redis.lua). Every time a script stores or compares (``created_at``, ``seen``, ``claimed_at``,
@@ -342,7 +342,7 @@ if st == 'queued' then
   refuse_when_full(K.meta)  -- Redis full: refused whole (dequeue's first write, a ZREM, would let it all through)
   if redis.call('HGET', K.meta, 'held') ~= '1' then  -- a held turn is in no line yet
     dequeue(K.meta, A.sid, K.totals)
-    if m[7] then redis.call('XDEL', m[6] .. 'jobs', m[7]) end  -- the backlog (broker.streams.keys.QueueKeys.backlog)
+    if m[7] then redis.call('XDEL', queue_backlog(m[6]), m[7]) end
   end
   redis.call('HSET', K.meta, 'cancel', A.reason)
   close_stream(K.meta, K.events, K.tombstone, A.channel, 'cancelled', A.cancelled_data, 'cancelled', A.usage,

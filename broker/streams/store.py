@@ -53,9 +53,6 @@ from broker.streams import queue_scripts, replication, scripts
 from broker.streams.affinity import ChatAffinity
 from broker.streams.budget import NO_BUDGET, Budget, price_field, reservation, usd_reservation
 from broker.streams.keys import (
-    CHANNEL_SUFFIX,
-    EVENTS_SUFFIX,
-    META_SUFFIX,
     QueueKeys,
     StreamKeys,
     affinity_key,
@@ -452,8 +449,7 @@ class Store:
                               "affinity_prefix": affinity_key(partition, self.partitions, ""),
                               "tries": queue_scripts.CLAIM_TRIES,
                               "stream_prefix": stream_key_prefix(partition, self.partitions),
-                              "meta_suffix": META_SUFFIX, "events_suffix": EVENTS_SUFFIX,
-                              "channel_suffix": CHANNEL_SUFFIX, "position_updates": POSITION_UPDATES}))
+                              "position_updates": POSITION_UPDATES}))
         if reply_text(res[0]) == "claimed":
             return self._claimed(res)
         due = reply_text(res[1])
@@ -468,7 +464,6 @@ class Store:
             keys=script.keys({"meta": k.meta, "totals": k.queue_stats}),
             args=script.args({"sid": str(stream_id), "worker": worker_id, "lease_ms": int(lease_s * 1000),
                               "stream_prefix": stream_key_prefix(k.partition, k.partitions),
-                              "events_suffix": EVENTS_SUFFIX, "channel_suffix": CHANNEL_SUFFIX,
                               "position_updates": POSITION_UPDATES}))
         tag = reply_text(res[0])
         if tag != "claimed":

@@ -39,7 +39,9 @@ from typing import Any
 
 import orjson
 
+from broker.redis.keyspace import lua_builders
 from broker.redis.lua import SERVER_MS
+from broker.streams.keys import USAGE_DAY, USAGE_FREE, USAGE_LOG
 from broker.tiers import DEFAULT as DEFAULT_TIER
 from broker.tiers import TIERS
 
@@ -74,7 +76,7 @@ Record = dict[str, str]
 #: ``queue_s`` is the wait between them, wholly in one clock; a record of a stream never claimed waited until its
 #: end); ``wasted`` (tokens lost attempts reported:
 #: broker.streams.store.Store.add_wasted).
-RECORD_USAGE_LUA = SERVER_MS + f"""
+RECORD_USAGE_LUA = SERVER_MS + lua_builders(usage_log=USAGE_LOG, usage_free=USAGE_FREE, usage_day=USAGE_DAY) + f"""
 local function record_usage(index, prefix, rollups_since, meta, sid, status, reason, model, prompt_tokens,
                             cached_tokens, completion_tokens, wasted_tokens, compute_s, ttft_ms)
   local m = redis.call('HMGET', meta, 'key_id', 'tier', 'max_tokens', 'created_at', 'started_at', 'wasted', 'qs',
@@ -96,7 +98,7 @@ local function record_usage(index, prefix, rollups_since, meta, sid, status, rea
     redis.call('SET', rollups_since, redis.call('EXISTS', index) == 1 and day or -1)
   end
   local billed = tonumber(prompt_tokens) + tonumber(completion_tokens) > 0
-  local log = billed and prefix .. name or prefix .. 'free:' .. name
+  local log = billed and usage_log(prefix, name) or usage_free(prefix, name)
   local fields = {{'sid', sid, 'ts', now_s, 'key', key, 'model', model or '', 'tier', tier, 'status', status,
     'reason', reason, 'max_tokens', m[3] or '0', 'prompt_tokens', prompt_tokens, 'cached_tokens', cached_tokens,
     'completion_tokens', completion_tokens, 'wasted_tokens', wasted, 'compute_s', compute_s, 'queue_s', queue_s,
@@ -108,7 +110,7 @@ local function record_usage(index, prefix, rollups_since, meta, sid, status, rea
   end
   redis.call('XTRIM', log, 'MINID', '~', string.format('%d', now_ms - keep_s * 1000))
   redis.call('EXPIRE', log, keep_s)
-  local sums = prefix .. 'day:' .. name .. ':' .. day
+  local sums = usage_day(prefix, name, day)
   local g = ' ' .. cjson.encode({{model or '', tier, status, reason}})
   local saved = math.max(0, tonumber(m[3] or '0') - tonumber(completion_tokens))
   redis.call('HINCRBY', sums, 'streams' .. g, 1)
