@@ -144,6 +144,25 @@ def test_a_create_with_a_traceparent_is_one_trace_across_consumer_and_generator(
 
 
 @pytest.mark.slow
+def test_a_prompt_served_from_the_cache_says_how_much_in_its_span(traced: Stack, receiver: OtlpReceiver) -> None:
+    # The conventions' cached input tokens: what the engine's prompt cache served of the prompt, as usage says it.
+    prompt = "Here is a long preamble that a chat sends again with every turn. " * 20
+    spans = []
+    with traced.client() as c:
+        for _ in range(2):
+            header, trace_id, _ = traceparent()
+            r = c.post("/v1/streams", headers={"traceparent": header}, json={
+                "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 201, r.text
+            usage = read_sse(c, f"/v1/streams/{r.json()['id']}/events").events[-1].data["usage"]
+            gen = receiver.wait_spans(lambda s, t=trace_id: s.trace_id == t and _generation(s))[0]
+            spans.append((gen.attributes[genai.CACHED_INPUT_TOKENS], usage["cached_tokens"], usage["prompt_tokens"]))
+    (first, first_usage, _), (second, second_usage, prompt_tokens) = spans
+    assert (first, second) == (first_usage, second_usage)
+    assert first == 0 and 0 < second <= prompt_tokens
+
+
+@pytest.mark.slow
 def test_a_resume_is_a_fetch_response_span_linked_to_the_generation(traced: Stack, receiver: OtlpReceiver) -> None:
     header, trace_id, _ = traceparent()
     read_header, read_trace, read_parent = traceparent()
