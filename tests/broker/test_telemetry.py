@@ -155,7 +155,10 @@ def test_a_prompt_served_from_the_cache_says_how_much_in_its_span(traced: Stack,
                 "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": 0})
             assert r.status_code == 201, r.text
             usage = read_sse(c, f"/v1/streams/{r.json()['id']}/events").events[-1].data["usage"]
-            gen = receiver.wait_spans(lambda s, t=trace_id: s.trace_id == t and _generation(s))[0]
+            def of_this_trace(s: Span, t: str = trace_id) -> bool:
+                return s.trace_id == t and _generation(s)
+
+            gen = receiver.wait_spans(of_this_trace)[0]
             spans.append((gen.attributes[genai.CACHED_INPUT_TOKENS], usage["cached_tokens"], usage["prompt_tokens"]))
     (first, first_usage, _), (second, second_usage, prompt_tokens) = spans
     assert (first, second) == (first_usage, second_usage)
