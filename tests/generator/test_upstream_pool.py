@@ -32,6 +32,32 @@ async def test_a_server_that_cannot_be_reached_is_skipped_and_marked_down() -> N
         engine.close()
 
 
+async def test_a_server_marked_down_serves_again_once_its_health_check_answers() -> None:
+    # The watcher asks every server its model list each HEALTH_INTERVAL_S; the check it runs is called here.
+    port = free_port()
+    request = GenerationRequest(messages=(Message("user", "hi"),), prompt=None, model=None, max_tokens=8,
+                                temperature=0.0, top_p=1.0, seed=None, stop=(), cancel_on_disconnect=False)
+
+    async def answer(engine: UpstreamEngine) -> str:
+        gen = engine.start(request, prefix_text="", max_tokens=8, stop=threading.Event())
+        assert gen.apieces is not None
+        return "".join([p async for p in gen.apieces if isinstance(p, str)])
+
+    with ScriptedUpstream() as other:
+        engine = UpstreamEngine([f"http://127.0.0.1:{port}", other.url], model="scripted-model")
+        try:
+            assert await answer(engine) == "Hello there!"
+            late = engine.pool.servers[0]
+            assert not late.up and not await engine.pool.check(late)  # still nothing there
+            with ScriptedUpstream(port=port) as back:
+                assert await engine.pool.check(late) and late.up
+                for _ in range(2):  # in turn among the servers up, both idle: it takes one of the two
+                    assert await answer(engine) == "Hello there!"
+                assert len(back.bodies()) == 1 and len(other.bodies()) == 2
+        finally:
+            engine.close()
+
+
 def test_a_generation_whose_upstream_dies_midway_is_continued_on_another(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis) -> None:
     first = ScriptedUpstream().start()
