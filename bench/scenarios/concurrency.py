@@ -105,6 +105,8 @@ async def stream_chat(http: httpx.AsyncClient, model: str, messages: list[dict[s
     pieces: list[str] = []
     chunks = 0
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     finish = None
     async with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -123,7 +125,10 @@ async def stream_chat(http: httpx.AsyncClient, model: str, messages: list[dict[s
                     chunks += 1
                 finish = choice.get("finish_reason") or finish
             if chunk.get("usage"):
-                usage_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                usage = chunk["usage"]
+                usage_tokens = int(usage.get("completion_tokens") or 0)
+                prompt_tokens = usage.get("prompt_tokens")
+                cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     end = time.perf_counter() - t0
     if first is None:
         raise RuntimeError(f"no content in the answer to message {len(messages)}")
@@ -131,6 +136,7 @@ async def stream_chat(http: httpx.AsyncClient, model: str, messages: list[dict[s
     tokens = usage_tokens if usage_tokens is not None else chunks
     return {"sent_s": sent, "ttft_ms": (first - sent) * 1000, "first_s": first, "last_s": last,
             "end_s": end, "tokens": tokens, "chunks": chunks, "usage": usage_tokens is not None,
+            "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
             "finish_reason": finish, "answer": "".join(pieces)}
 
 

@@ -131,7 +131,11 @@ def summary(res: dict[str, Any], turns: int) -> dict[str, Any]:
         these = [a for a in answers if a["turn"] == t]
         per_turn[t] = {"ttft_ms": summarize([a["ttft_ms"] for a in these]),
                        "prompt_chars_p50": summarize([a["prompt_chars"] for a in these])["p50"],
-                       "tokens": sum(a["tokens"] for a in these)}
+                       "tokens": sum(a["tokens"] for a in these),
+                       # The prompt tokens evaluated (not served from a prompt cache), where the server says
+                       # (usage.prompt_tokens_details.cached_tokens): what a cache saves, whatever the CPU's noise.
+                       "prefilled_tokens": sum(a["prompt_tokens"] - (a["cached_tokens"] or 0) for a in these)
+                       if all(a.get("prompt_tokens") is not None for a in these) else None}
     return {"completion_tokens": tokens, "wall_s": res["wall_s"], "aggregate_tps": tokens / res["wall_s"],
             "turns": per_turn}
 
@@ -162,6 +166,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"thinking, <= {args.max_tokens} greedy tokens): TTFT p50 / p99 in s per turn",
                 ["system", "tokens", "wall s", "aggregate tok/s"] + [f"turn {t}" for t in range(1, args.turns + 1)],
                 rows))
+    print(table("prompt tokens evaluated per turn (not from a prompt cache), all users",
+                ["system"] + [f"turn {t}" for t in range(1, args.turns + 1)],
+                [[name] + ["-" if out[name]["summary"]["turns"][t]["prefilled_tokens"] is None
+                           else out[name]["summary"]["turns"][t]["prefilled_tokens"]
+                           for t in range(1, args.turns + 1)] for name in names]))
     for name in names:
         print(f"  {name}: {out[name]['command']}")
     if "llama-server" in out:
