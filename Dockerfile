@@ -9,7 +9,7 @@ COPY broker broker
 COPY generator generator
 COPY consumer consumer
 COPY bench bench
-COPY scripts/llama-core.cmake scripts/model-requirements.txt scripts/
+COPY scripts/llama-core.cmake scripts/llama-no-amx.cmake scripts/model-requirements.txt scripts/
 # llama.cpp compiles here, the core library only (scripts/llama-core.cmake); GGML_NATIVE=OFF: the image runs
 # on other CPUs than the one that built it.
 ENV CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_ALL_WARNINGS=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=/src/scripts/llama-core.cmake -DGGML_NATIVE=OFF"

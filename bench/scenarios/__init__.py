@@ -3,4 +3,4 @@ scenario's name is its module's, with ``-`` for ``_`` (``partial-json`` is parti
 
 SCENARIOS = ["latency", "capacity", "throughput", "resume", "generator", "cpu", "peer", "create", "soak", "aisdk",
              "durable", "durability", "partial-json", "conversation", "constrained",
-             "reconnect", "chat", "fairness", "concurrency", "determinism", "faults"]
+             "reconnect", "chat", "fairness", "concurrency", "users", "determinism", "faults"]

@@ -5,20 +5,24 @@ the CPU's headroom into throughput and quick first tokens?
 completion of at most ``--max-tokens`` greedy tokens, seed 0), from a load process of its own, after one
 untimed warm-up request. The same prompts go to each system, one system after another in one run:
 
+- llama.cpp's own ``llama-server -np N`` (N = rsb's default ``--parallel``), built from the llama.cpp inside
+  llama-cpp-python's sdist, the engine's own commit (bench/llama_server.py; built once and cached, a few
+  minutes the first time), same model file, threads and context per sequence;
+- rsb ``rsb up --generators 1 --upstream`` that same llama-server (``--concurrency N``: one request in flight
+  per slot), while it still runs;
 - rsb with one generator, once per ``--parallel-values`` entry: ``rsb up --generators 1 --parallel N``
-  (``default`` omits the flag: the default's own figure). ``1`` is today's one-generation-at-a-time worker: it
-  passes ``--parallel 1`` where ``rsb up`` has the flag and nothing where it has not (the same worker);
-- llama-cpp-python's own OpenAI server on the same model file, with the generator's threads
-  (``python -m llama_cpp.server --n_threads T --n_threads_batch T --interrupt_requests false``: it runs one
-  request at a time, the others wait; by default a new request would cut the running one off).
+  (``default`` omits the flag: the default's own figure);
+- ``peer`` (not run unless named): llama-cpp-python's own OpenAI server on the same model file, with the
+  generator's threads (``python -m llama_cpp.server --n_threads T --n_threads_batch T --interrupt_requests
+  false``: it runs one request at a time, the others wait).
 
 Measured per system: aggregate tokens/s (completion tokens of all chats / wall time from the first request
 sent to the last stream's end), TTFT (each request sent to its first content chunk) p50 and p99 (of 20, the
 p99 is the slowest), per-stream tokens/s after the first token (completion tokens - 1 over first to last
-content chunk) p50 and min, and how many answers equal the first rsb system's (greedy: what batching changes).
+content chunk) p50 and min, and how many answers equal the first system's (greedy: what batching changes).
 
-Goals (issue 31): the default's aggregate at least 1.7x ``--parallel 1``'s, its TTFT p99 at most a third of
-``--parallel 1``'s, and at least 20 tokens/s per stream (p50; the min is printed beside it).
+Goals (issue 43): rsb's default aggregate at least 0.95x llama-server's and its TTFT p99 at most 1.1x; rsb
+``--upstream`` llama-server at least 0.95x llama-server alone; every rsb stream at least 20 tokens/s (min).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 import httpx
 import orjson
 
-from bench import procs
+from bench import llama_server, procs
 from bench.report import goal_row, print_goals, table
 from bench.stats import ratio, summarize
 from broker.redis.server import free_port
@@ -67,10 +71,11 @@ WARMUP = "Say hello."
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chats", type=int, default=20, help="chats sent at once (default 20)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each greedy answer (default 128)")
-    p.add_argument("--systems", default="rsb,peer",
-                   help="which to run, in order: rsb (once per --parallel-values entry), peer (default rsb,peer)")
-    p.add_argument("--parallel-values", default="1,default",
-                   help="rsb up --parallel values, in order; default omits the flag (default 1,default)")
+    p.add_argument("--systems", default="llama-server,upstream,rsb",
+                   help="which to run, in order: llama-server, upstream (rsb --upstream that llama-server), rsb "
+                   "(once per --parallel-values entry), peer (default llama-server,upstream,rsb)")
+    p.add_argument("--parallel-values", default="default",
+                   help="rsb up --parallel values, in order; default omits the flag (default: default)")
 
 
 def question(i: int) -> str:
@@ -82,16 +87,26 @@ def question(i: int) -> str:
 
 
 async def _chat(http: httpx.AsyncClient, model: str, text: str, max_tokens: int, t0: float) -> dict[str, Any]:
-    """One streamed chat completion; times are seconds from ``t0`` (the burst's start)."""
+    """One streamed chat completion of one question; times are seconds from ``t0`` (the burst's start)."""
+    out = await stream_chat(http, model, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+                            max_tokens, t0)
+    out["question"] = text
+    return out
+
+
+async def stream_chat(http: httpx.AsyncClient, model: str, messages: list[dict[str, str]], max_tokens: int,
+                      t0: float) -> dict[str, Any]:
+    """One streamed greedy chat completion of ``messages``; times are seconds from ``t0``."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "seed": SEED, "stream": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]}
+            "stream_options": {"include_usage": True}, "messages": messages}
     sent = time.perf_counter() - t0
     first: float | None = None
     last = sent
     pieces: list[str] = []
     chunks = 0
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     finish = None
     async with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -110,14 +125,18 @@ async def _chat(http: httpx.AsyncClient, model: str, text: str, max_tokens: int,
                     chunks += 1
                 finish = choice.get("finish_reason") or finish
             if chunk.get("usage"):
-                usage_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                usage = chunk["usage"]
+                usage_tokens = int(usage.get("completion_tokens") or 0)
+                prompt_tokens = usage.get("prompt_tokens")
+                cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     end = time.perf_counter() - t0
     if first is None:
-        raise RuntimeError(f"no content for {text!r}")
+        raise RuntimeError(f"no content in the answer to message {len(messages)}")
     # A server that sends no usage chunk: one content chunk is one token (llama-cpp-python's server does so).
     tokens = usage_tokens if usage_tokens is not None else chunks
-    return {"question": text, "sent_s": sent, "ttft_ms": (first - sent) * 1000, "first_s": first, "last_s": last,
+    return {"sent_s": sent, "ttft_ms": (first - sent) * 1000, "first_s": first, "last_s": last,
             "end_s": end, "tokens": tokens, "chunks": chunks, "usage": usage_tokens is not None,
+            "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
             "finish_reason": finish, "answer": "".join(pieces)}
 
 
@@ -142,7 +161,7 @@ def _rsb_has_parallel() -> bool:
     return "--parallel" in out
 
 
-def _served_model(base: str) -> str:
+def served_model(base: str) -> str:
     """The model the pod serves (its name is the model file's: issue 29's routing refuses any other)."""
     r = httpx.get(f"{base}/v1/models", timeout=30)
     r.raise_for_status()
@@ -165,10 +184,40 @@ def _rsb(args: argparse.Namespace, parallel: str, has_flag: bool) -> dict[str, A
     try:
         procs.wait_http(f"http://127.0.0.1:{port}/healthz", up, 120)
         up.wait_for_line("generator ready", 120)
-        out = _drive(f"http://127.0.0.1:{port}", _served_model(f"http://127.0.0.1:{port}"), args)
+        out = _drive(f"http://127.0.0.1:{port}", served_model(f"http://127.0.0.1:{port}"), args)
     finally:
         up.stop(30)
     out["command"] = "rsb up --generators 1" + "".join(f" {f}" for f in flag)
+    return out
+
+
+def _rsb_upstream(args: argparse.Namespace, url: str, slots: int) -> dict[str, Any]:
+    port = free_port()
+    flags = ("--upstream", url, "--concurrency", str(slots))
+    up = procs.Proc(procs.python_module("rsb", "up", "--generators", "1", "--port", str(port), "--log-level",
+                                        "info", *procs.UNLIMITED_LOAD, *flags), "rsb-up-upstream")
+    try:
+        procs.wait_http(f"http://127.0.0.1:{port}/healthz", up, 120)
+        up.wait_for_line("generator ready", 120)
+        out = _drive(f"http://127.0.0.1:{port}", served_model(f"http://127.0.0.1:{port}"), args)
+    finally:
+        up.stop(30)
+    out["command"] = "rsb up --generators 1 --upstream <llama-server> --concurrency " + str(slots)
+    return out
+
+
+def _llama_server(args: argparse.Namespace, with_upstream: bool, alone: bool) -> dict[str, dict[str, Any]]:
+    """llama-server alone, then rsb --upstream it (same server process), as asked."""
+    slots = llama_server.default_parallel()
+    out: dict[str, dict[str, Any]] = {}
+    with llama_server.serving(slots) as (url, cmd):
+        command = " ".join(["llama-server", *cmd[1:]])
+        if alone:
+            out["llama-server"] = _drive(url, llama_server.ALIAS, args)
+            out["llama-server"]["command"] = command
+        if with_upstream:
+            out["rsb-upstream"] = _rsb_upstream(args, url, slots)
+            out["rsb-upstream"]["upstream_command"] = command
     return out
 
 
@@ -213,11 +262,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"params": {"chats": args.chats, "max_tokens": args.max_tokens, "system": SYSTEM,
                                       "temperature": 0, "seed": SEED}}
     systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - {"llama-server", "upstream", "rsb", "peer"}
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)} (llama-server, upstream, rsb, peer)")
     names: list[str] = []
     has_flag = _rsb_has_parallel() if "rsb" in systems else False
     out["rsb_has_parallel_flag"] = has_flag
+    served = False
     for system in systems:
-        if system == "rsb":
+        if system in ("llama-server", "upstream"):
+            if served:
+                continue  # one llama-server process for both
+            served = True
+            runs = _llama_server(args, with_upstream="upstream" in systems, alone="llama-server" in systems)
+            out.update(runs)
+            names += list(runs)
+        elif system == "rsb":
             for value in (v for v in args.parallel_values.split(",") if v):
                 name = f"rsb-p{value}" if value != "default" else "rsb-default"
                 out[name] = _rsb(args, value, has_flag)
@@ -225,34 +285,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elif system == "peer":
             out["peer"] = _peer(args)
             names.append("peer")
-        else:
-            raise SystemExit(f"unknown system {system!r} (rsb, peer)")
-    first_rsb = next((n for n in names if n.startswith("rsb")), None)
+    first = names[0] if names else None
     rows = []
     for name in names:
-        ref = out[first_rsb] if first_rsb and name != first_rsb else None
+        ref = out[first] if first and name != first else None
         s = out[name]["summary"] = summary(out[name], ref)
         rows.append([name, s["completion_tokens"], s["wall_s"], s["aggregate_tps"], s["ttft_ms"]["p50"],
                      s["ttft_ms"]["p99"], s["stream_tps"]["p50"], s["stream_tps_min"],
                      "-" if s["same_answer_as_first"] is None else f"{s['same_answer_as_first']}/{args.chats}"])
     print(table(f"\n== {args.chats} chats at once, one generator, <= {args.max_tokens} greedy tokens each",
                 ["system", "tokens", "wall s", "aggregate tok/s", "TTFT p50 ms", "TTFT p99 ms", "stream tok/s p50",
-                 "stream tok/s min", f"same answer as {first_rsb}"], rows))
+                 "stream tok/s min", f"same answer as {first}"], rows))
     for name in names:
         print(f"  {name}: {out[name]['command']}; finish reasons {out[name]['summary']['finish_reasons']}")
-    goals = []
-    if "rsb-default" in out:
-        mine = out["rsb-default"]["summary"]
-        if "rsb-p1" in out:
-            base = out["rsb-p1"]["summary"]
-            agg = out["aggregate_vs_p1"] = ratio(mine["aggregate_tps"], base["aggregate_tps"])
-            goals.append(goal_row("default / --parallel 1: aggregate tokens/s", agg, ">= 1.7", agg >= 1.7, "x"))
-            p99 = out["ttft_p99_vs_p1"] = ratio(mine["ttft_ms"]["p99"], base["ttft_ms"]["p99"])
-            goals.append(goal_row("default / --parallel 1: TTFT p99", p99, "<= 0.333", p99 <= 1 / 3, "x"))
-        p50 = mine["stream_tps"]["p50"]
-        goals.append(goal_row("default: per-stream tokens/s, p50", p50, ">= 20", p50 >= 20))
-        low = mine["stream_tps_min"]
-        goals.append(goal_row("default: per-stream tokens/s, min", low, ">= 20", low >= 20))
+    goals = out["goals"] = issue43_goals(out)
     if goals:
         print_goals("concurrency", goals)
     return out
+
+
+def issue43_goals(out: dict[str, Any]) -> list[list[Any]]:
+    """Issue 43's goals over the systems that ran (each needs llama-server's figure, or is about rsb alone)."""
+    goals: list[list[Any]] = []
+    peer = out["llama-server"]["summary"] if "llama-server" in out else None
+    if "rsb-default" in out:
+        mine = out["rsb-default"]["summary"]
+        if peer is not None:
+            agg = out["default_vs_llama_server_aggregate"] = ratio(mine["aggregate_tps"], peer["aggregate_tps"])
+            goals.append(goal_row("rsb default / llama-server: aggregate tokens/s", agg, ">= 0.95", agg >= 0.95,
+                                  "x"))
+            p99 = out["default_vs_llama_server_ttft_p99"] = ratio(mine["ttft_ms"]["p99"], peer["ttft_ms"]["p99"])
+            goals.append(goal_row("rsb default / llama-server: TTFT p99", p99, "<= 1.1", p99 <= 1.1, "x"))
+    if "rsb-upstream" in out and peer is not None:
+        agg = out["upstream_vs_llama_server_aggregate"] = ratio(out["rsb-upstream"]["summary"]["aggregate_tps"],
+                                                                 peer["aggregate_tps"])
+        goals.append(goal_row("rsb --upstream llama-server / llama-server: aggregate", agg, ">= 0.95", agg >= 0.95,
+                              "x"))
+    for name in ("rsb-default", "rsb-upstream"):
+        if name in out:
+            low = out[name]["summary"]["stream_tps_min"]
+            goals.append(goal_row(f"{name}: per-stream tokens/s, min", low, ">= 20", low >= 20))
+    return goals

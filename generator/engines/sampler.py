@@ -252,7 +252,9 @@ class Sampler:
             masked[banned] = -np.inf
         for tier in ("top_k", "wide", "all"):
             if tier == "wide":
-                ids = np.union1d(np.argpartition(masked, -WIDE)[-WIDE:], self._singles).astype(np.int32)
+                # At most the vocabulary: a small one (the tests' 289 tokens) has fewer than WIDE.
+                wide = min(WIDE, self._n_vocab)
+                ids = np.union1d(np.argpartition(masked, -wide)[-wide:], self._singles).astype(np.int32)
             else:
                 ids = self._all_ids
             n = len(ids)
@@ -286,6 +288,7 @@ class Sampler:
         peak = float(logits.max())
         norm = peak + math.log(float(np.exp(logits - peak).sum()))
         best: list[tuple[int, float]] = []
+        top = min(top, self._n_vocab)
         if top:
             ids = np.argpartition(logits, -top)[-top:]
             best = sorted(((int(i), float(logits[i]) - norm) for i in ids), key=lambda x: -x[1])

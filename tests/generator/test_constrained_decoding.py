@@ -217,3 +217,29 @@ def test_a_constrained_step_past_its_cpu_budget_ends_the_generation(engine_eos: 
     with pytest.raises(sampler.GrammarTooCostly, match="CPU") as e:
         answer(engine_eos, request(response_format=json_format(PERSON), seed=1))
     assert e.value.code == "schema_too_costly"
+
+
+def test_a_vocabulary_smaller_than_the_wide_set_still_answers_a_schema(engine_eos: LlamaEngine,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with fewer tokens than WIDE (a 289-token GGUF) ended every json_schema request in error `engine`:
+    "kth(=-735) out of bounds (289)". The demo model has 1,689 tokens, so WIDE is raised past it here."""
+    import numpy as np
+
+    from generator.engines import sampler
+
+    n_vocab = engine_eos._llm.n_vocab()
+    monkeypatch.setattr(sampler, "WIDE", n_vocab + 1000)
+    kths: list[int] = []
+    argpartition = np.argpartition
+
+    def spy(a: Any, kth: Any, *args: Any, **kwargs: Any) -> Any:
+        kths.append(int(kth))
+        return argpartition(a, kth, *args, **kwargs)
+
+    monkeypatch.setattr(np, "argpartition", spy)
+    for seed in range(4):
+        pieces, finish = answer(engine_eos, request(response_format=json_format(PERSON), seed=seed, temperature=1.0),
+                                max_tokens=2000)
+        assert finish == "stop", text_of(pieces)[-200:]
+        jsonschema.validate(json.loads(text_of(pieces)), PERSON)
+    assert kths and all(-n_vocab <= k < n_vocab for k in kths)  # the wide tier ran, within the vocabulary
