@@ -155,6 +155,22 @@ def start_llama_generator(redis_url: str, model: str, *extra: str) -> Proc:
     return p
 
 
+@contextlib.contextmanager
+def rsb_up(*flags: str, name: str = "rsb-up") -> Iterator[str]:
+    """``rsb up --generators 1 FLAGS`` (no load limits) on a free port, once its generator is ready: its URL.
+    Stopped on leaving."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    up = Proc(python_module("rsb", "up", "--generators", "1", "--port", str(port), "--log-level", "info",
+                            *UNLIMITED_LOAD, *flags), name)
+    try:
+        wait_http(f"{url}/healthz", up, 120)
+        up.wait_for_line("generator ready", 120)
+        yield url
+    finally:
+        up.stop(30)
+
+
 def start_direct(tokens_per_s: float, *extra: str) -> tuple[Proc, str]:
     """``bench.direct_app``: the naive design (engine in the HTTP process, SSE straight out, no Redis)."""
     port = free_port()

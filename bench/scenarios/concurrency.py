@@ -178,30 +178,15 @@ def _rsb(args: argparse.Namespace, parallel: str, has_flag: bool) -> dict[str, A
     flag: tuple[str, ...] = ()
     if parallel != "default" and (parallel != "1" or has_flag):
         flag = ("--parallel", parallel)
-    port = free_port()
-    up = procs.Proc(procs.python_module("rsb", "up", "--generators", "1", "--port", str(port), "--log-level",
-                                        "info", *procs.UNLIMITED_LOAD, *flag), "rsb-up")
-    try:
-        procs.wait_http(f"http://127.0.0.1:{port}/healthz", up, 120)
-        up.wait_for_line("generator ready", 120)
-        out = _drive(f"http://127.0.0.1:{port}", served_model(f"http://127.0.0.1:{port}"), args)
-    finally:
-        up.stop(30)
+    with procs.rsb_up(*flag) as url:
+        out = _drive(url, served_model(url), args)
     out["command"] = "rsb up --generators 1" + "".join(f" {f}" for f in flag)
     return out
 
 
 def _rsb_upstream(args: argparse.Namespace, url: str, slots: int) -> dict[str, Any]:
-    port = free_port()
-    flags = ("--upstream", url, "--concurrency", str(slots))
-    up = procs.Proc(procs.python_module("rsb", "up", "--generators", "1", "--port", str(port), "--log-level",
-                                        "info", *procs.UNLIMITED_LOAD, *flags), "rsb-up-upstream")
-    try:
-        procs.wait_http(f"http://127.0.0.1:{port}/healthz", up, 120)
-        up.wait_for_line("generator ready", 120)
-        out = _drive(f"http://127.0.0.1:{port}", served_model(f"http://127.0.0.1:{port}"), args)
-    finally:
-        up.stop(30)
+    with procs.rsb_up("--upstream", url, "--concurrency", str(slots), name="rsb-up-upstream") as rsb_url:
+        out = _drive(rsb_url, served_model(rsb_url), args)
     out["command"] = "rsb up --generators 1 --upstream <llama-server> --concurrency " + str(slots)
     return out
 

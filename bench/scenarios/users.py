@@ -33,7 +33,6 @@ from bench import llama_server, procs
 from bench.report import goal_row, print_goals, table
 from bench.scenarios.concurrency import SYSTEM, WARMUP, question, served_model, stream_chat
 from bench.stats import ratio, summarize
-from broker.redis.server import free_port
 
 FOLLOW_UPS = (
     "Tell me more about that.",
@@ -103,15 +102,8 @@ def _drive(base: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _rsb(args: argparse.Namespace, rsb_flags: str) -> dict[str, Any]:
     flags = shlex.split(rsb_flags)
-    port = free_port()
-    up = procs.Proc(procs.python_module("rsb", "up", "--generators", "1", "--port", str(port), "--log-level",
-                                        "info", *procs.UNLIMITED_LOAD, *flags), "rsb-up")
-    try:
-        procs.wait_http(f"http://127.0.0.1:{port}/healthz", up, 120)
-        up.wait_for_line("generator ready", 120)
-        out = _drive(f"http://127.0.0.1:{port}", served_model(f"http://127.0.0.1:{port}"), args)
-    finally:
-        up.stop(30)
+    with procs.rsb_up(*flags) as url:
+        out = _drive(url, served_model(url), args)
     out["command"] = " ".join(["rsb up --generators 1", *flags])
     return out
 
