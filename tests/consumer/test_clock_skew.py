@@ -89,7 +89,8 @@ def test_skewed_pods_agree_on_abandonment_disconnect_and_the_wait(
         log = cast("list[tuple[bytes, dict[bytes, bytes]]]", redis_client.xrange(usage_log_prefix(0, 1) + "-"))
         records = {reply_text(f[b"sid"]): f for _, f in log}
         queue_s = float(records[b][b"queue_s"])
-        assert a_ended - b_created - 1.0 <= queue_s <= time.monotonic() - b_created, queue_s
+        # (Less the 2 s this test may see A's end after B's claim on a busy machine: A takes 3 s and more.)
+        assert a_ended - b_created - 2.0 <= queue_s <= time.monotonic() - b_created, queue_s
         assert abs(float(records[b][b"ts"]) - time.time()) < 30  # the server's time, not a pod's
 
         # C's reader leaves: it is cancelled as ``disconnect`` within the grace, not generated to its end.
