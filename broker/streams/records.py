@@ -1,5 +1,5 @@
 """What the store hands back: the records of a stream and of a claim, and the create quota. Plain
-frozen values (no Redis here); broker.streams.store reads and writes them."""
+frozen values (no Redis here); broker.streams.stream_store and broker.streams.job_store read and write them."""
 
 from __future__ import annotations
 
@@ -117,9 +117,9 @@ class AppendResult:
 
 @dataclass(frozen=True, slots=True)
 class ReplayPage:
-    """One read of a reader's range (``Store.replay``): the events after its point; or, when its point is no longer
-    in the stream (the reset rule: consumer.streaming.reader), ``reset`` and the newest event the stream still has
-    at or before it (``common``, None for none), after which the reader starts again."""
+    """One read of a reader's range (``StreamStore.replay``): the events after its point; or, when its point is no
+    longer in the stream (the reset rule: consumer.streaming.reader), ``reset`` and the newest event the stream still
+    has at or before it (``common``, None for none), after which the reader starts again."""
 
     events: Sequence[Event]
     reset: bool = False

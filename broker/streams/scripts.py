@@ -108,8 +108,8 @@ end
 #
 # The caller's counters (``tenant``, the ``tenant`` hash of its API key or address group) live in this
 # partition's slot, so that checking and counting are this one step even on Redis Cluster: each partition
-# holds its share of a caller's limits (broker.streams.store.Store.create divides them). The create-rate limiter is
-# GCRA (a token bucket held as one timestamp): ``tat`` is when the caller's bucket will be full again;
+# holds its share of a caller's limits (broker.streams.stream_store.StreamStore.create divides them). The create-rate
+# limiter is GCRA (a token bucket held as one timestamp): ``tat`` is when the caller's bucket will be full again;
 # a create is allowed while ``tat`` is at most (burst - 1) intervals ahead of now, and moves it one
 # interval on. Time is the Redis server's (TIME), not a pod's clock: a pod whose clock runs ahead must not
 # lock callers out on every other pod. Only an accepted create counts; a retry of an accepted create (same

@@ -37,7 +37,7 @@ from broker.streams.conversations import ConversationStore
 from broker.streams.keys import principal
 from broker.streams.records import Created, Quota, StreamStatus
 from broker.streams.served_models import ServedModel, ServedModels
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from broker.streams.usage import Prices
 from broker.tiers import resolve_tier
 from consumer.edge.auth import ApiKeys, ensure_owner
@@ -93,7 +93,7 @@ class Slot:
 
 
 class StreamService:
-    def __init__(self, settings: ConsumerSettings, store: Store, hub: LiveHub, metrics: Metrics,
+    def __init__(self, settings: ConsumerSettings, store: StreamStore, hub: LiveHub, metrics: Metrics,
                  api_keys: ApiKeys, limiter: ConnectionLimiter, *, expect_model: bool = False,
                  prices: Prices | None = None, teams: Teams | None = None) -> None:
         self.settings = settings
@@ -294,7 +294,7 @@ class StreamService:
         """Create the stream (or recognise a retry of the same request). Raises Conflict, Expired,
         QueueFull, TooManyGenerations, RateLimited or BudgetExceeded. ``hook_name``: see ``webhook``. ``identity``:
         what a retry must match (default: the whole request; a conversation's turn: broker.streams.turns
-        .turn_identity). ``held``: a conversation's turn that waits for the one before it (Store.create)."""
+        .turn_identity). ``held``: a conversation's turn that waits for the one before it (StreamStore.create)."""
         s = self.settings
         key = self.api_keys.get(caller.key_id)
         tier = resolve_tier(request.service_tier, key.service_tier if key else "", key.service_tiers if key else ())
