@@ -3,7 +3,7 @@ connections, and a reader that stops reading neither grows the pod's memory nor 
 stream; past --send-timeout-s it is dropped, and it resumes from its last event id.
 
 The readers here are raw sockets (an asyncio client per reader would cost more than the pod under test); the
-events are appended with broker.streams.store directly, so their number and size are exact."""
+events are appended with broker.streams.job_store directly, so their number and size are exact."""
 
 from __future__ import annotations
 
