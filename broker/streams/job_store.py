@@ -97,7 +97,7 @@ class JobStore(StoreBase):
         k = self.keys(uuid.UUID(reply_text(r.stream_id)))
         return Claim(k.stream_id, k, int(r.fence), int(r.attempts), GenerationRequest.from_canonical(r.request),
                      reply_text(r.cancel), reply_text(r.model), int(r.seq), reply_text(r.tier),
-                     tenant=k.principal_of(reply_text(r.tenant)),
+                     tenant=k.tenant_from_counters(reply_text(r.tenant)),
                      waited_s=float(reply_text(r.claimed_at)) - float(reply_text(r.created_at)),
                      trace=reply_text(r.trace))
 

@@ -20,12 +20,12 @@ TERMINAL_STATUSES = TERMINAL_TYPES
 
 @dataclass(frozen=True, slots=True)
 class Quota:
-    """What one caller may have, checked and counted in the create's own atomic step. ``principal`` is who
-    is charged (broker.streams.keys.principal: an API key or an address group; "" = the key id of the create).
+    """What one tenant may have, checked and counted in the create's own atomic step. ``tenant`` is who is
+    charged (broker.streams.keys.tenant_of: an API key or an address group; "" = the key id of the create).
     0 = no limit: ``max_active`` unfinished (queued or running) generations, ``burst`` creates at once
     refilled at ``rate_per_s``."""
 
-    principal: str = ""
+    tenant: str = ""
     max_active: int = 0
     burst: int = 0
     rate_per_s: float = 0.0
@@ -72,7 +72,7 @@ class Claim:
     model: str
     seq: int
     tier: str  # broker.tiers: the tier it was queued in
-    # Whom the stream is charged to (broker.streams.keys.principal: the API key id, or ``a:`` and a digest of
+    # Whom the stream is charged to (broker.streams.keys.tenant_of: the API key id, or ``a:`` and a digest of
     # the client's address): the scheduler's fair-share unit, and the scope of what a worker caches for it.
     tenant: str = ""
     # From create to this claim (s), both the Redis server's time (CREATE, the claim): what a user waited, whatever

@@ -47,7 +47,7 @@ class ClaimReply(NamedTuple):
     cancel: Any
     model: Any
     seq: Any
-    tenant: Any  # meta ``tenant``: the key of the tenant's counters (StreamKeys.principal_of reads who it is)
+    tenant: Any  # meta ``tenant``: the key of the tenant's counters (StreamKeys.tenant_from_counters reads whose)
     tier: Any
     created_at: Any
     claimed_at: Any

@@ -125,7 +125,7 @@ CREATE = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + BUDGET_LUA + QUEUE + """
 --   webhook events (0: none); A.budget_share, A.usd_share, A.team_share, A.team_usd_share
 --   (0: none), A.reservation (tokens), A.usd_reservation (nano-USD), A.price, A.period_end, A.team_period_end (Unix
 --   s); A.hook: the webhook URL ('': none), A.hid: the id its event names (broker.streams.outbox); A.tier, A.who:
---   the job's tier and tenant (broker.tiers, broker.streams.keys.principal); A.trace: the create span's traceparent
+--   the job's tier and tenant (broker.tiers, broker.streams.keys.tenant_of); A.trace: the create span's traceparent
 --   ('': not traced); A.held: the data of its `queued` event when the job is held (a conversation's turn waiting for
 --   the one before it: it gets into its line at UNHOLD; the queue's bounds are its then), '' otherwise; A.workers:
 --   the generators serving the model as the consumer knows them ('': unknown), told in the ``queued`` event

@@ -32,7 +32,7 @@ from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.request import GenerationRequest
 from broker.streams import replication, scripts
 from broker.streams.budget import NO_BUDGET, Budget, price_field, reservation, usd_reservation
-from broker.streams.keys import budget_key, principal, queue_stats_key
+from broker.streams.keys import budget_key, queue_stats_key, tenant_of
 from broker.streams.records import NO_QUOTA, Created, Quota, ReplayPage, StreamStatus, empty_usage
 from broker.streams.replies import CreateReply, TaggedReply, TraceLink
 from broker.streams.store_base import POSITION_UPDATES, StoreBase
@@ -105,7 +105,7 @@ class StreamStore(StoreBase):
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = partition_share(max_queue, self.partitions)
-        who = quota.principal or principal(key_id, "")
+        tenant = quota.tenant or tenant_of(key_id, "")
         # The one pod clock a create reads: a budget period's name is part of its key, which is named before the
         # script runs (on Redis Cluster a script is routed by its keys). A pod off by a minute counts a create made
         # within that minute of a period's end in the neighbouring period; every other time is the server's.
@@ -121,8 +121,8 @@ class StreamStore(StoreBase):
         res = await self._call(
             k, self._create,
             script.keys({"meta": k.meta, "events": k.events, "totals": k.queue_stats, "stats": q.stats,
-                         "backlog": q.backlog, "tombstone": k.tombstone, "tenant": k.tenant(who),
-                         "storage": storage_key(k.partition, k.partitions, storage.principal or who),
+                         "backlog": q.backlog, "tombstone": k.tombstone, "tenant": k.tenant_counters(tenant),
+                         "storage": storage_key(k.partition, k.partitions, storage.tenant or tenant),
                          "budget": key_budget,
                          "team_budget": budget_key(k.partition, k.partitions, team_budget.holder, team_period)
                          if team_budget.bounded else key_budget}),
@@ -132,14 +132,14 @@ class StreamStore(StoreBase):
                 "key_id": key_id, "retention_s": retention_s, "abandon_s": abandon_after_s,
                 "cod": int(request.cancel_on_disconnect), "max_active": max_active, "burst": burst,
                 "interval_ms": interval_ms, "max_wait_s": max_queue_wait_s, "keep": int(request.history is not None),
-                "storage_share": storage.share(self.partitions), "affinity": request.affinity(who),
+                "storage_share": storage.share(self.partitions), "affinity": request.affinity(tenant),
                 "budget_share": budget.share(self.partitions), "usd_share": budget.usd_share(self.partitions),
                 "team_share": team_budget.share(self.partitions),
                 "team_usd_share": team_budget.usd_share(self.partitions), "reservation": tokens,
                 "usd_reservation": usd, "price": price_field(price), "period_end": f"{period_end:.0f}",
                 "team_period_end": f"{team_period_end:.0f}",
                 "hook": (webhook or ("", ""))[0], "hid": (webhook or ("", ""))[1], "qp": q.prefix, "tier": tier,
-                "who": who or "-", "position_updates": POSITION_UPDATES, "usage_retention_s": usage_retention_s,
+                "who": tenant or "-", "position_updates": POSITION_UPDATES, "usage_retention_s": usage_retention_s,
                 "max_hooks": partition_share(max_pending_hooks, self.partitions),
                 "trace": trace, "held": encode_data(held) if held is not None else "",
                 "workers": "" if workers is None else workers}),

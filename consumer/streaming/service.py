@@ -34,7 +34,7 @@ from broker.redis.quota import StorageQuota, default_quota_bytes, read_maxmemory
 from broker.request import GenerationRequest, RequestLimits
 from broker.streams.budget import NO_BUDGET, Budget, Teams
 from broker.streams.conversations import ConversationStore
-from broker.streams.keys import principal
+from broker.streams.keys import tenant_of
 from broker.streams.records import Created, Quota, StreamStatus
 from broker.streams.served_models import ServedModel, ServedModels
 from broker.streams.stream_store import StreamStore
@@ -210,7 +210,7 @@ class StreamService:
             key = self.api_keys.get(caller.key_id)
             limits = key.limits if key is not None else {}
         bound = int(limits.get("storage_quota_bytes", self.storage_default))
-        return StorageQuota(principal(caller.key_id, caller.ip), bound)
+        return StorageQuota(tenant_of(caller.key_id, caller.ip), bound)
 
     async def read_storage_default(self) -> None:
         """Set ``storage_default`` to its share of Redis's maxmemory, unless --storage-quota-bytes set it. Redis
@@ -250,7 +250,7 @@ class StreamService:
         if self.api_keys.enabled:
             key = self.api_keys.get(caller.key_id)
             limits = key.limits if key is not None else {}
-        return Quota(principal(caller.key_id, caller.ip), max_active=int(limits.get("max_active", s.max_active)),
+        return Quota(tenant_of(caller.key_id, caller.ip), max_active=int(limits.get("max_active", s.max_active)),
                      burst=int(limits.get("create_burst", s.create_burst)),
                      rate_per_s=float(limits.get("create_rate_per_s", s.create_rate_per_s)))
 

@@ -41,7 +41,7 @@ async def _create(store: StreamStore, model: str = "alpha", tenant: str = "a", t
                   request: GenerationRequest = REQ) -> uuid.UUID:
     sid = uuid.uuid4()
     await store.create(sid, request, model=model, tier=tier, max_queue=0, retention_s=60,
-                       quota=Quota(principal=tenant))
+                       quota=Quota(tenant=tenant))
     return sid
 
 

@@ -17,7 +17,7 @@ from broker.redis.connection import connect
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
 from broker.streams.job_store import JobStore
-from broker.streams.keys import principal, usage_log_key
+from broker.streams.keys import tenant_of, usage_log_key
 from broker.streams.records import Claim, Quota
 from broker.streams.stream_store import StreamStore
 
@@ -162,6 +162,6 @@ async def test_a_claim_names_the_tenant_its_stream_is_charged_to(store: StreamSt
     keyed, anonymous = uuid.uuid4(), uuid.uuid4()
     await store.create(keyed, REQ, model="m", max_queue=0, retention_s=60, key_id="alice")
     await store.create(anonymous, REQ, model="m", max_queue=0, retention_s=60,
-                       quota=Quota(principal=principal("", "10.0.0.7")))
+                       quota=Quota(tenant=tenant_of("", "10.0.0.7")))
     assert (await _claimed(jobs, keyed)).tenant == "alice"
-    assert (await _claimed(jobs, anonymous)).tenant == principal("", "10.0.0.7")
+    assert (await _claimed(jobs, anonymous)).tenant == tenant_of("", "10.0.0.7")

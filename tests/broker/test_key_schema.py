@@ -53,7 +53,7 @@ def jobs(store: StreamStore) -> JobStore:
 async def _create(store: StreamStore, tenant: str, tier: str = "default", request: GenerationRequest = REQ) -> uuid.UUID:
     sid = uuid.uuid4()
     await store.create(sid, request, model="alpha", tier=tier, max_queue=0, retention_s=60, key_id="alice",
-                       quota=Quota(principal=tenant), storage=StorageQuota("alice", 10**9),
+                       quota=Quota(tenant=tenant), storage=StorageQuota("alice", 10**9),
                        budget=Budget(tokens=10**6, holder="alice"), webhook=("http://a.example/hooks", str(sid)))
     return sid
 
@@ -112,7 +112,7 @@ async def test_every_key_the_scripts_write_is_declared(store: StreamStore, jobs:
     assert {keys.usage_log_key(0, 1, "alice"), keys.usage_free_key(0, 1, "alice")} <= set(held)
     assert any(k.startswith(keys.usage_log_prefix(0, 1) + "day:alice:") for k in held)
     assert any(k.startswith(keys.outbox_key(0, 1) + ":d:") for k in held)
-    assert STORAGE_EXPIRY.build(storage=STORAGE.build(tag="rsb:{p0}", principal="alice")) in held
+    assert STORAGE_EXPIRY.build(storage=STORAGE.build(tag="rsb:{p0}", tenant="alice")) in held
 
 
 # Concatenated literals in Lua that are not keys: hash fields (a queue's ``waiting:<tier>`` and ``served:<tier>``) and

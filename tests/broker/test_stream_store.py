@@ -82,7 +82,7 @@ async def test_a_callers_counters_leave_redis_once_it_has_nothing_unfinished(sto
     assert all(r.created for r in results)
     with pytest.raises(TooManyGenerations):
         await store.create(sids[2], REQ, model="m", max_queue=0, retention_s=60, quota=quota)
-    tenant = store.keys(sids[0]).tenant("a:gone")
+    tenant = store.keys(sids[0]).tenant_counters("a:gone")
     assert await store.redis.ttl(tenant) == -1  # unfinished generations: kept
     for sid in sids[:2]:
         await store.cancel(sid, "client")
