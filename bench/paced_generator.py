@@ -26,7 +26,7 @@ from broker import runtime, telemetry
 from broker.logs import setup_logging
 from broker.redis.connection import connect
 from broker.settings import BrokerSettings
-from broker.streams.store import Store
+from broker.streams.job_store import JobStore
 from generator.settings import GeneratorSettings
 from generator.worker import Worker
 
@@ -49,7 +49,7 @@ async def serve(args: argparse.Namespace) -> None:
     redis = connect(args.redis_url, max_connections=args.pool, retries=1)
     blocking = blocking_client(args.redis_url, args.partitions + 2)
     engine = PacedEngine(args.tokens_per_s, on_loop=not args.threaded)
-    store = Store(redis, args.partitions, durability_level=args.durability)
+    store = JobStore(redis, args.partitions, durability_level=args.durability)
     # One worker running --workers generations at once, as a worker driving an upstream server does; its
     # appends share pipelines (generator/appends.py).
     workers = [Worker(settings, engine, store, blocking)]

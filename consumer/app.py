@@ -20,7 +20,7 @@ from broker.storage import one_round
 from broker.streams.budget import Teams
 from broker.streams.outbox import Outbox
 from broker.streams.read_token_secret import shared_read_token_secret
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from broker.streams.token_counts import MAX_ASKING, TokenCounts
 from broker.streams.usage import Prices
 from consumer.edge.auth import ApiKeys
@@ -51,7 +51,7 @@ log = logging.getLogger("rsb.consumer")
 TOUCH_INTERVAL_S = 2.0
 
 
-async def _touch_readers(store: Store, hub: LiveHub, interval_s: float) -> None:
+async def _touch_readers(store: StreamStore, hub: LiveHub, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         ids = hub.stream_ids()
@@ -102,7 +102,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         metrics.gauge("rsb_live_hub_connections", lambda: hub.connections,
                       "pub/sub connections to Redis (1, or one per master on a cluster)")
         # replicated: a create or cancel that no replica acknowledges in time answers 503 (it is idempotent).
-        store = Store(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms,
+        store = StreamStore(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms,
                       replica_patience_s=REPLICA_PATIENCE_S)
         if api_keys.enabled and not settings.read_token_secret:
             api_keys.set_secret_source(lambda: shared_read_token_secret(redis), settings.read_token_key_refresh_s)

@@ -9,7 +9,7 @@ from starlette.requests import HTTPConnection
 
 from broker.durable.store import DurableStore
 from broker.streams.outbox import Outbox
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from broker.streams.token_counts import TokenCounts
 from broker.streams.usage import Prices
 from consumer.edge.auth import ApiKeys
@@ -27,7 +27,7 @@ STATE_KEY = "rsb"
 @dataclass(frozen=True, slots=True)
 class State:
     settings: ConsumerSettings
-    store: Store
+    store: StreamStore
     hub: LiveHub
     metrics: Metrics
     api_keys: ApiKeys

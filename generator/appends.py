@@ -12,14 +12,14 @@ import asyncio
 from collections.abc import Sequence
 
 from broker.errors import StoreUnavailable
+from broker.streams.job_store import JobStore
 from broker.streams.records import AppendResult, Claim
-from broker.streams.store import Store
 
 _Call = tuple[Claim, int, int, Sequence[tuple[str, bytes]]]
 
 
 class AppendBatcher:
-    def __init__(self, store: Store, max_batch: int = 512, interval_s: float = 0.0) -> None:
+    def __init__(self, store: JobStore, max_batch: int = 512, interval_s: float = 0.0) -> None:
         self.store = store
         self.max_batch = max_batch
         self.interval_s = interval_s

@@ -25,8 +25,9 @@ from typing import Any, Protocol
 from broker.errors import StoreTransient
 from broker.events import EventType, encode_data
 from broker.streams.conversations import ConversationStore
+from broker.streams.job_store import JobStore, started_event
 from broker.streams.records import AppendResult, Claim
-from broker.streams.store import Store, started_event
+from broker.streams.stream_store import StreamStore
 from generator.answer import AnswerEvents, AnswerSoFar
 from generator.engines import Engine, Generation
 from generator.engines.pieces import PartialAnswer
@@ -61,7 +62,7 @@ _UNWRITTEN = (Ending.FENCED_OUT, Ending.HANDED_OVER)
 
 
 class Appender(Protocol):
-    """Store.append, or an AppendBatcher that shares pipelines between concurrent generations."""
+    """JobStore.append, or an AppendBatcher that shares pipelines between concurrent generations."""
 
     async def append(self, claim: Claim, seq_before: int, seq_after: int,
                      events: Sequence[tuple[str, bytes]]) -> AppendResult: ...
@@ -118,7 +119,7 @@ class _Progress:
     def wasted(self) -> int:
         """What the lost attempts computed that is not kept, as this attempt knows it: each one's prefill of the
         prompt (this attempt prefilled the prompt and the answer it continues from; less that answer, the prompt's
-        part). The answer tokens a lost attempt decoded and never appended are its own to report (Store.add_wasted:
+        part). The answer tokens a lost attempt decoded and never appended are its own to report (JobStore.add_wasted:
         a worker fenced out, or handing over) or, SIGKILLed, unknown: at most one append's worth."""
         return self.lost_runs * max(0, (self.prompt_tokens or 0) - self.claimed_seq)
 
@@ -131,7 +132,7 @@ class JobRunner:
     """Runs claimed jobs for one worker. ``running`` maps the stream id of each generation in flight to its
     Run (the worker's cancel listener and hand-over reach them there)."""
 
-    def __init__(self, settings: GeneratorSettings, engine: Engine, store: Store, appender: Appender,
+    def __init__(self, settings: GeneratorSettings, engine: Engine, store: JobStore, appender: Appender,
                  metrics: GeneratorMetrics, worker_id: str) -> None:
         self.settings = settings
         self.engine = engine
@@ -140,7 +141,8 @@ class JobRunner:
         self.metrics = metrics
         self.worker_id = worker_id
         self.running: dict[uuid.UUID, Run] = {}
-        self.conversations = ConversationStore(store)
+        # Folding a finished turn into its conversation starts the next held one: the consumer's side of a stream.
+        self.conversations = ConversationStore(StreamStore.beside(store))
         # Parking (generator.slots) helps only where one stream's writes can stall while others' go through: a
         # replica gate, or a cluster's shards. None: a stalled write keeps its slot.
         parks = (store.gate is not None or store.cluster) and settings.max_parked > 0

@@ -7,7 +7,7 @@ A claim is one script call per partition, tried from a partition that turns with
 jobs wait behind another's), and the first that claims wins: the script itself takes what is due first (a job
 left for this worker, a lapsed lease, a left job whose wait is over) and then the next job in line, tiers in
 order and tenants in turn. A worker never holds a job it has not claimed, and a claimed job it cannot start after
-all goes back to the front of its line (``Store.give_back``). A claim whose reply was lost (its script ran, the
+all goes back to the front of its line (``JobStore.give_back``). A claim whose reply was lost (its script ran, the
 link failed) is asked again with its token, which gets the same job back (QueueKeys.receipt): never a job held
 by no one until its lease lapses.
 
@@ -28,8 +28,8 @@ import uuid
 from broker.errors import StoreTransient
 from broker.redis.connection import LONGEST_BLOCK_S, RedisClient
 from broker.redis.keyspace import partition_slot
+from broker.streams.job_store import JobStore
 from broker.streams.records import Claim
-from broker.streams.store import Store
 
 log = logging.getLogger("rsb.generator")
 
@@ -42,8 +42,8 @@ AWAY_S = 1.0
 
 
 class JobPoller:
-    def __init__(self, store: Store, blocking: RedisClient, worker_id: str, models: tuple[str, ...], lease_s: float, *,
-                 aging_s: float = 0.0, affinity_wait_s: float = 0.0) -> None:
+    def __init__(self, store: JobStore, blocking: RedisClient, worker_id: str, models: tuple[str, ...],
+                 lease_s: float, *, aging_s: float = 0.0, affinity_wait_s: float = 0.0) -> None:
         self.store = store
         self.blocking = blocking  # BLPOP: no socket timeout
         self.worker_id = worker_id

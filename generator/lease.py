@@ -23,9 +23,9 @@ from broker.backoff import Attempts
 from broker.errors import StoreFull, StoreTransient, StoreUnavailable
 from broker.redis.connection import RedisClient
 from broker.redis.pubsub import Channels
+from broker.streams.job_store import JobStore
 from broker.streams.keys import control_channel
 from broker.streams.records import Claim
-from broker.streams.store import Store
 from generator.engines import GenerationLost
 from generator.handoff import StopSignal
 from generator.retry import OUT_OF_MEMORY
@@ -123,7 +123,7 @@ class Run:
         self.generation_over = True
 
 
-async def keep_lease(run: Run, store: Store, lease_s: float, disconnect_grace_s: float) -> None:
+async def keep_lease(run: Run, store: JobStore, lease_s: float, disconnect_grace_s: float) -> None:
     """Renew ``run``'s lease until its generation is over; stop it when cancelled or fenced out."""
     interval = max(0.05, lease_s / 3)
     # A renewal refused by a passing fault (a cluster client refreshing its slot map after another shard's
@@ -156,7 +156,7 @@ async def keep_lease(run: Run, store: Store, lease_s: float, disconnect_grace_s:
         run.cancel(res.cancel_reason)
 
 
-async def check_cancel(run: Run, store: Store, disconnect_grace_s: float, lease_s: float) -> None:
+async def check_cancel(run: Run, store: JobStore, disconnect_grace_s: float, lease_s: float) -> None:
     """A cancel notice came for ``run``: ask RENEW, which says whether (and why) it is cancelled."""
     try:
         res = await store.renew(run.claim, disconnect_grace_s, lease_s)

@@ -12,7 +12,7 @@ from broker import runtime, telemetry
 from broker.errors import StoreTransient
 from broker.redis.connection import connect, connect_blocking
 from broker.redis.eviction import check_eviction_policy
-from broker.streams.store import Store
+from broker.streams.job_store import JobStore
 from generator.engines import Engine, build_engine
 from generator.metrics import serve_metrics
 from generator.settings import GeneratorSettings
@@ -26,7 +26,7 @@ async def serve(settings: GeneratorSettings, engine: Engine) -> None:
     redis = connect(b.url, max_connections=4, retries=1, cluster=b.cluster)
     # One blocking BLPOP per hash slot waited on (one on a standalone server) plus the cancel listener.
     blocking = connect_blocking(b.url, max_connections=b.partitions + 1, cluster=b.cluster)
-    store = Store(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms)
+    store = JobStore(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms)
     worker = Worker(settings, engine, store, blocking)
     metrics_server = None
     if settings.metrics_port:

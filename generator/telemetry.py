@@ -1,6 +1,6 @@
 """A generation attempt's spans, its upstream call's client span, and the GenAI metrics (broker.genai's names).
 
-Spans, under the create's request span (its traceparent came with the claim: broker.streams.store), whichever
+Spans, under the create's request span (its traceparent came with the claim: broker.streams.job_store), whichever
 worker claims the job:
 
 - ``queue wait`` (a job's first attempt): from the create to this claim, drawn at the claim;

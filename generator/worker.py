@@ -19,9 +19,9 @@ from typing import Any
 from broker.backoff import Attempts
 from broker.errors import StoreFull, StoreTransient, StoreUnavailable
 from broker.redis.connection import RedisClient
+from broker.streams.job_store import JobStore
 from broker.streams.records import Claim
 from broker.streams.served_models import ANNOUNCE_INTERVAL_S, ServedModels
-from broker.streams.store import Store
 from generator.appends import AppendBatcher
 from generator.engines import Engine
 from generator.engines.base import TokenCounter
@@ -42,7 +42,7 @@ def default_worker_id() -> str:
 
 
 class Worker:
-    def __init__(self, settings: GeneratorSettings, engine: Engine, store: Store, blocking: RedisClient) -> None:
+    def __init__(self, settings: GeneratorSettings, engine: Engine, store: JobStore, blocking: RedisClient) -> None:
         self.settings = settings
         self.engine = engine
         self.store = store

@@ -213,7 +213,7 @@ def flag_values(args: list[str]) -> dict[str, str]:
 
 
 def create_outcome(result: Created | BaseException) -> str:
-    """What a Store.create call came to: created, exists, or the code of the error it raised."""
+    """What a StreamStore.create call came to: created, exists, or the code of the error it raised."""
     if isinstance(result, Created):
         return "created" if result.created else "exists"
     assert isinstance(result, RsbError), result

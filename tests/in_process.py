@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from broker.redis.connection import connect, connect_blocking
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from consumer.edge.auth import ApiKeys
 from consumer.edge.limits import ConnectionLimiter
 from consumer.metrics import Metrics
@@ -26,7 +26,7 @@ async def stream_service(redis_url: str, **settings: Any) -> AsyncIterator[Strea
     hub = LiveHub(blocking)
     await hub.start()
     try:
-        yield StreamService(ConsumerSettings(**settings), Store(r), hub, Metrics(), ApiKeys.disabled(),
+        yield StreamService(ConsumerSettings(**settings), StreamStore(r), hub, Metrics(), ApiKeys.disabled(),
                             ConnectionLimiter(0))
     finally:
         await hub.stop()

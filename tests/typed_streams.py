@@ -1,4 +1,4 @@
-"""A stand-in for the generator: writes a stream's events into the real Redis through the broker's Store, as a
+"""A stand-in for the generator: writes a stream's events into the real Redis through the broker's JobStore, as a
 generator does (claim → append → finish), for the tests of clients that read event types no engine emits
 in this tree yet (``reasoning``, ``tool_call``, ``tool_args``, ``done.finish_reason: tool_calls``), and for
 what a failover at ``--durability local`` does to a stream (its last events lost: ``lose_tail``).
@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 from broker.events import encode_data
 from broker.redis.connection import connect
+from broker.streams.job_store import JobStore
 from broker.streams.records import Claim
-from broker.streams.store import Store
 
 T = TypeVar("T")
 
@@ -32,11 +32,11 @@ class StandInGenerator:
         self.claim: Claim | None = None
         self.seq = 0  # events appended so far (the stream's sequence number)
 
-    def _run(self, op: Callable[[Store], Awaitable[T]]) -> T:
+    def _run(self, op: Callable[[JobStore], Awaitable[T]]) -> T:
         async def go() -> T:
             r = connect(self.redis_url)
             try:
-                return await op(Store(r))
+                return await op(JobStore(r))
             finally:
                 await r.aclose()
 
@@ -46,8 +46,8 @@ class StandInGenerator:
 
     def start(self, model: str = "stand-in") -> str:
         """Claims the stream (it is running now) and appends ``started``; its id."""
-        async def claim(store: Store) -> Claim:
-            c = await store.claim(self.stream_id, "stand-in")
+        async def claim(jobs: JobStore) -> Claim:
+            c = await jobs.claim(self.stream_id, "stand-in")
             assert isinstance(c, Claim), c
             return c
 
@@ -60,30 +60,30 @@ class StandInGenerator:
         claim = self.claim
         assert claim is not None, "start() first"
 
-        async def append(store: Store) -> list[str]:
+        async def append(jobs: JobStore) -> list[str]:
             for etype, data in events:
-                res = await store.append(claim, self.seq, self.seq + 1, [(etype, encode_data(data))])
+                res = await jobs.append(claim, self.seq, self.seq + 1, [(etype, encode_data(data))])
                 assert res.ok, res
                 self.seq += 1
-            stored = await store.read(self.stream_id, None, count=100_000)
+            stored = await jobs.read(self.stream_id, None, count=100_000)
             return [e.id for e in stored[len(stored) - len(events):]]
 
         return self._run(append)
 
     def ids(self) -> list[str]:
         """The ids of every event the stream holds now."""
-        async def read(store: Store) -> list[str]:
-            return [e.id for e in await store.read(self.stream_id, None, count=10_000)]
+        async def read(jobs: JobStore) -> list[str]:
+            return [e.id for e in await jobs.read(self.stream_id, None, count=10_000)]
 
         return self._run(read)
 
     def lose_tail(self, ids: list[str]) -> None:
         """What an asynchronous failover does to a stream: its last events are gone (XDEL leaves the stream's
         last id behind, as a lost tail does) and its sequence number goes back."""
-        async def lose(store: Store) -> None:
-            keys = store.keys(self.stream_id)
-            assert await store.redis.xdel(keys.events, *ids) == len(ids)
-            await store.redis.hincrby(keys.meta, "seq", -len(ids))
+        async def lose(jobs: JobStore) -> None:
+            keys = jobs.keys(self.stream_id)
+            assert await jobs.redis.xdel(keys.events, *ids) == len(ids)
+            await jobs.redis.hincrby(keys.meta, "seq", -len(ids))
 
         self._run(lose)
         self.seq -= len(ids)
@@ -93,8 +93,8 @@ class StandInGenerator:
         assert claim is not None, "start() first"
         usage = {"prompt_tokens": 1, "completion_tokens": completion_tokens, "ttft_ms": 1.0, "tpot_ms": 1.0}
 
-        async def finish(store: Store) -> str:
-            eid = await store.finish(claim, "done", {"finish_reason": finish_reason, "usage": usage}, status="done",
+        async def finish(jobs: JobStore) -> str:
+            eid = await jobs.finish(claim, "done", {"finish_reason": finish_reason, "usage": usage}, status="done",
                                      usage=usage)
             assert eid is not None
             return eid

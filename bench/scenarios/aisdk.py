@@ -1,8 +1,9 @@
 """aisdk: resume latency through the Vercel AI SDK view (GET /api/chat/{chat}/stream) vs the native route.
 
 One running turn of ``--events`` events (queued, started, deltas; no terminal event: a resume only serves an
-active turn) is written through the Store as a chat's running turn (its conversation's pending turn). Each try
-opens a new TCP connection and reads until the last delta written so far, timed from sending the request:
+active turn) is written through the StreamStore and JobStore as a chat's running turn (its conversation's pending
+turn). Each try opens a new TCP connection and reads until the last delta written so far, timed from sending the
+request:
 
 - view: ``GET /api/chat/bench/stream``, what ``useChat({resume: true})`` sends on page load. It always
   replays the turn from its start (the SDK cannot resume mid-turn), as UI message stream chunks;

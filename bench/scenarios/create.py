@@ -24,7 +24,7 @@ from bench.stats import ratio, summarize
 from broker.errors import RsbError
 from broker.redis.connection import connect
 from broker.request import RequestLimits, parse_create_body
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -98,7 +98,7 @@ async def load_http(ctl: Control, base: str, rate: float, duration_s: float, con
 
 async def load_redis(ctl: Control, redis_url: str, rate: float, duration_s: float) -> dict[str, Any]:
     redis = connect(redis_url, max_connections=8)
-    store = Store(redis)
+    store = StreamStore(redis)
 
     async def send() -> tuple[bool, str]:
         sid, req = parse_create_body(body(str(uuid.uuid4())), RequestLimits())

@@ -2,7 +2,7 @@
 
 A primary and its replica (two redis-server processes on loopback), and for each level in turn one
 ``bench.paced_generator`` process (unmodified Workers over the deterministic paced engine) running
-``--streams`` generations at once, ``--tokens-per-s`` each. This process creates the streams (through a Store
+``--streams`` generations at once, ``--tokens-per-s`` each. This process creates the streams (through a StreamStore
 at the same level, as a consumer would) and subscribes to their live channels, which is where a consumer's
 hub hears of an event: at ``replicated`` only once a replica has it. Measured per level: the generator
 process's CPU per token (µs), and delivery latency per token (produced by the engine -> published to
@@ -26,7 +26,7 @@ from bench.stats import percentile
 from broker.redis.connection import connect
 from broker.redis.server import RedisServer
 from broker.request import RequestLimits, parse_create_body
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 
 LEVELS = ("local", "replicated")
 
@@ -41,7 +41,7 @@ async def _measure(url: str, level: str, streams: int, tokens: int) -> dict[str,
     import time
 
     redis = connect(url)
-    store = Store(redis, durability_level=level)
+    store = StreamStore(redis, durability_level=level)
     sids = [uuid.uuid4() for _ in range(streams)]
     pubsub = redis.pubsub()
     await pubsub.subscribe(*(store.keys(s).channel for s in sids))

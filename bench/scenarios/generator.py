@@ -5,7 +5,7 @@ Same model (``--model smollm2``, the default: the real SmolLM2-135M-Instruct tha
 rsb's own cost per token weighs far more), end-of-sequence masked so every run makes exactly ``--tokens``
 tokens, prompt, seed, sampler, threads and context.
 Bare: ``Llama.generate`` in its own process, a time stamp per token. rsb: ``rsb generator --ignore-eos``
-and a stream created through the Store; a token's time is the Redis entry id (ms) of the delta that
+and a stream created through the StreamStore; a token's time is the Redis entry id (ms) of the delta that
 completed its text, the start is the ``started`` event (appended just before prefill, as the bare clock
 starts before prefill). Token positions in the rsb text come from the bare run's pieces (same seed, so the
 same tokens: checked by comparing the full texts). Rounds alternate bare / rsb; medians are reported.
@@ -32,7 +32,7 @@ from bench.stats import ratio
 from broker.events import parse_event_id
 from broker.redis.connection import connect
 from broker.request import RequestLimits, parse_create_body
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 
 PROMPT = "Once upon a time, in a stream broker far away,"
 SEED, TEMPERATURE, TOP_P, TOP_K = 1234, 0.8, 0.95, 40
@@ -112,7 +112,7 @@ async def ctl_wait(ctl: Control) -> None:
 async def rsb_generate(redis_url: str, tokens: int) -> list[tuple[int, str, str]]:
     """Create one stream, wait for its end, return its events as (id ms, type, delta text)."""
     redis = connect(redis_url)
-    store = Store(redis)
+    store = StreamStore(redis)
     sid = uuid.uuid4()
     _, req = parse_create_body(orjson.dumps({"prompt": PROMPT, "max_tokens": tokens, "seed": SEED,
                                              "temperature": TEMPERATURE, "top_p": TOP_P}),

@@ -200,7 +200,7 @@ class DurableStore:
             "max_streams": max_streams, "size": size, "json": int(ctn == JSON_TYPE),
             "storage_share": quota.share(self.partitions)},
             *(part for entry in entries for part in entry))
-        storage = storage_key(keys.partition, self.partitions, quota.principal)
+        storage = storage_key(keys.partition, self.partitions, quota.tenant)
         res: list[Any] = await self._create(keys=script.keys({**keys.script_keys, "storage": storage}), args=args)
         return res
 

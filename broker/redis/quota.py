@@ -1,5 +1,5 @@
-"""The per-caller storage quota: the bytes one caller (an API key, or without keys an address group:
-broker.streams.keys.principal) holds in Redis, bounded by ``--storage-quota-bytes``.
+"""The per-tenant storage quota: the bytes one tenant (an API key, or without keys an address group:
+broker.streams.keys.tenant_of) holds in Redis, bounded by ``--storage-quota-bytes``.
 
 What is counted: the data of the Durable Streams a caller created (every append, a fork at its full size: a fork
 is a copy), the request bodies of its rsb streams while Redis holds them (until the stream ends, or for the
@@ -63,9 +63,9 @@ async def read_maxmemory(redis: RedisClient) -> int:
 
 @dataclass(frozen=True, slots=True)
 class StorageQuota:
-    """Who is charged (``principal``) and how many bytes it may hold (0 = no bound)."""
+    """Who is charged (``tenant``: broker.streams.keys.tenant_of) and how many bytes it may hold (0 = no bound)."""
 
-    principal: str = ""
+    tenant: str = ""
     quota_bytes: int = 0
 
     def share(self, partitions: int) -> int:
@@ -78,13 +78,13 @@ NO_STORAGE_QUOTA = StorageQuota()
 
 #: A caller's stored bytes in one partition (a hash), and its items by expiry (a sorted set beside it). Here, not in
 #: broker.streams.keys: Durable Streams count in it too.
-STORAGE = KeyTemplate("{tag}:storage:{principal}")
+STORAGE = KeyTemplate("{tag}:storage:{tenant}")
 STORAGE_EXPIRY = KeyTemplate.under("{storage}:exp", storage=STORAGE)
 
 
-def storage_key(partition: int, partitions: int, principal: str) -> str:
-    """Hash of one caller's stored bytes in one partition (and, ``STORAGE_EXPIRY``, its items by expiry)."""
-    return STORAGE.build(tag=tagged(partition, partitions), principal=principal or "-")
+def storage_key(partition: int, partitions: int, tenant: str) -> str:
+    """Hash of one tenant's stored bytes in one partition (and, ``STORAGE_EXPIRY``, its items by expiry)."""
+    return STORAGE.build(tag=tagged(partition, partitions), tenant=tenant or "-")
 
 
 #: The Lua of the quota, for the scripts that write counted data (broker.streams.scripts, broker.durable.scripts).

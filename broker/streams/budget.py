@@ -120,7 +120,7 @@ def parse_budget(entry: dict[str, Any], holder: str, label: str, where: str) -> 
 
 class Teams:
     """``--teams FILE``: ``{"<name>": {"token_budget"?: int, "usd_budget"?: float, "budget_period": "day" |
-    "month"}}``. Names as key ids (broker.streams.keys.principal: no ``:``)."""
+    "month"}}``. Names as key ids (broker.streams.keys.tenant_of: no ``:``)."""
 
     def __init__(self, budgets: dict[str, Budget]) -> None:
         self.budgets = budgets

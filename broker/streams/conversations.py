@@ -63,7 +63,7 @@ from broker.request import GenerationRequest
 from broker.streams import conversation_scripts as scripts
 from broker.streams.keys import ConversationKeys
 from broker.streams.records import TERMINAL_STATUSES, StreamStatus
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from broker.streams.turns import Turn, finished_turn, with_history
 
 #: A reservation younger than this is a create in flight (its stream comes a round trip later); an older one
@@ -160,7 +160,7 @@ class Limits:
 class ConversationStore:
     """Every Redis step of conversations. Works unchanged on Redis Cluster: each call touches one slot."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StreamStore) -> None:
         self.store = store
         self.redis = store.redis
         self.partitions = store.partitions
@@ -383,7 +383,7 @@ class ConversationStore:
     async def unhold(self, conv: Conversation, stream_id: uuid.UUID, st: StreamStatus,
                      request: GenerationRequest) -> None:
         """Start a held turn that came up (``conv``'s pending one): the history it has now goes in front of its
-        messages, and its job into its line (Store.unhold: once). The history is read in the step that finds it
+        messages, and its job into its line (StreamStore.unhold: once). The history is read in the step that finds it
         still pending: while it is, no turn can be added or taken back."""
         now = await self.read(conv.key_id, conv.name)
         if now is None or now.pending is None or now.pending.stream_id != stream_id:

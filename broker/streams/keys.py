@@ -29,7 +29,7 @@ STREAM_META = KeyTemplate.under("{streams}{sid}:meta", streams=STREAM_PREFIX)
 STREAM_EVENTS = KeyTemplate.under("{streams}{sid}:events", streams=STREAM_PREFIX)
 STREAM_TOMBSTONE = KeyTemplate.under("{streams}{sid}:gone", streams=STREAM_PREFIX)
 STREAM_CHANNEL = KeyTemplate.under("{streams}{sid}:live", streams=STREAM_PREFIX)
-TENANT = KeyTemplate("{tag}" + _TENANT_INFIX + "{principal}")
+TENANT = KeyTemplate("{tag}" + _TENANT_INFIX + "{tenant}")
 AFFINITIES = KeyTemplate("{tag}:aff:")
 AFFINITY = KeyTemplate.under("{affinities}{affinity}", affinities=AFFINITIES)
 QUEUE_TOTALS = KeyTemplate("{tag}:qstats")
@@ -51,7 +51,7 @@ OUTBOX_DUE = KeyTemplate("{tag}:hooks:due")
 BUDGET = KeyTemplate("{tag}:budget:{key}:{period}")
 CONVERSATION_META = KeyTemplate("{tag}:c:{digest}:meta")
 CONVERSATION_TURNS = KeyTemplate("{tag}:c:{digest}:turns")
-CONVERSATION_OWNER = KeyTemplate("{tag}:cs:{principal}")
+CONVERSATION_OWNER = KeyTemplate("{tag}:cs:{tenant}")
 SERVED_MODELS = KeyTemplate(PREFIX + ":models")
 SERVED_WORKERS = KeyTemplate(PREFIX + ":models:workers")
 READ_TOKEN_SECRET = KeyTemplate(PREFIX + ":read-token-secret")
@@ -72,7 +72,7 @@ QUEUE_INBOX = KeyTemplate.under("{qp}inbox:{worker}", qp=QUEUE_PREFIX)
 QUEUE_RECEIPT = KeyTemplate.under("{qp}receipt:{worker}", qp=QUEUE_PREFIX)
 #: List: the tenants with queued jobs in one tier, in turn order (round robin). Only the queue's scripts name it.
 QUEUE_RING = KeyTemplate.under("{qp}ring:{tier}", qp=QUEUE_PREFIX)
-#: List: one tenant's (``principal()``'s) queued jobs in one tier, in order. Only the queue's scripts name it.
+#: List: one tenant's (``tenant_of()``'s) queued jobs in one tier, in order. Only the queue's scripts name it.
 QUEUE_WAITING = KeyTemplate.under("{qp}w:{tier}:{who}", qp=QUEUE_PREFIX)
 
 #: Every kind of key of rsb's streams, jobs and chats (pub/sub channels too: they follow the keys' rules).
@@ -132,14 +132,14 @@ class StreamKeys:
         """The job queue of ``model`` (a served model's name) in this stream's partition."""
         return QueueKeys(self.partition, self.partitions, model)
 
-    def tenant(self, principal: str) -> str:
-        """Hash of one caller's counters in this partition: ``active`` (unfinished generations) and ``tat``
-        (the create-rate limiter's theoretical arrival time, ms). ``principal`` comes from ``principal()``."""
-        return TENANT.build(tag=self._tag, principal=principal or "-")
+    def tenant_counters(self, tenant: str) -> str:
+        """Hash of one tenant's counters in this partition: ``active`` (unfinished generations) and ``tat``
+        (the create-rate limiter's theoretical arrival time, ms), named in a stream's meta ``tenant``."""
+        return TENANT.build(tag=self._tag, tenant=tenant or "-")
 
-    def principal_of(self, tenant_key: str) -> str:
-        """The principal a ``tenant()`` key names ('' for none)."""
-        _, found, name = tenant_key.rpartition(_TENANT_INFIX)
+    def tenant_from_counters(self, counters_key: str) -> str:
+        """The tenant a ``tenant_counters()`` key names ('' for none)."""
+        _, found, name = counters_key.rpartition(_TENANT_INFIX)
         return name if found and name != "-" else ""
 
     @property
@@ -175,11 +175,11 @@ class StreamKeys:
         return control_channel(self.partition, self.partitions)
 
 
-def principal(key_id: str, address: str) -> str:
-    """Whom a create is charged to: the API key (ids are validated, ``[A-Za-z0-9_][A-Za-z0-9_-]{0,63}``, when the
-    keys file is loaded: never ``-``, the keyless share's name in keys below), else the client's address group, as
-    ``a:`` and a digest: an address may come from a forwarded header, and nothing a client sent reaches a key name.
-    Key ids hold no ``:``, so the two never meet."""
+def tenant_of(key_id: str, address: str) -> str:
+    """The tenant, whom a create is charged to: the API key (ids are validated, ``[A-Za-z0-9_][A-Za-z0-9_-]{0,63}``,
+    when the keys file is loaded: never ``-``, the keyless share's name in keys below), else the client's address
+    group, as ``a:`` and a digest: an address may come from a forwarded header, and nothing a client sent reaches a
+    key name. Key ids hold no ``:``, so the two never meet."""
     if key_id:
         return key_id
     return "a:" + hashlib.blake2b(address.encode(), digest_size=12).hexdigest()
@@ -324,10 +324,10 @@ class ConversationKeys:
         """The KEYS of most conversation scripts, by name (broker.streams.conversation_scripts.CONVERSATION_KEYS)."""
         return {"meta": self.meta, "turns": self.turns}
 
-    def owner(self, principal: str) -> str:
-        """Sorted set of the conversations one caller (``principal()``) holds in this partition, each scored
-        by its expiry (Unix ms): counted against ``--max-conversations`` in the same step that creates one."""
-        return CONVERSATION_OWNER.build(tag=self._tag, principal=principal or "-")
+    def owner(self, tenant: str) -> str:
+        """Sorted set of the conversations one tenant (their owner) holds in this partition, each scored by its
+        expiry (Unix ms): counted against ``--max-conversations`` in the same step that creates one."""
+        return CONVERSATION_OWNER.build(tag=self._tag, tenant=tenant or "-")
 
 
 def served_models_key() -> str:

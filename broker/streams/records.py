@@ -1,5 +1,5 @@
 """What the store hands back: the records of a stream and of a claim, and the create quota. Plain
-frozen values (no Redis here); broker.streams.store reads and writes them."""
+frozen values (no Redis here); broker.streams.stream_store and broker.streams.job_store read and write them."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ TERMINAL_STATUSES = TERMINAL_TYPES
 
 @dataclass(frozen=True, slots=True)
 class Quota:
-    """What one caller may have, checked and counted in the create's own atomic step. ``principal`` is who
-    is charged (broker.streams.keys.principal: an API key or an address group; "" = the key id of the create).
+    """What one tenant may have, checked and counted in the create's own atomic step. ``tenant`` is who is
+    charged (broker.streams.keys.tenant_of: an API key or an address group; "" = the key id of the create).
     0 = no limit: ``max_active`` unfinished (queued or running) generations, ``burst`` creates at once
     refilled at ``rate_per_s``."""
 
-    principal: str = ""
+    tenant: str = ""
     max_active: int = 0
     burst: int = 0
     rate_per_s: float = 0.0
@@ -72,7 +72,7 @@ class Claim:
     model: str
     seq: int
     tier: str  # broker.tiers: the tier it was queued in
-    # Whom the stream is charged to (broker.streams.keys.principal: the API key id, or ``a:`` and a digest of
+    # Whom the stream is charged to (broker.streams.keys.tenant_of: the API key id, or ``a:`` and a digest of
     # the client's address): the scheduler's fair-share unit, and the scope of what a worker caches for it.
     tenant: str = ""
     # From create to this claim (s), both the Redis server's time (CREATE, the claim): what a user waited, whatever
@@ -117,9 +117,9 @@ class AppendResult:
 
 @dataclass(frozen=True, slots=True)
 class ReplayPage:
-    """One read of a reader's range (``Store.replay``): the events after its point; or, when its point is no longer
-    in the stream (the reset rule: consumer.streaming.reader), ``reset`` and the newest event the stream still has
-    at or before it (``common``, None for none), after which the reader starts again."""
+    """One read of a reader's range (``StreamStore.replay``): the events after its point; or, when its point is no
+    longer in the stream (the reset rule: consumer.streaming.reader), ``reset`` and the newest event the stream still
+    has at or before it (``common``, None for none), after which the reader starts again."""
 
     events: Sequence[Event]
     reset: bool = False

@@ -107,7 +107,7 @@ def prepare(script: str, *, replicated: bool) -> str:
 
 class ReplicaGate:
     """Runs the scripts that append events so that their events become visible only once a replica has
-    them (see the module doc). One per Store at ``replicated``."""
+    them (see the module doc). One per store (StreamStore, JobStore) at ``replicated``."""
 
     def __init__(self, redis: RedisClient, *, wait_ms: int, replicas: int = 1,
                  patience_s: float | None = None) -> None:

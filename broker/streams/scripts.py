@@ -108,8 +108,8 @@ end
 #
 # The caller's counters (``tenant``, the ``tenant`` hash of its API key or address group) live in this
 # partition's slot, so that checking and counting are this one step even on Redis Cluster: each partition
-# holds its share of a caller's limits (broker.streams.store.Store.create divides them). The create-rate limiter is
-# GCRA (a token bucket held as one timestamp): ``tat`` is when the caller's bucket will be full again;
+# holds its share of a caller's limits (broker.streams.stream_store.StreamStore.create divides them). The create-rate
+# limiter is GCRA (a token bucket held as one timestamp): ``tat`` is when the caller's bucket will be full again;
 # a create is allowed while ``tat`` is at most (burst - 1) intervals ahead of now, and moves it one
 # interval on. Time is the Redis server's (TIME), not a pod's clock: a pod whose clock runs ahead must not
 # lock callers out on every other pod. Only an accepted create counts; a retry of an accepted create (same
@@ -125,7 +125,7 @@ CREATE = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + BUDGET_LUA + QUEUE + """
 --   webhook events (0: none); A.budget_share, A.usd_share, A.team_share, A.team_usd_share
 --   (0: none), A.reservation (tokens), A.usd_reservation (nano-USD), A.price, A.period_end, A.team_period_end (Unix
 --   s); A.hook: the webhook URL ('': none), A.hid: the id its event names (broker.streams.outbox); A.tier, A.who:
---   the job's tier and tenant (broker.tiers, broker.streams.keys.principal); A.trace: the create span's traceparent
+--   the job's tier and tenant (broker.tiers, broker.streams.keys.tenant_of); A.trace: the create span's traceparent
 --   ('': not traced); A.held: the data of its `queued` event when the job is held (a conversation's turn waiting for
 --   the one before it: it gets into its line at UNHOLD; the queue's bounds are its then), '' otherwise; A.workers:
 --   the generators serving the model as the consumer knows them ('': unknown), told in the ``queued`` event

@@ -75,7 +75,7 @@ Record = dict[str, str]
 #: ``meta`` fields: ``created_at`` and ``started_at`` (s, the server's time of the create and of the first claim:
 #: ``queue_s`` is the wait between them, wholly in one clock; a record of a stream never claimed waited until its
 #: end); ``wasted`` (tokens lost attempts reported:
-#: broker.streams.store.Store.add_wasted).
+#: broker.streams.job_store.JobStore.add_wasted).
 RECORD_USAGE_LUA = SERVER_MS + lua_builders(usage_log=USAGE_LOG, usage_free=USAGE_FREE, usage_day=USAGE_DAY) + f"""
 local function record_usage(index, prefix, rollups_since, meta, sid, status, reason, model, prompt_tokens,
                             cached_tokens, completion_tokens, wasted_tokens, compute_s, ttft_ms)

@@ -1,6 +1,6 @@
 """Who is calling: API keys (``--api-keys FILE``) and stream ownership.
 
-With no keys configured every caller is the anonymous principal ("") and owns every stream. With keys,
+With no keys configured every caller is the anonymous caller (key id "") and owns every stream. With keys,
 every ``/v1`` route needs ``Authorization: Bearer <key id>.<secret>`` (or ``x-api-key: <key id>.<secret>``, as
 Anthropic's clients send it: consumer.edge.middleware); a stream belongs to the key that
 created it, and any other key is told it does not exist (404, no existence leak).

@@ -34,7 +34,7 @@ from broker.streams.conversations import (
     Settled,
     absent,
 )
-from broker.streams.keys import principal
+from broker.streams.keys import tenant_of
 from broker.streams.records import TERMINAL_STATUSES, Created, StreamStatus
 from broker.streams.turns import Turn, as_messages, output_of, turn_identity, with_history
 from consumer.streaming.service import Caller, StreamService
@@ -98,7 +98,8 @@ class ConversationService:
                       self.service.storage_quota(caller).quota_bytes)
 
     def owner(self, caller: Caller) -> str:
-        return principal(caller.key_id, caller.ip)
+        """The caller's tenant, which owns the conversations it makes (their count and storage are its)."""
+        return tenant_of(caller.key_id, caller.ip)
 
     # -- reading -------------------------------------------------------------------------------
 

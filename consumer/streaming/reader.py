@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 from broker.errors import StoreUnavailable
 from broker.events import RESET_FROM_START, Event, parse_event_id, reset_event
 from broker.streams.records import ReplayPage
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from consumer.streaming.hub import LiveHub, Subscription
 
 REPLAY_PAGE = 512
@@ -38,7 +38,7 @@ RETRY_READ_S = 1.0
 
 
 async def read_stream(
-    store: Store, hub: LiveHub, stream_id: uuid.UUID, after_id: str | None, idle_s: float, *, watched: bool = True
+    store: StreamStore, hub: LiveHub, stream_id: uuid.UUID, after_id: str | None, idle_s: float, *, watched: bool = True
 ) -> AsyncIterator[Event | None]:
     """Every event after ``after_id``, in order, exactly once; ``None`` after each ``idle_s`` of silence
     (the caller sends a heartbeat). Ends after the terminal event. ``watched``: record that the stream
@@ -86,12 +86,12 @@ class _Place:
 
 
 async def read_batches(
-    store: Store, hub: LiveHub, stream_id: uuid.UUID, after_id: str | None, idle_s: float, *, watched: bool = True
+    store: StreamStore, hub: LiveHub, stream_id: uuid.UUID, after_id: str | None, idle_s: float, *, watched: bool = True
 ) -> AsyncIterator[Sequence[Event] | None]:
     """``read_stream`` by the batch: a replay page, or all the live events that arrived together, so the
     response can write them in one send (one syscall, one loop iteration) instead of one per event.
 
-    One pass: the range after the reader's place is read from the stream (``Store.replay``: one read, which also
+    One pass: the range after the reader's place is read from the stream (``StreamStore.replay``: one read, which also
     says when the place is gone), page by page; then the reader waits on its subscription and sends what is past
     its place; a resync (or, on a cluster, a heartbeat) reads the range again."""
     keys = store.keys(stream_id)

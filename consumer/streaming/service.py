@@ -34,10 +34,10 @@ from broker.redis.quota import StorageQuota, default_quota_bytes, read_maxmemory
 from broker.request import GenerationRequest, RequestLimits
 from broker.streams.budget import NO_BUDGET, Budget, Teams
 from broker.streams.conversations import ConversationStore
-from broker.streams.keys import principal
+from broker.streams.keys import tenant_of
 from broker.streams.records import Created, Quota, StreamStatus
 from broker.streams.served_models import ServedModel, ServedModels
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from broker.streams.usage import Prices
 from broker.tiers import resolve_tier
 from consumer.edge.auth import ApiKeys, ensure_owner
@@ -93,7 +93,7 @@ class Slot:
 
 
 class StreamService:
-    def __init__(self, settings: ConsumerSettings, store: Store, hub: LiveHub, metrics: Metrics,
+    def __init__(self, settings: ConsumerSettings, store: StreamStore, hub: LiveHub, metrics: Metrics,
                  api_keys: ApiKeys, limiter: ConnectionLimiter, *, expect_model: bool = False,
                  prices: Prices | None = None, teams: Teams | None = None) -> None:
         self.settings = settings
@@ -210,7 +210,7 @@ class StreamService:
             key = self.api_keys.get(caller.key_id)
             limits = key.limits if key is not None else {}
         bound = int(limits.get("storage_quota_bytes", self.storage_default))
-        return StorageQuota(principal(caller.key_id, caller.ip), bound)
+        return StorageQuota(tenant_of(caller.key_id, caller.ip), bound)
 
     async def read_storage_default(self) -> None:
         """Set ``storage_default`` to its share of Redis's maxmemory, unless --storage-quota-bytes set it. Redis
@@ -250,7 +250,7 @@ class StreamService:
         if self.api_keys.enabled:
             key = self.api_keys.get(caller.key_id)
             limits = key.limits if key is not None else {}
-        return Quota(principal(caller.key_id, caller.ip), max_active=int(limits.get("max_active", s.max_active)),
+        return Quota(tenant_of(caller.key_id, caller.ip), max_active=int(limits.get("max_active", s.max_active)),
                      burst=int(limits.get("create_burst", s.create_burst)),
                      rate_per_s=float(limits.get("create_rate_per_s", s.create_rate_per_s)))
 
@@ -294,7 +294,7 @@ class StreamService:
         """Create the stream (or recognise a retry of the same request). Raises Conflict, Expired,
         QueueFull, TooManyGenerations, RateLimited or BudgetExceeded. ``hook_name``: see ``webhook``. ``identity``:
         what a retry must match (default: the whole request; a conversation's turn: broker.streams.turns
-        .turn_identity). ``held``: a conversation's turn that waits for the one before it (Store.create)."""
+        .turn_identity). ``held``: a conversation's turn that waits for the one before it (StreamStore.create)."""
         s = self.settings
         key = self.api_keys.get(caller.key_id)
         tier = resolve_tier(request.service_tier, key.service_tier if key else "", key.service_tiers if key else ())

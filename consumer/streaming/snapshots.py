@@ -24,7 +24,7 @@ from typing import Any
 from broker.answer import AnswerRuns
 from broker.errors import InvalidRequest
 from broker.events import RESET_FROM_START, Event, EventType, encode_data
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 
 #: Streams whose answers a pod keeps for late joiners (each at most one answer's text: max_tokens bounds it).
 SNAPSHOT_STREAMS = 256
@@ -71,7 +71,7 @@ class _Kept:
 class Snapshots:
     """The answers this pod's late joiners read, kept to be extended (see the module doc)."""
 
-    def __init__(self, store: Store, max_streams: int = SNAPSHOT_STREAMS) -> None:
+    def __init__(self, store: StreamStore, max_streams: int = SNAPSHOT_STREAMS) -> None:
         self.store = store
         self.max_streams = max_streams
         self._kept: OrderedDict[uuid.UUID, _Kept] = OrderedDict()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from broker import genai, telemetry
 from broker.events import Event
 from broker.genai import EVENTS_SERVED
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -48,7 +48,7 @@ def one(event: Event | None) -> int:
     return 0 if event is None else 1
 
 
-async def traced(store: Store, stream_id: uuid.UUID, after_id: str | None, source: AsyncIterator[T],
+async def traced(store: StreamStore, stream_id: uuid.UUID, after_id: str | None, source: AsyncIterator[T],
                  size: Callable[[T], int]) -> AsyncGenerator[T, None]:
     """``source``, a read of the stream, inside its ``fetch_response`` span (tracing on: consumer.edge.tracing's
     request span its parent), linked to the span of the create whose generation it reads, with the resume

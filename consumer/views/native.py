@@ -18,7 +18,7 @@ from broker.events import TERMINAL_TYPES, Event, EventPage, parse_event_id
 from broker.on_busy import parse_on_busy
 from broker.request import parse_json_object, validate_create_body
 from broker.streams import usage_report as usage
-from broker.streams.keys import principal
+from broker.streams.keys import tenant_of
 from broker.streams.records import StreamStatus
 from broker.streams.report import aborted_report
 from broker.streams.turns import Turn, as_messages
@@ -185,15 +185,15 @@ async def conversation_turns(request: Request) -> Response:
 def _count_report(request: Request) -> None:
     """A report costs this pod's CPU (and Redis's): counted per caller (--report-burst, --report-rate-per-min)."""
     state, caller = state_of(request), caller_of(request)
-    who = principal(caller.key_id, caller.ip)
+    tenant = tenant_of(caller.key_id, caller.ip)
     if state.reports is None or not state.reports.enabled:
         return
-    wait_s = state.reports.retry_after_s(who)
+    wait_s = state.reports.retry_after_s(tenant)
     if wait_s is not None:
         s = state.settings
         raise RateLimited(f"too many reports from this caller (a burst of {s.report_burst}, then "
                           f"{s.report_rate_per_min:g} a minute on each pod)", retry_after_s=wait_s)
-    state.reports.charge(who, 0)
+    state.reports.charge(tenant, 0)
 
 
 async def aborted_report_route(request: Request) -> Response:

@@ -21,9 +21,10 @@ from broker.redis.connection import connect
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
 from broker.streams.budget import NANO_PER_USD, Budget, Teams, reservation, team_holder, usd_reservation
+from broker.streams.job_store import JobStore
 from broker.streams.keys import budget_key
 from broker.streams.records import Claim, Created
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from broker.streams.usage import Price
 
 REQ = GenerationRequest(None, "hello", None, 100, 0.8, 0.95, None, (), False)
@@ -31,11 +32,17 @@ WORST = reservation(REQ.canonical_json(), REQ.max_tokens)
 
 
 @pytest.fixture
-async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[Store]:
+async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
     redis_client.flushall()
     r = connect(redis_server.url)
-    yield Store(r)
+    yield StreamStore(r)
     await r.aclose()
+
+
+@pytest.fixture
+def jobs(store: StreamStore) -> JobStore:
+    """The generator's side, on the store's Redis."""
+    return JobStore(store.redis, store.partitions)
 
 
 def _counts(r: redis.Redis, budget: Budget, partitions: int = 1, partition: int = 0) -> tuple[int, int]:
@@ -44,7 +51,7 @@ def _counts(r: redis.Redis, budget: Budget, partitions: int = 1, partition: int 
 
 
 async def test_twenty_concurrent_creates_at_the_edge_reserve_no_more_than_the_budget(
-        store: Store, redis_client: redis.Redis) -> None:
+        store: StreamStore, redis_client: redis.Redis) -> None:
     budget = Budget(5 * WORST + WORST // 2, "day")
     results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60,
                                                   key_id="alice", budget=budget) for _ in range(20)),
@@ -60,7 +67,7 @@ async def test_twenty_concurrent_creates_at_the_edge_reserve_no_more_than_the_bu
         assert str(budget.tokens) in err.message and str(WORST) in err.message
 
 
-async def test_each_end_settles_its_reservation_to_what_it_used(store: Store, redis_client: redis.Redis) -> None:
+async def test_each_end_settles_its_reservation_to_what_it_used(store: StreamStore, jobs: JobStore, redis_client: redis.Redis) -> None:
     budget = Budget(2 * WORST, "month")
     a, b = uuid.uuid4(), uuid.uuid4()
     for sid in (a, b):
@@ -68,11 +75,11 @@ async def test_each_end_settles_its_reservation_to_what_it_used(store: Store, re
     with pytest.raises(BudgetExceeded):
         await store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60, key_id="alice",
                            budget=budget)
-    claim = await store.claim(a, "w")
+    claim = await jobs.claim(a, "w")
     assert isinstance(claim, Claim)
     u = {"prompt_tokens": 7, "completion_tokens": 30}
     for _ in range(2):  # a retried finish settles once
-        assert await store.finish(claim, EventType.DONE, {}, status="done", usage=u, reason="stop") is not None
+        assert await jobs.finish(claim, EventType.DONE, {}, status="done", usage=u, reason="stop") is not None
     assert _counts(redis_client, budget) == (WORST, 37)
     assert await store.cancel(b, "client") == "cancelled"  # never ran: its reservation comes back whole
     assert _counts(redis_client, budget) == (0, 37)
@@ -104,7 +111,7 @@ def _usd(r: redis.Redis, holder: str, budget: Budget) -> tuple[int, int]:
     return int(raw[0] or 0), int(raw[1] or 0)
 
 
-async def test_twenty_concurrent_creates_at_the_edge_of_a_usd_budget(store: Store, redis_client: redis.Redis) -> None:
+async def test_twenty_concurrent_creates_at_the_edge_of_a_usd_budget(store: StreamStore, redis_client: redis.Redis) -> None:
     assert WORST_USD == -(-(len(REQ.canonical_json()) * 2.0 + 100 * 8.0) * NANO_PER_USD // 1_000_000)
     budget = Budget(0, "month", (4 * WORST_USD + WORST_USD // 3) / NANO_PER_USD, "alice")
     results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60,
@@ -117,7 +124,7 @@ async def test_twenty_concurrent_creates_at_the_edge_of_a_usd_budget(store: Stor
     assert "this API key's budget ($" in refused[0].message and f"${WORST_USD / NANO_PER_USD:.6f}" in refused[0].message
 
 
-async def test_a_team_budget_holds_across_its_keys_and_settles_in_both(store: Store, redis_client: redis.Redis) -> None:
+async def test_a_team_budget_holds_across_its_keys_and_settles_in_both(store: StreamStore, redis_client: redis.Redis) -> None:
     team = Teams.parse(orjson.dumps({"blue": {"token_budget": 6 * WORST + 10, "budget_period": "day"}})).budgets["blue"]
     own = Budget(0, "month", 1.0, "bob")  # bob's own budget, in money, is far from its end
     results = await asyncio.gather(*(store.create(uuid.uuid4(), REQ, model="m", max_queue=0, retention_s=60,
@@ -133,7 +140,7 @@ async def test_a_team_budget_holds_across_its_keys_and_settles_in_both(store: St
     assert await store.waiting() == 6
 
 
-async def test_the_end_settles_every_budget_held_at_the_price_reserved_at(store: Store,
+async def test_the_end_settles_every_budget_held_at_the_price_reserved_at(store: StreamStore, jobs: JobStore,
                                                                           redis_client: redis.Redis) -> None:
     team = Budget(10**9, "day", 0.0, team_holder("green"), "team green's")
     own = Budget(0, "month", 1.0, "dave")
@@ -143,11 +150,11 @@ async def test_the_end_settles_every_budget_held_at_the_price_reserved_at(store:
                        team_budget=team, price=PRICE)
     held = usd_reservation(PRICE, request.canonical_json(), 10_000)
     assert _usd(redis_client, "dave", own) == (held, 0)
-    claim = await store.claim(sid, "w")
+    claim = await jobs.claim(sid, "w")
     assert isinstance(claim, Claim)
     u = {"prompt_tokens": 50, "cached_tokens": 20, "completion_tokens": 30}
     for _ in range(2):  # a retried finish settles once
-        assert await store.finish(claim, EventType.DONE, {}, status="done", usage=u, reason="stop") is not None
+        assert await jobs.finish(claim, EventType.DONE, {}, status="done", usage=u, reason="stop") is not None
     cost = (30 * 2.0 + 20 * 0.5 + 30 * 8.0) * NANO_PER_USD / 1e6  # cached prompt tokens at the cached price
     assert _usd(redis_client, "dave", own) == (0, round(cost))
     green = budget_key(0, 1, team_holder("green"), team.window(time.time())[0])

@@ -19,9 +19,10 @@ from servers import RedisClusterServers, Stack, StackFactory
 from broker.redis.connection import connect
 from broker.redis.keyspace import partition_slot
 from broker.request import GenerationRequest
+from broker.streams.job_store import JobStore
 from broker.streams.keys import QueueKeys, partition_of
 from broker.streams.records import Claim
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,8 @@ async def test_store_operations_run_in_one_slot_each(redis_cluster: RedisCluster
     """The Lua scripts (incl. keys built inside Lua and SPUBLISH) and the 50-way create race on a cluster."""
     r = connect(redis_cluster.url)
     try:
-        store = Store(r, PARTITIONS)
+        store = StreamStore(r, PARTITIONS)
+        jobs = JobStore(r, PARTITIONS)
         assert store.cluster
         req = GenerationRequest(None, "hello", None, 8, 0.8, 0.95, None, (), False)
         sid = uuid.uuid4()
@@ -62,14 +64,14 @@ async def test_store_operations_run_in_one_slot_each(redis_cluster: RedisCluster
         waiting = [uuid.uuid4() for _ in range(3)]
         for w in waiting:  # queued behind sid in their own partitions: the claim script walks its partition only
             await store.create(w, req, model="m", max_queue=0, retention_s=60)
-        claim = await store.claim(sid, "w1")
+        claim = await jobs.claim(sid, "w1")
         assert isinstance(claim, Claim)
-        assert (await store.append(claim, 0, 1, [("delta", b'{"text":"a"}')])).ok
+        assert (await jobs.append(claim, 0, 1, [("delta", b'{"text":"a"}')])).ok
         await store.touch([sid, *waiting])
         assert await store.cancel(sid, "client") == "running"
-        renewed = await store.renew(claim, 5.0, 30.0)
+        renewed = await jobs.renew(claim, 5.0, 30.0)
         assert renewed.ok and renewed.cancel_reason == "client"
-        eid = await store.finish(claim, "cancelled", {"reason": "client", "usage": {}}, status="cancelled", usage={},
+        eid = await jobs.finish(claim, "cancelled", {"reason": "client", "usage": {}}, status="cancelled", usage={},
                                  reason="client")
         assert eid is not None
         assert [e.type for e in await store.read(sid, None)] == ["queued", "delta", "cancelled"]

@@ -22,9 +22,10 @@ from broker.redis.server import RedisServer
 from broker.request import GenerationRequest, Message
 from broker.streams import conversations as conversations_module
 from broker.streams.conversations import Begin, ConversationStore, Limits, Settled, absent
+from broker.streams.job_store import JobStore
 from broker.streams.keys import ConversationKeys
 from broker.streams.records import Claim
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from broker.streams.turns import items_turn
 
 pytestmark = pytest.mark.slow
@@ -51,7 +52,7 @@ async def redis_async(request: pytest.FixtureRequest) -> AsyncIterator[RedisClie
 @pytest.fixture
 def convs(redis_async: RedisClient) -> ConversationStore:
     # Six partitions on the cluster: a conversation and its turns' streams land on different masters.
-    return ConversationStore(Store(redis_async, 6 if is_cluster(redis_async) else 1))
+    return ConversationStore(StreamStore(redis_async, 6 if is_cluster(redis_async) else 1))
 
 
 def _request(text: str, history: History | None = None, *prior: Message) -> GenerationRequest:
@@ -73,13 +74,15 @@ async def _turn(convs: ConversationStore, key_id: str, name: str, text: str, ans
     return sid
 
 
-async def _finish(store: Store, sid: uuid.UUID, answer: str) -> None:
-    claim = await store.claim(sid, "w1")
+async def _finish(store: StreamStore, sid: uuid.UUID, answer: str) -> None:
+    """Claim, answer and finish the turn's stream, as a worker does (on the conversations' Redis)."""
+    jobs = JobStore(store.redis, store.partitions)
+    claim = await jobs.claim(sid, "w1")
     assert isinstance(claim, Claim)
     events = [(EventType.DELTA, encode_data({"text": piece})) for piece in answer.split("|")]
-    assert (await store.append(claim, 0, len(events), events)).ok
+    assert (await jobs.append(claim, 0, len(events), events)).ok
     usage = {"prompt_tokens": 3, "completion_tokens": len(events), "ttft_ms": None, "tpot_ms": None}
-    await store.finish(claim, EventType.DONE, {"finish_reason": "stop", "usage": usage}, status="done", usage=usage)
+    await jobs.finish(claim, EventType.DONE, {"finish_reason": "stop", "usage": usage}, status="done", usage=usage)
 
 
 async def test_two_devices_reserving_the_next_turn_at_once_make_one_turn(convs: ConversationStore) -> None:

@@ -21,8 +21,9 @@ from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
 from broker.streams import keys
 from broker.streams.budget import Budget
+from broker.streams.job_store import JobStore
 from broker.streams.records import Claim, Quota
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from broker.tiers import TIERS
 
 BROKER = Path(__file__).resolve().parents[2] / "broker"
@@ -37,51 +38,57 @@ LUA_BUILT = ("QUEUE_RING", "QUEUE_WAITING", "QUEUE_INBOX", "QUEUE_WAKE_FOR", "QU
 
 
 @pytest.fixture
-async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[Store]:
+async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
     r = connect(redis_server.url)
-    yield Store(r)
+    yield StreamStore(r)
     await r.aclose()
 
 
-async def _create(store: Store, tenant: str, tier: str = "default", request: GenerationRequest = REQ) -> uuid.UUID:
+@pytest.fixture
+def jobs(store: StreamStore) -> JobStore:
+    """The generator's side, on the store's Redis."""
+    return JobStore(store.redis, store.partitions)
+
+
+async def _create(store: StreamStore, tenant: str, tier: str = "default", request: GenerationRequest = REQ) -> uuid.UUID:
     sid = uuid.uuid4()
     await store.create(sid, request, model="alpha", tier=tier, max_queue=0, retention_s=60, key_id="alice",
-                       quota=Quota(principal=tenant), storage=StorageQuota("alice", 10**9),
+                       quota=Quota(tenant=tenant), storage=StorageQuota("alice", 10**9),
                        budget=Budget(tokens=10**6, holder="alice"), webhook=("http://a.example/hooks", str(sid)))
     return sid
 
 
-async def _claim(store: Store, worker: str, affinity_wait_s: float = 0.0) -> Claim | None:
-    got = await store.claim_next("alpha", 0, worker, lease_s=30.0, affinity_wait_s=affinity_wait_s)
+async def _claim(jobs: JobStore, worker: str, affinity_wait_s: float = 0.0) -> Claim | None:
+    got = await jobs.claim_next("alpha", 0, worker, lease_s=30.0, affinity_wait_s=affinity_wait_s)
     return got if isinstance(got, Claim) else None
 
 
-async def test_every_key_the_scripts_write_is_declared(store: Store) -> None:
+async def test_every_key_the_scripts_write_is_declared(store: StreamStore, jobs: JobStore) -> None:
     # Jobs of two tenants in every tier; one claimed and finished (usage, outbox), one cancelled while queued (a free
     # record), one claimed and renewed, one given back, one released; a chat turn left for its worker (its inbox).
     for tier in TIERS:
         for tenant in ("a", "b"):
             await _create(store, tenant, tier)
-    done = await _claim(store, "w1")
+    done = await _claim(jobs, "w1")
     assert done is not None
-    await store.renew(done, 5.0, 30.0)
-    await store.finish(done, "done", {"usage": {}}, status="done", model="alpha",
+    await jobs.renew(done, 5.0, 30.0)
+    await jobs.finish(done, "done", {"usage": {}}, status="done", model="alpha",
                        usage={"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
     assert await store.cancel(await _create(store, "c"), "client") == "cancelled"
-    given = await _claim(store, "w2")
+    given = await _claim(jobs, "w2")
     assert given is not None
-    await store.give_back(given)
-    released = await _claim(store, "w3")
+    await jobs.give_back(given)
+    released = await _claim(jobs, "w3")
     assert released is not None
-    await store.release(released)
+    await jobs.release(released)
     # The rest waits: tenant lines and rings in each tier. A chat turn (of tenant d: first in no line) whose worker is
     # "owner" is met by "other" first: left in owner's inbox, owner woken.
     chat = await _create(store, "d", "priority", CHAT)
-    await store.affinity.note(CHAT.affinity("d"), "owner", 60)
+    await jobs.affinity.note(CHAT.affinity("d"), "owner", 60)
     for _ in range(8):
         if await store.redis.exists(store.queue(0, "alpha").inbox("owner")):
             break
-        assert await _claim(store, "other", affinity_wait_s=30) is not None
+        assert await _claim(jobs, "other", affinity_wait_s=30) is not None
     assert await store.redis.zscore(store.queue(0, "alpha").deferred, str(chat)) is not None
 
     held = [k.decode() async for k in store.redis.scan_iter(count=1000)]
@@ -105,7 +112,7 @@ async def test_every_key_the_scripts_write_is_declared(store: Store) -> None:
     assert {keys.usage_log_key(0, 1, "alice"), keys.usage_free_key(0, 1, "alice")} <= set(held)
     assert any(k.startswith(keys.usage_log_prefix(0, 1) + "day:alice:") for k in held)
     assert any(k.startswith(keys.outbox_key(0, 1) + ":d:") for k in held)
-    assert STORAGE_EXPIRY.build(storage=STORAGE.build(tag="rsb:{p0}", principal="alice")) in held
+    assert STORAGE_EXPIRY.build(storage=STORAGE.build(tag="rsb:{p0}", tenant="alice")) in held
 
 
 # Concatenated literals in Lua that are not keys: hash fields (a queue's ``waiting:<tier>`` and ``served:<tier>``) and

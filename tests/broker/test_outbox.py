@@ -22,21 +22,21 @@ from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
 from broker.streams.keys import outbox_dests_key, outbox_due_key, outbox_holds_key, outbox_key
 from broker.streams.outbox import BREAKER_FAILURES, HOOK_BYTES, HookEvent, Outbox, hold_s
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 
 REQ = GenerationRequest(None, "hello", None, 8, 0.8, 0.95, None, (), False)
 A, B = "http://a.example:8080/hooks", "https://b.example/hooks"
 
 
 @pytest.fixture
-async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[Store]:
+async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
     redis_client.flushall()
     r = connect(redis_server.url)
-    yield Store(r)
+    yield StreamStore(r)
     await r.aclose()
 
 
-async def _ended(store: Store, url: str, key_id: str = "alice", *, max_pending: int = 0) -> str:
+async def _ended(store: StreamStore, url: str, key_id: str = "alice", *, max_pending: int = 0) -> str:
     """A stream created with a webhook to ``url`` and cancelled while queued: one event in the outbox."""
     sid = uuid.uuid4()
     await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id=key_id, webhook=(url, str(sid)),
@@ -49,7 +49,7 @@ def _now() -> int:
     return int(time.time() * 1000)
 
 
-async def _later(store: Store, ms: int) -> None:
+async def _later(store: StreamStore, ms: int) -> None:
     """As if ``ms`` passed on the Redis server (whose clock the outbox's scripts read): every due time and hold of
     partition 0's outbox moved ``ms`` earlier."""
     r, outbox = store.redis, outbox_key(0, 1)
@@ -61,7 +61,7 @@ async def _later(store: Store, ms: int) -> None:
         await r.hset(outbox_holds_key(0, 1), dest, f"{int(until) - ms} {failures}")
 
 
-async def test_taking_is_fair_across_destinations(store: Store) -> None:
+async def test_taking_is_fair_across_destinations(store: StreamStore) -> None:
     outbox = Outbox(store.redis, 1)
     for _ in range(50):
         await _ended(store, A)
@@ -75,7 +75,7 @@ async def test_taking_is_fair_across_destinations(store: Store) -> None:
     assert [e.id for e in await outbox.take(0, 10, 4, {a_dest: 4})] == [b]
 
 
-async def test_a_failing_destination_is_held_then_probed_and_a_delivery_clears_it(store: Store) -> None:
+async def test_a_failing_destination_is_held_then_probed_and_a_delivery_clears_it(store: StreamStore) -> None:
     outbox = Outbox(store.redis, 1)
     for _ in range(6):
         await _ended(store, A)
@@ -95,7 +95,7 @@ async def test_a_failing_destination_is_held_then_probed_and_a_delivery_clears_i
     assert await store.redis.hlen(outbox_key(0, 1)) == 5
 
 
-async def test_pending_events_count_in_their_creators_quota_and_are_bounded(store: Store) -> None:
+async def test_pending_events_count_in_their_creators_quota_and_are_bounded(store: StreamStore) -> None:
     outbox = Outbox(store.redis, 1)
     for _ in range(3):
         await _ended(store, A, max_pending=3)
@@ -114,7 +114,7 @@ async def test_pending_events_count_in_their_creators_quota_and_are_bounded(stor
     await _ended(store, A, max_pending=3)
 
 
-async def test_events_from_before_destinations_are_moved_into_theirs(store: Store) -> None:
+async def test_events_from_before_destinations_are_moved_into_theirs(store: StreamStore) -> None:
     outbox = Outbox(store.redis, 1)
     record = {"sid": str(uuid.uuid4()), "hid": "x", "url": B, "type": "response.completed", "created_at": 1,
               "first_ms": _now(), "attempts": 0}
@@ -127,7 +127,7 @@ async def test_events_from_before_destinations_are_moved_into_theirs(store: Stor
     assert await outbox.pending() == 0
 
 
-async def test_an_event_a_day_old_by_the_servers_clock_is_given_up(store: Store) -> None:
+async def test_an_event_a_day_old_by_the_servers_clock_is_given_up(store: StreamStore) -> None:
     outbox = Outbox(store.redis, 1)
     await _ended(store, A)
     [event] = await outbox.take(0, 10, 4, {})

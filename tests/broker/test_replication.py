@@ -21,9 +21,10 @@ from servers import PrimaryReplica, StackFactory
 from broker.events import EventType, encode_data
 from broker.redis.connection import connect
 from broker.request import GenerationRequest
+from broker.streams.job_store import JobStore
 from broker.streams.keys import StreamKeys
 from broker.streams.records import Claim
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 
 pytestmark = pytest.mark.slow
 
@@ -46,23 +47,24 @@ def _replica_ids(pair: PrimaryReplica, key: str) -> list[str]:
 async def test_an_event_is_visible_only_once_the_replica_has_it(primary_replica: PrimaryReplica) -> None:
     pair = primary_replica
     r = connect(pair.primary.url)
-    store = Store(r, durability_level="replicated", replica_wait_ms=100)
+    store = StreamStore(r, durability_level="replicated", replica_wait_ms=100)
+    jobs = JobStore(r, durability_level="replicated", replica_wait_ms=100)
     assert pair.replica.proc is not None
     try:
         sid = uuid.uuid4()
         k = store.keys(sid)
         await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
-        claim = await store.claim(sid, "w")
+        claim = await jobs.claim(sid, "w")
         assert isinstance(claim, Claim)
         pubsub = r.pubsub()
         await pubsub.subscribe(k.channel)
-        assert (await store.append(claim, 0, 1, [_delta("a")])).ok
+        assert (await jobs.append(claim, 0, 1, [_delta("a")])).ok
         seen = [e.id for e in await store.read(sid, None)]
         assert len(seen) == 2 and seen == _replica_ids(pair, k.events)  # queued + "a", both on the replica
 
         os.kill(pair.replica.proc.pid, signal.SIGSTOP)
         try:
-            pending = asyncio.ensure_future(store.append(claim, 1, 2, [_delta("b")]))
+            pending = asyncio.ensure_future(jobs.append(claim, 1, 2, [_delta("b")]))
             await asyncio.sleep(1.0)  # deliberate: a second in which the append must not complete
             assert not pending.done()  # paused: no replica acknowledged it
             everything = await store.read(sid, None, visible_only=False)

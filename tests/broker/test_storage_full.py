@@ -162,31 +162,33 @@ async def test_which_steps_a_full_redis_refuses(full_redis: tuple[RedisServer, r
     from broker.events import EventType, encode_data
     from broker.redis.connection import connect
     from broker.request import GenerationRequest
+    from broker.streams.job_store import JobStore
     from broker.streams.records import Claim
-    from broker.streams.store import Store
+    from broker.streams.stream_store import StreamStore
 
     server, r = full_redis
     client = connect(server.url)
-    store = Store(client)
+    store = StreamStore(client)
+    jobs = JobStore(client)
     req = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
     sid, waiting = uuid.uuid4(), uuid.uuid4()
     for s in (sid, waiting):
         assert (await store.create(s, req, model="m", max_queue=0, retention_s=60)).created
-    claim = await store.claim(sid, "w1")
+    claim = await jobs.claim(sid, "w1")
     assert isinstance(claim, Claim)
     delta = (EventType.DELTA, encode_data({"text": "x"}))
-    assert (await store.append(claim, 0, 1, [delta])).ok
+    assert (await jobs.append(claim, 0, 1, [delta])).ok
     fillers = _fill(r)
     try:
         before = r.hgetall(_meta(str(sid)))
-        for step in (store.append(claim, 1, 2, [delta]), store.create(uuid.uuid4(), req, model="m",
+        for step in (jobs.append(claim, 1, 2, [delta]), store.create(uuid.uuid4(), req, model="m",
                                                                       max_queue=0, retention_s=60),
-                     store.cancel(waiting, "client"), store.claim(waiting, "w1"),
-                     store.finish(claim, EventType.DONE, {"finish_reason": "stop"}, status="done", usage={})):
+                     store.cancel(waiting, "client"), jobs.claim(waiting, "w1"),
+                     jobs.finish(claim, EventType.DONE, {"finish_reason": "stop"}, status="done", usage={})):
             with pytest.raises(StoreFull):
                 await step
         assert r.hgetall(_meta(str(sid))) == before, "a refused script wrote part of its work"
-        assert (await store.renew(claim, 5.0, 30.0)).ok  # the lease is kept while the generation waits
+        assert (await jobs.renew(claim, 5.0, 30.0)).ok  # the lease is kept while the generation waits
         await store.touch([sid, waiting])  # a reader's mark: refused, quietly
         assert [e.type for e in await store.read(sid, None)] == ["queued", "delta"]
         assert (await store.status(sid)) is not None
@@ -194,6 +196,6 @@ async def test_which_steps_a_full_redis_refuses(full_redis: tuple[RedisServer, r
     finally:
         r.delete(*fillers)
         r.config_set("maxmemory", str(MAXMEMORY))
-    assert (await store.append(claim, 1, 2, [delta])).ok
-    assert await store.finish(claim, EventType.DONE, {"finish_reason": "stop"}, status="done", usage={})
+    assert (await jobs.append(claim, 1, 2, [delta])).ok
+    assert await jobs.finish(claim, EventType.DONE, {"finish_reason": "stop"}, status="done", usage={})
     await client.aclose()

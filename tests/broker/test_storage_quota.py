@@ -18,7 +18,7 @@ from servers import StackFactory
 
 from broker.redis.quota import storage_key
 from broker.redis.server import RedisServer
-from broker.streams.keys import principal
+from broker.streams.keys import tenant_of
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def _create(c: httpx.Client, headers: dict[str, str], **fields: object) -> httpx
 
 
 def _held(r: redis.Redis, address: str) -> int:
-    return int(r.hget(storage_key(0, 1, principal("", address)), "bytes") or 0)
+    return int(r.hget(storage_key(0, 1, tenant_of("", address)), "bytes") or 0)
 
 
 def test_one_address_fills_its_quota_and_another_still_creates(capped: tuple[RedisServer, redis.Redis],
@@ -113,7 +113,7 @@ def test_one_address_fills_its_quota_and_another_still_creates(capped: tuple[Red
                  ).status_code == 201
     assert _held(r, FLOODER) < 1024
     # The caller's count lives as long as its longest-lived item, then leaves Redis with it.
-    key = storage_key(0, 1, principal("", FLOODER))
+    key = storage_key(0, 1, tenant_of("", FLOODER))
     assert 59_000 < r.pttl(key) <= 61_000 and 59_000 < r.pttl(key + ":exp") <= 61_000
     # Refused: 1 append, 1 fork, 1 new stream, 1 create; and the third fork.
     assert metric(httpx.get(f"{stack.base_url}/metrics").text, "rsb_storage_quota_rejected_total") == 5

@@ -20,10 +20,11 @@ from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
 from broker.streams import usage
 from broker.streams import usage_report as ledger
+from broker.streams.job_store import JobStore
 from broker.streams.keys import aborted_log_key, usage_free_key, usage_index_key, usage_log_key
 from broker.streams.records import Claim
 from broker.streams.report import aborted_report
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from broker.streams.usage import Prices
 from broker.streams.usage_report import parse_group_by, usage_report
 
@@ -31,46 +32,52 @@ REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 
 
 @pytest.fixture
-async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[Store]:
+async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
     redis_client.flushall()
     r = connect(redis_server.url)
-    yield Store(r)
+    yield StreamStore(r)
     await r.aclose()
 
 
-async def _run(store: Store, key_id: str = "", *, status: str = "done", reason: str = "stop", prompt: int = 10,
+@pytest.fixture
+def jobs(store: StreamStore) -> JobStore:
+    """The generator's side, on the store's Redis."""
+    return JobStore(store.redis, store.partitions)
+
+
+async def _run(store: StreamStore, jobs: JobStore, key_id: str = "", *, status: str = "done", reason: str = "stop", prompt: int = 10,
                completion: int = 20, cached: int = 0, wasted: int = 0, tier: str = "default",
                quota: StorageQuota = NO_STORAGE_QUOTA) -> uuid.UUID:
     sid = uuid.uuid4()
     await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id=key_id, tier=tier, storage=quota)
-    claim = await store.claim(sid, "w")
+    claim = await jobs.claim(sid, "w")
     assert isinstance(claim, Claim)
     u = {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached, "ttft_ms": 12.5,
          "tpot_ms": 1.0}
     etype = {"done": EventType.DONE, "cancelled": EventType.CANCELLED, "error": EventType.ERROR}[status]
-    assert await store.finish(claim, etype, {"usage": u}, status=status, usage=u, model="demo", reason=reason,
+    assert await jobs.finish(claim, etype, {"usage": u}, status=status, usage=u, model="demo", reason=reason,
                               compute_s=0.5, wasted_tokens=wasted) is not None
     return sid
 
 
-async def _all(store: Store, key_id: str | None = None) -> list[dict[str, str]]:
+async def _all(store: StreamStore, key_id: str | None = None) -> list[dict[str, str]]:
     return [r async for r in ledger.records(store.redis, 1, key_id=key_id)]
 
 
-async def test_one_record_per_ended_generation_with_its_fields(store: Store) -> None:
-    done = await _run(store, "alice", prompt=10, completion=20, cached=4)
+async def test_one_record_per_ended_generation_with_its_fields(store: StreamStore, jobs: JobStore) -> None:
+    done = await _run(store, jobs, "alice", prompt=10, completion=20, cached=4)
     # A retried finish (its reply lost) and a zombie's finish write nothing more.
     sid = uuid.uuid4()
     await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id="bob")
     await store.redis.hset(store.keys(sid).meta, "tier", "priority")
-    claim = await store.claim(sid, "w1")
+    claim = await jobs.claim(sid, "w1")
     assert isinstance(claim, Claim)
-    await store.add_wasted(claim, 7)  # an earlier attempt's refused tokens
+    await jobs.add_wasted(claim, 7)  # an earlier attempt's refused tokens
     u = {"prompt_tokens": 5, "completion_tokens": 3, "cached_tokens": 0, "ttft_ms": None, "tpot_ms": None}
     for _ in range(2):
-        assert await store.finish(claim, EventType.ERROR, {"code": "engine"}, status="error", usage=u, model="demo",
+        assert await jobs.finish(claim, EventType.ERROR, {"code": "engine"}, status="error", usage=u, model="demo",
                                   reason="engine", compute_s=0.1, wasted_tokens=2) is not None
-    await store.add_wasted(claim, 100)  # too late: the record is written
+    await jobs.add_wasted(claim, 100)  # too late: the record is written
     queued = uuid.uuid4()
     await store.create(queued, REQ, model="asked", max_queue=0, retention_s=60, key_id="alice")
     await asyncio.sleep(0.05)
@@ -97,21 +104,21 @@ async def test_one_record_per_ended_generation_with_its_fields(store: Store) -> 
     assert set(await store.redis.zrange(usage_index_key(0, 1), 0, -1)) == {b"alice", b"bob"}
 
 
-async def test_a_cancel_racing_a_claim_leaves_one_record(store: Store) -> None:
+async def test_a_cancel_racing_a_claim_leaves_one_record(store: StreamStore, jobs: JobStore) -> None:
     for _ in range(20):
         sid = uuid.uuid4()
         await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
-        claim, _ = await asyncio.gather(store.claim(sid, "w"), store.cancel(sid, "client"))
+        claim, _ = await asyncio.gather(jobs.claim(sid, "w"), store.cancel(sid, "client"))
         if isinstance(claim, Claim):
             u = {"prompt_tokens": 1, "completion_tokens": 0}
-            await store.finish(claim, EventType.CANCELLED, {}, status="cancelled", usage=u, reason="client")
+            await jobs.finish(claim, EventType.CANCELLED, {}, status="cancelled", usage=u, reason="client")
         assert [r["sid"] for r in await _all(store)].count(str(sid)) == 1
 
 
-async def test_the_report_groups_scopes_and_prices(store: Store) -> None:
-    await _run(store, "alice", prompt=1_000_000, completion=500_000, cached=400_000)
-    await _run(store, "alice", status="cancelled", reason="client", prompt=10, completion=5)
-    await _run(store, "bob", status="error", reason="deadline", prompt=7, completion=3, wasted=11)
+async def test_the_report_groups_scopes_and_prices(store: StreamStore, jobs: JobStore) -> None:
+    await _run(store, jobs, "alice", prompt=1_000_000, completion=500_000, cached=400_000)
+    await _run(store, jobs, "alice", status="cancelled", reason="client", prompt=10, completion=5)
+    await _run(store, jobs, "bob", status="error", reason="deadline", prompt=7, completion=3, wasted=11)
     prices = Prices.parse(b'{"demo": {"input_per_mtok": 2.0, "cached_input_per_mtok": 0.5, "output_per_mtok": 8.0}}')
     everyone = await usage_report(store.redis, 1, group_by=("key", "status"), prices=prices)
     rows = {(r["key"], r["status"]): r for r in everyone["rows"]}
@@ -141,12 +148,12 @@ async def test_the_report_groups_scopes_and_prices(store: Store) -> None:
     assert "total" in ledger.render_table(everyone)
 
 
-async def test_prices_may_weight_tiers(store: Store) -> None:
+async def test_prices_may_weight_tiers(store: StreamStore, jobs: JobStore) -> None:
     """``tiers`` in a model's price: a generation is priced in the tier it ran in; a tier's fields default to the
     model's own; an unlisted tier pays the model's price."""
-    await _run(store, "alice", prompt=1_000_000, completion=1_000_000, tier="priority")
-    await _run(store, "alice", prompt=1_000_000, completion=1_000_000, tier="flex")
-    await _run(store, "alice", prompt=1_000_000, completion=1_000_000)
+    await _run(store, jobs, "alice", prompt=1_000_000, completion=1_000_000, tier="priority")
+    await _run(store, jobs, "alice", prompt=1_000_000, completion=1_000_000, tier="flex")
+    await _run(store, jobs, "alice", prompt=1_000_000, completion=1_000_000)
     prices = Prices.parse(b'{"demo": {"input_per_mtok": 1.0, "output_per_mtok": 4.0, "tiers": {'
                           b'"priority": {"input_per_mtok": 2.0, "output_per_mtok": 8.0}, "flex": {"output_per_mtok": 2}}}}')
     rows = {r["tier"]: r["cost_usd"] for r in (await usage_report(store.redis, 1, group_by=("tier",),
@@ -174,10 +181,10 @@ def test_group_by_and_prices_refuse_what_they_do_not_know() -> None:
             Prices.parse(raw)
 
 
-async def test_the_aborted_report_is_a_view_of_the_ledger_and_of_the_old_log(store: Store) -> None:
-    await _run(store, "alice")  # done: not aborted
-    await _run(store, "alice", status="cancelled", reason="client", prompt=10, completion=5)
-    await _run(store, "bob", status="error", reason="deadline", prompt=7, completion=3)
+async def test_the_aborted_report_is_a_view_of_the_ledger_and_of_the_old_log(store: StreamStore, jobs: JobStore) -> None:
+    await _run(store, jobs, "alice")  # done: not aborted
+    await _run(store, jobs, "alice", status="cancelled", reason="client", prompt=10, completion=5)
+    await _run(store, jobs, "bob", status="error", reason="deadline", prompt=7, completion=3)
     # A record of the log the report read before the ledger (an upgrade keeps its figures).
     await store.redis.xadd(aborted_log_key(0, 1), {
         "sid": str(uuid.uuid4()), "ts": f"{time.time():.6f}", "status": "cancelled", "reason": "client",
@@ -197,19 +204,19 @@ async def test_the_aborted_report_is_a_view_of_the_ledger_and_of_the_old_log(sto
     assert table[-1].split()[:5] == ["total", "3", "19", "9", str(27 + 31 + 29)]
 
 
-async def test_records_past_their_retention_are_neither_reported_nor_kept(store: Store) -> None:
+async def test_records_past_their_retention_are_neither_reported_nor_kept(store: StreamStore, jobs: JobStore) -> None:
     log = usage_log_key(0, 1, "alice")
     old_ms = int((time.time() - usage.RETENTION_S - 86_400) * 1000)
     await store.redis.xadd(log, {"sid": "old", "ts": str(old_ms / 1000), "status": "done"}, id=f"{old_ms}-0")
     await store.redis.zadd(usage_index_key(0, 1), {"alice": old_ms})
     assert await _all(store) == []  # listed, but past its retention
-    await _run(store, "alice")
+    await _run(store, jobs, "alice")
     assert [r["sid"] for r in await _all(store, "alice")] != ["old"]
     assert all(r["sid"] != "old" for r in await _all(store, "alice"))
     assert 0 < await store.redis.ttl(log) <= usage.RETENTION_S
 
 
-async def _free(store: Store, key_id: str, n: int) -> None:
+async def _free(store: StreamStore, key_id: str, n: int) -> None:
     """``n`` free records: creates cancelled while queued (no token)."""
     async def one() -> None:
         sid = uuid.uuid4()
@@ -220,16 +227,16 @@ async def _free(store: Store, key_id: str, n: int) -> None:
         await asyncio.gather(*(one() for _ in range(min(250, n - i))))
 
 
-async def _xranges(store: Store) -> int:
+async def _xranges(store: StreamStore) -> int:
     stats = await store.redis.info("commandstats")
     return int(stats.get("cmdstat_xrange", {}).get("calls", 0))
 
 
 @pytest.mark.slow  # 11,000 creates and cancels
-async def test_a_flood_of_free_records_leaves_every_billed_record(store: Store) -> None:
+async def test_a_flood_of_free_records_leaves_every_billed_record(store: StreamStore, jobs: JobStore) -> None:
     """Issue 42: a key's log kept a fixed count of records, and create+cancel records cost nothing, so a flood of
     them pushed out all but 2 of 151 billed records. Billed records are kept by time only, apart."""
-    billed = [await _run(store, "alice", prompt=100, completion=50) for _ in range(151)]
+    billed = [await _run(store, jobs, "alice", prompt=100, completion=50) for _ in range(151)]
     await _free(store, "alice", usage.FREE_RECORDS + 1000)
     kept = {r["sid"] for r in await _all(store, "alice") if r["status"] == "done"}
     assert kept == {str(s) for s in billed}
@@ -244,10 +251,10 @@ async def test_a_flood_of_free_records_leaves_every_billed_record(store: Store) 
     assert rows[("alice", "cancelled")]["streams"] == usage.FREE_RECORDS + 1000
 
 
-async def test_billed_records_count_in_their_creators_storage_quota(store: Store) -> None:
+async def test_billed_records_count_in_their_creators_storage_quota(store: StreamStore, jobs: JobStore) -> None:
     quota = StorageQuota("alice", 10 * usage.RECORD_BYTES + len(REQ.canonical_json()) - 1)
     for _ in range(10):
-        await _run(store, "alice", quota=quota)
+        await _run(store, jobs, "alice", quota=quota)
     await _free(store, "alice", 20)  # free records are bounded by count, not charged
     assert int(await store.redis.hget(storage_key(0, 1, "alice"), "bytes") or 0) == 10 * usage.RECORD_BYTES
     with pytest.raises(OverStorageQuota):  # the next request body does not fit beside the ledger
@@ -257,7 +264,7 @@ async def test_billed_records_count_in_their_creators_storage_quota(store: Store
     assert exp is not None and abs(exp / 1000 - (time.time() // 86_400 + 1) * 86_400 - usage.RETENTION_S) < 5
 
 
-async def test_records_from_before_the_day_sums_are_read_as_records(store: Store) -> None:
+async def test_records_from_before_the_day_sums_are_read_as_records(store: StreamStore, jobs: JobStore) -> None:
     """An upgraded ledger has records without day sums: their days are read as records, later days as sums."""
     yesterday_ms = int((time.time() - 86_400) * 1000)
     await store.redis.xadd(usage_log_key(0, 1, "alice"), {
@@ -265,32 +272,32 @@ async def test_records_from_before_the_day_sums_are_read_as_records(store: Store
         "status": "done", "reason": "stop", "max_tokens": "32", "prompt_tokens": "7", "cached_tokens": "0",
         "completion_tokens": "3", "wasted_tokens": "0", "compute_s": "0.1"}, id=f"{yesterday_ms}-0")
     await store.redis.zadd(usage_index_key(0, 1), {"alice": yesterday_ms})
-    await _run(store, "alice", prompt=10, completion=20)
+    await _run(store, jobs, "alice", prompt=10, completion=20)
     report = await usage_report(store.redis, 1, group_by=("day",))
     assert [(r["streams"], r["prompt_tokens"]) for r in report["rows"]] == [(1, 7), (1, 10)]
     # Bounds inside a day read that part as records: only the newer record.
     assert (await usage_report(store.redis, 1, since=time.time() - 60))["total"]["streams"] == 1
 
 
-async def test_queue_s_runs_from_the_create_to_the_first_claim_in_the_servers_time(store: Store) -> None:
+async def test_queue_s_runs_from_the_create_to_the_first_claim_in_the_servers_time(store: StreamStore, jobs: JobStore) -> None:
     sid = uuid.uuid4()
     await store.create(sid, REQ, model="m", max_queue=0, retention_s=60, key_id="carol")
     meta = store.keys(sid).meta
-    given_back = await store.claim(sid, "w0")
+    given_back = await jobs.claim(sid, "w0")
     assert isinstance(given_back, Claim)
-    await store.give_back(given_back)  # claimed and not started: as if never claimed, its wait goes on
+    await jobs.give_back(given_back)  # claimed and not started: as if never claimed, its wait goes on
     assert await store.redis.hget(meta, "started_at") is None
-    first = await store.claim(sid, "w1")
+    first = await jobs.claim(sid, "w1")
     assert isinstance(first, Claim)
     started = float(reply_text(await store.redis.hget(meta, "started_at")))
-    second = await store.claim(sid, "w2")  # taken over: a later claim, the same start
+    second = await jobs.claim(sid, "w2")  # taken over: a later claim, the same start
     assert isinstance(second, Claim)
     created, claimed, started_again = (float(reply_text(v)) for v in
                                        await store.redis.hmget(meta, "created_at", "claimed_at", "started_at"))
     assert started_again == started and claimed >= started
     assert 0 <= second.waited_s == claimed - created  # both the server's: no pod clock in between
     u = {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0, "ttft_ms": None, "tpot_ms": None}
-    assert await store.finish(second, EventType.DONE, {"usage": u}, status="done", usage=u, model="m") is not None
+    assert await jobs.finish(second, EventType.DONE, {"usage": u}, status="done", usage=u, model="m") is not None
     [record] = await _all(store, "carol")
     assert record["queue_s"] == f"{started - created:.3f}"
     assert created <= float(record["ts"]) and abs(float(record["ts"]) - time.time()) < 10

@@ -19,8 +19,9 @@ import redis
 from broker.redis.connection import connect, connect_blocking
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
+from broker.streams.job_store import JobStore
 from broker.streams.records import Claim
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from consumer.app import _touch_readers
 from consumer.streaming.hub import LiveHub
 from consumer.streaming.reader import read_batches
@@ -32,18 +33,24 @@ GRACE_S = 0.5
 
 
 @pytest.fixture
-async def parts(own_redis: RedisServer) -> AsyncIterator[tuple[Store, LiveHub, redis.Redis]]:
+async def parts(own_redis: RedisServer) -> AsyncIterator[tuple[StreamStore, LiveHub, redis.Redis]]:
     r = connect(own_redis.url)
     blocking = connect_blocking(own_redis.url)
     hub = LiveHub(blocking)
     await hub.start()
     admin = redis.Redis(port=own_redis.port)
-    yield Store(r), hub, admin
+    yield StreamStore(r), hub, admin
     admin.client_unpause()
     admin.close()
     await hub.stop()
     await r.aclose()
     await blocking.aclose()
+
+
+@pytest.fixture
+def jobs(parts: tuple[StreamStore, LiveHub, redis.Redis]) -> JobStore:
+    """The generator's side, on the store's Redis."""
+    return JobStore(parts[0].redis)
 
 
 async def _connected(hub: LiveHub) -> None:
@@ -77,7 +84,7 @@ async def _until(check: object, timeout_s: float = 5.0) -> None:
 
 
 async def test_a_reader_that_leaves_before_redis_confirms_its_subscription_leaves_no_channel(
-        own_redis: RedisServer, parts: tuple[Store, LiveHub, redis.Redis]) -> None:
+        own_redis: RedisServer, parts: tuple[StreamStore, LiveHub, redis.Redis]) -> None:
     _, hub, admin = parts
     await _connected(hub)
     channel = f"test:{uuid.uuid4()}:live"
@@ -95,7 +102,7 @@ async def test_a_reader_that_leaves_before_redis_confirms_its_subscription_leave
 
 
 async def test_readers_that_join_a_subscription_being_confirmed_stay_when_its_first_reader_leaves(
-        own_redis: RedisServer, parts: tuple[Store, LiveHub, redis.Redis]) -> None:
+        own_redis: RedisServer, parts: tuple[StreamStore, LiveHub, redis.Redis]) -> None:
     _, hub, admin = parts
     await _connected(hub)
     channel = f"test:{uuid.uuid4()}:live"
@@ -117,8 +124,8 @@ async def test_readers_that_join_a_subscription_being_confirmed_stay_when_its_fi
     await _until(lambda: admin.pubsub_numsub(channel)[0][1] == 0)
 
 
-async def test_a_page_reload_during_the_first_touch_still_lets_cancel_on_disconnect_fire(
-        parts: tuple[Store, LiveHub, redis.Redis]) -> None:
+async def test_a_page_reload_during_the_first_touch_still_lets_cancel_on_disconnect_fire(jobs: JobStore,
+        parts: tuple[StreamStore, LiveHub, redis.Redis]) -> None:
     """The stream was read once (so a disconnect counts), then a reader comes back and leaves while its first
     touch is in flight (Redis pauses writes: the subscription is confirmed, the touch script waits). With no
     reader left, the pod stops touching the stream and RENEW (what the generator runs every lease/3) says
@@ -126,7 +133,7 @@ async def test_a_page_reload_during_the_first_touch_still_lets_cancel_on_disconn
     store, hub, admin = parts
     sid = uuid.uuid4()
     await store.create(sid, COD, model="m", max_queue=0, retention_s=60)
-    claim = await store.claim(sid, "w")
+    claim = await jobs.claim(sid, "w")
     assert isinstance(claim, Claim)
 
     first = read_batches(store, hub, sid, None, 0.2, watched=True)
@@ -148,7 +155,7 @@ async def test_a_page_reload_during_the_first_touch_still_lets_cancel_on_disconn
     toucher = asyncio.ensure_future(_touch_readers(store, hub, 0.1))  # the pod's own touch loop
     try:
         await asyncio.sleep(GRACE_S + 0.7)
-        res = await store.renew(claim, GRACE_S, 30.0)
+        res = await jobs.renew(claim, GRACE_S, 30.0)
     finally:
         toucher.cancel()
         await asyncio.gather(toucher, return_exceptions=True)

@@ -21,6 +21,7 @@ from broker.events import EventType, encode_data
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest, Message
 from broker.streams.conversations import MAX_WAITING
+from broker.streams.job_store import JobStore
 from broker.streams.records import Claim, Unclaimable
 from consumer.edge.auth import ApiKey, ApiKeys
 from consumer.streaming.conversations import ConversationService, TurnStarted
@@ -43,11 +44,12 @@ class Worker:
     """The worker's side of one turn: claim it, write an answer, finish it (done or cancelled) and fold it."""
 
     def __init__(self, convs: ConversationService, sid: uuid.UUID) -> None:
-        self.convs, self.store, self.sid, self.seq = convs, convs.service.store, sid, 0
+        self.convs, self.sid, self.seq = convs, sid, 0
+        self.jobs = JobStore(convs.service.store.redis)
         self.claim: Claim | None = None
 
     async def start(self) -> Worker:
-        claim = await self.store.claim(self.sid, "w")
+        claim = await self.jobs.claim(self.sid, "w")
         assert isinstance(claim, Claim), claim
         self.claim = claim
         return self
@@ -55,7 +57,7 @@ class Worker:
     async def write(self, text: str) -> str:
         """Appends a delta; the cancel it was told of ('' for none)."""
         assert self.claim is not None
-        res = await self.store.append(self.claim, self.seq, self.seq + 1, [(EventType.DELTA, encode_data({"text": text}))])
+        res = await self.jobs.append(self.claim, self.seq, self.seq + 1, [(EventType.DELTA, encode_data({"text": text}))])
         assert res.ok, res
         self.seq += 1
         return res.cancel_reason
@@ -65,7 +67,7 @@ class Worker:
         usage = {"prompt_tokens": 1, "completion_tokens": self.seq}
         data: dict[str, Any] = ({"finish_reason": "stop", "usage": usage} if status == "done"
                                 else {"reason": "client", "usage": usage})
-        assert await self.store.finish(self.claim, status, data, status=status, usage=usage) is not None
+        assert await self.jobs.finish(self.claim, status, data, status=status, usage=usage) is not None
         await self.convs.conversations.fold(self.sid)  # what the worker does once it finished a turn
 
 
@@ -97,7 +99,7 @@ async def test_enqueue_waits_held_and_starts_on_the_history_the_turn_before_it_l
     # Held: readable (a `queued` event saying whom it waits for), in no line (no worker can take it).
     assert await _events(convs, second.stream_id) == [
         ("queued", {"position": 1, "eta_s": None, "waiting_for": str(first.stream_id)})]
-    assert await convs.service.store.claim(second.stream_id, "w") is Unclaimable.HELD
+    assert await JobStore(convs.service.store.redis).claim(second.stream_id, "w") is Unclaimable.HELD
     assert await _engine_messages(convs, second.stream_id) == [("user", "two")]
     assert await convs.service.store.waiting() == 0
     # A retry of the same send is the same turn; a third send waits behind the second.

@@ -3,7 +3,7 @@ connections, and a reader that stops reading neither grows the pod's memory nor 
 stream; past --send-timeout-s it is dropped, and it resumes from its last event id.
 
 The readers here are raw sockets (an asyncio client per reader would cost more than the pod under test); the
-events are appended with broker.streams.store directly, so their number and size are exact."""
+events are appended with broker.streams.job_store directly, so their number and size are exact."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ from broker.events import EventType, encode_data
 from broker.redis.connection import connect
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
+from broker.streams.job_store import JobStore
 from broker.streams.records import Claim
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 
 pytestmark = pytest.mark.slow
 
@@ -112,20 +113,20 @@ class RawReader:
             self.writer.close()
 
 
-async def _stream(store: Store) -> tuple[str, Claim]:
+async def _stream(store: StreamStore, jobs: JobStore) -> tuple[str, Claim]:
     sid = uuid.uuid4()
     assert (await store.create(sid, REQ, model="m", max_queue=0, retention_s=600)).created
-    claim = await store.claim(sid, "test-writer")
+    claim = await jobs.claim(sid, "test-writer")
     assert isinstance(claim, Claim)
     return str(sid), claim
 
 
-async def _append(store: Store, claim: Claim, n: int, size: int, *, batch: int = 50, seq: int = 0) -> int:
+async def _append(jobs: JobStore, claim: Claim, n: int, size: int, *, batch: int = 50, seq: int = 0) -> int:
     """Append n deltas of ``size`` characters (batch per script call, like a worker); returns the new seq."""
     text = "x" * size
     for i in range(0, n, batch):
         k = min(batch, n - i)
-        res = await store.append(claim, seq, seq + k, [(EventType.DELTA, encode_data({"text": text}))] * k)
+        res = await jobs.append(claim, seq, seq + k, [(EventType.DELTA, encode_data({"text": text}))] * k)
         assert res.ok
         seq += k
         await asyncio.sleep(0)  # pacing: the readers in this process get the loop between batches
@@ -141,8 +142,9 @@ def test_2000_live_readers_share_a_few_redis_connections(stack_factory: StackFac
 
     async def run() -> None:
         r = connect(redis_server.url)
-        store = Store(r)
-        streams = [await _stream(store) for _ in range(200)]
+        store = StreamStore(r)
+        jobs = JobStore(r)
+        streams = [await _stream(store, jobs) for _ in range(200)]
         rss0 = psutil.Process(proc.pid).memory_info().rss
         readers = [RawReader(port, streams[i % 200][0]) for i in range(2000)]
         for i in range(0, 2000, 200):  # connect in waves: the listen backlog is finite
@@ -163,8 +165,8 @@ def test_2000_live_readers_share_a_few_redis_connections(stack_factory: StackFac
         assert sum(int(cl["sub"]) > 0 for cl in conns) == 1
         # Every stream goes live and ends: each of the 2,000 readers gets its stream's every event.
         for _, claim in streams:
-            await _append(store, claim, 5, 20)
-            await store.finish(claim, EventType.DONE, {"finish_reason": "stop", "usage": {}}, status="done", usage={})
+            await _append(jobs, claim, 5, 20)
+            await jobs.finish(claim, EventType.DONE, {"finish_reason": "stop", "usage": {}}, status="done", usage={})
         await asyncio.gather(*(rd.read_to_end(60) for rd in readers))
         for i, rd in enumerate(readers):
             assert [t for _, t, _ in rd.events] == ["queued", "delta", "delta", "delta", "delta", "delta", "done"], i
@@ -183,9 +185,9 @@ def test_a_reader_that_stops_reading_costs_bounded_memory_and_is_dropped(stack_f
     pod = psutil.Process(proc.pid)
     n, size = 6000, 4000  # 24 MB of events per stream: a pod that buffered them would show it
 
-    async def phase(store: Store, stuck: bool) -> tuple[int, list[float], RawReader | None, str]:
+    async def phase(store: StreamStore, jobs: JobStore, stuck: bool) -> tuple[int, list[float], RawReader | None, str]:
         """One stream, one reader that reads (and, if ``stuck``, one that stopped); the pod's RSS growth."""
-        sid, claim = await _stream(store)
+        sid, claim = await _stream(store, jobs)
         reading = RawReader(port, sid)
         await reading.open()
         stopped = None
@@ -205,8 +207,8 @@ def test_a_reader_that_stops_reading_costs_bounded_memory_and_is_dropped(stack_f
 
         sampler = asyncio.create_task(sample())
         consume = asyncio.create_task(reading.read_to_end(120))
-        await _append(store, claim, n, size)
-        await store.finish(claim, EventType.DONE, {"finish_reason": "stop", "usage": {}}, status="done", usage={})
+        await _append(jobs, claim, n, size)
+        await jobs.finish(claim, EventType.DONE, {"finish_reason": "stop", "usage": {}}, status="done", usage={})
         await consume
         await asyncio.sleep(0.3)  # deliberate: the sampler's last looks, after the end
         sampler.cancel()
@@ -218,9 +220,10 @@ def test_a_reader_that_stops_reading_costs_bounded_memory_and_is_dropped(stack_f
 
     async def run() -> None:
         r = connect(redis_server.url)
-        store = Store(r)
-        grew_reading, lat_alone, _, _ = await phase(store, stuck=False)
-        grew_stuck, lat_with, stopped, sid = await phase(store, stuck=True)
+        store = StreamStore(r)
+        jobs = JobStore(r)
+        grew_reading, lat_alone, _, _ = await phase(store, jobs, stuck=False)
+        grew_stuck, lat_with, stopped, sid = await phase(store, jobs, stuck=True)
         assert stopped is not None
         mib = 2**20
         q_alone, q_with = statistics.quantiles(lat_alone, n=100), statistics.quantiles(lat_with, n=100)

@@ -20,8 +20,9 @@ from broker.answer import AnswerRuns
 from broker.events import Event, EventType, encode_data
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
+from broker.streams.job_store import JobStore
 from broker.streams.records import Claim
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from consumer.streaming.service import StreamService
 from consumer.streaming.snapshots import AnswerSnapshot
 
@@ -52,25 +53,25 @@ async def service(redis_server: RedisServer, redis_client: redis.Redis) -> Async
 class Writer:
     """The generator's side of one stream: claim it, append events one at a time."""
 
-    def __init__(self, store: Store, sid: uuid.UUID, claim: Claim) -> None:
-        self.store, self.sid, self.claim, self.seq = store, sid, claim, 0
+    def __init__(self, store: StreamStore, jobs: JobStore, sid: uuid.UUID, claim: Claim) -> None:
+        self.store, self.jobs, self.sid, self.claim, self.seq = store, jobs, sid, claim, 0
 
     @classmethod
-    async def start(cls, store: Store) -> Writer:
+    async def start(cls, store: StreamStore, jobs: JobStore) -> Writer:
         sid = uuid.uuid4()
         await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
-        claim = await store.claim(sid, "w")
+        claim = await jobs.claim(sid, "w")
         assert isinstance(claim, Claim)
-        return cls(store, sid, claim)
+        return cls(store, jobs, sid, claim)
 
     async def append(self, *events: tuple[str, dict[str, Any]]) -> None:
         for etype, data in events:
-            assert (await self.store.append(self.claim, self.seq, self.seq + 1, [(etype, encode_data(data))])).ok
+            assert (await self.jobs.append(self.claim, self.seq, self.seq + 1, [(etype, encode_data(data))])).ok
             self.seq += 1
 
     async def finish(self) -> None:
         usage = {"prompt_tokens": 1, "completion_tokens": self.seq}
-        assert await self.store.finish(self.claim, "done", {"finish_reason": "tool_calls", "usage": usage},
+        assert await self.jobs.finish(self.claim, "done", {"finish_reason": "tool_calls", "usage": usage},
                                        status="done", usage=usage) is not None
 
     async def ids(self) -> list[str]:
@@ -138,7 +139,7 @@ def _same(a: AnswerRuns, b: AnswerRuns) -> None:
 
 
 async def test_a_snapshot_mid_call_then_the_tail_is_the_full_replay(service: StreamService) -> None:
-    w = await Writer.start(service.store)
+    w = await Writer.start(service.store, JobStore(service.store.redis))
     await w.append(*ANSWER[:10])  # the first call's arguments stop at 'rich", '
     joiner = Joiner()
     reader = asyncio.create_task(_read(service, w.sid, joiner, lambda j: bool(j.events and j.events[-1].is_terminal)))
@@ -165,7 +166,7 @@ async def test_a_snapshot_mid_call_then_the_tail_is_the_full_replay(service: Str
 
 
 async def test_a_finished_stream_gives_its_snapshot_then_its_terminal_event(service: StreamService) -> None:
-    w = await Writer.start(service.store)
+    w = await Writer.start(service.store, JobStore(service.store.redis))
     await w.append(*ANSWER)
     await w.finish()
     joiner = Joiner()
@@ -178,7 +179,7 @@ async def test_a_finished_stream_gives_its_snapshot_then_its_terminal_event(serv
 
 async def test_a_failover_that_takes_back_what_the_snapshot_held_sends_a_new_snapshot(
         service: StreamService) -> None:
-    w = await Writer.start(service.store)
+    w = await Writer.start(service.store, JobStore(service.store.redis))
     await w.append(*ANSWER[:10])
     joiner = Joiner()
     reader = asyncio.create_task(_read(service, w.sid, joiner, lambda j: len(j.snapshots) == 2 and bool(
@@ -201,7 +202,7 @@ async def test_a_failover_that_takes_back_what_the_snapshot_held_sends_a_new_sna
 
 async def test_a_reconnect_from_the_latest_resumes_after_its_id_and_meets_a_reset_with_a_snapshot(
         service: StreamService) -> None:
-    w = await Writer.start(service.store)
+    w = await Writer.start(service.store, JobStore(service.store.redis))
     await w.append(*ANSWER[:6])
     joiner = Joiner()
     await _read(service, w.sid, joiner, lambda j: bool(j.snapshots))
@@ -221,7 +222,7 @@ async def test_a_reconnect_from_the_latest_resumes_after_its_id_and_meets_a_rese
 
 async def test_the_answer_is_read_once_per_pod_and_each_later_joiner_reads_only_the_new_events(
         service: StreamService) -> None:
-    w = await Writer.start(service.store)
+    w = await Writer.start(service.store, JobStore(service.store.redis))
     await w.append(("started", {"model": "m"}), *[("delta", {"text": f"t{i} "}) for i in range(3000)])
     read: list[int] = []
     replay = service.store.replay

@@ -250,8 +250,9 @@ def test_crafted_unicode_deltas_roundtrip_exactly(redis_server: RedisServer, red
     from broker.events import EventType, encode_data
     from broker.redis.connection import connect
     from broker.request import GenerationRequest
+    from broker.streams.job_store import JobStore
     from broker.streams.records import Claim
-    from broker.streams.store import Store
+    from broker.streams.stream_store import StreamStore
 
     pieces = ["你好", "世界", "🌍🚀", "\r\n", "line\nbreak", "\u2028sep\u2029", "nul\x00", "\ufffd",
               'quote"\\', "é", " "]
@@ -259,15 +260,15 @@ def test_crafted_unicode_deltas_roundtrip_exactly(redis_server: RedisServer, red
 
     async def write() -> None:
         r = connect(redis_server.url)
-        st = Store(r)
+        streams, jobs = StreamStore(r), JobStore(r)
         req = GenerationRequest(None, "x", None, 16, 0.8, 0.95, None, (), False)
-        await st.create(sid, req, model="m", max_queue=0, retention_s=60)
-        claim = await st.claim(sid, "w")
+        await streams.create(sid, req, model="m", max_queue=0, retention_s=60)
+        claim = await jobs.claim(sid, "w")
         assert isinstance(claim, Claim)
         for n, p in enumerate(pieces):
-            res = await st.append(claim, n, n + 1, [(EventType.DELTA, encode_data({"text": p}))])
+            res = await jobs.append(claim, n, n + 1, [(EventType.DELTA, encode_data({"text": p}))])
             assert res.ok
-        await st.finish(claim, EventType.DONE, {"finish_reason": "stop", "usage": {}}, status="done", usage={})
+        await jobs.finish(claim, EventType.DONE, {"finish_reason": "stop", "usage": {}}, status="done", usage={})
         await r.aclose()
 
     aio.run(write())

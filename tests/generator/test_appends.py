@@ -11,8 +11,9 @@ from broker.events import EventType, encode_data
 from broker.redis.connection import connect
 from broker.redis.server import RedisServer
 from broker.request import GenerationRequest
+from broker.streams.job_store import JobStore
 from broker.streams.records import Claim
-from broker.streams.store import Store
+from broker.streams.stream_store import StreamStore
 from generator.appends import AppendBatcher
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
@@ -20,17 +21,18 @@ REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 
 async def test_batched_appends_land_in_order_and_zombies_are_still_refused(redis_server: RedisServer, redis_client: redis.Redis) -> None:
     redis = connect(redis_server.url)
-    store = Store(redis)
-    batcher = AppendBatcher(store, max_batch=16)
+    store = StreamStore(redis)
+    jobs = JobStore(redis)
+    batcher = AppendBatcher(jobs, max_batch=16)
     claims: list[Claim] = []
     for _ in range(40):
         sid = uuid.uuid4()
         await store.create(sid, REQ, model="m", max_queue=0, retention_s=60)
-        claim = await store.claim(sid, "w")
+        claim = await jobs.claim(sid, "w")
         assert isinstance(claim, Claim)
         claims.append(claim)
     zombie = claims[0]
-    owner = await store.claim(zombie.stream_id, "w2")  # takes stream 0 over: `zombie` is fenced out
+    owner = await jobs.claim(zombie.stream_id, "w2")  # takes stream 0 over: `zombie` is fenced out
     assert isinstance(owner, Claim)
 
     async def writer(claim: Claim) -> list[bool]:

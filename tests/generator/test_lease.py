@@ -12,8 +12,8 @@ from typing import cast
 import pytest
 
 from broker.errors import StoreFull, StoreUnavailable
+from broker.streams.job_store import JobStore
 from broker.streams.records import AppendResult, Claim
-from broker.streams.store import Store
 from generator import lease
 from generator.lease import Ending, Run
 
@@ -105,7 +105,7 @@ async def test_a_renewal_that_met_a_passing_fault_is_asked_again_soon_not_a_whol
         await real_sleep(0)
 
     monkeypatch.setattr(asyncio, "sleep", recorded)
-    await lease.keep_lease(run, cast(Store, FakeStore()), 30.0, 5.0)
+    await lease.keep_lease(run, cast(JobStore, FakeStore()), 30.0, 5.0)
     retry = lease.RENEW_RETRY_S
     assert waits == [10.0, retry, retry, 10.0, retry]
     assert run.ending is None
