@@ -18,13 +18,13 @@ from broker.redis.connection import connect
 from broker.redis.keyspace import NEVER_WRITTEN, KeyTemplate
 from broker.redis.quota import STORAGE, STORAGE_EXPIRY, StorageQuota
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
+from broker.request.tiers import TIERS
 from broker.streams import keys
 from broker.streams.budget import Budget
 from broker.streams.job_store import JobStore
 from broker.streams.records import Claim, Quota
 from broker.streams.stream_store import StreamStore
-from broker.tiers import TIERS
 
 BROKER = Path(__file__).resolve().parents[2] / "broker"
 REQ = GenerationRequest(None, "hello", None, 8, 0.8, 0.95, None, (), False)
