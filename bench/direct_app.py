@@ -24,7 +24,7 @@ from starlette.routing import Route
 from bench.paced_engine import PacedEngine
 from bench.procs import raise_nofile
 from broker import runtime
-from broker.request import RequestLimits, parse_create_body
+from broker.request.generation import RequestLimits, parse_create_body
 from generator.handoff import TokenHandoff, produce
 
 HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from generator.engines.base import Generation
 from generator.engines.pieces import PartialAnswer
 

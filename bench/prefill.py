@@ -12,9 +12,9 @@ from typing import Any
 import orjson
 
 from broker.events import EventType, encode_data
-from broker.history import History
 from broker.redis.connection import connect
-from broker.request import RequestLimits, parse_create_body
+from broker.request.generation import RequestLimits, parse_create_body
+from broker.request.history import History
 from broker.streams.conversations import Begin, ConversationStore, Limits, absent
 from broker.streams.job_store import JobStore, started_event
 from broker.streams.records import Claim

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from broker.request import GenerationRequest, Message
+from broker.request.generation import GenerationRequest, Message
 from generator.engines.default_model import default_model_path
 from generator.engines.llama import LlamaEngine
 

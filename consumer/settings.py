@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from broker import request
-from broker.request import RequestLimits
+from broker.request import generation
+from broker.request.generation import RequestLimits
 from broker.settings import BrokerSettings, LogSettings, Settings, setting
 from broker.streams import usage
 
@@ -48,8 +48,8 @@ class ConsumerSettings(Settings):
     retention_s: int = setting(3600, "how long a finished stream stays readable")
     redis_pool_size: int = setting(
         7, "Redis connections for ordinary commands; live tailing uses one more (pub/sub), whatever the readers")
-    max_tokens_limit: int = setting(request.MAX_TOKENS, "largest max_tokens a request may ask for")
-    default_max_tokens: int = setting(request.DEFAULT_MAX_TOKENS, "max_tokens of a request that sets none")
+    max_tokens_limit: int = setting(generation.MAX_TOKENS, "largest max_tokens a request may ask for")
+    default_max_tokens: int = setting(generation.DEFAULT_MAX_TOKENS, "max_tokens of a request that sets none")
     shutdown_grace_s: float = setting(5.0, "seconds to drain connections on SIGTERM")
     send_timeout_s: float = setting(
         30.0, "a reader whose connection accepts no event for this long is dropped (it can resume)")
@@ -75,8 +75,8 @@ class ConsumerSettings(Settings):
     read_token_key_refresh_s: float = setting(
         30.0, "without --read-token-secret: how often a pod re-reads the read-token key kept in Redis (a rotation "
         "reaches every pod within this)")
-    max_messages: int = setting(request.MAX_MESSAGES, "most messages one request may carry")
-    max_prompt_chars: int = setting(request.MAX_PROMPT_CHARS, "longest prompt (or messages' content in all)")
+    max_messages: int = setting(generation.MAX_MESSAGES, "most messages one request may carry")
+    max_prompt_chars: int = setting(generation.MAX_PROMPT_CHARS, "longest prompt (or messages' content in all)")
     max_streams_per_ip: int = setting(
         1000, "open SSE streams one client address (an IPv6 /64) may hold on this pod; more get 429 "
         "too_many_connections (0 = no limit)")

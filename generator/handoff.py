@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from generator.engines.base import Engine, Generation
 from generator.engines.pieces import PartialAnswer, Piece
 

@@ -27,7 +27,7 @@ import orjson
 
 from broker import genai, telemetry
 from broker.events import EventType
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams.records import Claim
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from broker.backoff import Backoff
-from broker.sampling import FIELDS as SAMPLING_FIELDS
+from broker.request.sampling import FIELDS as SAMPLING_FIELDS
 from broker.sse import LineDecoder
 from rsb._exceptions import (
     RateLimitedError,

@@ -17,12 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("rsb", "broker", "generator", "consumer")
 # The layers, most specific first: a module belongs to the first layer whose name is its own or a parent of it,
 # and imports only modules of its own layer or of the layers it names (see docs/ARCHITECTURE.md, "The house").
-# broker's top-level modules are the floor of the floor (events, sse, request, settings, errors, backoff, ...:
-# no Redis); broker.redis alone talks redis-py; rsb's streams and Durable Streams stand on it side by side.
+# broker's top-level modules are the floor of the floor (events, sse, settings, errors, backoff, ...: no Redis);
+# JSON Schema admission (broker.schema) stands on them, the generation request (broker.request) on both; broker.redis
+# alone talks redis-py; rsb's streams and Durable Streams stand on it side by side, rsb's streams on the request too.
 FLOOR = "broker.*"  # broker's top-level modules
 LAYERS: dict[str, frozenset[str]] = {
+    "broker.schema": frozenset({FLOOR}),
+    "broker.request": frozenset({FLOOR, "broker.schema"}),
     "broker.redis": frozenset({FLOOR}),
-    "broker.streams": frozenset({FLOOR, "broker.redis"}),
+    "broker.streams": frozenset({FLOOR, "broker.redis", "broker.request"}),
     "broker.durable": frozenset({FLOOR, "broker.redis"}),
     FLOOR: frozenset(),
     "generator": frozenset({"broker"}),
@@ -37,8 +40,9 @@ LAYERS: dict[str, frozenset[str]] = {
     "consumer.views": frozenset({"broker", "consumer.settings", "consumer.metrics", "consumer.schema",
                                  "consumer.edge", "consumer.streaming", "consumer.state"}),
     "consumer": frozenset({"broker"}),  # app, server: they assemble the rest (see APP_MODULES)
-    # The public client needs only httpx and broker's floor (no Redis: a client-only install runs it).
-    "rsb": frozenset({FLOOR}),
+    # The public client needs only httpx and broker's floor (no Redis: a client-only install runs it); the
+    # sampling fields it names are the request's.
+    "rsb": frozenset({FLOOR, "broker.request"}),
 }
 # What assembles a role may import all of that role.
 APP_MODULES = frozenset({"consumer.app", "consumer.server"})

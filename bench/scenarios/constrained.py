@@ -15,7 +15,7 @@ shared machine do barely moves it, though their cache and memory traffic still d
 medians are reported. Goal: constrained <= 1.15 x free, in CPU time (wall time is shown beside it).
 
 ``--schema worst`` runs the same rounds with the costliest schema rsb admits (WORST: at the admission check's
-bounds, broker/schema_cost.py: a pattern at the most stacks and work per character, an enum of 63 values alive at
+bounds, broker/schema/cost.py: a pattern at the most stacks and work per character, an enum of 63 values alive at
 once, objects of 61 optional properties, an anyOf of 20 branches undecided through a shared first key; every key
 and value made of characters a model rarely writes), the stock reference then filtering rsb's own grammar over
 the whole vocabulary. Then an adversarial pass: the sampler alone under WORST's grammar with the logits of a
@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from bench.report import goal_row, print_goals, table
-from broker.request import RequestLimits, validate_create_body
+from broker.request.generation import RequestLimits, validate_create_body
 
 SCHEMA = {
     "type": "object",

@@ -23,7 +23,7 @@ from bench.sseclient import RawConnection
 from bench.stats import ratio, summarize
 from broker.errors import RsbError
 from broker.redis.connection import connect
-from broker.request import RequestLimits, parse_create_body
+from broker.request.generation import RequestLimits, parse_create_body
 from broker.streams.stream_store import StreamStore
 
 

@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from bench.report import table
-from broker.request import GenerationRequest, RequestLimits, validate_create_body
+from broker.request.generation import GenerationRequest, RequestLimits, validate_create_body
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                          "population": {"type": "integer"}},

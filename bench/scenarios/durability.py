@@ -25,7 +25,7 @@ from bench.sampling import CpuWindow
 from bench.stats import percentile
 from broker.redis.connection import connect
 from broker.redis.server import RedisServer
-from broker.request import RequestLimits, parse_create_body
+from broker.request.generation import RequestLimits, parse_create_body
 from broker.streams.stream_store import StreamStore
 
 LEVELS = ("local", "replicated")

@@ -31,7 +31,7 @@ from bench.report import goal_row, print_goals, table
 from bench.stats import ratio
 from broker.events import parse_event_id
 from broker.redis.connection import connect
-from broker.request import RequestLimits, parse_create_body
+from broker.request.generation import RequestLimits, parse_create_body
 from broker.streams.stream_store import StreamStore
 
 PROMPT = "Once upon a time, in a stream broker far away,"

@@ -2,7 +2,7 @@
 to Redis about them. Every change is one script of broker.durable.scripts; reads of immutable history (a
 fork's copy) are plain XRANGEs.
 
-A Durable Stream is named by its client (a URL path) within its API key's namespace (broker.streams.keys
+A Durable Stream is named by its client (a URL path) within its API key's namespace (broker.durable.keys
 ``DurableKeys``); its offsets and stored forms are broker.durable.format's. Forks are copied at creation (the
 protocol allows any mechanism): a fork lives in its own name's slot, and a copy makes it an ordinary stream for
 reads, live modes, TTL and producers, so no read ever spans two slots. Its source keeps a reference (the fork's

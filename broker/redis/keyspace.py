@@ -68,6 +68,7 @@ PART_PATTERNS = {
     "tag": re.escape(PREFIX) + r":\{[^{}]+\}",
     "sid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
     "day": r"-?\d+",
+    "digest": r"[0-9a-f]{32}",  # a conversation's or a Durable Stream's name, hashed (SHA-256, 128 bits in hex)
 }
 
 

@@ -3,7 +3,7 @@ money, shared by every pod. A key's are ``token_budget``, ``usd_budget`` and ``b
 team's (``team`` in a key's entry) the same fields in ``--teams FILE`` (``Teams``). A create is admitted only if
 every budget it falls under (its key's, its team's) holds its worst case, all checked and reserved in one step.
 
-A create reserves its worst case, ``reservation``: an upper bound of its prompt's tokens (broker.request.
+A create reserves its worst case, ``reservation``: an upper bound of its prompt's tokens (broker.request.generation.
 prompt_token_bound: the bytes of its canonical request) plus ``max_tokens``; in money, those tokens at its
 model's price in its tier (``usd_reservation``: the prompt at the dearer of the input and cached-input prices, the
 answer at the output price; broker.streams.usage.Prices, ``--prices``). The reservation is counted in the create's
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.redis.keyspace import partition_share
-from broker.request import prompt_token_bound
+from broker.request.generation import prompt_token_bound
 from broker.streams.usage import Price, json_object
 
 #: How long a period's hash outlives the period: the longest a generation of it may still be running.

@@ -5,7 +5,7 @@ expiry), ``version`` (bumped when history is rewritten: a branch), ``turns`` (ho
 ``bytes`` (their records' size), ``pending`` (the stream id of the turn that runs, or is being created; '' =
 none), ``pending_at`` (when it was reserved, Unix ms, the server's clock), ``owner`` (the key of the owner's
 set, ``ConversationKeys.owner``), ``metadata`` (JSON: OpenAI's 16 key-value pairs), ``waiting`` (the stream ids
-of the turns that wait behind the pending one, in order, comma-separated: broker.on_busy's ``enqueue`` and
+of the turns that wait behind the pending one, in order, comma-separated: broker.request.on_busy's ``enqueue`` and
 ``interrupt``; never any without a pending turn), ``cut`` (the stream id of a waiting turn that interrupts: every
 turn before it is cancelled as it comes up; '' = none).
 
@@ -194,7 +194,7 @@ if redis.call('HGET', K.meta, 'cut') == A.sid then redis.call('HSET', K.meta, 'c
 return 1
 """, key_names=("meta",), arg_names=("sid",))
 
-# Closes: a user who sends again while a turn runs (broker.on_busy), from two devices at once too: the new turn
+# Closes: a user who sends again while a turn runs (broker.request.on_busy), from two devices at once too: the new turn
 # waits in line behind the pending one, in the order the sends reached Redis, and is started (by FOLD, at the end
 # of the turn before it) on a history that holds every turn before it. ``interrupt`` also marks it ``cut``: the
 # turns before it are cancelled (the pending one for real, by its caller and by whoever settles the conversation

@@ -19,9 +19,9 @@ touches both. A turn stays atomic anyway:
    every read and create of the conversation folds a pending turn it finds ended too, so a worker killed
    between its finish and its fold loses nothing.
 
-**Sending again while a turn runs** (broker.on_busy). ``reject`` is BEGIN's conflict. ``enqueue`` and ``interrupt``
-put the new turn in line behind the pending one: QUEUE, in the conversation's slot, adds its stream id to the
-conversation's ``waiting`` turns (and, for ``interrupt``, marks it ``cut``); then its stream is created *held*
+**Sending again while a turn runs** (broker.request.on_busy). ``reject`` is BEGIN's conflict. ``enqueue`` and
+``interrupt`` put the new turn in line behind the pending one: QUEUE, in the conversation's slot, adds its stream id to
+the conversation's ``waiting`` turns (and, for ``interrupt``, marks it ``cut``); then its stream is created *held*
 (CREATE with ``held``: admitted, counted and readable, ``queued``, but in no job line). FOLD, which folds the
 pending turn, makes the first waiting turn the pending one in the same step; whoever folded it (the worker, or a
 pod settling the conversation) then starts it: UNHOLD, in the stream's slot, gives it the request the history now
@@ -59,7 +59,7 @@ from broker.events import Event
 from broker.redis.connection import register_script, reply_text
 from broker.redis.keyspace import partition_share
 from broker.redis.quota import StorageQuota, storage_key
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams import conversation_scripts as scripts
 from broker.streams.keys import ConversationKeys
 from broker.streams.records import TERMINAL_STATUSES, StreamStatus
@@ -107,7 +107,7 @@ class Conversation:
     pending: Pending | None
     metadata: dict[str, Any]
     turns: tuple[Turn, ...] = ()
-    #: The turns waiting behind the pending one, in order, and the one of them that interrupts (broker.on_busy).
+    #: The turns waiting behind the pending one, in order, and the one of them that interrupts (broker.request.on_busy).
     waiting: tuple[uuid.UUID, ...] = ()
     cut: uuid.UUID | None = None
 
@@ -234,10 +234,10 @@ class ConversationStore:
 
     async def queue(self, conv: Conversation, stream_id: uuid.UUID, owner: str, limits: Limits, *, mode: str,
                     create: bool) -> tuple[Begin, uuid.UUID | None, int]:
-        """Put ``stream_id`` in line behind the conversation's pending turn (``mode``: broker.on_busy's ``enqueue``
-        or ``interrupt``), on the history version ``conv`` holds. Returns QUEUED with the pending turn's id and how
-        many turns wait before it; ALREADY (a retry), IDLE (nothing runs: BEGIN), CHANGED, GONE, FULL, or BUSY with
-        the pending turn's id when MAX_WAITING turns wait already."""
+        """Put ``stream_id`` in line behind the conversation's pending turn (``mode``: broker.request.on_busy's
+        ``enqueue`` or ``interrupt``), on the history version ``conv`` holds. Returns QUEUED with the pending turn's id
+        and how many turns wait before it; ALREADY (a retry), IDLE (nothing runs: BEGIN), CHANGED, GONE, FULL, or BUSY
+        with the pending turn's id when MAX_WAITING turns wait already."""
         k = self.keys(conv.key_id, conv.name)
         script = scripts.QUEUE
         res = await self._queue(

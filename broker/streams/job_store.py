@@ -11,12 +11,12 @@ from typing import Any
 
 import orjson
 
-from broker import tiers
 from broker.errors import StoreUnavailable
 from broker.events import EventType, encode_data
 from broker.redis.connection import RedisClient, evalsha_many, reply_text
 from broker.redis.lua import record
-from broker.request import GenerationRequest
+from broker.request import tiers
+from broker.request.generation import GenerationRequest
 from broker.streams import queue_scripts, replication, scripts
 from broker.streams.affinity import ChatAffinity
 from broker.streams.keys import affinity_key, queue_stats_key, stream_key_prefix

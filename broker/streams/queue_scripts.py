@@ -3,7 +3,7 @@
 A model's queue in one partition (broker.streams.keys.QueueKeys) holds:
 - per tier, a ring of the tenants with queued jobs and, per tenant, the list of its queued jobs (stream ids). A
   claim serves the first tier with work (``priority``, ``default``, ``flex``), unless a lower one has waited
-  ``aging_ms`` since a claim last served it (then that one: broker.tiers), takes the next job of the tenant at
+  ``aging_ms`` since a claim last served it (then that one: broker.request.tiers), takes the next job of the tenant at
   the ring's head and moves that tenant to the tail. Tenants take turns: a tenant's backlog delays another's job
   by about one job per tenant ahead of it in the ring, never by the backlog's length.
 - ``leases``: the running jobs, each scored by when its lease ends. A worker renews its lease while it runs the
@@ -29,6 +29,7 @@ from __future__ import annotations
 from broker.redis.connection import ALLOW_WHEN_FULL, REFUSE_WHEN_FULL
 from broker.redis.keyspace import lua_builders
 from broker.redis.lua import SERVER_MS, Lua
+from broker.request.tiers import TIERS
 from broker.streams.keys import (
     AFFINITY,
     QUEUE_BACKLOG,
@@ -45,7 +46,6 @@ from broker.streams.keys import (
     STREAM_META,
 )
 from broker.streams.lua import APPEND_EVENT, PRELUDE
-from broker.tiers import TIERS
 
 #: Wake tokens kept per queue: enough for a burst of creates to wake every idle worker, few enough to be nothing.
 WAKE_TOKENS = 64
@@ -92,7 +92,7 @@ end
 local function enqueue(qp, tier, who, sid, totals, now_ms, front)
   local ring = ring_of(qp, tier)
   if redis.call('LLEN', ring) == 0 then
-    -- The tier starts waiting now: its age (broker.tiers) counts from here, not from its last claim long ago.
+    -- The tier starts waiting now: its age (broker.request.tiers) counts from here, not from its last claim long ago.
     redis.call('HSET', queue_stats(qp), 'served:' .. tier, now_ms)
   end
   local n
@@ -287,7 +287,7 @@ for _, sid in ipairs(redis.call('ZRANGEBYSCORE', K.deferred, '-inf', now_ms, 'LI
   local reply = claim_left(sid)
   if reply then return reply end
 end
--- The lines: a tier (broker.tiers), then tenants in turn.
+-- The lines: a tier (broker.request.tiers), then tenants in turn.
 local aging = tonumber(A.aging_ms)
 local wait_ms = tonumber(A.affinity_wait_ms)
 for _ = 1, tonumber(A.tries) do

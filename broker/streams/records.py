@@ -11,7 +11,7 @@ from typing import Any
 
 from broker.events import TERMINAL_TYPES, Event
 from broker.redis.keyspace import partition_share
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams.keys import QueueKeys, StreamKeys
 
 STATUSES = ("queued", "running", "done", "cancelled", "error")
@@ -58,7 +58,7 @@ class Unclaimable(enum.Enum):
 
     GONE = "the stream no longer exists"
     FINISHED = "the stream already ended"
-    HELD = "the stream waits for its conversation's turn before it (broker.on_busy)"
+    HELD = "the stream waits for its conversation's turn before it (broker.request.on_busy)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,7 @@ class Claim:
     cancel_reason: str
     model: str
     seq: int
-    tier: str  # broker.tiers: the tier it was queued in
+    tier: str  # broker.request.tiers: the tier it was queued in
     # Whom the stream is charged to (broker.streams.keys.tenant_of: the API key id, or ``a:`` and a digest of
     # the client's address): the scheduler's fair-share unit, and the scope of what a worker caches for it.
     tenant: str = ""
@@ -98,8 +98,8 @@ class StreamStatus:
     max_tokens: int
     key_id: str
     abandon_s: float = 0.0
-    tier: str = ""  # broker.tiers: the tier it was queued in ('' for a stream from before tiers)
-    #: A conversation's turn that waits for the turn before it to end (queued, in no line yet: broker.on_busy).
+    tier: str = ""  # broker.request.tiers: the tier it was queued in ('' for a stream from before tiers)
+    #: A conversation's turn that waits for the turn before it to end (queued, in no line yet: broker.request.on_busy).
     held: bool = False
 
     @property

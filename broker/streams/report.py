@@ -14,10 +14,10 @@ from typing import Any
 
 from broker.errors import InvalidRequest
 from broker.redis.connection import RedisClient
+from broker.request.tiers import DEFAULT as DEFAULT_TIER
 from broker.streams import usage
 from broker.streams import usage_report as ledger
 from broker.streams.keys import aborted_log_key, aborted_totals_key
-from broker.tiers import DEFAULT as DEFAULT_TIER
 
 GROUP_BYS = ("reason", "model", "day")
 COUNTERS = ("streams", "prompt_tokens", "completion_tokens", "tokens_saved", "compute_s")

@@ -12,7 +12,7 @@ key of the creating caller's counters, ``StreamKeys.tenant``), ``wm``/``wb`` (br
 ``wasted`` (tokens lost attempts computed and did not keep: for the usage record, broker.streams.usage);
 ``tp`` (the W3C traceparent of the create's span, when tracing is on: broker.telemetry; every attempt's generation
 span is its child); ``held`` (1: a conversation's turn that waits for the turn before it to end, queued but in no
-line until UNHOLD puts it in one: broker.on_busy);
+line until UNHOLD puts it in one: broker.request.on_busy);
 where its job waits: ``qp``, ``tier``, ``who``, ``aff`` (broker.streams.queue_scripts, which holds the job
 queue's scripts: claim, renew, release, give back).
 
@@ -125,10 +125,10 @@ CREATE = Lua(PRELUDE + APPEND_EVENT + QUOTA_LUA + BUDGET_LUA + QUEUE + """
 --   webhook events (0: none); A.budget_share, A.usd_share, A.team_share, A.team_usd_share
 --   (0: none), A.reservation (tokens), A.usd_reservation (nano-USD), A.price, A.period_end, A.team_period_end (Unix
 --   s); A.hook: the webhook URL ('': none), A.hid: the id its event names (broker.streams.outbox); A.tier, A.who:
---   the job's tier and tenant (broker.tiers, broker.streams.keys.tenant_of); A.trace: the create span's traceparent
---   ('': not traced); A.held: the data of its `queued` event when the job is held (a conversation's turn waiting for
---   the one before it: it gets into its line at UNHOLD; the queue's bounds are its then), '' otherwise; A.workers:
---   the generators serving the model as the consumer knows them ('': unknown), told in the ``queued`` event
+--   the job's tier and tenant (broker.request.tiers, broker.streams.keys.tenant_of); A.trace: the create span's
+--   traceparent ('': not traced); A.held: the data of its `queued` event when the job is held (a conversation's turn
+--   waiting for the one before it: it gets into its line at UNHOLD; the queue's bounds are its then), '' otherwise;
+--   A.workers: the generators serving the model as the consumer knows them ('': unknown), told in the ``queued`` event
 -- Reply: {'created'} | {'exists', status} | {'conflict'} | {'expired'} | {'storage_quota'}
 --   | {'rate_limited', early_ms, ema, busy}
 --   | {'too_many_generations', max_active, ema, busy} | {'queue_full', waiting, ema, busy, 'count' | 'wait'}

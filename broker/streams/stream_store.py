@@ -13,7 +13,6 @@ from typing import Any
 
 import orjson
 
-from broker import tiers
 from broker.errors import (
     BudgetExceeded,
     Conflict,
@@ -29,7 +28,8 @@ from broker.events import Event, EventPage, encode_data
 from broker.redis.connection import RedisClient, reply_text
 from broker.redis.keyspace import partition_share
 from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
-from broker.request import GenerationRequest
+from broker.request import tiers
+from broker.request.generation import GenerationRequest
 from broker.streams import replication, scripts
 from broker.streams.budget import NO_BUDGET, Budget, price_field, reservation, usd_reservation
 from broker.streams.keys import budget_key, queue_stats_key, tenant_of
@@ -87,7 +87,7 @@ class StreamStore(StoreBase):
         workers: int | None = None,
     ) -> Created:
         """Create the stream and enqueue its job in ``model``'s queue (a served model's name: the consumer resolved
-        the request's) in ``tier`` (broker.tiers), or recognise a retry of the same request (which no limit
+        the request's) in ``tier`` (broker.request.tiers), or recognise a retry of the same request (which no limit
         refuses). Raises Conflict (same id, other request), Expired, RateLimited, TooManyGenerations (the
         caller's ``quota``) or QueueFull: ``max_queue`` queued generations (0: no bound; like the quota,
         each partition holds ceil(max_queue / P) of them), or an estimated wait over ``max_queue_wait_s``
@@ -98,9 +98,9 @@ class StreamStore(StoreBase):
         share). ``webhook``: (URL, the id its event names) where the end is POSTed (broker.streams.outbox);
         ``usage_retention_s``: how long its usage record is kept (broker.streams.usage). ``trace``: the create span's
         W3C traceparent, stored with the stream for its generation's spans (broker.telemetry). ``held``: the stream is
-        a conversation's turn that waits for the one before it (broker.on_busy), and this is its ``queued`` event's
-        data: its job gets into its line at ``unhold``. ``identity``: what a retry of this id must match (default:
-        the request's hash). ``workers``: the generators serving ``model`` now
+        a conversation's turn that waits for the one before it (broker.request.on_busy), and this is its ``queued``
+        event's data: its job gets into its line at ``unhold``. ``identity``: what a retry of this id must match
+        (default: the request's hash). ``workers``: the generators serving ``model`` now
         (broker.streams.served_models), told in the ``queued`` event (None: not)."""
         k = self.keys(stream_id)
         max_active, burst, interval_ms = quota.share(self.partitions)

@@ -22,7 +22,7 @@ import orjson
 
 from broker.errors import Overloaded
 from broker.redis.connection import RedisClient, reply_text
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams.keys import TokenCountKeys, token_count_answer_key, token_count_question_key
 
 #: How long a counting generator's word lasts: it says it again every announcement (broker.streams.served_models).

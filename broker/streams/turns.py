@@ -19,7 +19,7 @@ import orjson
 
 from broker.answer import AnswerRuns
 from broker.events import Event, EventType
-from broker.request import GenerationRequest, Message, ToolCall
+from broker.request.generation import GenerationRequest, Message, ToolCall
 
 #: The status of a turn that is items only (no generation).
 ITEMS = "items"
@@ -45,7 +45,7 @@ class Output:
 @dataclass(frozen=True, slots=True)
 class Turn:
     """One finished turn. ``id`` is its stream's id (a turn of items alone gets a fresh one); ``input`` the
-    messages it sent new, in their stored form (broker.request.Message.stored); ``input_ids`` the client's
+    messages it sent new, in their stored form (broker.request.generation.Message.stored); ``input_ids`` the client's
     ids for them ("" where it gave none)."""
 
     id: uuid.UUID
@@ -58,7 +58,7 @@ class Turn:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
-    #: The client's id of the message its answer shows in, when not the stream id (broker.history.History).
+    #: The client's id of the message its answer shows in, when not the stream id (broker.request.history.History).
     answer_id: str | None = None
 
     @property
@@ -124,8 +124,8 @@ def with_history(request: GenerationRequest, turns: Sequence[Turn], version: int
 def turn_identity(request: GenerationRequest) -> str:
     """What tells a retry of a conversation's turn from another request under its stream id (the create rule: 200 or
     409): the turn's own request (its instructions, new messages and options, in its conversation), whatever history
-    is in front of it and wherever the conversation stood. A turn that waited (broker.on_busy) is created before its
-    history is known, so its retries compare without it too."""
+    is in front of it and wherever the conversation stood. A turn that waited (broker.request.on_busy) is created before
+    its history is known, so its retries compare without it too."""
     h = request.history
     assert h is not None and request.messages is not None
     bare = dataclasses.replace(request, messages=(*request.messages[:h.lead], *request.messages[h.start:]),

@@ -41,9 +41,9 @@ import orjson
 
 from broker.redis.keyspace import lua_builders
 from broker.redis.lua import SERVER_MS
+from broker.request.tiers import DEFAULT as DEFAULT_TIER
+from broker.request.tiers import TIERS
 from broker.streams.keys import USAGE_DAY, USAGE_FREE, USAGE_LOG
-from broker.tiers import DEFAULT as DEFAULT_TIER
-from broker.tiers import TIERS
 
 #: Days a usage record is kept by default (--usage-retention-days): this month's bill and the two before.
 RETENTION_DAYS = 93
@@ -154,7 +154,7 @@ class Prices:
     """``--prices FILE``: ``{"<model>": {"input_per_mtok": float, "cached_input_per_mtok": float,
     "output_per_mtok": float, "tiers"?: {"<tier>": {...the same fields}}}}`` (``cached_input_per_mtok`` defaults to
     the input price; a tier's fields each default to the model's own): a generation is priced at its model's
-    price in the service tier it ran in (broker.tiers)."""
+    price in the service tier it ran in (broker.request.tiers)."""
 
     def __init__(self, by_model: dict[str, Price], by_tier: dict[tuple[str, str], Price] | None = None) -> None:
         self.by_model = by_model

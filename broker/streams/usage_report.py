@@ -24,6 +24,7 @@ import orjson
 from broker.errors import InvalidRequest
 from broker.redis.connection import RedisClient, register_script, reply_text
 from broker.redis.lua import SERVER_MS, Lua
+from broker.request.tiers import DEFAULT as DEFAULT_TIER
 from broker.streams.keys import (
     usage_day_key,
     usage_free_key,
@@ -32,7 +33,6 @@ from broker.streams.keys import (
     usage_rollups_since_key,
 )
 from broker.streams.usage import DAY_COUNTERS, DAY_S, RETENTION_S, Prices, Record
-from broker.tiers import DEFAULT as DEFAULT_TIER
 
 GROUP_BYS = ("key", "model", "day", "status", "reason", "tier")
 #: What the usage report sums of each group (the aborted report sums its own: broker.streams.report.COUNTERS).

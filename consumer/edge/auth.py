@@ -27,10 +27,10 @@ from typing import Any
 
 import orjson
 
-from broker import tiers
 from broker.ascii import decimal
 from broker.errors import NotFound, StoreUnavailable, Unauthorized
-from broker.on_busy import ON_BUSY
+from broker.request import tiers
+from broker.request.on_busy import ON_BUSY
 from broker.streams.budget import NO_BUDGET, TEAM_NAME, Budget, Teams, parse_budget
 
 ANONYMOUS = ""
@@ -47,8 +47,8 @@ class ApiKey:
     UTC; 0: none: broker.streams.budget), ``team`` (the team whose budget it falls under too, in --teams),
     ``webhook_url`` (where its generations' ends are POSTed, instead of --webhook-url), ``webhook_secret`` (what
     signs them, instead of --webhook-secret: consumer.streaming.webhooks), ``service_tier`` (the tier
-    of its creates that ask for ``auto`` or none: broker.tiers) and ``service_tiers`` (the tiers it may ask for;
-    empty: every one but ``priority``, which only a key that names it gets: broker.tiers)."""
+    of its creates that ask for ``auto`` or none: broker.request.tiers) and ``service_tiers`` (the tiers it may ask for;
+    empty: every one but ``priority``, which only a key that names it gets: broker.request.tiers)."""
 
     id: str
     sha256: bytes
@@ -60,7 +60,7 @@ class ApiKey:
     service_tiers: tuple[str, ...] = ()
     team: str = ""
     webhook_secret: str | None = None
-    #: What a conversation's turn created while another runs does when it names no ``on_busy`` (broker.on_busy;
+    #: What a conversation's turn created while another runs does when it names no ``on_busy`` (broker.request.on_busy;
     #: "": ``reject``).
     on_busy: str = ""
     #: Whether its requests drop the parameters a model cannot honour (None: as --drop-unsupported-params says).

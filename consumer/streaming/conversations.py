@@ -22,9 +22,9 @@ from broker.errors import (
     RetryLater,
     TooManyConversations,
 )
-from broker.history import History
-from broker.on_busy import INTERRUPT, REJECT
-from broker.request import GenerationRequest, Message
+from broker.request.generation import GenerationRequest, Message
+from broker.request.history import History
+from broker.request.on_busy import INTERRUPT, REJECT
 from broker.streams.conversations import (
     MAX_WAITING,
     Begin,
@@ -132,7 +132,8 @@ class ConversationService:
         return await self._unfinished(sid, snap.pending)
 
     async def waiting_turns(self, snap: Snapshot) -> list[Turn]:
-        """The turns that wait behind the pending one (broker.on_busy), in order: their messages, status queued."""
+        """The turns that wait behind the pending one (broker.request.on_busy), in order: their messages, status
+        queued."""
         out = []
         for sid in snap.conversation.waiting:
             st = await self.service.store.status(sid)
@@ -201,8 +202,8 @@ class ConversationService:
         """Start the conversation's next turn: ``request``'s messages after ``lead`` are the new ones. A
         ``stream_id`` the conversation already has as a turn is a retry of that turn (200, no new generation).
         ``implicit``: a conversation of this name is made if the caller has none (else 404). While another turn
-        runs: ``on_busy`` (broker.on_busy): ``reject`` raises Conflict, ``enqueue`` and ``interrupt`` put it in line
-        (``queue``). Raises Conflict too when the history changed under a race that kept being lost."""
+        runs: ``on_busy`` (broker.request.on_busy): ``reject`` raises Conflict, ``enqueue`` and ``interrupt`` put it in
+        line (``queue``). Raises Conflict too when the history changed under a race that kept being lost."""
         for _ in range(ROUNDS):
             snap = await self.snapshot(caller, name)
             if snap is None:
@@ -256,7 +257,7 @@ class ConversationService:
     async def queue(self, caller: Caller, conv: Conversation, request: GenerationRequest, stream_id: uuid.UUID,
                     mode: str, *, implicit: bool = True, hook_name: Callable[[uuid.UUID], str] | None = None
                     ) -> TurnStarted | None:
-        """Put the turn in line behind the one that runs (broker.on_busy: ``enqueue``, ``interrupt``) and create
+        """Put the turn in line behind the one that runs (broker.request.on_busy: ``enqueue``, ``interrupt``) and create
         its stream held (``request``: the turn's own, ``turn_request``; its history goes in front when it comes
         up). ``interrupt`` cancels the running turn. None: nothing runs any more, or the history changed (read
         again). Raises Conflict when MAX_WAITING turns wait already, and whatever the stream's create raises."""

@@ -29,9 +29,10 @@ from broker.errors import (
     StoreUnavailable,
 )
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
-from broker.on_busy import REJECT
 from broker.redis.quota import StorageQuota, default_quota_bytes, read_maxmemory
-from broker.request import GenerationRequest, RequestLimits
+from broker.request.generation import GenerationRequest, RequestLimits
+from broker.request.on_busy import REJECT
+from broker.request.tiers import resolve_tier
 from broker.streams.budget import NO_BUDGET, Budget, Teams
 from broker.streams.conversations import ConversationStore
 from broker.streams.keys import tenant_of
@@ -39,7 +40,6 @@ from broker.streams.records import Created, Quota, StreamStatus
 from broker.streams.served_models import ServedModel, ServedModels
 from broker.streams.stream_store import StreamStore
 from broker.streams.usage import Prices
-from broker.tiers import resolve_tier
 from consumer.edge.auth import ApiKeys, ensure_owner
 from consumer.edge.limits import ConnectionLimiter
 from consumer.metrics import Metrics
@@ -263,8 +263,8 @@ class StreamService:
         return self.settings.drop_unsupported_params
 
     def on_busy(self, caller: Caller, asked: str | None) -> str:
-        """What a conversation's turn does while another runs (broker.on_busy): what it asked for, else its key's
-        ``on_busy``, else ``reject``."""
+        """What a conversation's turn does while another runs (broker.request.on_busy): what it asked for, else its
+        key's ``on_busy``, else ``reject``."""
         key = self.api_keys.get(caller.key_id)
         return asked or (key.on_busy if key is not None else "") or REJECT
 

@@ -15,8 +15,8 @@ from starlette.routing import Route
 from broker.ascii import parse_uuid
 from broker.errors import InvalidRequest, NotFound, RateLimited
 from broker.events import TERMINAL_TYPES, Event, EventPage, parse_event_id
-from broker.on_busy import parse_on_busy
-from broker.request import parse_json_object, validate_create_body
+from broker.request.generation import parse_json_object, validate_create_body
+from broker.request.on_busy import parse_on_busy
 from broker.streams import usage_report as usage
 from broker.streams.keys import tenant_of
 from broker.streams.records import StreamStatus

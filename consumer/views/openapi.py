@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 description of every route, served at ``/openapi.json``.
 
 Each schema says exactly what the code accepts and sends, with this deployment's limits, and is built
-from the same constants as the validation it describes (broker/request.py for the native body; the
+from the same constants as the validation it describes (broker/request/generation.py for the native body; the
 views' own rule tables for the OpenAI views, in consumer/views/openai/schema.py). SSE responses describe
 one event (what schemathesis validates each parsed event against). The test suite runs schemathesis with
 every check over every route (tests/consumer/test_openapi.py)."""
@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker import tiers
-from broker.echo import MAX_ID_CHARS, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS
 from broker.events import EventType
-from broker.on_busy import ON_BUSY
-from broker.request import (
+from broker.request import tiers
+from broker.request.echo import MAX_ID_CHARS, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS
+from broker.request.generation import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     MAX_TOOL_CALL_ID_CHARS,
@@ -27,8 +26,18 @@ from broker.request import (
     TOOL_NAME,
     RequestLimits,
 )
-from broker.sampling import LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PENALTY, SEED, TEMPERATURE, TOP_P, Range
-from broker.sampling import MAX_TOOL_CALLS as MAX_SAMPLED_TOOL_CALLS
+from broker.request.on_busy import ON_BUSY
+from broker.request.sampling import (
+    LOGIT_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    PENALTY,
+    SEED,
+    TEMPERATURE,
+    TOP_P,
+    Range,
+)
+from broker.request.sampling import MAX_TOOL_CALLS as MAX_SAMPLED_TOOL_CALLS
 from broker.streams.records import STATUSES
 from broker.streams.report import GROUP_BYS
 from broker.streams.usage_report import FORMATS, GROUP_BY_PATTERN

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from generator.engines.pieces import PartialAnswer, Piece
 
 
@@ -142,7 +142,7 @@ class Engine(Protocol):
         ``cache_scope``: whose earlier prompts this one may reuse the cached state of (or, upstream, share a
         routing key with): one tenant's, or everyone's (""). A prompt never gets a cached prefix, nor a quicker
         first token, from another scope's prompts (``--prompt-cache-scope``). ``tier``: the service tier the job runs
-        in (broker.tiers; "": not known), for an upstream's own scheduler."""
+        in (broker.request.tiers; "": not known), for an upstream's own scheduler."""
         ...
 
     def observe_steps(self, observer: StepObserver) -> None:

@@ -25,8 +25,8 @@ from typing import Any
 import jinja2
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from broker.request import Message as RequestMessage
-from broker.request import Tool
+from broker.request.generation import Message as RequestMessage
+from broker.request.generation import Tool
 from generator.engines.base import EngineError
 from generator.engines.tool_syntax import closed_call_text
 

@@ -3,7 +3,7 @@ json_object / json_schema), or a call of one of the tools a forced ``tool_choice
 valid against its parameters, in the Hermes syntax (generator.engines.tool_syntax).
 
 Schemas are converted by rsb's own converter (generator.engines.schema_grammar), given only schemas
-broker.json_schema admits (checked again here: the request was checked at create, but by the code of whatever pod
+broker.schema.enforceable admits (checked again here: the request was checked at create, but by the code of whatever pod
 took it). Each tool's rules carry a prefix of their own (``t0-``, ``t1-``), so two tools' definitions never
 collide.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from broker.errors import InvalidRequest, Path, spelled
-from broker.json_schema import check_enforceable
-from broker.request import GenerationRequest, Tool
-from broker.tools import SCHEMA
+from broker.request.generation import GenerationRequest, Tool
+from broker.request.tools import SCHEMA
+from broker.schema.enforceable import check_enforceable
 from generator.engines.base import EngineError
 from generator.engines.schema_grammar import Grammar, GrammarTooBig, SchemaGrammar, literal
 from generator.engines.tool_syntax import CLOSE, OPEN

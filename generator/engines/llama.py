@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from broker.events import FinishReason
-from broker.request import GenerationRequest, Message
+from broker.request.generation import GenerationRequest, Message
 from generator.engines.base import Engine, EngineError, Generation, PromptTooLong, StepObserver
 from generator.engines.batch import BatchedSequence, Batcher
 from generator.engines.chat import ChatTemplate

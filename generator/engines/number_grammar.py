@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from decimal import Context, Decimal, localcontext
 
-from broker.json_schema import EXACT_DIGITS, FRACTION_DIGITS
+from broker.schema.enforceable import EXACT_DIGITS, FRACTION_DIGITS
 
 AddRule = Callable[[str, str], str]  # (name hint, body) -> rule name
 _EPS = ""

@@ -18,7 +18,7 @@ answers are what a whole-vocabulary filter picks), and sampling draws from the a
 that has one. Nothing is ever accepted into the grammar that it has not admitted first: llama.cpp aborts the
 process on a token its grammar cannot take.
 
-A step's grammar work is bounded at create (broker.schema_cost), and again here: a constrained step that takes
+A step's grammar work is bounded at create (broker.schema.cost), and again here: a constrained step that takes
 more than ``STEP_BUDGET_S`` of the thread's CPU ends the generation with ``GrammarTooCostly`` (so cancels, the
 deadline and shutdown, checked between steps, never wait on more than one such step).
 
@@ -43,7 +43,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from broker.sampling import DEFAULT, Sampling
+from broker.request.sampling import DEFAULT, Sampling
 from generator.engines.base import EngineError
 
 

@@ -1,12 +1,12 @@
-"""A JSON Schema (one broker.json_schema admits) as llama.cpp grammar rules (GBNF).
+"""A JSON Schema (one broker.schema.enforceable admits) as llama.cpp grammar rules (GBNF).
 
-rsb's own converter, so that the grammar is what the admission check measured (broker.schema_cost,
-broker.schema_pattern) and nothing the schema excludes can be written:
+rsb's own converter, so that the grammar is what the admission check measured (broker.schema.cost,
+broker.schema.pattern) and nothing the schema excludes can be written:
 - objects: required properties in order, then each optional one (in order), then the additional ones, whose keys
   never spell a declared property's name (a trie of the names: llama.cpp's converter let ``additionalProperties``
   write any key, a declared one included, which both broke the schema and made the two readings alive at once);
 - strings hold only what JSON writes unescaped (no quote, backslash or control character, whole Unicode scalar
-  values) or an escape; ``pattern`` and ``format`` from their parsed tree (broker.schema_pattern), repetitions in
+  values) or an escape; ``pattern`` and ``format`` from their parsed tree (broker.schema.pattern), repetitions in
   llama.cpp's own ``{m,n}`` (which it spells out as rules: nested groups past 1,000 levels fail to parse);
 - bounded integers and numbers digit by digit (generator.engines.number_grammar);
 - ``enum``/``const`` values and alternations of plain strings as tries, so the values alive at once are the
@@ -20,9 +20,9 @@ import json
 from decimal import Decimal
 from typing import Any
 
-from broker.grammar_size import MAX_GRAMMAR_BYTES
-from broker.schema_kinds import integer_bounds, kind, multiple_of, number_bounds, pattern_of, resolve_ref
-from broker.schema_pattern import JSON_CHARS, Alt, Chars, Intervals, Node, Seq, intersect
+from broker.schema.grammar_size import MAX_GRAMMAR_BYTES
+from broker.schema.kinds import integer_bounds, kind, multiple_of, number_bounds, pattern_of, resolve_ref
+from broker.schema.pattern import JSON_CHARS, Alt, Chars, Intervals, Node, Seq, intersect
 from generator.engines.number_grammar import integer_rule, number_rule
 
 # What a JSON string holds unescaped (whole Unicode scalar values: no surrogate, nothing past U+10FFFF), or an escape.
@@ -63,8 +63,8 @@ def char_class(ranges: Intervals) -> str:
 
 
 class GrammarTooBig(Exception):
-    """The grammar passed MAX_GRAMMAR_BYTES while it was built (the admission estimate, broker.grammar_size, missed
-    it): the build stops there, so a schema never holds a worker for long."""
+    """The grammar passed MAX_GRAMMAR_BYTES while it was built (the admission estimate, broker.schema.grammar_size,
+    missed it): the build stops there, so a schema never holds a worker for long."""
 
 
 class Grammar:

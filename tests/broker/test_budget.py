@@ -19,7 +19,7 @@ from broker.errors import BudgetExceeded
 from broker.events import EventType
 from broker.redis.connection import connect
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams.budget import NANO_PER_USD, Budget, Teams, reservation, team_holder, usd_reservation
 from broker.streams.job_store import JobStore
 from broker.streams.keys import budget_key

@@ -18,7 +18,7 @@ from servers import RedisClusterServers, Stack, StackFactory
 
 from broker.redis.connection import connect
 from broker.redis.keyspace import partition_slot
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams.job_store import JobStore
 from broker.streams.keys import QueueKeys, partition_of
 from broker.streams.records import Claim

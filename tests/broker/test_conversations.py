@@ -15,11 +15,11 @@ from servers import RedisClusterServers
 
 from broker.errors import Expired, TooManyConversations
 from broker.events import EventType, encode_data
-from broker.history import History
 from broker.redis.connection import RedisClient, connect, is_cluster
 from broker.redis.keyspace import partition_slot
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest, Message
+from broker.request.generation import GenerationRequest, Message
+from broker.request.history import History
 from broker.streams import conversations as conversations_module
 from broker.streams.conversations import Begin, ConversationStore, Limits, Settled, absent
 from broker.streams.job_store import JobStore

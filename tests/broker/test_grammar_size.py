@@ -1,4 +1,4 @@
-"""The grammar's size, bounded at create (broker.grammar_size): issue 42's 27 KB integer schema is refused at once
+"""The grammar's size, bounded at create (broker.schema.grammar_size): issue 42's 27 KB integer schema is refused at once
 naming what is too big, the estimate bounds what the generator really builds for the schemas it admits, the tools
 of a forced tool_choice add up to one grammar, and the generator stops a grammar past its byte bound whatever the
 estimate said."""
@@ -12,9 +12,9 @@ import pytest
 from helpers import LLAMA_EXTRA
 
 from broker.errors import InvalidRequest
-from broker.grammar_size import MAX_DIGIT_STATES, MAX_REPEATS, GrammarSize
-from broker.json_schema import check_enforceable
-from broker.request import RequestLimits, validate_create_body
+from broker.request.generation import RequestLimits, validate_create_body
+from broker.schema.enforceable import check_enforceable
+from broker.schema.grammar_size import MAX_DIGIT_STATES, MAX_REPEATS, GrammarSize
 
 W = 2**53 - 1  # zod's z.number().int() bounds
 
@@ -89,7 +89,7 @@ def test_the_estimate_bounds_the_grammar_the_generator_builds(name: str) -> None
 
 def test_the_generator_stops_a_grammar_past_its_byte_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
-    from broker.request import GenerationRequest, Message, ResponseFormat
+    from broker.request.generation import GenerationRequest, Message, ResponseFormat
     from generator.engines import schema_grammar
     from generator.engines.grammar import SchemaRefused, answer_grammar
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from broker.errors import InvalidRequest
-from broker.json_schema import check_enforceable
+from broker.schema.enforceable import check_enforceable
 
 PERSON = {
     "type": "object",

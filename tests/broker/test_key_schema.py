@@ -1,11 +1,12 @@
-"""Every key is declared in one place (broker.streams.keys, and broker.redis.quota for the storage quota), the keys the
-scripts name inside Lua included: the queue's scripts, the terminal events' and the outbox's run against a real
-redis-server, and every key Redis then holds matches a declared template, the Lua-built ones exactly what Python
-builds from the same template; and no Lua text in broker/ spells a key's text itself (each script gets its key
-builders generated from the templates)."""
+"""Every key is declared in one place (broker.streams.keys, broker.durable.keys for Durable Streams, and
+broker.redis.quota for the storage quota), the keys the scripts name inside Lua included: the queue's scripts, the
+terminal events' and the outbox's, and Durable Streams' scripts, run against a real redis-server, and every key Redis
+then holds matches a declared template, the Lua-built ones exactly what Python builds from the same template; and no
+Lua text in broker/ spells a key's text itself (each script gets its key builders generated from the templates)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -14,24 +15,28 @@ from pathlib import Path
 import pytest
 import redis
 
+from broker.durable import keys as durable_keys
+from broker.durable.keys import DurableKeys
+from broker.durable.store import DurableStore, ForkSpec, Producer, StreamSpec
 from broker.redis.connection import connect
-from broker.redis.keyspace import NEVER_WRITTEN, KeyTemplate
+from broker.redis.keyspace import NEVER_WRITTEN, KeyTemplate, partition_tag
 from broker.redis.quota import STORAGE, STORAGE_EXPIRY, StorageQuota
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
+from broker.request.tiers import TIERS
 from broker.streams import keys
 from broker.streams.budget import Budget
 from broker.streams.job_store import JobStore
 from broker.streams.records import Claim, Quota
 from broker.streams.stream_store import StreamStore
-from broker.tiers import TIERS
 
 BROKER = Path(__file__).resolve().parents[2] / "broker"
 REQ = GenerationRequest(None, "hello", None, 8, 0.8, 0.95, None, (), False)
 CHAT = GenerationRequest(None, "hello", None, 8, 0.8, 0.95, None, (), False, prompt_cache_key="chat-1")
-#: Every declared kind of key: broker.streams.keys's, and the storage quota's (broker.redis.quota: Durable Streams
-#: count in it too, below broker.streams).
-DECLARED: dict[str, KeyTemplate] = {**keys.SCHEMA, "STORAGE": STORAGE, "STORAGE_EXPIRY": STORAGE_EXPIRY}
+#: Every declared kind of key: broker.streams.keys's, broker.durable.keys's, and the storage quota's
+#: (broker.redis.quota: both count in it, below them).
+DECLARED: dict[str, KeyTemplate] = {**keys.SCHEMA, **durable_keys.SCHEMA, "STORAGE": STORAGE,
+                                    "STORAGE_EXPIRY": STORAGE_EXPIRY}
 #: The kinds of key only a script names (inside Lua), each of which the scenario below leaves in Redis.
 LUA_BUILT = ("QUEUE_RING", "QUEUE_WAITING", "QUEUE_INBOX", "QUEUE_WAKE_FOR", "QUEUE_DEFERRED", "QUEUE_STATS",
              "QUEUE_LEASES", "QUEUE_WAKE", "USAGE_LOG", "USAGE_FREE", "USAGE_DAY", "OUTBOX_DEST", "STORAGE_EXPIRY")
@@ -113,6 +118,40 @@ async def test_every_key_the_scripts_write_is_declared(store: StreamStore, jobs:
     assert any(k.startswith(keys.usage_log_prefix(0, 1) + "day:alice:") for k in held)
     assert any(k.startswith(keys.outbox_key(0, 1) + ":d:") for k in held)
     assert STORAGE_EXPIRY.build(storage=STORAGE.build(tag="rsb:{p0}", tenant="alice")) in held
+
+
+async def test_every_key_durable_streams_write_is_declared(redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    # A stream written by a producer, a fork of it (its source's forks set), and a stream of the anonymous key.
+    r = connect(redis_server.url)
+    ds = DurableStore(r)
+    quota = StorageQuota("alice", 10**9)
+    src, fork, anon = ds.keys("alice", "src"), ds.keys("alice", "fork"), ds.keys("", "anon")
+    spec = StreamSpec("text/plain")
+    assert (await ds.create(src, spec, b"hello", max_streams=10, quota=quota)).created
+    await ds.append(src, b" world", "text/plain", producer=Producer("p1", 0, 0), quota=quota)
+    assert (await ds.create(fork, StreamSpec(""), b"", fork=ForkSpec(src), quota=quota)).created
+    assert (await ds.create(anon, spec, b"x")).created
+    held = {k.decode() async for k in r.scan_iter(count=1000)}
+    await r.aclose()
+
+    patterns = {name: re.compile(t.pattern) for name, t in DECLARED.items()}
+    undeclared = [k for k in held if not any(p.fullmatch(k) for p in patterns.values())]
+    assert not undeclared, f"keys no template declares: {undeclared}"
+    for name in ("DURABLE_META", "DURABLE_DATA", "DURABLE_PRODUCERS", "DURABLE_FORKS", "DURABLE_TENANT"):
+        assert any(patterns[name].fullmatch(k) for k in held), f"the scenario leaves no {name} key"
+    built = {k for d in (src, fork, anon) for k in (d.meta, d.data, d.producers, d.forks, d.tenant)}
+    assert {k for k in held if ":ds" in k} <= built
+    assert {src.meta, src.data, src.producers, src.forks, src.tenant, fork.meta, fork.data, anon.meta, anon.tenant} <= held
+
+
+def test_durable_keys_are_spelled_as_before() -> None:
+    # The templates changed how Python builds the keys, never their text: stored streams stay where they were.
+    d = DurableKeys.of("alice", "a/b", 4)
+    base = f"rsb:{{{partition_tag(d.partition, 4)}}}:ds:" + hashlib.sha256(b"alice/a/b").hexdigest()[:32]
+    assert (d.meta, d.data, d.producers, d.forks, d.channel) == tuple(f"{base}:{s}" for s in ("m", "d", "p", "f", "live"))
+    assert d.tenant == f"rsb:{{{partition_tag(d.partition, 4)}}}:ds-tenant:alice"
+    assert DurableKeys.of("", "x", 1).tenant == "rsb:{p0}:ds-tenant:-"
+    assert DurableKeys.of("", "x", 1).meta == "rsb:{p0}:ds:" + hashlib.sha256(b"-/x").hexdigest()[:32] + ":m"
 
 
 # Concatenated literals in Lua that are not keys: hash fields (a queue's ``waiting:<tier>`` and ``served:<tier>``) and

@@ -19,7 +19,7 @@ from broker.errors import WebhookBacklog
 from broker.redis.connection import connect, reply_text
 from broker.redis.quota import storage_key
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams.keys import outbox_dests_key, outbox_due_key, outbox_holds_key, outbox_key
 from broker.streams.outbox import BREAKER_FAILURES, HOOK_BYTES, HookEvent, Outbox, hold_s
 from broker.streams.stream_store import StreamStore

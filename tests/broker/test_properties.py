@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from broker.errors import InvalidRequest
 from broker.events import Event, EventPage, EventType, encode_data, parse_event_id
-from broker.request import GenerationRequest, RequestLimits, parse_create_body
+from broker.request.generation import GenerationRequest, RequestLimits, parse_create_body
 
 NASTY = st.sampled_from(["\r", "\n", "\r\n", "\x00", "\u2028", "\u2029", "\ud800", "\udfff", "\ufeff", "data: x",
                          "\n\nid: 9-9\n", ":", "🌍", "你好", "\\", '"'])

@@ -20,7 +20,7 @@ from servers import PrimaryReplica, StackFactory
 
 from broker.events import EventType, encode_data
 from broker.redis.connection import connect
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams.job_store import JobStore
 from broker.streams.keys import StreamKeys
 from broker.streams.records import Claim

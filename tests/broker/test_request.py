@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from broker.errors import InvalidRequest
-from broker.request import GenerationRequest, RequestLimits, ToolChoice, validate_create_body
+from broker.request.generation import GenerationRequest, RequestLimits, ToolChoice, validate_create_body
 
 LIMITS = RequestLimits()
 WEATHER = {"type": "function", "function": {

@@ -1,4 +1,4 @@
-"""The cost bound at create (broker.schema_cost, broker.schema_pattern): schemas and patterns that would make
+"""The cost bound at create (broker.schema.cost, broker.schema.pattern): schemas and patterns that would make
 llama.cpp's grammar engine pay for many readings at once are refused, fast, naming where; what ordinary tools
 write (Pydantic's recursive models and unions, zod's integers, discriminated unions) is admitted."""
 
@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from broker import json_schema
 from broker.errors import InvalidRequest
-from broker.json_schema import check_enforceable
-from broker.pattern_cost import MAX_STACKS, measure
-from broker.schema_pattern import parse
+from broker.schema import enforceable
+from broker.schema.enforceable import check_enforceable
+from broker.schema.pattern import parse
+from broker.schema.pattern_cost import MAX_STACKS, measure
 
 
 def deep_anyof(depth: int, *, same: bool = True) -> dict[str, Any]:
@@ -68,7 +68,7 @@ HOSTILE["11 levels"] = ({"$ref": "#/$defs/A", "$defs": {"A": {"type": "object", 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_schemas_are_refused_fast_naming_the_reason(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(json_schema, "MAX_SCHEMA_BYTES", 1 << 20)  # OpenAI's counts lie past 32 KiB of JSON
+    monkeypatch.setattr(enforceable, "MAX_SCHEMA_BYTES", 1 << 20)  # OpenAI's counts lie past 32 KiB of JSON
     schema, reason = HOSTILE[name]
     t0 = time.perf_counter()
     with pytest.raises(InvalidRequest) as e:

@@ -161,7 +161,7 @@ async def test_which_steps_a_full_redis_refuses(full_redis: tuple[RedisServer, r
     from broker.errors import StoreFull
     from broker.events import EventType, encode_data
     from broker.redis.connection import connect
-    from broker.request import GenerationRequest
+    from broker.request.generation import GenerationRequest
     from broker.streams.job_store import JobStore
     from broker.streams.records import Claim
     from broker.streams.stream_store import StreamStore

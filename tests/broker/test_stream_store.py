@@ -15,7 +15,7 @@ from helpers import create_outcome, eventually_async
 from broker.errors import Conflict, RateLimited, TooManyGenerations
 from broker.redis.connection import connect
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams.job_store import JobStore
 from broker.streams.records import Claim, Quota, Unclaimable
 from broker.streams.stream_store import StreamStore

@@ -13,7 +13,7 @@ import redis
 from broker.errors import Overloaded
 from broker.redis.connection import connect
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest, Message
+from broker.request.generation import GenerationRequest, Message
 from broker.streams.keys import TokenCountKeys
 from broker.streams.token_counts import MAX_WAITING, TokenCounts
 

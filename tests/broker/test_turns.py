@@ -6,8 +6,8 @@ from __future__ import annotations
 import uuid
 
 from broker.events import Event, EventType, encode_data
-from broker.history import History
-from broker.request import GenerationRequest, Message, ToolCall
+from broker.request.generation import GenerationRequest, Message, ToolCall
+from broker.request.history import History
 from broker.streams.turns import ITEMS, Output, Turn, finished_turn, history_messages, items_turn, output_of
 
 

@@ -17,7 +17,7 @@ from broker.events import EventType
 from broker.redis.connection import connect, reply_text
 from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams import usage
 from broker.streams import usage_report as ledger
 from broker.streams.job_store import JobStore

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 
-from broker.request import Message, ToolCall
+from broker.request.generation import Message, ToolCall
 from broker.streams.turns import Output, Turn
 from consumer.views.aisdk.history import plan_turn, ui_messages
 

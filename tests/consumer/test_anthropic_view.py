@@ -13,7 +13,7 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
 from broker.events import Event
-from broker.request import RequestLimits
+from broker.request.generation import RequestLimits
 from broker.streams.records import StreamStatus
 from consumer.views.anthropic.errors import AnthropicError
 from consumer.views.anthropic.message import MessageView, message_id, parse_message_id, parse_resume_id

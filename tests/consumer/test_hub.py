@@ -18,7 +18,7 @@ import redis
 
 from broker.redis.connection import connect, connect_blocking
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams.job_store import JobStore
 from broker.streams.records import Claim
 from broker.streams.stream_store import StreamStore

@@ -1,4 +1,4 @@
-"""Sending again while a conversation's turn runs (broker.on_busy), through the conversation service on a real
+"""Sending again while a conversation's turn runs (broker.request.on_busy), through the conversation service on a real
 redis-server, with the broker's own calls in the worker's place (claim, append, finish, fold: what
 generator/generation.py does): ``enqueue`` waits and starts on the history the turn before it left, ``interrupt``
 stops the running turn and starts on its partial answer, ``reject`` is the 409; retries, cancels, a refused create
@@ -19,7 +19,7 @@ from in_process import stream_service
 from broker.errors import Conflict
 from broker.events import EventType, encode_data
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest, Message
+from broker.request.generation import GenerationRequest, Message
 from broker.streams.conversations import MAX_WAITING
 from broker.streams.job_store import JobStore
 from broker.streams.records import Claim, Unclaimable

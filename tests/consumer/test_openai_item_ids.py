@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.events import Event, EventType
-from broker.request import Message, ToolCall
+from broker.request.generation import Message, ToolCall
 from broker.streams.conversations import Conversation
 from broker.streams.records import StreamStatus
 from broker.streams.turns import ITEMS, Output, Turn

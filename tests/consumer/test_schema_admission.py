@@ -31,7 +31,7 @@ def _deep_anyof(depth: int) -> dict[str, Any]:
 
 def _wide_integers(count: int) -> dict[str, Any]:
     """Issue 42's schema: integers with wide bounds and a multipleOf each (27 KB at 260: 16 s of a generator's
-    Python and an 11 MB grammar before admission bounded its size, broker.grammar_size)."""
+    Python and an 11 MB grammar before admission bounded its size, broker.schema.grammar_size)."""
     w = 2**53 - 1
     props = {f"p{i}": {"type": "integer", "minimum": -w + i, "maximum": w - i, "multipleOf": 100 - i % 100}
              for i in range(count)}

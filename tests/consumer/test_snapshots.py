@@ -19,7 +19,7 @@ from in_process import stream_service
 from broker.answer import AnswerRuns
 from broker.events import Event, EventType, encode_data
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.streams.job_store import JobStore
 from broker.streams.records import Claim
 from broker.streams.stream_store import StreamStore

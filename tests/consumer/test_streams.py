@@ -249,7 +249,7 @@ def test_crafted_unicode_deltas_roundtrip_exactly(redis_server: RedisServer, red
 
     from broker.events import EventType, encode_data
     from broker.redis.connection import connect
-    from broker.request import GenerationRequest
+    from broker.request.generation import GenerationRequest
     from broker.streams.job_store import JobStore
     from broker.streams.records import Claim
     from broker.streams.stream_store import StreamStore

@@ -21,7 +21,7 @@ from servers import StackFactory
 pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest, RequestLimits, validate_create_body
+from broker.request.generation import GenerationRequest, RequestLimits, validate_create_body
 from generator.engines.base import Generation
 from generator.engines.llama import LlamaEngine
 from generator.engines.pieces import Piece, ToolCallStart

@@ -86,7 +86,7 @@ def test_a_global_scope_shares_the_cache_across_keys(
 @pytest.mark.parametrize("parallel", [1, 3])
 def test_engine_scopes_keep_apart(demo_gguf: Path, parallel: int) -> None:
     # Batched too: a sequence copies a prefix only from its own scope's running sequences and cache entries.
-    from broker.request import GenerationRequest
+    from broker.request.generation import GenerationRequest
     from generator.engines.llama import LlamaEngine
 
     eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True, prompt_cache_mib=64,

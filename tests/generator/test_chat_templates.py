@@ -15,7 +15,7 @@ from helpers import LLAMA_EXTRA
 
 pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
-from broker.request import GenerationRequest, Message, Tool, ToolCall
+from broker.request.generation import GenerationRequest, Message, Tool, ToolCall
 from generator.engines.chat import TOOLS_PROMPT, ChatTemplate, ChatTemplateError, fold_system
 from generator.engines.default_model import default_model_path
 from generator.engines.llama import LlamaEngine

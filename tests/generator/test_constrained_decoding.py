@@ -19,7 +19,7 @@ from servers import StackFactory
 pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest, RequestLimits, ResponseFormat, validate_create_body
+from broker.request.generation import GenerationRequest, RequestLimits, ResponseFormat, validate_create_body
 from generator.engines.grammar import SchemaRefused, answer_grammar
 from generator.engines.llama import LlamaEngine
 from generator.engines.pieces import PartialAnswer, PartialCall, Piece, ToolCallStart

@@ -11,7 +11,7 @@ from helpers import LLAMA_EXTRA
 
 pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
-from broker.request import GenerationRequest, Message
+from broker.request.generation import GenerationRequest, Message
 from generator.engines.default_model import default_model_path
 from generator.engines.llama import LlamaEngine
 

@@ -8,7 +8,7 @@ from helpers import LLAMA_EXTRA
 
 pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
-from broker.request import GenerationRequest, Message
+from broker.request.generation import GenerationRequest, Message
 from generator.engines.base import Engine, EngineError, Generation, PromptTooLong
 from generator.engines.demo_model import DEMO_MODEL_NAME
 from generator.engines.llama import LlamaEngine
@@ -263,7 +263,7 @@ async def test_a_generation_abandoned_while_its_hand_off_is_full_frees_the_engin
 def test_penalties_and_logit_bias_change_what_is_sampled(engine: LlamaEngine) -> None:
     import dataclasses
 
-    from broker.sampling import Sampling
+    from broker.request.sampling import Sampling
 
     greedy = request(temperature=0.0)
     _, plain = run(engine, greedy, 120)

@@ -14,7 +14,7 @@ from helpers import LLAMA_EXTRA
 
 pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
-from broker.request import GenerationRequest, Message
+from broker.request.generation import GenerationRequest, Message
 from generator.engines.llama import LlamaEngine
 from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, shared_blocks
 

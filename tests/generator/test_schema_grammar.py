@@ -17,8 +17,8 @@ from helpers import LLAMA_EXTRA
 pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
 from broker.errors import InvalidRequest
-from broker.json_schema import check_enforceable
-from broker.request import RequestLimits, validate_create_body
+from broker.request.generation import RequestLimits, validate_create_body
+from broker.schema.enforceable import check_enforceable
 from generator.engines.llama import LlamaEngine
 
 CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER  # every format rsb writes (test extra)

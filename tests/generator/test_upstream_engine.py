@@ -32,7 +32,7 @@ from servers import StackFactory
 
 from bench.procs import wait_serving
 from broker.redis.server import RedisServer, free_port
-from broker.request import GenerationRequest, Message, prompt_token_bound
+from broker.request.generation import GenerationRequest, Message, prompt_token_bound
 from generator.engines import Generation, UpstreamError
 from generator.engines.pieces import Piece
 from generator.engines.upstream import UpstreamEngine, detect_api
@@ -199,7 +199,7 @@ def test_the_prompt_cache_key_sent_up_is_scoped_to_the_tenant() -> None:
 
 
 def test_penalties_and_logit_bias_go_to_the_upstream() -> None:
-    from broker.sampling import Sampling
+    from broker.request.sampling import Sampling
     from generator.engines.base import EngineError
 
     sampling = Sampling(presence_penalty=0.5, frequency_penalty=-1.0, logit_bias=((42, -100.0),),
@@ -482,7 +482,7 @@ ARGS = '{"city": "Paris", "unit": "celsius"}'
 
 
 def _typed_request(**body: Any) -> GenerationRequest:
-    from broker.request import RequestLimits, validate_create_body
+    from broker.request.generation import RequestLimits, validate_create_body
 
     body.setdefault("messages", CALL_HISTORY)
     return validate_create_body(body, RequestLimits())[1]

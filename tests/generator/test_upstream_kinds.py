@@ -17,7 +17,7 @@ from scripted_upstream import ScriptedUpstream
 from servers import StackFactory
 
 from broker.redis.server import RedisServer
-from broker.request import GenerationRequest, Message
+from broker.request.generation import GenerationRequest, Message
 from consumer.edge.auth import new_key
 from generator.engines.upstream import UpstreamEngine
 from generator.engines.upstream.kinds import LLAMA_CPP, OLLAMA_KIND, OPENAI_KIND, VLLM, cache_salt, kind_of_listing

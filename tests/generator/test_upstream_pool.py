@@ -12,7 +12,7 @@ from scripted_upstream import Reply, ScriptedUpstream, text
 from servers import StackFactory
 
 from broker.redis.server import RedisServer, free_port
-from broker.request import GenerationRequest, Message
+from broker.request.generation import GenerationRequest, Message
 from generator.engines.upstream import UpstreamEngine
 from generator.engines.upstream.protocol import CONTINUE_INSTRUCTION
 

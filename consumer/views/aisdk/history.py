@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from broker.request import Message, ToolCall
+from broker.request.generation import Message, ToolCall
 from broker.streams.turns import Turn, as_messages
 
 
@@ -136,7 +136,7 @@ def ui_messages(turns: Sequence[Turn], running: Turn | None = None,
     """The chat as ``UIMessage`` s: each turn's messages, then its answer (in the message of its answer's id,
     as the chunks of its stream name it: a continuation after a tool result adds a step to the message it
     continues). A running turn's messages come last, without its answer: ``resumeStream()`` (the resume route)
-    brings it, into a message of that id; then the messages of the turns waiting behind it (broker.on_busy)."""
+    brings it, into a message of that id; then the messages of the turns waiting behind it (broker.request.on_busy)."""
     chat = _Chat()
     unfinished = [*([running] if running is not None else []), *waiting]
     for turn in [*turns, *unfinished]:

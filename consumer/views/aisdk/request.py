@@ -23,8 +23,8 @@ from typing import Any
 import orjson
 
 from broker.errors import InvalidRequest
-from broker.on_busy import parse_on_busy
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
+from broker.request.on_busy import parse_on_busy
 
 SUBMIT, REGENERATE = "submit-message", "regenerate-message"
 MAX_CHAT_ID_CHARS = 256
@@ -34,7 +34,8 @@ MAX_MESSAGE_ID_CHARS = 256
 OPTIONS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "cancel_on_disconnect", "tools",
            "tool_choice", "response_format")
 _SDK_FIELDS = frozenset({"id", "messages", "trigger", "messageId"})
-#: rsb's own field besides the generation options: what the turn does while another of the chat runs (broker.on_busy).
+#: rsb's own field besides the generation options: what the turn does while another of the chat runs
+#: (broker.request.on_busy).
 ON_BUSY_FIELD = "on_busy"
 # UIMessage parts that carry nothing for the model: the SDK's step markers, the model's own reasoning (models
 # are not given their past reasoning) and sources, and app data parts. Files would change the answer and rsb
@@ -64,7 +65,7 @@ class ChatRequest:
     #: For each of the create body's ``messages``, the id of the UI message it comes from (an assistant UI
     #: message becomes several: its steps and its calls' results).
     message_ids: tuple[str, ...] = ()
-    #: What the turn does while another of the chat runs (broker.on_busy; None: the key's default).
+    #: What the turn does while another of the chat runs (broker.request.on_busy; None: the key's default).
     on_busy: str | None = None
 
     def turn_key(self, request: GenerationRequest) -> str:

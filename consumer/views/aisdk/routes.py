@@ -10,8 +10,8 @@ from starlette.responses import JSONResponse, Response
 
 from broker.errors import Conflict, Expired, InvalidRequest, NotFound
 from broker.events import TERMINAL_TYPES
-from broker.on_busy import REJECT
-from broker.request import parse_json_object, validate_create_body
+from broker.request.generation import parse_json_object, validate_create_body
+from broker.request.on_busy import REJECT
 from broker.streams.conversations import Begin, absent
 from broker.streams.records import StreamStatus
 from consumer.edge.http import read_body

@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from broker.events import Event, EventType
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.sse import DONE_FRAME, frame
 from consumer.metrics import Metrics
 from consumer.streaming.snapshots import AnswerSnapshot

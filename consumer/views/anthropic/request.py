@@ -1,6 +1,6 @@
 """Anthropic's Messages request as rsb's create: the body is translated field by field into a ``POST /v1/streams``
-body and validated by rsb's one validator (broker.request), as every view's is. What rsb cannot honour is a 400
-naming it, never ignored:
+body and validated by rsb's one validator (broker.request.generation), as every view's is. What rsb cannot honour is a
+400 naming it, never ignored:
 
     Messages request                             rsb create
     system (a string, or text blocks)            a leading ``system`` message
@@ -36,7 +36,7 @@ from typing import Any
 import orjson
 
 from broker.errors import ANY, InvalidRequest, Path
-from broker.request import MAX_TOOLS, GenerationRequest, RequestLimits, validate_create_body
+from broker.request.generation import MAX_TOOLS, GenerationRequest, RequestLimits, validate_create_body
 from consumer.views.anthropic.errors import AnthropicError, invalid
 
 #: Anthropic's lower bound on a thinking budget (its API reference); the budget is a target the model's own

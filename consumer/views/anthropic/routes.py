@@ -19,7 +19,7 @@ from starlette.types import ASGIApp
 
 from broker.errors import Conflict, Expired, NotFound, RsbError
 from broker.events import TERMINAL_TYPES, Event, EventType, parse_event_id
-from broker.request import parse_json_object
+from broker.request.generation import parse_json_object
 from broker.sse import frame
 from consumer.edge.errors import anthropic_error_object as error_object
 from consumer.edge.http import read_body

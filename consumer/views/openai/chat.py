@@ -24,9 +24,9 @@ from starlette.types import ASGIApp
 
 from broker.errors import InvalidRequest, Path
 from broker.events import Event, EventType
-from broker.request import RequestLimits, check_integer
+from broker.request.generation import RequestLimits, check_integer
+from broker.request.tiers import DEFAULT as DEFAULT_TIER
 from broker.streams.records import StreamStatus
-from broker.tiers import DEFAULT as DEFAULT_TIER
 from consumer.state import caller_of, state_of
 from consumer.streaming.service import StreamService
 from consumer.streaming.sse import SSEResponse

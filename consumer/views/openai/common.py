@@ -31,8 +31,8 @@ from broker.errors import (
     RsbError,
     spelled,
 )
-from broker.history import History
-from broker.request import GenerationRequest, check_body_depth, validate_create_body
+from broker.request.generation import GenerationRequest, check_body_depth, validate_create_body
+from broker.request.history import History
 from broker.sse import DONE_FRAME as DONE_FRAME  # the views' one [DONE], re-exported for chat and responses
 from broker.sse import frame
 from broker.streams.records import StreamStatus

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from broker.request import RequestLimits
+from broker.request.generation import RequestLimits
 from consumer.schema import json_response, nullable
 from consumer.views.openai import conversations as conv
 

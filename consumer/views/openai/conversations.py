@@ -25,7 +25,7 @@ from starlette.types import ASGIApp
 
 from broker.ascii import decimal
 from broker.errors import Conflict, NotFound
-from broker.request import Message, ToolCall
+from broker.request.generation import Message, ToolCall
 from broker.streams.conversations import Begin, Conversation
 from broker.streams.turns import Turn, as_messages, items_turn
 from consumer.state import caller_of, state_of

@@ -14,8 +14,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
 from broker.errors import ModelNotFound
+from broker.request.tiers import TIERS
 from broker.streams.served_models import ServedModel
-from broker.tiers import TIERS
 from consumer.state import caller_of, state_of
 
 

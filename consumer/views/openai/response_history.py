@@ -11,8 +11,8 @@ from typing import Any
 from starlette.requests import Request
 
 from broker.errors import NotFound, Path
-from broker.history import History
-from broker.on_busy import ON_BUSY
+from broker.request.history import History
+from broker.request.on_busy import ON_BUSY
 from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of
 from consumer.streaming.conversations import conversation_name
@@ -38,7 +38,8 @@ HISTORY_RULES = (
          "'conversation' must be a conversation id (conv_...) or {\"id\": ...}"),
     Only("previous_response_id", {"anyOf": [{"type": "string"}, NULL]}, lambda v: v is None or isinstance(v, str),
          "'previous_response_id' must be a response id (resp_...)"),
-    # rsb's: what a conversation's turn does while another runs (broker.on_busy); without one it changes nothing.
+    # rsb's: what a conversation's turn does while another runs (broker.request.on_busy); without one it changes
+    # nothing.
     Only("on_busy", {"anyOf": [{"enum": list(ON_BUSY)}, NULL]}, lambda v: v is None or v in ON_BUSY,
          f"'on_busy' must be one of {', '.join(ON_BUSY)}"),
 )

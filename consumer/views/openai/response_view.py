@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.events import Event, EventType, parse_event_id
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
+from broker.request.tiers import DEFAULT as DEFAULT_TIER
 from broker.streams.records import StreamStatus
-from broker.tiers import DEFAULT as DEFAULT_TIER
 from consumer.streaming.conversations import openai_id
 from consumer.views.openai.common import cached_tokens, usage_tokens
 from consumer.views.openai.item_ids import FUNCTION_CALL, MESSAGE, REASONING, ItemId
@@ -114,7 +114,7 @@ class ResponseView:
         self.text_config = text_config(req)
         self.max_output_tokens = st.max_tokens
         history = req.history if req is not None else None
-        # What the request set only to see it back (broker.echo), and its instructions: the leading system
+        # What the request set only to see it back (broker.request.echo), and its instructions: the leading system
         # message its history counts apart (never carried into a later response).
         lead = req.messages[0] if req is not None and req.messages and history is not None and history.lead else None
         self.instructions = lead.content if lead is not None and lead.role == "system" else None

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp
 
 from broker.ascii import decimal
 from broker.errors import ANY, NotFound, Path
-from broker.sampling import MAX_TOP_LOGPROBS
+from broker.request.sampling import MAX_TOP_LOGPROBS
 from broker.streams.conversations import Conversation
 from broker.streams.records import StreamStatus
 from consumer.state import caller_of, state_of

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.request import RequestLimits
+from broker.request.generation import RequestLimits
 from consumer.schema import LOGPROBS_RULE, RETRY_AFTER, error_response, json_response, nullable, sse_response
 from consumer.views.idempotency import HEADER as IDEMPOTENCY_HEADER
 from consumer.views.idempotency import MAX_CHARS as MAX_IDEMPOTENCY_KEY

@@ -4,8 +4,8 @@
 call is ``{"type": "function", "name"}`` against ``{"type": "function", "function": {"name"}}``; and
 ``text.format`` is ``response_format`` with the ``json_schema`` fields one level up.
 
-Requests are translated shape by shape and validated by rsb's one validator (broker.request), so a wrong value
-gets the same message whichever API sent it; only what the Responses API has and rsb cannot honour (hosted
+Requests are translated shape by shape and validated by rsb's one validator (broker.request.generation), so a wrong
+value gets the same message whichever API sent it; only what the Responses API has and rsb cannot honour (hosted
 tools: web search, file search, ...) is refused here.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from consumer.views.openai.common import invalid
 
 #: The fields of a Responses function tool that a chat tool nests under ``function``.

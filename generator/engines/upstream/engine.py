@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from broker.request import GenerationRequest, prompt_token_bound
+from broker.request.generation import GenerationRequest, prompt_token_bound
 from generator.engines.base import Engine, Generation, GenerationLost, UpstreamCut, UpstreamError
 from generator.engines.pieces import PartialAnswer, Piece
 from generator.engines.upstream.ollama import OLLAMA

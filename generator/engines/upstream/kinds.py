@@ -37,7 +37,7 @@ from generator.engines.upstream.ollama import OLLAMA
 from generator.engines.upstream.openai import OPENAI
 from generator.engines.upstream.protocol import UpstreamProtocol
 
-#: vLLM's priority per tier (broker.tiers.TIERS; lower runs earlier); the default tier sends none.
+#: vLLM's priority per tier (broker.request.tiers.TIERS; lower runs earlier); the default tier sends none.
 VLLM_PRIORITY = {"priority": -1, "flex": 1}
 
 

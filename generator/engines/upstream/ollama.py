@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from generator.engines.base import UpstreamError
 from generator.engines.upstream.protocol import (
     CallPiece,

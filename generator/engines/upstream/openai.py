@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from broker.sse import LineDecoder
 from generator.engines.base import UpstreamError
 from generator.engines.pieces import TokenLogprob
@@ -61,8 +61,8 @@ class OpenAIProtocol(UpstreamProtocol):
                                   "legacy completions API has another shape")
         body.update(sampling)
         # OpenAI routes requests sharing a prompt_cache_key to the machine holding their prefix; vLLM and
-        # llama.cpp's servers ignore it. The chat's digest (broker.request: its conversation, the client's own
-        # key or its leading messages; nothing of the prompt itself), within the cache scope: two tenants
+        # llama.cpp's servers ignore it. The chat's digest (broker.request.generation: its conversation, the client's
+        # own key or its leading messages; nothing of the prompt itself), within the cache scope: two tenants
         # naming the same key share no machine's cache through it.
         body["prompt_cache_key"] = f"rsb-{request.affinity(cache_scope)}"
         if request.stop:

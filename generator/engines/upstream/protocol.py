@@ -9,8 +9,8 @@ the end (``stream_options.include_usage``: vLLM, llama.cpp's server, OpenAI, Oll
 Ollama's native API), the tokens that came merged follow as empty pieces, so the worker's count is the
 upstream's; that count is also kept in ``UpstreamGeneration.completion_tokens``. The usage record comes after
 the finish chunk, so an answer that spends its budget is read on for it (a bounded tail: UpstreamEngine). Until
-an upstream reports the prompt's count, ``prompt_tokens`` is its bound (broker.request.prompt_token_bound): what a
-cancelled generation is charged, and a generation of llama-cpp-python's server, which reports no usage when
+an upstream reports the prompt's count, ``prompt_tokens`` is its bound (broker.request.generation.prompt_token_bound):
+what a cancelled generation is charged, and a generation of llama-cpp-python's server, which reports no usage when
 streaming (with it ``completion_tokens`` is the number of deltas with text, a few less than the tokens).
 
 Typed output. Reasoning (``reasoning_content`` / ``reasoning``; Ollama's ``thinking``) and tool calls
@@ -38,7 +38,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.request import GenerationRequest
+from broker.request.generation import GenerationRequest
 from generator.engines.base import EngineError, Generation, UpstreamCut, UpstreamError
 from generator.engines.pieces import (
     REASONING,

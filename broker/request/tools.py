@@ -1,6 +1,6 @@
 """The typed-output fields of a create, in OpenAI's shapes: the tools a model may call, the choice among them,
 the format of the answer, and the calls an assistant message made; validated here (bounds, names, the JSON
-Schemas rsb must enforce: broker.json_schema) with messages a user can act on, for broker.request."""
+Schemas rsb must enforce: broker.schema.enforceable) with messages a user can act on, for broker.request.generation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from broker.errors import InvalidRequest, Path
-from broker.json_schema import check_enforceable
+from broker.schema.enforceable import check_enforceable
 
 MAX_TOOLS = 128
 MAX_TOOLS_BYTES = 128 * 1024  # every tool's JSON, together

@@ -1,4 +1,4 @@
-"""What one schema may cost the grammar engine, bounded at create (broker.json_schema calls ``check_cost``).
+"""What one schema may cost the grammar engine, bounded at create (broker.schema.enforceable calls ``check_cost``).
 
 llama.cpp's grammar engine keeps one parse stack per way the answer so far can be read, and pays for each of them
 on every character (docs/dependencies.md: an ambiguous ``anyOf`` nested through ``$ref`` cost 43.7 s per token at
@@ -8,8 +8,8 @@ enters a nested object or array multiplies with whatever ambiguity lies inside, 
 - the branches of an ``anyOf`` must differ before either opens a nested object or array: walking two branches'
   top-level tokens together (braces, keys, leaf values; a nested object or array is one "opens" token), no text may
   take both into a nested value. Then at most one ``anyOf`` is undecided at a time, inside leaves;
-- the stacks alive at once are bounded (``MAX_STACKS``, shared with broker.schema_pattern): the branches of an
-  undecided ``anyOf`` add up, a pattern counts its own (schema_pattern.measure), an enum the values that agree so
+- the stacks alive at once are bounded (``MAX_STACKS``, shared with broker.schema.pattern): the branches of an
+  undecided ``anyOf`` add up, a pattern counts its own (pattern_cost.measure), an enum the values that agree so
   far, an object the optional properties that may come next;
 - a ``$ref`` cycle that never passes a brace (``A: {"anyOf": [{"$ref": A}, ...]}``) is left recursion, which
   llama.cpp refuses: refused here first;
@@ -26,8 +26,8 @@ from collections import defaultdict
 from typing import Any
 
 from broker.errors import InvalidRequest, Path, spelled
-from broker.pattern_cost import MAX_STACKS, measure
-from broker.schema_kinds import FORMATS, NUMERIC, kind, pattern_of, resolve_ref
+from broker.schema.kinds import FORMATS, NUMERIC, kind, pattern_of, resolve_ref
+from broker.schema.pattern_cost import MAX_STACKS, measure
 
 MAX_PROPERTIES = 5000
 MAX_NESTING = 10

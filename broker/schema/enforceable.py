@@ -3,7 +3,7 @@
 rsb enforces a schema by constrained decoding: generator.engines.schema_grammar turns it into a llama.cpp grammar,
 and the sampler only picks tokens the grammar admits. ``check_enforceable`` admits exactly the schemas whose grammar
 admits only valid documents (sometimes fewer: see below), never an empty set, and at a bounded cost per token
-(broker.schema_cost); every other schema is refused with a message naming the keyword and where it is, at create
+(broker.schema.cost); every other schema is refused with a message naming the keyword and where it is, at create
 (a 400) and again in the engine before it builds the grammar.
 
 Each schema takes one branch (``kind``); a keyword of another branch beside it is refused rather than ignored:
@@ -14,9 +14,9 @@ Each schema takes one branch (``kind``); a keyword of another branch beside it i
   come in the schema's order, and an additional property never takes a declared property's name;
 - ``allOf`` of object schemas with ``properties`` (merged: every property becomes required);
 - ``anyOf`` (not ``oneOf``: exclusivity cannot be enforced), branches that differ before either opens a nested
-  object or array (broker.schema_cost);
+  object or array (broker.schema.cost);
 - arrays: ``items`` with ``minItems`` / ``maxItems``, or ``prefixItems`` (a fixed tuple);
-- strings: ``minLength`` / ``maxLength``, or ``pattern`` (broker.schema_pattern), or ``format`` (``FORMATS``);
+- strings: ``minLength`` / ``maxLength``, or ``pattern`` (broker.schema.pattern), or ``format`` (``FORMATS``);
 - integers: ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``, ``multipleOf`` (an integer up
   to ``MAX_MULTIPLE_OF``); numbers: the bounds (answers are written without an exponent) and an integer
   ``multipleOf`` (the answer is then an integer);
@@ -34,9 +34,9 @@ from typing import Any
 import orjson
 
 from broker.errors import InvalidRequest, Path
-from broker.grammar_size import GrammarSize
-from broker.schema_cost import check_cost
-from broker.schema_kinds import (
+from broker.schema.cost import check_cost
+from broker.schema.grammar_size import GrammarSize
+from broker.schema.kinds import (
     ARRAY_KEYS,
     DEFS,
     FORMATS,

@@ -1,5 +1,5 @@
-"""How big the grammar that enforces a schema gets, bounded at create (broker.json_schema calls it) beside what the
-grammar costs per token (broker.schema_cost).
+"""How big the grammar that enforces a schema gets, bounded at create (broker.schema.enforceable calls it) beside what
+the grammar costs per token (broker.schema.cost).
 
 Two parts of rsb's grammar grow with a schema's numbers rather than its size, so that 27 KB of JSON once cost a
 generator 16 s of Python and an 11 MB grammar while its other streams ran 2.4-3.3x slower:
@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 from broker.errors import InvalidRequest, Path
-from broker.schema_kinds import integer_bounds, kind, multiple_of, number_bounds, pattern_of, resolve_ref
-from broker.schema_pattern import Alt, Node, Repeat, Seq
+from broker.schema.kinds import integer_bounds, kind, multiple_of, number_bounds, pattern_of, resolve_ref
+from broker.schema.pattern import Alt, Node, Repeat, Seq
 
 MAX_DIGIT_STATES = 20_000
 MAX_REPEATS = 100_000

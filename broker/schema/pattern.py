@@ -1,4 +1,4 @@
-"""A JSON Schema ``pattern``: parsed once into a tree that both the admission check (broker.pattern_cost) and the
+"""A JSON Schema ``pattern``: parsed once into a tree that both the admission check (broker.schema.pattern_cost) and the
 engine's grammar (generator.engines.schema_grammar) read, so what is measured is what runs.
 
 Semantics. A pattern is matched as JSON Schema says (a search: ``abc`` means "contains abc"; ``^`` and ``$`` at its

@@ -1,9 +1,9 @@
-"""The range of every sampling parameter (``Range``: temperature's and top_p's too, which broker.request reads), and
-the sampling and tool-count parameters beyond temperature and top_p, as a create carries them: OpenAI's presence and
-frequency penalties, ``logit_bias``, ``parallel_tool_calls``, ``max_tool_calls``, ``logprobs`` and ``top_logprobs``,
-and ``top_k`` (Anthropic's, vLLM's, Ollama's: sample among the k likeliest tokens). Validated here (OpenAI's
-ranges), stored in the canonical request only when set (so a request without them keeps its hash), honoured by the
-engines (generator.engines.sampler applies the penalties and biases to the logits; the answer stops at the call
+"""The range of every sampling parameter (``Range``: temperature's and top_p's too, which broker.request.generation
+reads), and the sampling and tool-count parameters beyond temperature and top_p, as a create carries them: OpenAI's
+presence and frequency penalties, ``logit_bias``, ``parallel_tool_calls``, ``max_tool_calls``, ``logprobs`` and
+``top_logprobs``, and ``top_k`` (Anthropic's, vLLM's, Ollama's: sample among the k likeliest tokens). Validated here
+(OpenAI's ranges), stored in the canonical request only when set (so a request without them keeps its hash), honoured by
+the engines (generator.engines.sampler applies the penalties and biases to the logits; the answer stops at the call
 past ``max_calls``, generator.answer) and echoed by the views."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Range:
         return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and self.lo <= v <= self.hi
 
 
-#: temperature and top_p (broker.request: their defaults too), the penalties, a logit bias, a seed.
+#: temperature and top_p (broker.request.generation: their defaults too), the penalties, a logit bias, a seed.
 TEMPERATURE, TOP_P = Range(0.0, 2.0), Range(0.0, 1.0)
 PENALTY, LOGIT_BIAS = Range(-2, 2), Range(-100, 100)
 SEED = Range(0, 2**32 - 1)

@@ -1,5 +1,5 @@
 """Where a request's leading messages came from, when the server put them there: a conversation's turns, or a
-previous response (broker.request.GenerationRequest.history)."""
+previous response (broker.request.generation.GenerationRequest.history)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a parsed pattern (broker.schema_pattern) costs llama.cpp's grammar engine.
+"""What a parsed pattern (broker.schema.pattern) costs llama.cpp's grammar engine.
 
 llama.cpp's grammar engine keeps one parse stack per position the text so far may have reached, and on every
 character advances each of them and deduplicates the new ones linearly (docs/dependencies.md: ``^(a?){1024}$``
@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass
 
 from broker.errors import InvalidRequest, Path
-from broker.schema_pattern import Alt, Chars, Intervals, Node, Seq
+from broker.schema.pattern import Alt, Chars, Intervals, Node, Seq
 
 #: Positions of the pattern with its repetitions spelled out (the grammar's size, roughly).
 MAX_POSITIONS = 4096

@@ -4,7 +4,7 @@ Besides text, a request may carry OpenAI's typed-output fields: ``tools`` (funct
 ``tool_choice``, ``response_format`` (JSON, or JSON valid against a schema), and messages of role ``tool``
 (a call's result) and assistant messages with ``tool_calls``. A schema rsb would have to enforce (a
 ``json_schema`` response format, or the parameters of the tools a forced ``tool_choice`` allows) must be one
-its constrained decoding can enforce (broker.json_schema), else the create is a 400 naming what it cannot
+its constrained decoding can enforce (broker.schema.enforceable), else the create is a 400 naming what it cannot
 do. Absent fields stay absent in the stored form, so a plain request keeps the hash it always had."""
 
 from __future__ import annotations
@@ -16,18 +16,16 @@ from typing import Any
 
 import orjson
 
-from broker import tiers
 from broker.ascii import parse_uuid
-from broker.echo import FIELDS as ECHO_FIELDS
-from broker.echo import parse_echo
 from broker.errors import InvalidRequest
-from broker.grammar_size import GrammarSize
-from broker.history import History
-from broker.json_schema import check_enforceable, json_depth
-from broker.sampling import DEFAULT as DEFAULT_SAMPLING
-from broker.sampling import FIELDS as SAMPLING_FIELDS
-from broker.sampling import SEED, TEMPERATURE, TOP_P, Range, Sampling, parse_sampling
-from broker.tools import (
+from broker.request import tiers
+from broker.request.echo import FIELDS as ECHO_FIELDS
+from broker.request.echo import parse_echo
+from broker.request.history import History
+from broker.request.sampling import DEFAULT as DEFAULT_SAMPLING
+from broker.request.sampling import FIELDS as SAMPLING_FIELDS
+from broker.request.sampling import SEED, TEMPERATURE, TOP_P, Range, Sampling, parse_sampling
+from broker.request.tools import (
     JSON_FORMATS,
     MAX_TOOL_CALL_ID_CHARS,
     MAX_TOOL_CALLS,
@@ -46,14 +44,16 @@ from broker.tools import (
     parse_tools,
     schema_fragment,
 )
+from broker.schema.enforceable import check_enforceable, json_depth
+from broker.schema.grammar_size import GrammarSize
 
 __all__ = ["JSON_FORMATS", "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_CALLS", "MAX_TOOL_CALL_ID_CHARS",
            "MAX_TOOL_DESCRIPTION_CHARS", "TOOL_CHOICES", "TOOL_NAME", "GenerationRequest", "Message",
            "RequestLimits", "ResponseFormat", "Tool", "ToolCall", "ToolChoice", "check_body_depth", "check_integer",
            "parse_create_body", "parse_json_object", "parse_stream_id", "prompt_token_bound", "validate_create_body"]
 
-#: Levels a request body may nest (schemas take at most broker.json_schema.MAX_SCHEMA_DEPTH of them). Every body is
-#: written back as JSON (stored, hashed, a tool's parameters measured), and orjson refuses to write past 254
+#: Levels a request body may nest (schemas take at most broker.schema.enforceable.MAX_SCHEMA_DEPTH of them). Every body
+#: is written back as JSON (stored, hashed, a tool's parameters measured), and orjson refuses to write past 254
 #: levels: a ``default`` or ``examples`` nested 1,000 deep in a tool's parameters was a 500 there.
 MAX_BODY_DEPTH = 128
 
@@ -144,11 +144,11 @@ class GenerationRequest:
     history: History | None = None
     #: OpenAI's ``prompt_cache_key``: requests sharing it go to the generator holding their prefix.
     prompt_cache_key: str | None = None
-    #: Penalties, logit biases and the bound on tool calls (broker.sampling).
+    #: Penalties, logit biases and the bound on tool calls (broker.request.sampling).
     sampling: Sampling = DEFAULT_SAMPLING
-    #: The tier asked for (broker.tiers: a tier, or ``auto``; None: not given). Which tier ran is the stream's.
+    #: The tier asked for (broker.request.tiers: a tier, or ``auto``; None: not given). Which tier ran is the stream's.
     service_tier: str | None = None
-    #: Fields kept only to be shown back (broker.echo): metadata, user, safety_identifier, store.
+    #: Fields kept only to be shown back (broker.request.echo): metadata, user, safety_identifier, store.
     echo: tuple[tuple[str, Any], ...] = ()
 
     def echoed(self, name: str, default: Any = None) -> Any:

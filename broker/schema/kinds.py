@@ -1,6 +1,6 @@
-"""How rsb reads a JSON Schema that broker.json_schema checked: which branch each schema takes (``kind``), its
+"""How rsb reads a JSON Schema that broker.schema.enforceable checked: which branch each schema takes (``kind``), its
 ``$ref`` targets, the parsed pattern of its text, its numeric bounds; and the formats rsb writes. One reading,
-shared by the admission check (broker.json_schema, broker.schema_cost) and the engine's grammar
+shared by the admission check (broker.schema.enforceable, broker.schema.cost) and the engine's grammar
 (generator.engines.schema_grammar)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from decimal import Decimal
 from typing import Any
 
 from broker.errors import Path
-from broker.schema_pattern import Node, parse
+from broker.schema.pattern import Node, parse
 
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 # Generated strings of each format: a subset of what the format allows (ASCII, no leap day, ...), valid for every
