@@ -17,7 +17,8 @@ from helpers import eventually_async
 
 from broker.errors import StoreUnavailable
 from broker.redis.connection import BLOCKING_TIMEOUT_S, COMMAND_TIMEOUT_S, connect, connect_blocking
-from broker.redis.pubsub import DEAD_AFTER_S, WATCH_TICK_S, Channels
+from broker.redis.pubsub.channels import Channels
+from broker.redis.pubsub.liveness import DEAD_AFTER_S, WATCH_TICK_S
 from broker.redis.server import RedisServer
 
 # Each case waits out a bound of several seconds by design.

@@ -27,7 +27,7 @@ from servers import Stack, StackFactory
 
 from broker.events import Event
 from broker.redis.connection import COMMAND_TIMEOUT_S
-from broker.redis.pubsub import DEAD_AFTER_S, WATCH_TICK_S
+from broker.redis.pubsub.liveness import DEAD_AFTER_S, WATCH_TICK_S
 from broker.redis.server import RedisServer
 
 pytestmark = pytest.mark.slow
