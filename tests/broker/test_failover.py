@@ -83,7 +83,7 @@ class Follower:
                             self.done = self.gone = True
                             break
                         if r.status_code != 200:
-                            time.sleep(0.2)
+                            time.sleep(0.2)  # a client's pause before it tries again
                             continue
                         for parsed in sse_blocks(r):
                             if isinstance(parsed, SSE):
@@ -92,7 +92,7 @@ class Follower:
                                     self.ended_at = time.monotonic()
                                     self.done = True
                 except (httpx.HTTPError, OSError, AssertionError):
-                    time.sleep(0.1)
+                    time.sleep(0.1)  # a client's pause before it reconnects
         except Exception as e:  # reported by the test
             self.error = repr(e)
 
@@ -198,7 +198,7 @@ def _trial(stack: Stack, urls: list[str], cluster: RedisClusterServers, max_toke
             client.execute_command("CLIENT", "KILL", "TYPE", "replica")
         finally:
             client.close()
-        time.sleep(lag_s)
+        time.sleep(lag_s)  # deliberate: the replica falls lag_s behind
     victim.kill()
     if lag_s:
         os.kill(_pid(replica), signal.SIGCONT)
