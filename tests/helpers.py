@@ -343,7 +343,7 @@ def read_resuming(base_url: str, sid: str, *, max_connections: int = 10, timeout
         except (httpx.HTTPError, OSError) as e:
             out.ends.append("error")  # cut mid-stream: a partial event was dropped, and is read again
             out.errors.append(repr(e))
-            time.sleep(0.05)
+            time.sleep(0.05)  # a client's pause before it resumes
     return out
 
 
