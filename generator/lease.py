@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from broker.backoff import Attempts
 from broker.errors import StoreFull, StoreTransient, StoreUnavailable
 from broker.redis.connection import RedisClient
-from broker.redis.pubsub import Channels
+from broker.redis.pubsub.channels import Channels
 from broker.streams.job_store import JobStore
 from broker.streams.keys import control_channel
 from broker.streams.records import Claim

@@ -162,7 +162,7 @@ def _create(urls: list[str], sid: str, tokens: int, rng: random.Random, deadline
             assert r.status_code in (503, 507), (r.status_code, r.text)  # never a 500
         except httpx.HTTPError:
             pass  # a pod that is down: the other
-        time.sleep(0.2)
+        time.sleep(0.2)  # a client's pause before it tries again
 
 
 def _words_ok(final: list[Event], tokens: int) -> int:
@@ -207,9 +207,9 @@ def run_schedule(deployment: Deployment, redis_client: redis.Redis, *, seconds: 
             what, heal = fault(rng)
             out.faults.append(what)
             print(f"  {time.monotonic() - t_end + seconds:5.1f}s {what}", flush=True)
-            time.sleep(rng.uniform(1.0, 6.0))
+            time.sleep(rng.uniform(1.0, 6.0))  # the fault lasts a random while
             heal()
-            time.sleep(rng.uniform(0.5, 2.0))
+            time.sleep(rng.uniform(0.5, 2.0))  # and the calm before the next one
     finally:
         for p in deployment.proxies.values():
             p.heal()

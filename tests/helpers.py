@@ -67,6 +67,17 @@ async def eventually_async(check: Callable[[], Awaitable[T | None]], timeout_s: 
         await asyncio.sleep(interval_s)
 
 
+async def until(check: Callable[[], T | None], timeout_s: float = 10.0, what: str = "", *,
+                interval_s: float = 0.05) -> T:
+    """``eventually_async`` of a plain ``check``: a look at what the loop's tasks change (a hub's channels, a
+    slot's state), made between the loop's turns."""
+
+    async def look() -> T | None:
+        return check()
+
+    return await eventually_async(look, timeout_s, what or str(check), interval_s=interval_s)
+
+
 @dataclass
 class SSE:
     id: str | None
@@ -332,7 +343,7 @@ def read_resuming(base_url: str, sid: str, *, max_connections: int = 10, timeout
         except (httpx.HTTPError, OSError) as e:
             out.ends.append("error")  # cut mid-stream: a partial event was dropped, and is read again
             out.errors.append(repr(e))
-            time.sleep(0.05)
+            time.sleep(0.05)  # a client's pause before it resumes
     return out
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from broker.errors import StoreUnavailable
 from broker.events import Event
 from broker.redis.connection import RedisClient
-from broker.redis.pubsub import Channels
+from broker.redis.pubsub.channels import Channels
 from consumer.streaming.clock import Clock
 
 log = logging.getLogger("rsb.consumer.hub")
@@ -126,7 +126,7 @@ class LiveHub:
 
     @property
     def healthy(self) -> bool:
-        """The pub/sub connections are up and alive (broker.redis.pubsub.PING_AFTER_S): live events reach readers."""
+        """The pub/sub connections are up and alive (broker.redis.pubsub.liveness): live events reach readers."""
         return self._channels.healthy
 
     async def start(self) -> None:

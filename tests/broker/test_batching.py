@@ -43,7 +43,7 @@ async def test_a_caller_that_leaves_takes_nothing_down_with_it(redis_server: Red
     redis_client.set("k", "v")
     leaving = asyncio.ensure_future(batcher.execute("GET", "k"))
     staying = asyncio.ensure_future(batcher.execute("GET", "k"))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop: both calls queued in the batcher
     leaving.cancel()
     assert await staying == b"v"
     with pytest.raises(asyncio.CancelledError):

@@ -5,13 +5,13 @@ commands (redis-py alone failed some of them)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from helpers import eventually, eventually_async
 from servers import PrimaryReplica, RedisClusterServers
 
 from broker.errors import StoreUnavailable
@@ -40,17 +40,16 @@ class SentinelSetup:
 
         self.proc = subprocess.Popen([find_server_binary(), str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
         s = redis.Redis(port=self.port, decode_responses=True)
+
+        def knows_the_replica() -> bool:  # the sentinel knows the primary and has found its replica
+            try:
+                return bool(s.execute_command("SENTINEL", "REPLICAS", SERVICE))
+            except redis.RedisError:
+                return False
+
         try:
-            while True:  # the sentinel knows the primary and has found its replica
-                try:
-                    if s.execute_command("SENTINEL", "REPLICAS", SERVICE):
-                        break
-                except redis.RedisError:
-                    pass
-                assert time.monotonic() < deadline, "the sentinel did not start"
-                time.sleep(0.1)
+            eventually(knows_the_replica, 20, "the sentinel started", interval_s=0.1)
         finally:
             s.close()
 
@@ -80,14 +79,15 @@ async def test_a_sentinel_url_follows_a_failover(sentinel: SentinelSetup) -> Non
         assert await r.execute_command("WAIT", 1, 5000) == 1  # on the replica: the failover cannot lose it
         assert (await r.execute_command("ROLE"))[0] in (b"master", "master")
         sentinel.primary.kill()  # SIGKILL: the sentinel promotes the replica
-        deadline = time.monotonic() + 30
-        while True:
+
+        async def written() -> bool:
             try:
                 await r.set("k2", "after")
-                break
             except StoreUnavailable:  # rsb's error for Redis away, never redis-py's (broker.redis.errors)
-                assert time.monotonic() < deadline, "the client never reached the promoted replica"
-                await asyncio.sleep(0.2)
+                return False
+            return True
+
+        await eventually_async(written, 30, "the client reached the promoted replica", interval_s=0.2)
         promoted = redis.Redis(port=sentinel.replica.port)
         try:
             assert promoted.execute_command("ROLE")[0] == b"master"

@@ -13,11 +13,12 @@ import pytest
 import redis
 import uvloop
 from faultproxy import FaultProxy
-from helpers import eventually_async
+from helpers import until
 
 from broker.errors import StoreUnavailable
 from broker.redis.connection import BLOCKING_TIMEOUT_S, COMMAND_TIMEOUT_S, connect, connect_blocking
-from broker.redis.pubsub import DEAD_AFTER_S, WATCH_TICK_S, Channels
+from broker.redis.pubsub.channels import Channels
+from broker.redis.pubsub.liveness import DEAD_AFTER_S, WATCH_TICK_S
 from broker.redis.server import RedisServer
 
 # Each case waits out a bound of several seconds by design.
@@ -94,26 +95,24 @@ def test_a_dark_pubsub_link_is_dropped_reset_and_resubscribed(proxy: FaultProxy,
             await channels.start()
             fut = await channels.subscribe(b"live")
             if fut is None:  # not connected yet: the connect subscribes it, and reports it reset once confirmed
-                await eventually_async(lambda: _true(bool(resets)), 10)
+                await until(lambda: bool(resets), 10)
                 resets.clear()
             else:
                 await fut
             redis_client.publish("live", "one")
-            await eventually_async(lambda: _true(got == [b"one"]), 10)
+            await until(lambda: got == [b"one"], 10)
             assert channels.healthy
             proxy.dark(new_too=new_too)
             t0 = time.monotonic()
-            await eventually_async(lambda: _true(bool(resets)), DEAD_AFTER_S + WATCH_TICK_S + SLACK_S,
-                                   "the dead link was noticed")
+            await until(lambda: bool(resets), DEAD_AFTER_S + WATCH_TICK_S + SLACK_S, "the dead link was noticed")
             assert not channels.healthy
             if new_too:
                 await asyncio.sleep(1.0)  # a partition that lasts: reconnects fail meanwhile
                 proxy.heal()
             # Reset again once the new subscription is confirmed; then healthy, and messages flow.
-            await eventually_async(lambda: _true(len(resets) >= 2 and channels.healthy), 3 * DEAD_AFTER_S,
-                                   "resubscribed")
+            await until(lambda: len(resets) >= 2 and channels.healthy, 3 * DEAD_AFTER_S, "resubscribed")
             redis_client.publish("live", "two")
-            await eventually_async(lambda: _true(b"two" in got), 10)
+            await until(lambda: b"two" in got, 10)
             assert time.monotonic() - t0 < 3 * DEAD_AFTER_S
         finally:
             await channels.stop()
@@ -122,5 +121,3 @@ def test_a_dark_pubsub_link_is_dropped_reset_and_resubscribed(proxy: FaultProxy,
     uvloop.run(run())
 
 
-async def _true(value: bool) -> bool:
-    return value

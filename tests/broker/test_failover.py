@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from helpers import SSE, create, sse_blocks
+from helpers import SSE, create, eventually, sse_blocks
 from servers import RedisClusterServers, Stack, StackFactory
 
 from broker.redis.keyspace import partition_slot
@@ -83,7 +83,7 @@ class Follower:
                             self.done = self.gone = True
                             break
                         if r.status_code != 200:
-                            time.sleep(0.2)
+                            time.sleep(0.2)  # a client's pause before it tries again
                             continue
                         for parsed in sse_blocks(r):
                             if isinstance(parsed, SSE):
@@ -92,7 +92,7 @@ class Follower:
                                     self.ended_at = time.monotonic()
                                     self.done = True
                 except (httpx.HTTPError, OSError, AssertionError):
-                    time.sleep(0.1)
+                    time.sleep(0.1)  # a client's pause before it reconnects
         except Exception as e:  # reported by the test
             self.error = repr(e)
 
@@ -183,9 +183,8 @@ def _trial(stack: Stack, urls: list[str], cluster: RedisClusterServers, max_toke
     followers = [Follower(urls if i % 2 == 0 else urls[::-1], sid) for i, sid in enumerate(sids)]
     victim = cluster.primary_of(StreamKeys.of(uuid.UUID(sids[0]), PARTITIONS).events)
     deadline = time.monotonic() + 30
-    while sum(e.event == "delta" for e in followers[0].events) < 20:  # mid-answer
-        assert time.monotonic() < deadline, "the first stream never started"
-        time.sleep(0.01)
+    eventually(lambda: sum(e.event == "delta" for e in followers[0].events) >= 20, 30, "the first stream mid-answer",
+               interval_s=0.01)
     key = StreamKeys.of(uuid.UUID(sids[0]), PARTITIONS).events
     replica = _replica_of(cluster, victim.port)
     if lag_s:
@@ -198,7 +197,7 @@ def _trial(stack: Stack, urls: list[str], cluster: RedisClusterServers, max_toke
             client.execute_command("CLIENT", "KILL", "TYPE", "replica")
         finally:
             client.close()
-        time.sleep(lag_s)
+        time.sleep(lag_s)  # deliberate: the replica falls lag_s behind
     victim.kill()
     if lag_s:
         os.kill(_pid(replica), signal.SIGCONT)
@@ -310,10 +309,8 @@ def test_a_live_reshard_loses_nothing(ha_cluster: RedisClusterServers, stack_fac
                 assert r.status_code == 201, r.text
                 sids.append(sid)
     followers = [Follower(urls if i % 2 == 0 else urls[::-1], sid) for i, sid in enumerate(sids)]
-    deadline = time.monotonic() + 30
-    while sum(e.event == "delta" for e in followers[0].events) < 20:
-        assert time.monotonic() < deadline, "the first stream never started"
-        time.sleep(0.01)
+    eventually(lambda: sum(e.event == "delta" for e in followers[0].events) >= 20, 30, "the first stream mid-answer",
+               interval_s=0.01)
     slot = partition_slot(0, PARTITIONS)
     src, dst, src_id, dst_id = _slot_owner_and_other(ha_cluster, slot)
     s = redis.Redis(port=src.port, decode_responses=True)
@@ -403,10 +400,8 @@ def test_streams_on_healthy_shards_end_while_a_shard_has_no_replica(
             assert create(c, id=sid, max_tokens=VICTIM_TOKENS).status_code == 201
             followers[sid] = Follower(urls, sid)
         # Both generators are generating on the victim's shard (each with a stream far from its end)...
-        deadline = time.monotonic() + 30
-        while sum(any(e.event == "delta" for e in followers[sid].events) for sid in paused) < 2:
-            assert time.monotonic() < deadline, "the victim's streams never started"
-            time.sleep(0.01)
+        eventually(lambda: sum(any(e.event == "delta" for e in followers[sid].events) for sid in paused) >= 2, 30,
+                   "the victim's streams started", interval_s=0.01)
         # ...when the healthy shards' streams come in, and the victim dies.
         for sid in healthy:
             assert create(c, id=sid, max_tokens=HEALTHY_TOKENS).status_code == 201

@@ -132,7 +132,7 @@ async def test_a_lapsed_lease_is_taken_over_once_and_fences_the_first_owner(stor
     still = await _next(jobs, worker="w2")
     if time.monotonic() - t0 < 0.9:  # what a busy machine allows this test to check
         assert still is None  # leased: nothing to take
-    await asyncio.sleep(max(0.0, t0 + 1.1 - time.monotonic()))
+    await asyncio.sleep(max(0.0, t0 + 1.1 - time.monotonic()))  # deliberate: the lease lapses in real time
     claims = await asyncio.gather(*(_next(jobs, worker=f"w{i}") for i in range(2, 8)))
     taken = [c for c in claims if c is not None]
     assert len(taken) == 1 and taken[0].stream_id == sid and taken[0].attempts == 2
@@ -147,7 +147,7 @@ async def test_a_renewed_lease_is_not_taken_over(store: StreamStore, jobs: JobSt
     c = await _next(jobs, lease_s=1.0)
     assert c is not None
     for _ in range(4):
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # deliberate: a worker renewing at its pace, within the 1 s lease
         assert (await jobs.renew(c, 5.0, 1.0)).ok
         gap, renewed_at = time.monotonic() - renewed_at, time.monotonic()
         other = await _next(jobs, worker="w2")
@@ -243,7 +243,7 @@ async def test_a_chat_turn_waits_for_its_workers_then_any_worker_takes_it(store:
         assert left is None
         due = await jobs.claim_next("alpha", 0, "other", lease_s=LEASE_S, affinity_wait_s=2.0)
         assert isinstance(due, float) and 0 < due <= 2.0
-        await asyncio.sleep(due + 0.05)
+        await asyncio.sleep(due + 0.05)  # deliberate: the wait it named lapses in real time, and no more
         got = await _next(jobs, worker="other", affinity_wait_s=2.0)
     else:
         got = left
@@ -256,7 +256,7 @@ async def test_an_idle_worker_is_woken_by_a_create(store: StreamStore, jobs: Job
     keys = jobs.wake_keys("alpha", "w1")[0]
     try:
         waiter = asyncio.create_task(jobs.wait_for_jobs(blocking, keys, 5.0))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # deliberate: a moment in which no job may wake it
         assert not waiter.done()
         await _create(store)
         assert await asyncio.wait_for(waiter, 2.0) == keys[0]

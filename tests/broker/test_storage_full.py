@@ -112,7 +112,7 @@ def test_out_of_memory_mid_answer_pauses_and_continues(full_redis: tuple[RedisSe
     assert c.get(f"/v1/streams/{sid}").json()["status"] == "running"
     time.sleep(1.5)  # paused: at most the append in flight when Redis filled landed
     held = int(r.hget(_meta(sid), "seq") or 0)
-    time.sleep(1.0)
+    time.sleep(1.0)  # deliberate: a second in which no append may land
     assert int(r.hget(_meta(sid), "seq") or 0) == held, "appends went on while Redis refused writes"
     assert r.hget(_meta(sid), "status") == b"running"
     r.delete(*fillers)

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from helpers import SSE, create, read_sse
+from helpers import SSE, create, eventually, read_sse
 from otlp_receiver import Blackhole, OtlpReceiver, Span
 from servers import Stack
 
@@ -212,10 +212,12 @@ def test_the_generation_metrics_go_out_under_the_conventions_names(traced: Stack
         assert read_sse(c, f"/v1/streams/{sid}/events").events[-1].event == "done"
     wanted = {h.name for h in (genai.TIME_TO_FIRST_TOKEN, genai.TIME_PER_OUTPUT_TOKEN, genai.REQUEST_DURATION,
                                genai.TOKEN_USAGE, genai.QUEUE_WAIT)}
-    deadline = time.monotonic() + 30
-    while not wanted <= receiver.metric_names("rsb-generator"):
-        assert time.monotonic() < deadline, receiver.metric_names()
-        time.sleep(0.05)
+
+    def arrived() -> bool:
+        assert wanted <= receiver.metric_names("rsb-generator"), receiver.metric_names()
+        return True
+
+    eventually(arrived, 30)
     types = {attrs.get(genai.TOKEN_TYPE) for _, name, attrs in receiver.metrics if name == genai.TOKEN_USAGE.name}
     assert types == {"input", "output"}
 

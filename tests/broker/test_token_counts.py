@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis
+from helpers import until
 
 from broker.errors import Overloaded
 from broker.redis.connection import connect
@@ -62,7 +63,7 @@ async def test_the_lists_and_the_askers_are_bounded(counts: TokenCounts, redis_c
     assert redis_client.llen(key) == MAX_WAITING  # the oldest dropped, the newest (this one) kept
     busy = TokenCounts(counts.redis, max_asking=1)
     waiting = asyncio.create_task(busy.ask("m", REQUEST, 1.0))
-    await asyncio.sleep(0.05)
+    await until(lambda: busy.asking == 1, 5.0, "the first question waiting", interval_s=0.01)
     with pytest.raises(Overloaded):
         await busy.ask("m", REQUEST, 1.0)
     assert await waiting is None and busy.asking == 0

@@ -80,7 +80,7 @@ async def test_one_record_per_ended_generation_with_its_fields(store: StreamStor
     await jobs.add_wasted(claim, 100)  # too late: the record is written
     queued = uuid.uuid4()
     await store.create(queued, REQ, model="asked", max_queue=0, retention_s=60, key_id="alice")
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # deliberate: time in the queue, which its record counts (queue_s)
     assert await store.cancel(queued, "client") == "cancelled"
     assert await store.cancel(queued, "client") == "cancelled"  # nothing to cancel: no second record
 

@@ -127,7 +127,7 @@ class _Receiver:
                     receiver.bodies.append(orjson.loads(body))
                     receiver.in_flight += 1
                 try:
-                    time.sleep(receiver.hold_s)
+                    time.sleep(receiver.hold_s)  # a receiver as slow as the test scripts it
                     self.send_response(200)
                     self.send_header("Content-Length", "0")
                     self.end_headers()

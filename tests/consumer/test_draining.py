@@ -107,7 +107,7 @@ def test_requests_still_in_flight_when_the_grace_period_ends_answer_503_not_500(
     async def in_flight() -> list[httpx.Response | BaseException]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as ac:
             sent = [asyncio.ensure_future(ac.request(m, path, json=body)) for m, path, body in requests]
-            await asyncio.sleep(0.5)  # every request reached the pod and waits on Redis
+            await asyncio.sleep(0.5)  # every request reached the pod and waits on Redis (nothing shows it)
             assert not any(t.done() for t in sent), [t.result().status_code for t in sent if t.done()]
             proc.signal(signal.SIGTERM)
             return list(await asyncio.gather(*sent, return_exceptions=True))
@@ -161,26 +161,26 @@ def test_creates_through_nginx_during_a_rolling_deploy_are_never_refused(
             while not stop.wait(0 if burst.is_set() and bursting.acquire(blocking=False) else 0.1):
                 statuses.append(create(c, max_tokens=1).status_code)
 
-    def flowing() -> None:
+    def answered(more: int, what: str) -> None:
         n = len(statuses)
-        eventually(lambda: len(statuses) >= n + 30, 30, "creates flowing")
+        eventually(lambda: len(statuses) >= n + more, 30, what)
 
     flows = [threading.Thread(target=flow) for _ in range(8)]
     for t in flows:
         t.start()
     try:
         for i, port in enumerate(ports):  # the rollout: one pod at a time
-            flowing()
+            answered(30, "creates flowing")
             while bursting.acquire(blocking=False):  # what the last burst left
                 pass
             bursting.release(600)
             burst.set()
-            time.sleep(0.3)
+            answered(30, "the burst under way")  # and its next creates in flight
             pods[i].signal(signal.SIGTERM)
             assert pods[i].wait(10) == 0
             burst.clear()
             pods[i] = s.consumer(*limits, port=port)[0]
-        flowing()
+        answered(30, "creates flowing")
     finally:
         stop.set()
         for t in flows:

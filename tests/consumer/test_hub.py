@@ -9,12 +9,12 @@ import asyncio
 import contextlib
 import os
 import signal
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis
+from helpers import eventually_async, until
 
 from broker.redis.connection import connect, connect_blocking
 from broker.redis.server import RedisServer
@@ -55,14 +55,13 @@ def jobs(parts: tuple[StreamStore, LiveHub, redis.Redis]) -> JobStore:
 
 async def _connected(hub: LiveHub) -> None:
     """Until the hub's pub/sub connection is up (a subscription made before is confirmed only at the connect)."""
-    deadline = time.monotonic() + 5
-    while True:
+
+    async def confirmed() -> bool:
         sub = await hub.subscribe("warm-up")
         hub.unsubscribe(sub)
-        if not sub.resync:
-            return
-        assert time.monotonic() < deadline, "the hub did not connect"
-        await asyncio.sleep(0.05)
+        return not sub.resync
+
+    await eventually_async(confirmed, 5, "the hub connected")
 
 
 @contextlib.contextmanager
@@ -76,13 +75,6 @@ def _stopped(server: RedisServer) -> Iterator[None]:
         os.kill(server.proc.pid, signal.SIGCONT)
 
 
-async def _until(check: object, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 async def test_a_reader_that_leaves_before_redis_confirms_its_subscription_leaves_no_channel(
         own_redis: RedisServer, parts: tuple[StreamStore, LiveHub, redis.Redis]) -> None:
     _, hub, admin = parts
@@ -90,14 +82,16 @@ async def test_a_reader_that_leaves_before_redis_confirms_its_subscription_leave
     channel = f"test:{uuid.uuid4()}:live"
     with _stopped(own_redis):  # the SUBSCRIBE goes out; its confirmation does not come back
         reader = asyncio.ensure_future(hub.subscribe(channel))
+        # Deliberate: a moment for the SUBSCRIBE to go out (nothing shows it with Redis stopped), in which the
+        # reader must not end.
         await asyncio.sleep(0.3)
         assert not reader.done() and hub.channels == 1
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
         assert (hub.channels, hub.readers) == (0, 0)
     # Redis did get the SUBSCRIBE: the hub takes it back once it is confirmed, so nothing stays subscribed there.
-    await _until(lambda: admin.pubsub_numsub(channel)[0][1] == 0 and hub.channels == 0)
-    await asyncio.sleep(0.3)
+    await until(lambda: admin.pubsub_numsub(channel)[0][1] == 0 and hub.channels == 0)
+    await asyncio.sleep(0.3)  # deliberate: a moment in which nothing may subscribe it again
     assert admin.pubsub_numsub(channel)[0][1] == 0 and hub.channels == 0
 
 
@@ -108,9 +102,9 @@ async def test_readers_that_join_a_subscription_being_confirmed_stay_when_its_fi
     channel = f"test:{uuid.uuid4()}:live"
     with _stopped(own_redis):
         first = asyncio.ensure_future(hub.subscribe(channel))
-        await asyncio.sleep(0.1)
+        await until(lambda: hub.readers == 1, 5, "the first reader waiting", interval_s=0.01)
         second = asyncio.ensure_future(hub.subscribe(channel))
-        await asyncio.sleep(0.1)
+        await until(lambda: hub.readers == 2, 5, "the second reader waiting", interval_s=0.01)
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
         assert not second.done() and (hub.channels, hub.readers) == (1, 1)
@@ -121,7 +115,7 @@ async def test_readers_that_join_a_subscription_being_confirmed_stay_when_its_fi
     events, _ = sub.take()
     assert [e.id for e in events] == ["1-1"]
     hub.unsubscribe(sub)
-    await _until(lambda: admin.pubsub_numsub(channel)[0][1] == 0)
+    await until(lambda: admin.pubsub_numsub(channel)[0][1] == 0)
 
 
 async def test_a_page_reload_during_the_first_touch_still_lets_cancel_on_disconnect_fire(jobs: JobStore,
@@ -144,8 +138,8 @@ async def test_a_page_reload_during_the_first_touch_still_lets_cancel_on_disconn
     admin.client_pause(3000, all=False)  # WRITE: scripts wait, SUBSCRIBE does not
     reload = read_batches(store, hub, sid, None, 0.2, watched=True)
     reader = asyncio.ensure_future(anext(reload))
-    await _until(lambda: hub.channels == 1)
-    await asyncio.sleep(0.3)
+    await until(lambda: hub.channels == 1)
+    await asyncio.sleep(0.3)  # deliberate: a moment in which the reader must stay held
     assert not reader.done()  # held in its first touch
     reader.cancel()
     await asyncio.gather(reader, return_exceptions=True)
@@ -154,7 +148,7 @@ async def test_a_page_reload_during_the_first_touch_still_lets_cancel_on_disconn
 
     toucher = asyncio.ensure_future(_touch_readers(store, hub, 0.1))  # the pod's own touch loop
     try:
-        await asyncio.sleep(GRACE_S + 0.7)
+        await asyncio.sleep(GRACE_S + 0.7)  # deliberate: the grace lapses in real time (Redis's clock)
         res = await jobs.renew(claim, GRACE_S, 30.0)
     finally:
         toucher.cancel()

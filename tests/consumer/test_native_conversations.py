@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -82,10 +81,12 @@ def test_the_worker_folds_a_turn_in_as_it_ends(stack: Stack, redis_client: redis
         sid = turn(c, conv, "hi").json()["id"]
         wait_status(c, sid, TERMINAL)
     k = ConversationKeys.of("", conv, 1)
-    deadline = time.monotonic() + 10
-    while redis_client.hget(k.meta, "turns") != b"1":
-        assert time.monotonic() < deadline, redis_client.hgetall(k.meta)
-        time.sleep(0.05)
+
+    def kept() -> bool:
+        assert redis_client.hget(k.meta, "turns") == b"1", redis_client.hgetall(k.meta)
+        return True
+
+    eventually(kept, 10)
     assert redis_client.hget(k.meta, "pending") == b""
 
 

@@ -63,6 +63,16 @@ def _dumps(events: Sequence[openai.BaseModel]) -> list[dict[str, Any]]:
     return [e.model_dump() for e in events]
 
 
+def _ended(client: openai.OpenAI, response_id: str) -> Response:
+    """A background response once it has ended (a poll with a deadline)."""
+
+    def ended() -> Response | None:
+        resp = client.responses.retrieve(response_id)
+        return resp if resp.status in ("completed", "incomplete", "failed", "cancelled") else None
+
+    return eventually(ended, 60, f"{response_id} ended", interval_s=0.1)
+
+
 def _metrics(base_url: str) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics").text
     return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
@@ -516,9 +526,7 @@ def test_what_rsb_honours_or_echoes_is_accepted_and_shown_back(shared_stack: Sha
                 d["max_tool_calls"], d["safety_identifier"]) == ("Be brief.", {"case": "echo"}, False, "u-2", False,
                                                                 3, "s-2")
     # An earlier response's output item named by reference stands for the item itself.
-    while done.status not in ("completed", "incomplete", "failed", "cancelled"):
-        time.sleep(0.1)
-        done = client.responses.retrieve(resp.id)
+    done = _ended(client, resp.id)
     [item] = [i for i in done.output if i.type == "message"]
     follow = client.responses.create(model="m", max_output_tokens=2, background=True, input=[
         {"role": "user", "content": "hi"}, {"type": "item_reference", "id": item.id},
@@ -618,9 +626,7 @@ def test_logprobs_of_every_text_token(shared_stack: SharedStack) -> None:
     # Responses: include message.output_text.logprobs, top_logprobs of each.
     resp = client.responses.create(model="m", input="hi", max_output_tokens=8, include=["message.output_text.logprobs"],
                                    top_logprobs=2, background=True)
-    while resp.status not in ("completed", "incomplete", "failed", "cancelled"):
-        time.sleep(0.1)
-        resp = client.responses.retrieve(resp.id)
+    resp = _ended(client, resp.id)
     [part] = [c for item in resp.output if item.type == "message" for c in item.content]
     assert part.type == "output_text" and part.logprobs and all(len(t.top_logprobs) == 2 for t in part.logprobs)
     assert resp.top_logprobs == 2

@@ -16,6 +16,7 @@ import openai
 import orjson
 import pytest
 import redis
+from helpers import eventually, wait_status
 from openai.types.responses import ResponseStreamEvent
 from scripted_upstream import Reply, ScriptedUpstream, args, call, reasoning, text
 from servers import TEST_MODEL_NAMES, Stack, StackFactory
@@ -211,10 +212,12 @@ def test_a_conversation_keeps_tool_calls_and_their_results(rsb: UpstreamStack) -
         r = c.post("/v1/streams", json={"conversation": conv, "tools": tools,
                                         "messages": [user("Weather in Paris?")]})
         assert r.status_code == 201, r.text
-        deadline = time.monotonic() + 30
-        while (turns := c.get(f"/v1/conversations/{conv}/turns").json()["turns"])[0]["status"] != "done":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+
+        def first_turn_done() -> list[dict[str, Any]] | None:
+            turns = c.get(f"/v1/conversations/{conv}/turns").json()["turns"]
+            return turns if turns[0]["status"] == "done" else None
+
+        turns = eventually(first_turn_done, 30, "the first turn done")
         call_json = {"id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
         assert turns[0]["output"]["tool_calls"] == [call_json] and turns[0]["finish_reason"] == "tool_calls"
@@ -223,10 +226,7 @@ def test_a_conversation_keeps_tool_calls_and_their_results(rsb: UpstreamStack) -
         assert r.status_code == 201, r.text
         second = r.json()["id"]
         rsb.up.wait_requests(2)
-        deadline = time.monotonic() + 30
-        while c.get(f"/v1/streams/{second}").json()["status"] != "done":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_status(c, second, {"done"}, 30)
     assert rsb.sent() == [user("Weather in Paris?"),
                           {"role": "assistant", "content": "Let me look.", "tool_calls": [call_json]},
                           {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"}]

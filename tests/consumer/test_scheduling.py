@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import openai
 import orjson
 import pytest
 import redis
-from helpers import create, eventually, read_sse
+from helpers import create, eventually, read_sse, stored_events
 from servers import Stack, StackFactory
 
 from broker.redis.server import RedisServer
@@ -242,8 +241,7 @@ def test_a_sigkilled_workers_job_continues_on_a_worker_of_the_same_model(stack_f
     s.consumer(test_default=False)
     with s.client() as c:
         sid = create(c, model="alpha", max_tokens=3000).json()["id"]
-        eventually(lambda: c.get(f"/v1/streams/{sid}").json()["status"] == "running" or None, 30)
-        time.sleep(0.3)  # mid-answer
+        eventually(lambda: any(e.type == "delta" for e in stored_events(redis_client, sid)), 30, "mid-answer")
         first.signal(signal.SIGKILL)
         first.wait(10)
         s.generator("--model-name", "alpha", "--lease-s", "2", model=slow_model)

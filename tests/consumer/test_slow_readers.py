@@ -203,7 +203,7 @@ def test_a_reader_that_stops_reading_costs_bounded_memory_and_is_dropped(stack_f
             nonlocal peak
             while True:
                 peak = max(peak, pod.memory_info().rss)
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # a sample every 0.05 s
 
         sampler = asyncio.create_task(sample())
         consume = asyncio.create_task(reading.read_to_end(120))

@@ -35,7 +35,7 @@ class _App:
 
     async def frames(self) -> AsyncIterator[bytes | None]:
         yield b"event: hello\ndata: {}\n\n"
-        await asyncio.sleep(3600)
+        await asyncio.sleep(3600)  # a stream with nothing more to say for the whole test
         yield None
 
     def on_close(self) -> None:

@@ -871,11 +871,12 @@ def test_a_chat_opened_by_its_address_on_another_device_follows_and_continues_th
     phone.evaluate("() => document.querySelector('#send').click()")
     laptop.evaluate("() => document.querySelector('#send').click()")
     with s.client() as c:
-        deadline = time.monotonic() + 30
-        while (pending := c.get(f"/v1/conversations/{chat}/turns").json()["turns"])[-1]["id"] == second:
-            assert time.monotonic() < deadline, "no third turn"
-            time.sleep(0.05)
-    third = pending[-1]["id"]
+
+        def a_third_turn() -> str | None:
+            turns = c.get(f"/v1/conversations/{chat}/turns").json()["turns"]
+            return None if turns[-1]["id"] == second else str(turns[-1]["id"])
+
+        third = eventually(a_third_turn, 30, "a third turn")
     for page in (phone, laptop):  # the loser's own turn is gone, the winner's shown in its place
         page.wait_for_function("(sid) => [...document.querySelectorAll('.turn')].map((t) => t.dataset.streamId)"
                                ".join(',').endsWith(sid) && document.querySelectorAll('.turn').length === 3",

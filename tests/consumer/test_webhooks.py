@@ -69,7 +69,7 @@ class Receiver:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.hits.append(Hit(time.monotonic(), {k.lower(): v for k, v in self.headers.items()}, body))
                 status, sleep_s = receiver.answer(len(receiver.hits))
-                time.sleep(sleep_s)
+                time.sleep(sleep_s)  # a receiver as slow as the test scripts it
                 try:
                     self.send_response(status)
                     self.send_header("Content-Length", "0")
@@ -157,7 +157,7 @@ def test_a_receiver_down_for_20_s_gets_its_events_once_back(stack_factory: Stack
         for sid in sids:
             wait_status(c, sid, {"done"})
         down_at = time.monotonic()
-        time.sleep(20)
+        time.sleep(20)  # deliberate: the receiver is down for 20 s
         retried = metric(c.get("/metrics").text, "rsb_webhooks_retried_total")
         # Each event tried within 5 s; then the destination, failing, is held (2 s, doubling) and probed once per
         # hold: tried all along, never more than BREAKER_MAX_S (30 s) apart.
@@ -179,7 +179,7 @@ def test_a_receiver_answering_500_gets_the_same_webhook_id_on_every_retry(
         sid = create(c, max_tokens=4).json()["id"]
         wait_status(c, sid, {"done"})
         eventually(lambda: len(receiver.hits) == 4, 60, "three 500s, then a 204")
-        time.sleep(2)
+        time.sleep(2)  # deliberate: two seconds in which no more tries may come
         assert len(receiver.hits) == 4  # delivered: no more tries
     assert len({h.headers["webhook-id"] for h in receiver.hits}) == 1
     assert len({h.body for h in receiver.hits}) == 1  # the same event, signed again at each try

@@ -57,7 +57,7 @@ class _SlowCompletions(BaseHTTPRequestHandler):
                 chunk = {"object": "text_completion", "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
                 self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 self.wfile.flush()
-                time.sleep(TOKEN_PERIOD_S)
+                time.sleep(TOKEN_PERIOD_S)  # an upstream as slow as a real one
             self.wfile.write(b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\n'
                              b"data: [DONE]\n\n")
         except OSError:

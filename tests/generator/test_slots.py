@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+from helpers import until
+
 from generator.slots import Slots, StallWatch
 
 
 async def _settle() -> None:
+    """A few turns of the loop: what the last step woke runs (no time passes; a test that asserts something did
+    not happen needs them too)."""
     for _ in range(5):
         await asyncio.sleep(0)
 
@@ -90,8 +94,8 @@ async def test_a_stall_watch_parks_a_write_that_waits_too_long_and_not_one_that_
     seat = slots.seat()
     watch = StallWatch(seat, 0.05)
     with watch:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.1)
+        await asyncio.sleep(0.01)  # deliberate: a write that lands within the watch's 0.05 s
+    await asyncio.sleep(0.1)  # deliberate: past the watch's time, in which nothing may happen
     assert not seat.parked  # the write landed in time: the timer went with it
     stopped: list[bool] = []
 
@@ -99,8 +103,8 @@ async def test_a_stall_watch_parks_a_write_that_waits_too_long_and_not_one_that_
         stopped.append(True)
 
     watch.on_park = on_park
-    with watch:
-        await asyncio.sleep(0.1)
+    with watch:  # a write that lasts until the watch parks it
+        await until(lambda: seat.parked, 5.0, interval_s=0.01)
     assert stopped == [True] and seat.parked and slots.free == 1
     seat.close()
 
@@ -114,11 +118,10 @@ async def test_at_the_bound_a_stall_watch_looks_again_and_parks_once_there_is_ro
     assert holder.park()
     watch = StallWatch(seat, 0.03)
     with watch:
-        await asyncio.sleep(0.08)
+        await asyncio.sleep(0.08)  # deliberate: past the watch's time, in which it may not park
         assert not seat.parked  # the one parked place is taken
         holder.close()
-        await asyncio.sleep(0.08)
-        assert seat.parked
+        await until(lambda: seat.parked, 5.0, interval_s=0.01)
     seat.close()
     assert slots.free == 2 and slots.parked == 0
 

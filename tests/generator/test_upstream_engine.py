@@ -27,7 +27,7 @@ import httpx
 import orjson
 import pytest
 import redis
-from helpers import SSE, create, read_sse, wait_status
+from helpers import SSE, create, eventually, read_sse, until, wait_status
 from servers import StackFactory
 
 from bench.procs import wait_serving
@@ -368,10 +368,7 @@ async def test_stop_aborts_a_request_still_waiting_in_the_upstream(slow_upstream
             stop = StopSignal()
             handoff = TokenHandoff(asyncio.get_running_loop(), 64)
             producer = produce(engine, _chat_request(STORY), handoff, prefix_text="", max_tokens=3000, stop=stop)
-            deadline = time.monotonic() + 10
-            while slow_upstream.chat_posts() == posts:  # our request is at the server, waiting
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
+            await until(lambda: slow_upstream.chat_posts() != posts, 10, "our request at the server, waiting")
             await asyncio.sleep(0.3)  # deliberate: a moment in which the waiting request must not end by itself
             assert not producer.done()
             t0 = time.monotonic()
@@ -411,10 +408,7 @@ def test_cancel_aborts_the_upstream_request(
     with s.client() as c, slow_upstream.busy():
         posts = slow_upstream.chat_posts()
         sid = create(c, messages=STORY, max_tokens=3000, temperature=0.0).json()["id"]
-        deadline = time.monotonic() + 30
-        while slow_upstream.chat_posts() == posts:  # the generation is at the upstream, in its queue
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        eventually(lambda: slow_upstream.chat_posts() != posts, 30, "the generation at the upstream, in its queue")
         assert c.get(f"/v1/streams/{sid}").json()["status"] == "running"
         t0 = time.monotonic()
         assert c.post(f"/v1/streams/{sid}/cancel").status_code == 202
@@ -437,10 +431,12 @@ def test_concurrency_two_runs_two_generations_at_once(
         with slow_upstream.busy():  # both generations wait at the upstream while it is busy
             posts = slow_upstream.chat_posts()
             sids = [create(c, messages=STORY, max_tokens=40, temperature=0.0).json()["id"] for _ in range(2)]
-            deadline = time.monotonic() + 30
-            while slow_upstream.chat_posts() < posts + 2:  # one worker process has both requests open
-                assert time.monotonic() < deadline, slow_upstream.output()[-2000:]
-                time.sleep(0.05)
+
+            def both_open() -> bool:  # one worker process has both requests open
+                assert slow_upstream.chat_posts() >= posts + 2, slow_upstream.output()[-2000:]
+                return True
+
+            eventually(both_open, 30)
             assert [c.get(f"/v1/streams/{sid}").json()["status"] for sid in sids] == ["running", "running"]
         reads = [read_sse(c, f"/v1/streams/{sid}/events") for sid in sids]
     answer = slow_upstream.chat(STORY, 40)["choices"][0]["message"]["content"]
