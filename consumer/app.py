@@ -104,6 +104,7 @@ def create_app(settings: ConsumerSettings, *, draining: Drain | None = None, exp
         # replicated: a create or cancel that no replica acknowledges in time answers 503 (it is idempotent).
         store = StreamStore(redis, b.partitions, durability_level=b.durability, replica_wait_ms=b.replica_wait_ms,
                       replica_patience_s=REPLICA_PATIENCE_S)
+        api_keys.set_clock(store.clock.now)
         if api_keys.enabled and not settings.read_token_secret:
             api_keys.set_secret_source(lambda: shared_read_token_secret(redis), settings.read_token_key_refresh_s)
         service = StreamService(settings, store, hub, metrics, api_keys, limiter, expect_model=expect_model,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +27,7 @@ from broker.events import Event, EventPage, encode_data
 from broker.redis.connection import RedisClient, reply_text
 from broker.redis.keyspace import partition_share
 from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
+from broker.redis.server_clock import ServerClock
 from broker.request import tiers
 from broker.request.generation import GenerationRequest
 from broker.streams import replication, scripts
@@ -56,6 +56,8 @@ class StreamStore(StoreBase):
                  gate: replication.ReplicaGate | None = None) -> None:
         super().__init__(redis, partitions, durability_level=durability_level, replica_wait_ms=replica_wait_ms,
                          replica_patience_s=replica_patience_s, gate=gate)
+        #: The Redis server's time for what the pod names before a script runs (and the consumer's views state).
+        self.clock = ServerClock.of(redis, partitions)
         self._create = self._register(scripts.CREATE)
         self._unhold = self._register(scripts.UNHOLD)
         self._cancel = self._register(scripts.CANCEL)
@@ -106,10 +108,10 @@ class StreamStore(StoreBase):
         max_active, burst, interval_ms = quota.share(self.partitions)
         queue_share = partition_share(max_queue, self.partitions)
         tenant = quota.tenant or tenant_of(key_id, "")
-        # The one pod clock a create reads: a budget period's name is part of its key, which is named before the
-        # script runs (on Redis Cluster a script is routed by its keys). A pod off by a minute counts a create made
-        # within that minute of a period's end in the neighbouring period; every other time is the server's.
-        now = time.time()
+        # A budget period's name is part of its key, named before the script runs (on Redis Cluster a script is
+        # routed by its keys): the server's time as this pod carries it (broker.redis.server_clock), so pods whose
+        # clocks disagree count a create near a period's end in the same period.
+        now = await self.clock.now()
         period, period_end = budget.window(now)
         team_period, team_period_end = team_budget.window(now)
         canonical = request.canonical_json()

@@ -22,8 +22,8 @@ from typing import Any
 import orjson
 
 from broker.errors import InvalidRequest
-from broker.redis.connection import RedisClient, register_script, reply_text
-from broker.redis.lua import SERVER_MS, Lua
+from broker.redis.connection import RedisClient, reply_text
+from broker.redis.server_clock import server_now_s
 from broker.request.tiers import DEFAULT as DEFAULT_TIER
 from broker.streams.keys import (
     usage_day_key,
@@ -116,21 +116,12 @@ async def _keys(redis: RedisClient, partition: int, partitions: int, key_id: str
     return ["" if reply_text(k) == "-" else reply_text(k) for k in raw]
 
 
-#: The Redis server's time (Unix ms), which the ledger's ids and days are in: a report's retention and its last day
-#: are the server's, not the reading process's. One key routes it (on Redis Cluster, to partition 0's master).
-_SERVER_NOW = Lua(SERVER_MS + "return server_ms()\n", key_names=("route",))
-
-
-async def server_now_s(redis: RedisClient, partitions: int) -> float:
-    now = register_script(redis, _SERVER_NOW.text)
-    return int(await now(keys=_SERVER_NOW.keys({"route": usage_index_key(0, partitions)}))) / 1000
-
-
 async def records(redis: RedisClient, partitions: int, *, since: float | None = None, until: float | None = None,
                   key_id: str | None = None, retention_s: int = RETENTION_S) -> AsyncIterator[Record]:
     """The usage records (billed and free, in the order they ended) that ended in [since, until] and are within
     their retention: only ``key_id``'s when given ('' is the key of generations made without API keys), else
     every key's."""
+    # The server's time, which the ledger's ids and days are in, read now (a report is rare and its edge exact).
     cutoff = await server_now_s(redis, partitions) - retention_s
     lo, hi = id_range(since if since is not None and since > cutoff else cutoff, until)
     for p in range(partitions):

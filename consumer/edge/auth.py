@@ -111,12 +111,19 @@ class ApiKeys:
         self._secret_source: Callable[[], Awaitable[bytes]] | None = None
         self._refresh_s = 0.0
         self._read_at = 0.0  # monotonic time of the source's last read
+        # A read token's expiry is written on one pod and checked on another: both read the Redis server's time
+        # (set_clock; the process's own clock only where there is no Redis: a bare ApiKeys in a test).
+        self._now: Callable[[], Awaitable[float]] = _process_now
 
     def set_secret_source(self, source: Callable[[], Awaitable[bytes]], refresh_s: float) -> None:
         """Where the signing key comes from when none is configured: read on first use, then again every
         ``refresh_s`` (so a rotation, or a Redis that lost its data, reaches every pod within that)."""
         self._secret_source = source
         self._refresh_s = refresh_s
+
+    def set_clock(self, now: Callable[[], Awaitable[float]]) -> None:
+        """Where a read token's time comes from: the Redis server's (broker.redis.server_clock.ServerClock.now)."""
+        self._now = now
 
     async def token_secret(self) -> bytes:
         """The read-token signing key. Raises what its source raises when there is no key yet (Redis away: the
@@ -200,7 +207,7 @@ class ApiKeys:
         return base64.urlsafe_b64encode(mac[:24]).decode().rstrip("=")
 
     async def issue_read_token(self, stream_id: uuid.UUID, key_id: str, ttl_s: int) -> str:
-        exp = int(time.time()) + ttl_s
+        exp = int(await self._now()) + ttl_s
         return f"{exp}.{key_id}.{self.sign(await self.token_secret(), stream_id, key_id, exp)}"
 
     async def check_read_token(self, token: str, stream_id: uuid.UUID) -> str:
@@ -213,9 +220,13 @@ class ApiKeys:
         expected = self.sign(await self.token_secret(), stream_id, key_id, exp)
         if not hmac.compare_digest(sig.encode(), expected.encode()):
             raise Unauthorized("invalid read token")
-        if exp < time.time():
+        if exp < await self._now():
             raise Unauthorized("read token expired; create the stream again (same id and body) for a fresh one")
         return key_id
+
+
+async def _process_now() -> float:
+    return time.time()
 
 
 def new_key(key_id: str) -> tuple[str, dict[str, str]]:

@@ -81,6 +81,10 @@ def sign(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
 
 
 def headers(key: bytes, msg_id: str, body: bytes, now: float | None = None) -> dict[str, str]:
+    # The one pod clock rsb sends out, on purpose: Standard Webhooks' timestamp says when this attempt was signed,
+    # and only the receiver checks it, against its own clock and with minutes of tolerance (replay protection).
+    # No rsb process compares it, so the Redis server's clock is no nearer the receiver's than the sending pod's;
+    # what the event says happened (its body's created_at) is the server's.
     ts = int(time.time() if now is None else now)
     return {"webhook-id": msg_id, "webhook-timestamp": str(ts), "webhook-signature": sign(key, msg_id, ts, body),
             "content-type": "application/json", "user-agent": "rsb-webhooks"}

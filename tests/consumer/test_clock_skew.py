@@ -13,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import cast
@@ -24,11 +26,12 @@ import redis
 from helpers import SSERead, create, eventually, read_sse, wait_status
 from servers import StackFactory
 
+from broker.errors import Unauthorized
 from broker.redis.connection import reply_text
 from broker.redis.server import RedisServer, free_port
+from broker.redis.server_clock import ServerClock
 from broker.streams.keys import outbox_key, usage_log_prefix
-
-pytestmark = pytest.mark.slow
+from consumer.edge.auth import ApiKey, ApiKeys, new_key
 
 SKEW_S = 60
 #: Where Debian's libfaketime (the ``faketime`` package, scripts/test.sh's SYSTEM_PACKAGES) puts its library.
@@ -54,6 +57,7 @@ def skewed(offset_s: int) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skew", [SKEW_S, -SKEW_S], ids=["consumer-ahead", "consumer-behind"])
 def test_skewed_pods_agree_on_abandonment_disconnect_and_the_wait(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, slow_model: Path,
@@ -160,6 +164,7 @@ def receiver() -> Iterator[_Receiver]:
     r.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skew", [SKEW_S, -SKEW_S], ids=["ahead", "behind"])
 def test_two_webhook_pods_whose_clocks_disagree_deliver_each_event_once(
         stack_factory: StackFactory, redis_server: RedisServer, redis_client: redis.Redis, receiver: _Receiver,
@@ -180,3 +185,94 @@ def test_two_webhook_pods_whose_clocks_disagree_deliver_each_event_once(
     assert len(receiver.ids) == n and len(set(receiver.ids)) == n, sorted(receiver.ids)
     # Each event's created_at is the server's time of its end, whichever pod's request ended it.
     assert all(abs(int(str(b["created_at"])) - time.time()) < 30 for b in receiver.bodies), receiver.bodies
+
+
+# -- what a pod states itself: read tokens, conversation times, Durable Streams cursors (broker.redis.server_clock)
+
+class _Server:
+    """The Redis server's clock as the test moves it, read by every pod's ServerClock."""
+
+    def __init__(self) -> None:
+        self.t = 1_800_000_000.0
+        self.mono = 0.0
+
+    async def read(self) -> float:
+        return self.t
+
+    def pod_clock(self) -> ServerClock:
+        return ServerClock(self.read, monotonic=lambda: self.mono)
+
+    def advance(self, s: float) -> None:
+        self.t += s
+        self.mono += s
+
+
+@pytest.mark.parametrize("skew", [SKEW_S, -SKEW_S], ids=["minted-behind", "minted-ahead"])
+async def test_a_read_token_minted_on_one_pod_holds_on_another_until_the_servers_clock_says(
+        monkeypatch: pytest.MonkeyPatch, skew: int) -> None:
+    """Pods two minutes apart (the minting one ``-skew``, the checking one ``+skew``) and a 30 s token: it reads on
+    either pod for its 30 s of the server's time, then on neither. Before, a pod behind minted tokens a pod ahead
+    refused at once, and a pod behind honoured a pod ahead's for two minutes more."""
+    server = _Server()
+    secret = b"s" * 32
+    key = ApiKey("alice", b"\0" * 32)
+    minting, checking = ApiKeys([key], secret), ApiKeys([key], secret)
+    minting.set_clock(server.pod_clock().now)
+    checking.set_clock(server.pod_clock().now)
+    sid = uuid.uuid4()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - skew)
+    token = await minting.issue_read_token(sid, "alice", 30)
+    assert int(token.split(".")[0]) == int(server.t) + 30
+    for wall_s in (skew, -skew):
+        monkeypatch.setattr(time, "time", lambda w=wall_s: real() + w)
+        assert await checking.check_read_token(token, sid) == "alice"
+        assert await minting.check_read_token(token, sid) == "alice"
+    server.advance(31)
+    for pod in (checking, minting):
+        with pytest.raises(Unauthorized, match="expired"):
+            await pod.check_read_token(token, sid)
+
+
+@pytest.mark.slow
+def test_pods_a_minute_either_way_agree_on_read_tokens_conversation_times_and_cursors(
+        stack_factory: StackFactory, redis_server: RedisServer, tmp_path: Path) -> None:
+    """Real consumers under libfaketime, one a minute behind and one a minute ahead: a 5 s read token minted behind
+    reads ahead and ends after 5 s of the server's time on both; conversation items added on either show the
+    server's time; a Durable Streams cursor is the same 20 s interval from either pod."""
+    behind_env, ahead_env = skewed(-SKEW_S), skewed(SKEW_S)
+    secret, entry = new_key("alice")
+    keys = tmp_path / "keys.json"
+    keys.write_bytes(orjson.dumps({"keys": [entry]}))
+    auth = {"Authorization": f"Bearer {secret}"}
+    s = stack_factory(redis_server.url)
+    flags = ("--api-keys", str(keys), "--read-token-ttl-s", "5")
+    _, behind = s.consumer(*flags, env=behind_env)
+    _, ahead = s.consumer(*flags, env=ahead_env)
+    with s.client(behind) as b, s.client(ahead) as a:
+        created = b.post("/v1/streams", json={"id": str(uuid.uuid4()), "prompt": "x", "max_tokens": 4}, headers=auth)
+        sid, token = created.json()["id"], created.json()["read_token"]
+        minted = time.time()
+        assert abs(int(token.split(".")[0]) - (minted + 5)) <= 2  # the server's time, not the minting pod's
+        for c in (a, b):
+            assert c.get(f"/v1/streams/{sid}", params={"token": token}).status_code == 200
+        time.sleep(max(0.0, minted + 7 - time.time()))
+        for c in (a, b):
+            assert c.get(f"/v1/streams/{sid}", params={"token": token}).status_code == 401
+
+        item = {"type": "message", "role": "user", "content": "hello"}
+        conv = b.post("/v1/conversations", json={"items": [item]}, headers=auth).json()
+        assert a.post(f"/v1/conversations/{conv['id']}/items", json={"items": [item]}, headers=auth).status_code == 200
+        assert abs(conv["created_at"] - time.time()) < 10
+        turns = a.get(f"/v1/conversations/{conv['id']}/turns", headers=auth).json()["turns"]
+        assert len(turns) == 2
+        for turn in turns:
+            shown = datetime.fromisoformat(turn["created_at"].replace("Z", "+00:00")).timestamp()
+            assert abs(shown - time.time()) < 10, turns
+
+        path = f"/v1/stream/t-{uuid.uuid4().hex}"
+        assert b.put(path, content=b"x", headers={**auth, "Content-Type": "text/plain"}).status_code == 201
+        # A long-poll from the start answers at once (there is data), with its cursor.
+        cursors = [int(c.get(path, params={"offset": "-1", "live": "long-poll"}, headers=auth)
+                       .headers["stream-cursor"]) for c in (b, a, b)]
+        assert max(cursors) - min(cursors) <= 1, cursors  # a minute apart was three 20 s intervals each way

@@ -81,8 +81,8 @@ async def handle(request: Request, path: str) -> Response:
     if mode != "long-poll":
         return page_response(request, page, offset)
     if page.entries or page.closed:
-        return page_response(request, page, offset, cursor=cursor(request)) if page.entries else \
-            no_content(page.tail, closed=True, cursor=cursor(request))
+        return page_response(request, page, offset, cursor=await cursor(request)) if page.entries else \
+            no_content(page.tail, closed=True, cursor=await cursor(request))
     with state.service.connection(caller_of(request)) as slot:
         try:
             batch = await race(_next_batch(state, sid, st, page.tail), request.receive, state.draining)
@@ -93,9 +93,9 @@ async def handle(request: Request, path: str) -> Response:
         finally:
             slot.release()
     if not batch:
-        return no_content(page.tail, closed=False, cursor=cursor(request))
+        return no_content(page.tail, closed=False, cursor=await cursor(request))
     return page_response(request, page_of(batch, page.tail, more=len(batch) >= REPLAY_PAGE, ended=False), offset,
-                         cursor=cursor(request))
+                         cursor=await cursor(request))
 
 
 async def _read(state: State, sid: uuid.UUID, st: StreamStatus, offset: str | None) -> Page:
@@ -143,10 +143,10 @@ async def _sse_frames(request: Request, state: State, sid: uuid.UUID, st: Stream
     control event; a keep-alive control at each heartbeat; ends after the terminal event or --ds-sse-max-s."""
     loop = asyncio.get_running_loop()
     ends_at = loop.time() + state.settings.ds_sse_max_s
-    yield page_events(page, text=True, cursor=cursor(request))
+    yield page_events(page, text=True, cursor=await cursor(request))
     while page.more:
         page = await _read(state, sid, st, page.next_id)
-        yield page_events(page, text=True, cursor=cursor(request))
+        yield page_events(page, text=True, cursor=await cursor(request))
     if page.closed_here:
         return
     pos = page.next_id
@@ -154,13 +154,13 @@ async def _sse_frames(request: Request, state: State, sid: uuid.UUID, st: Stream
     try:
         async for batch in batches:
             if batch is None:
-                yield control_event(pos, cursor=cursor(request), up_to_date=True, closed=False)
+                yield control_event(pos, cursor=await cursor(request), up_to_date=True, closed=False)
             else:
                 fresh = [ev for ev in batch if id_key(ev.id) > id_key(pos)]
                 if fresh:
                     live = page_of(fresh, pos, more=False, ended=False)
                     pos = live.next_id
-                    yield page_events(live, text=True, cursor=cursor(request))
+                    yield page_events(live, text=True, cursor=await cursor(request))
                     if live.closed_here:
                         return
             if loop.time() >= ends_at:

@@ -40,8 +40,8 @@ async def long_poll(request: Request, state: State, keys: DurableKeys, offset: s
             # The pod stops: answer now with whatever there is; the client polls again (elsewhere).
             page = await read(state, keys, offset)
             if page.entries:
-                return page_response(request, page, offset, cursor=cursor(request))
-            return no_content(page.tail, closed=page.closed, cursor=cursor(request))
+                return page_response(request, page, offset, cursor=await cursor(request))
+            return no_content(page.tail, closed=page.closed, cursor=await cursor(request))
         finally:
             slot.release()
 
@@ -50,12 +50,12 @@ async def _long_poll(request: Request, state: State, keys: DurableKeys, offset: 
     # A reader that is behind gets its data without touching the hub: only one that waits subscribes.
     page = await read(state, keys, offset)
     if page.entries:
-        return page_response(request, page, offset, cursor=cursor(request))
+        return page_response(request, page, offset, cursor=await cursor(request))
     if page.closed:
-        return no_content(page.tail, closed=True, cursor=cursor(request))  # at the end: never wait
+        return no_content(page.tail, closed=True, cursor=await cursor(request))  # at the end: never wait
     if id_key(page.after) != id_key(page.tail):
         # An offset past the tail (no offset we minted): say where the tail is rather than wait there.
-        return page_response(request, page, offset, cursor=cursor(request))
+        return page_response(request, page, offset, cursor=await cursor(request))
     sub = await state.hub.subscribe(keys.channel)
     try:
         # Read again once the subscription is confirmed: whatever came after that wakes us, and whatever
@@ -75,8 +75,8 @@ async def _long_poll(request: Request, state: State, keys: DurableKeys, offset: 
             # reconnect).
             page = await read(state, keys, page.tail)
         if page.entries:
-            return page_response(request, page, offset, cursor=cursor(request))
-        return no_content(page.tail, closed=page.closed, cursor=cursor(request))
+            return page_response(request, page, offset, cursor=await cursor(request))
+        return no_content(page.tail, closed=page.closed, cursor=await cursor(request))
     finally:
         state.hub.unsubscribe(sub)
 
@@ -111,11 +111,11 @@ async def _sse_frames(request: Request, state: State, keys: DurableKeys, sub: Su
     text = is_text(page.content_type)
     loop = asyncio.get_running_loop()
     ends_at = loop.time() + settings.ds_sse_max_s
-    yield page_events(page, text=text, cursor=cursor(request))
+    yield page_events(page, text=text, cursor=await cursor(request))
     while not page.closed_here:
         if page.more:
             page = await read(state, keys, page.next_id)
-            yield page_events(page, text=text, cursor=cursor(request))
+            yield page_events(page, text=text, cursor=await cursor(request))
             continue
         left = ends_at - loop.time()
         if left <= 0:
@@ -128,4 +128,4 @@ async def _sse_frames(request: Request, state: State, keys: DurableKeys, sub: Su
             return
         page = await read(state, keys, page.next_id)
         if page.entries or page.closed_here or not woke:
-            yield page_events(page, text=text, cursor=cursor(request))
+            yield page_events(page, text=text, cursor=await cursor(request))

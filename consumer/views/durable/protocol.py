@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import random
 import re
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 
@@ -19,6 +18,7 @@ from broker.durable.format import DEFAULT_TYPE, entry_id_of
 from broker.durable.store import Producer
 from broker.errors import InvalidRequest, NotFound
 from consumer.edge.errors import as_rsb_error, internal_error, rsb_error
+from consumer.state import state_of
 
 PREFIX = "/v1/stream/"
 MAX_PATH = 1024
@@ -172,10 +172,11 @@ def producer(request: Request) -> Producer | None:
     return Producer(pid, epoch_n, seq_n)
 
 
-def cursor(request: Request) -> str:
+async def cursor(request: Request) -> str:
     """The response cursor (spec 10.1): the current 20 s interval, or, when the client's ``cursor`` is not behind
-    it, a jittered later one, so that cached long-poll responses cannot loop."""
-    now = int((time.time() - _CURSOR_EPOCH_S) // _CURSOR_INTERVAL_S)
+    it, a jittered later one, so that cached long-poll responses cannot loop. The interval is the Redis server's:
+    a client that a balancer sends to pods whose clocks disagree would otherwise see its cursor go back."""
+    now = int((await state_of(request).store.clock.now() - _CURSOR_EPOCH_S) // _CURSOR_INTERVAL_S)
     given = decimal(request.query_params.get("cursor"), max_digits=18)
     if given is not None and given >= now:
         return str(given + max(1, math.ceil(random.randint(1, 3600) / _CURSOR_INTERVAL_S)))

@@ -15,7 +15,6 @@ wrote before input and output ids were apart still names its item where it names
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
@@ -138,8 +137,8 @@ async def create_conversation(request: Request) -> ASGIApp:
     caller = caller_of(request)
     convs = state.conversations
     items = () if body.get("items") is None else input_items(request, body["items"], "items")
-    now = time.time()
-    turns = [items_turn(items, now)] if items else []
+    # Shown by every pod: the Redis server's time, not this pod's (as the conversation's own created_at is).
+    turns = [items_turn(items, await state.store.clock.now())] if items else []
     name = str(uuid.uuid4())
     with convs.service.quota_counted():
         await convs.conversations.create(caller.key_id, name, convs.owner(caller), convs.limits(caller),
@@ -212,10 +211,11 @@ async def add_items(request: Request) -> ASGIApp:
     if set(body) - {"items"}:
         raise invalid(f"unknown parameter(s): {', '.join(sorted(set(body) - {'items'}))}", code="unknown_parameter")
     items = input_items(request, body.get("items"), "items")
-    convs = state_of(request).conversations
+    state = state_of(request)
+    convs = state.conversations
     caller = caller_of(request)
     name = path_name(request)
-    turn = items_turn(items, time.time())
+    turn = items_turn(items, await state.store.clock.now())  # the server's time, as every pod shows it
     for _ in range(ROUNDS):
         snap = await convs.get(caller, name)
         if snap.pending_id is not None:
