@@ -34,7 +34,6 @@ prompt cache.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
@@ -46,6 +45,7 @@ import llama_cpp
 
 from generator.engines.base import EngineError, Generation, StepObserver
 from generator.engines.decoding import SequenceDecoder
+from generator.engines.kv_state import keep_prompt_blocks, load_sequence_state, sequence_state
 from generator.engines.pieces import Piece
 from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, reusable, shared_blocks, whole_blocks
 from generator.engines.sampler import Sampler
@@ -365,21 +365,14 @@ class Batcher:
         if entry is not None and from_entry > from_live:
             reused = from_entry if self._load(seq_id, entry.state) else 0
         elif source is not None:
-            state = self._state(source.seq_id)
+            state = sequence_state(self.ctx, source.seq_id)
             reused = from_live if state is not None and self._load(seq_id, state) else 0
         if reused:
             llama_cpp.llama_memory_seq_rm(self._mem, seq_id, reused, -1)
         return reused
 
-    def _state(self, seq_id: int) -> bytes | None:
-        size = llama_cpp.llama_state_seq_get_size(self.ctx, seq_id)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq_id)
-        return bytes(memoryview(buf)[:n]) if 0 < n <= size else None
-
     def _load(self, seq_id: int, state: bytes) -> bool:
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(state), seq_id) == len(state):
+        if load_sequence_state(self.ctx, seq_id, state):
             return True
         llama_cpp.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
         return False
@@ -404,14 +397,8 @@ class Batcher:
         sid = seq.seq_id
         if sid < 0:
             return
-        blocks = seq.prompt_blocks
-        cache = self._cache
-        prefix = seq.tokens[:blocks]
-        if keep and cache is not None and blocks and cache.budget_bytes and not cache.holds(prefix, seq.scope):
-            llama_cpp.llama_memory_seq_rm(self._mem, sid, blocks, -1)
-            state = self._state(sid)
-            if state is not None:
-                cache.put(prefix, state, seq.scope)
+        if keep and self._cache is not None:
+            keep_prompt_blocks(self.ctx, sid, self._cache, seq.tokens[:seq.prompt_blocks], seq.scope)
         llama_cpp.llama_memory_seq_rm(self._mem, sid, -1, -1)
         seq.seq_id = -1
         with self._cond:

@@ -17,7 +17,6 @@ context with its prompt cache, and the set-up both decoders share."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import threading
@@ -39,6 +38,7 @@ from generator.engines.control_tokens import SPECIAL, ControlTokens
 from generator.engines.decoding import SequenceDecoder
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 from generator.engines.grammar import answer_grammar
+from generator.engines.kv_state import keep_prompt_blocks, load_sequence_state
 from generator.engines.pieces import PartialAnswer, Piece, TokenLogprob
 from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, blocks, reusable, shared_blocks, whole_blocks
 from generator.engines.sampler import GrammarError, Sampler, utf8_masks
@@ -451,16 +451,7 @@ class LlamaEngine(Engine):
     def _stash_live(self) -> None:
         """Copy the whole blocks the context holds into the prompt cache before another prompt overwrites
         them (the answer after them is dropped first: never reused)."""
-        live = self._live
-        if not live or self._cache.budget_bytes == 0 or self._cache.holds(live, self._live_scope):
-            return
-        ctx = self._llm.ctx
-        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), -1, len(live), -1)
-        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
-        if 0 < n <= size:
-            self._cache.put(live, bytes(memoryview(buf)[:n]), self._live_scope)
+        keep_prompt_blocks(self._llm.ctx, 0, self._cache, self._live, self._live_scope)
 
     def _load_state(self, state: bytes) -> bool:
         """Replace the context's KV with a cached state; False (and an empty KV: evaluate from scratch) if
@@ -468,8 +459,7 @@ class LlamaEngine(Engine):
         ctx = self._llm.ctx
         mem = llama_cpp.llama_get_memory(ctx)
         llama_cpp.llama_memory_clear(mem, True)
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if llama_cpp.llama_state_seq_set_data(ctx, buf, len(state), 0) == len(state):
+        if load_sequence_state(ctx, 0, state):
             return True
         llama_cpp.llama_memory_clear(mem, True)
         return False
