@@ -47,16 +47,13 @@ from generator.engines.base import EngineError, Generation, StepObserver
 from generator.engines.batch_plan import PREFILL_STEP_TOKENS, plan_step
 from generator.engines.decoding import SequenceDecoder
 from generator.engines.kv_state import keep_prompt_blocks, load_sequence_state, sequence_state
+from generator.engines.llama import PROGRESS_CHUNK_TOKENS, PROGRESS_MIN_TOKENS
 from generator.engines.pieces import Piece
 from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, reusable, shared_blocks, whole_blocks
 from generator.engines.sampler import Sampler
 
 log = logging.getLogger("rsb.generator")
 
-# Prompts longer than this report their prefill progress, every PROGRESS_CHUNK_TOKENS tokens (as the
-# one-sequence engine does: generator.engines.llama).
-PROGRESS_MIN_TOKENS = 512
-PROGRESS_CHUNK_TOKENS = 4 * BLOCK_TOKENS
 
 # What the batcher puts on a sequence's queue: pieces, then None at the end, or the error it ended with.
 Outcome = list[Piece] | BaseException | None
