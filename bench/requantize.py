@@ -14,7 +14,7 @@ import llama_cpp
 
 from broker.request.generation import GenerationRequest, Message
 from generator.engines.default_model import default_model_path
-from generator.engines.llama import LlamaEngine
+from generator.engines.one_sequence import OneSequenceEngine
 
 Q8_PATH = Path("/tmp/rsb-smollm2-135m-instruct-q8_0.gguf")
 PROMPTS = ("What is the capital of France?", "Give me three tips for sleeping better.",
@@ -36,7 +36,7 @@ def request(text: str, max_tokens: int) -> GenerationRequest:
                              temperature=0.0, top_p=1.0, seed=1, stop=(), cancel_on_disconnect=False)
 
 
-def answer(eng: LlamaEngine, text: str, max_tokens: int) -> str:
+def answer(eng: OneSequenceEngine, text: str, max_tokens: int) -> str:
     gen = eng.start(request(text, max_tokens), prefix_text="", max_tokens=max_tokens, stop=threading.Event())
     return "".join(str(p) for p in gen.pieces)
 
@@ -46,8 +46,8 @@ def main() -> None:
     assert src is not None, "the default model is not installed"
     if not Q8_PATH.exists():
         requantize(src, Q8_PATH)
-    engines = {"Q4_1": LlamaEngine(str(src), n_threads=1, n_ctx=2048, prompt_cache_mib=0),
-               "Q8_0": LlamaEngine(str(Q8_PATH), n_threads=1, n_ctx=2048, prompt_cache_mib=0)}
+    engines = {"Q4_1": OneSequenceEngine(str(src), n_threads=1, n_ctx=2048, prompt_cache_mib=0),
+               "Q8_0": OneSequenceEngine(str(Q8_PATH), n_threads=1, n_ctx=2048, prompt_cache_mib=0)}
     rates: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode": []} for k in engines}
     for _ in range(3):
         for name, eng in engines.items():

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import llama_cpp
     from playwright.sync_api import Browser
 
-    from generator.engines.llama import LlamaEngine
+    from generator.engines.one_sequence import OneSequenceEngine
 
 # What tests imported from here before tests/servers.py and helpers.py held them; new tests import them from there.
 __all__ = ["CHROMIUM", "ROOT", "Nginx", "NginxFactory", "PrimaryReplica", "RedisClusterServers", "ResumingRead",
@@ -107,21 +107,21 @@ def demo_llm(demo_gguf: Path) -> Iterator[llama_cpp.Llama]:
 
 
 @pytest.fixture(scope="session")
-def engine(demo_gguf: Path) -> Iterator[LlamaEngine]:
+def engine(demo_gguf: Path) -> Iterator[OneSequenceEngine]:
     """EOS masked, so answers are exactly max_tokens long. One thread: the test machine is shared."""
-    from generator.engines.llama import LlamaEngine
+    from generator.engines.one_sequence import OneSequenceEngine
 
-    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True)
+    eng = OneSequenceEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True)
     yield eng
     eng.close()
 
 
 @pytest.fixture(scope="session")
-def engine_eos(demo_gguf: Path) -> Iterator[LlamaEngine]:
+def engine_eos(demo_gguf: Path) -> Iterator[OneSequenceEngine]:
     """EOS allowed: answers end early about once per vocabulary-size tokens."""
-    from generator.engines.llama import LlamaEngine
+    from generator.engines.one_sequence import OneSequenceEngine
 
-    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=4096)
+    eng = OneSequenceEngine(str(demo_gguf), n_threads=1, n_ctx=4096)
     yield eng
     eng.close()
 

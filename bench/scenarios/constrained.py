@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from llama_cpp.llama_grammar import LlamaGrammar
 
     from generator.engines.default_model import default_model_path
-    from generator.engines.llama import LlamaEngine
+    from generator.engines.one_sequence import OneSequenceEngine
 
     path = default_model_path()
     if path is None:
@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fmt = {"type": "json_schema", "json_schema": {"name": "recipe", "schema": schema, "strict": True}}
     base = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": args.max_tokens,
             "temperature": TEMPERATURE, "top_p": TOP_P}
-    constrained = LlamaEngine(str(path), n_threads=args.n_threads, n_ctx=2048, top_k=TOP_K)
-    free = LlamaEngine(str(path), n_threads=args.n_threads, n_ctx=2048, top_k=TOP_K, ignore_eos=True)
+    constrained = OneSequenceEngine(str(path), n_threads=args.n_threads, n_ctx=2048, top_k=TOP_K)
+    free = OneSequenceEngine(str(path), n_threads=args.n_threads, n_ctx=2048, top_k=TOP_K, ignore_eos=True)
     stock = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_threads=args.n_threads,
                             n_threads_batch=args.n_threads, verbose=False)
     if args.schema == "worst":
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     finished = {"reason": ""}
 
-    def rsb_run(engine: LlamaEngine, seed: int, max_tokens: int,
+    def rsb_run(engine: OneSequenceEngine, seed: int, max_tokens: int,
                 with_format: bool) -> tuple[list[float], list[float], str]:
         body = {**base, "seed": seed, "max_tokens": max_tokens, **({"response_format": fmt} if with_format else {})}
         req = validate_create_body(body, RequestLimits())[1]
@@ -210,10 +210,10 @@ def _adversarial(path: Any, n_threads: int, fmt: dict[str, Any], base: dict[str,
     """Sampling steps under WORST's grammar with the logits of a plain prompt held fixed (no decode between them):
     the model keeps wanting prose, the grammar keeps rejecting it, every step resamples."""
     from generator.engines.grammar import answer_grammar
-    from generator.engines.llama import LlamaEngine
+    from generator.engines.one_sequence import OneSequenceEngine
     from generator.engines.sampler import GrammarError, Sampler
 
-    engine = LlamaEngine(str(path), n_threads=n_threads, n_ctx=2048, top_k=TOP_K)
+    engine = OneSequenceEngine(str(path), n_threads=n_threads, n_ctx=2048, top_k=TOP_K)
     try:
         plain = validate_create_body({"messages": [{"role": "user", "content": "Tell me about pancakes."}]},
                                      RequestLimits())[1]

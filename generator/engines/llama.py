@@ -1,26 +1,25 @@
-"""The llama.cpp engine: one ``llama_cpp.Llama`` (one llama.cpp context) per process, decoded token by token
-with llama.cpp's samplers (generator.engines.sampler) and our own incremental detokenizer, so the cost per
-token stays flat.
+"""The llama.cpp engine: one ``llama_cpp.Llama`` (the model, and one llama.cpp context) per process, decoded token
+by token with llama.cpp's samplers (generator.engines.sampler) and our own incremental detokenizer, so the cost
+per token stays flat.
+
+``LlamaEngine`` is what both ways of decoding share: the model and its vocabulary's tables, tokenizing (chat
+template, control tokens), each generation's sampler and decoder (generator.engines.decoding), the prompt cache
+and the chat's next turn to prepare after an answer. A subclass decodes: ``OneSequenceEngine``
+(generator.engines.one_sequence, ``--parallel 1``: one generation at a time in the Llama's own context) or
+``BatchedEngine`` (generator.engines.batch_engine, ``--parallel N``: up to N at once in one batch).
 
 Typed output. A ``response_format`` or a forced ``tool_choice`` constrains the answer with a grammar
 (generator.engines.grammar); tools the model may call are rendered into the prompt (generator.engines.chat)
 and its calls are read out of its text (generator.engines.tool_syntax). A continued generation replays the
 answer so far into the prompt as the model wrote it (calls included) and into the grammar, so it resumes
-mid-value: the final JSON is valid and nothing is written twice.
-
-Batched (``parallel`` above 1), generations are decoded together by generator.engines.batch, in a context of
-its own; this class still tokenizes, builds each generation's sampler and decoder (generator.engines.decoding,
-shared by both ways) and owns the prompt cache.
-
-Long because it is the one class over llama-cpp-python's model: the vocabulary's tables, the one-sequence
-context with its prompt cache, and the set-up both decoders share."""
+mid-value: the final JSON is valid and nothing is written twice."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import threading
+from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -32,15 +31,14 @@ import numpy.typing as npt
 
 from broker.events import FinishReason
 from broker.request.generation import GenerationRequest, Message
-from generator.engines.base import Engine, EngineError, Generation, PromptTooLong, StepObserver
-from generator.engines.batch import BatchedSequence, Batcher
+from generator.engines.base import Engine, EngineError, Generation, PromptTooLong
 from generator.engines.chat import ChatTemplate
 from generator.engines.control_tokens import SPECIAL, ControlTokens
 from generator.engines.decoding import SequenceDecoder
 from generator.engines.detokenizer import IncrementalDetokenizer, LlamaPieces
 from generator.engines.grammar import answer_grammar
 from generator.engines.pieces import PartialAnswer, Piece, TokenLogprob
-from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, blocks, reusable, shared_blocks, whole_blocks
+from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache
 from generator.engines.sampler import GrammarError, Sampler, utf8_masks
 from generator.engines.tool_syntax import ToolCallSyntax, replay_text
 from generator.settings import EngineSettings
@@ -49,13 +47,11 @@ from generator.settings import EngineSettings
 _RANDOM_SEED = llama_cpp.LLAMA_DEFAULT_SEED
 
 
-# Prompts longer than this report their prefill progress, every PROGRESS_CHUNK_TOKENS tokens (a whole number
-# of prefill blocks).
+#: Prompts longer than this report their prefill progress, every PROGRESS_CHUNK_TOKENS tokens (a whole number
+#: of prefill blocks), however they are decoded.
 PROGRESS_MIN_TOKENS = 512
 PROGRESS_CHUNK_TOKENS = 4 * BLOCK_TOKENS
-_DEFAULT_CACHE_MIB: int = EngineSettings().prompt_cache_mib
-# The context size of the Llama's own context when a batcher holds the sequences (it only warms up).
-_IDLE_CTX = 256
+DEFAULT_CACHE_MIB: int = EngineSettings().prompt_cache_mib
 _MIB = 1 << 20
 
 
@@ -86,10 +82,8 @@ def physical_cores() -> int:
 
 
 class LlamaEngine(Engine):
-    """``Engine`` over llama-cpp-python. With ``parallel`` 1, generations run one at a time: the context is held
-    by a lock from a generation's first ``next()`` until it ends or is closed; a generation the same thread left
-    suspended is ended when the next one starts. With more, up to ``parallel`` run at once in one batch
-    (generator.engines.batch) and the rest wait for a free sequence.
+    """``Engine`` over llama-cpp-python, the part both ways of decoding share; a subclass decodes
+    (``OneSequenceEngine``, ``BatchedEngine``).
 
     Sampling follows the request's temperature, top_p and top_k (temperature 0 is greedy), with ``top_k`` (the
     engine's, unless the request sets one) as a cost bound and no min_p/typical/repeat penalties. ``seed=None``
@@ -101,25 +95,23 @@ class LlamaEngine(Engine):
         self,
         model_path: str,
         *,
-        n_threads: int | None = None,
-        n_ctx: int = 4096,
-        ignore_eos: bool = False,
-        name: str | None = None,
-        top_k: int = 40,
-        prompt_cache_mib: int = _DEFAULT_CACHE_MIB,
-        parallel: int = 1,
+        own_ctx: int,
+        sequences: int,
+        n_threads: int | None,
+        ignore_eos: bool,
+        name: str | None,
+        top_k: int,
+        prompt_cache_mib: int,
     ) -> None:
+        """``own_ctx``: the size of the Llama's own context; ``sequences``: generations decoded at once."""
         threads = n_threads or physical_cores()
-        parallel = max(1, parallel)
-        # Batched (parallel > 1), the Llama's own context only warms up: the batcher's holds the sequences.
         self._llm = llama_cpp.Llama(
-            model_path=model_path, n_ctx=n_ctx if parallel == 1 else _IDLE_CTX, n_threads=threads,
-            n_threads_batch=threads, verbose=False
+            model_path=model_path, n_ctx=own_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
         )
         llm = self._llm
         self.n_ctx: int = llm.n_ctx()
         #: Generations decoded at once (``--parallel``): the worker runs this many, one slot per sequence.
-        self.sequences = parallel
+        self.sequences = sequences
         self.ignore_eos = ignore_eos
         self.top_k = top_k
         metadata: dict[str, str] = llm.metadata
@@ -143,23 +135,12 @@ class LlamaEngine(Engine):
         self.chat = ChatTemplate(metadata.get("tokenizer.chat_template"), bos_token=self._token_text(self._bos),
                                  eos_token=self._token_text(llm.token_eos()))
 
-        self._lock = threading.Lock()
-        self._waiting = 0  # threads waiting for the context
-        self._waiting_lock = threading.Lock()
-        # The prompt cache (generator.engines.prompt_cache): the whole prefill blocks the context's KV holds,
-        # and the states of earlier prompts.
-        self._live: list[int] = []
-        self._live_scope = ""  # whose prompt the live blocks are (generator.engines.prompt_cache: scope)
+        # The prompt cache (generator.engines.prompt_cache): the states of earlier prompts.
         self._cache = PromptCache(max(0, prompt_cache_mib) * _MIB)
         self.caches_prompts = prompt_cache_mib > 0
-        self._active: Iterator[Piece] | None = None
         self._byte_tokens: dict[int, int] | None = None
         self._invalid_utf8: list[int] | None = None
-        #: Tokens of the last constrained answer that its grammar rejected (and were sampled again): for the
-        #: benchmark (bench/scenarios/constrained.py).
-        self.last_resampled = 0
         self._utf8: Sequence[npt.NDArray[np.bool_]] | None = None  # built on the first constrained answer
-        self._active_thread = 0
         self._closed = False
 
         # The first decode allocates compute buffers; pay that here rather than in the first request (on a
@@ -167,11 +148,6 @@ class LlamaEngine(Engine):
         warm_up = self._bos if self._bos >= 0 else 0
         on_a_thread_that_ends(lambda: llm.eval([warm_up]))
         self._reset()
-        self._batcher: Batcher | None = None
-        if parallel > 1:
-            self._batcher = Batcher(llm, sequences=parallel, n_ctx=n_ctx,
-                                    cache=self._cache if self.caches_prompts else None)
-            self.n_ctx = self._batcher.n_ctx
 
     def _reset(self) -> None:
         # Through a typed alias: Llama.reset is unannotated.
@@ -237,25 +213,29 @@ class LlamaEngine(Engine):
         if len(tokens) > self.n_ctx - 1 - max_tokens:
             raise PromptTooLong(len(tokens), max_tokens, self.n_ctx)
         generation = Generation(prompt_tokens=len(tokens), pieces=iter(()))
-        batcher = self._batcher
-        if batcher is not None:
-            generation.pieces = self._run_batched(batcher, generation, request, tokens, max_tokens, stop,
-                                                  grammar, written, cache_scope)
-        else:
-            generation.pieces = self._run(generation, request, tokens, max_tokens, stop, grammar, written,
-                                          cache_scope)
+        generation.pieces = self._run(generation, request, tokens, max_tokens, stop, grammar, written, cache_scope)
         if self.caches_prompts and request.messages is not None and not request.offers_tools and grammar is None:
             def after(answer: str) -> None:
                 tokens = self._next_turn_tokens(request, answer)
                 if tokens is None:
                     return
-                if batcher is not None:
-                    batcher.prepare(tokens, cache_scope)
-                else:
-                    self._prepare_next_turn(tokens, cache_scope)
+                self._prepare_next_turn(tokens, cache_scope)
 
             generation.after = after
         return generation
+
+    @abstractmethod
+    def _run(self, generation: Generation, request: GenerationRequest, tokens: list[int], max_tokens: int,
+             stop: threading.Event, grammar: str | None = None, written: str = "", scope: str = "",
+             ) -> Iterator[Piece]:
+        """The pieces of a generation from ``tokens`` (its sampler and decoder: ``_sequence``), lazily: the
+        prefill and the decode run as they are read, on the reader's thread or the batcher's."""
+
+    @abstractmethod
+    def _prepare_next_turn(self, tokens: list[int], scope: str) -> None:
+        """After a chat's answer: prefill the whole blocks of the chat's next turn's opening (``tokens``:
+        ``_next_turn_tokens``) into the prompt cache while no generation wants the decoder, so that turn
+        evaluates only its new message, not also the tail of this prompt and this answer."""
 
     def _next_turn_tokens(self, request: GenerationRequest, answer: str) -> list[int] | None:
         """What a chat's next turn will start with: its messages, this answer, the next user message's opening
@@ -266,107 +246,6 @@ class LlamaEngine(Engine):
             return self.tokenize_prompt(replace(request, messages=messages))
         except EngineError:
             return None
-
-    def _prepare_next_turn(self, tokens: list[int], scope: str) -> None:
-        """After a chat's answer, while nothing else wants the context: prefill the whole blocks of the chat's
-        next turn's opening (``_next_turn_tokens``), so that turn evaluates only its new message, not also the
-        tail of this prompt and this answer. Exact like any prefill block (generator.engines.prompt_cache);
-        stopped between blocks as soon as a generation waits for the context, and skipped if one holds it.
-        Batched, the batcher does this (generator.engines.batch: ``Batcher.prepare``)."""
-        if not self._lock.acquire(blocking=False):
-            return
-        try:
-            if self._closed or self._waiting:
-                return
-            reused = shared_blocks(self._live, tokens, len(tokens))
-            if reused < len(self._live) or self._live_scope != scope:
-                return  # the context holds another prompt now
-            self._llm.n_tokens = reused
-            for start, end in blocks(reused, whole_blocks(tokens)):
-                if self._waiting:
-                    break
-                self._llm.eval(tokens[start:end])
-                self._live = tokens[:end]
-        finally:
-            self._lock.release()
-
-    def _take_context(self) -> None:
-        prev = self._active
-        if prev is not None and self._active_thread == threading.get_ident():
-            # A generation this thread left suspended can never resume while we wait for it: end it, or
-            # the lock it holds deadlocks us.
-            close = getattr(prev, "close", None)
-            if close is not None:
-                close()
-        with self._waiting_lock:
-            self._waiting += 1  # a next turn's preparation gives way (between blocks)
-        try:
-            self._lock.acquire()
-        finally:
-            with self._waiting_lock:
-                self._waiting -= 1
-
-    def _run(
-        self,
-        generation: Generation,
-        request: GenerationRequest,
-        tokens: list[int],
-        max_tokens: int,
-        stop: threading.Event,
-        grammar: str | None = None,
-        written: str = "",
-        scope: str = "",
-    ) -> Iterator[Piece]:
-        if stop.is_set():
-            return
-        self._take_context()
-        sampler: Sampler | None = None
-        try:
-            if self._closed:
-                raise RuntimeError("engine is closed")
-            self._active = generation.pieces
-            self._active_thread = threading.get_ident()
-            if not self._prefill(generation, tokens, stop, scope):
-                return
-            made = self._sequence(generation, request, tokens, max_tokens, grammar, written, self._llm.ctx)
-            if made is None:
-                return
-            sampler, decoder = made
-            while True:
-                yield from decoder.take(sampler.sample())
-                if decoder.ended:
-                    return
-                # Checked before the decode of this token (the next step).
-                if stop.is_set():
-                    break
-                self._llm.eval([decoder.last])
-            yield from decoder.end()
-        finally:
-            if sampler is not None:
-                self.last_resampled = sampler.resampled
-                sampler.close()
-            self._active = None
-            self._lock.release()
-
-    def _run_batched(self, batcher: Batcher, generation: Generation, request: GenerationRequest, tokens: list[int],
-                     max_tokens: int, stop: threading.Event, grammar: str | None, written: str,
-                     scope: str) -> Iterator[Piece]:
-        """A generation among the batcher's sequences (generator.engines.batch): set up here, in its own
-        thread, then decoded by the batcher, whose pieces it hands on."""
-        if stop.is_set():
-            return
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        made = self._sequence(generation, request, tokens, max_tokens, grammar, written, batcher.ctx)
-        if made is None:
-            return
-        seq = BatchedSequence(tokens, scope, generation, stop, *made)
-        batcher.submit(seq)
-        try:
-            while (pieces := seq.pieces()) is not None:
-                yield from pieces
-        finally:
-            seq.abandoned = True  # read no further (or ended): the batcher drops it at its next step
 
     def _sequence(self, generation: Generation, request: GenerationRequest, tokens: list[int], max_tokens: int,
                   grammar: str | None, written: str, ctx: llama_cpp.llama_context_p,
@@ -408,72 +287,6 @@ class LlamaEngine(Engine):
         logprob = (lambda token: self._logprob(sampler, token, top)) if request.sampling.logprobs else None
         return sampler, SequenceDecoder(generation, detok, limit=limit, eog=self._eog, syntax=syntax, logprob=logprob)
 
-    def _prefill(self, generation: Generation, tokens: list[int], stop: threading.Event, scope: str) -> bool:
-        """Evaluate ``tokens`` from the longest prefix of whole blocks the prompt cache holds for ``scope``, block by
-        block (generator.engines.prompt_cache: what keeps a seeded answer independent of the cache). A long prompt
-        reports progress between blocks, and a cancel stops it there (False) instead of after the whole
-        prefill."""
-        llm = self._llm
-        limit = reusable(tokens) if self.caches_prompts else 0  # off: every prompt evaluated in full
-        reused = shared_blocks(self._live, tokens, limit) if self._live_scope == scope else 0
-        entry, from_entry = self._cache.best(tokens, limit, scope)
-        if entry is not None and from_entry > reused:
-            self._stash_live()
-            self._live = []
-            reused = from_entry if self._load_state(entry.state) else 0
-        elif reused < len(self._live):
-            self._stash_live()
-        self._live = tokens[:reused]
-        self._live_scope = scope
-        llm.n_tokens = reused  # Llama.eval drops the KV past it before it decodes
-        generation.cached_tokens = reused
-        on_progress = generation.on_progress
-        report = on_progress is not None and len(tokens) > PROGRESS_MIN_TOKENS
-        for start, end in blocks(reused, len(tokens)):
-            if stop.is_set():
-                return False
-            if report and end == len(tokens) and end - start > 1:
-                # The last block in two steps, so the last report says all but the token that starts the
-                # answer. Not a whole-block batch any more: never kept (below).
-                llm.eval(tokens[start:end - 1])
-                assert on_progress is not None
-                on_progress(end - 1, len(tokens))
-                llm.eval(tokens[end - 1:end])
-                break
-            llm.eval(tokens[start:end])
-            if end - start == BLOCK_TOKENS:
-                self._live = tokens[:end]
-            if report and end % PROGRESS_CHUNK_TOKENS == 0 and end < len(tokens):
-                assert on_progress is not None
-                on_progress(end, len(tokens))
-        return True
-
-    def _stash_live(self) -> None:
-        """Copy the whole blocks the context holds into the prompt cache before another prompt overwrites
-        them (the answer after them is dropped first: never reused)."""
-        live = self._live
-        if not live or self._cache.budget_bytes == 0 or self._cache.holds(live, self._live_scope):
-            return
-        ctx = self._llm.ctx
-        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), -1, len(live), -1)
-        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
-        if 0 < n <= size:
-            self._cache.put(live, bytes(memoryview(buf)[:n]), self._live_scope)
-
-    def _load_state(self, state: bytes) -> bool:
-        """Replace the context's KV with a cached state; False (and an empty KV: evaluate from scratch) if
-        llama.cpp refuses it."""
-        ctx = self._llm.ctx
-        mem = llama_cpp.llama_get_memory(ctx)
-        llama_cpp.llama_memory_clear(mem, True)
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if llama_cpp.llama_state_seq_set_data(ctx, buf, len(state), 0) == len(state):
-            return True
-        llama_cpp.llama_memory_clear(mem, True)
-        return False
-
     def _logprob(self, sampler: Sampler, token: int, top: int) -> TokenLogprob:
         lp, best = sampler.logprobs(token, top)
 
@@ -512,18 +325,5 @@ class LlamaEngine(Engine):
         except KeyError:
             raise GrammarError("the model's vocabulary lacks a token for a byte of the stored answer") from None
 
-    def observe_steps(self, observer: StepObserver) -> None:
-        if self._batcher is not None:
-            self._batcher.on_step = observer
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._take_context()
-        try:
-            self._closed = True
-            if self._batcher is not None:
-                self._batcher.close()
-            self._llm.close()
-        finally:
-            self._lock.release()
+    @abstractmethod
+    def close(self) -> None: ...

@@ -23,6 +23,7 @@ pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 from broker.redis.server import RedisServer
 from broker.request.generation import GenerationRequest, RequestLimits, validate_create_body
 from generator.engines.base import Generation
+from generator.engines.batch_engine import BatchedEngine
 from generator.engines.llama import LlamaEngine
 from generator.engines.pieces import Piece, ToolCallStart
 
@@ -70,7 +71,7 @@ def text_of(pieces: list[Piece]) -> str:
 
 @pytest.fixture(scope="module")
 def batched(default_gguf: Path) -> Iterator[LlamaEngine]:
-    eng = LlamaEngine(str(default_gguf), n_threads=2, n_ctx=1024, parallel=6)
+    eng = BatchedEngine(str(default_gguf), parallel=6, n_threads=2, n_ctx=1024)
     yield eng
     eng.close()
 
@@ -119,7 +120,7 @@ def test_mixed_answers_in_one_batch_are_each_valid(batched: LlamaEngine) -> None
 
 
 def test_one_cancelled_mid_answer_leaves_at_once_and_the_others_run_to_their_end(default_gguf: Path) -> None:
-    eng = LlamaEngine(str(default_gguf), n_threads=2, n_ctx=1024, parallel=4, ignore_eos=True)
+    eng = BatchedEngine(str(default_gguf), parallel=4, n_threads=2, n_ctx=1024, ignore_eos=True)
     try:
         reqs = [request(f"Count from {i} upwards.", max_tokens=60) for i in range(4)]
         stop, seen = threading.Event(), threading.Event()
@@ -173,7 +174,7 @@ def test_a_chats_next_turn_is_prepared_while_the_batch_is_idle(default_gguf: Pat
     """After a chat's answer the batcher prefills the whole blocks its next turn starts with (the history, this
     answer, the next user message's opening) into the cache while no generation runs: the next turn reuses every
     whole block it shares with them, the answer's included, not only the last prompt's."""
-    eng = LlamaEngine(str(default_gguf), n_threads=2, n_ctx=1024, parallel=2)
+    eng = BatchedEngine(str(default_gguf), parallel=2, n_threads=2, n_ctx=1024)
     try:
         # A 211-token prompt and an answer of up to 70: the next turn shares the block past the prompt's last.
         first = chat("Here are some words: " + " ".join(f"w{i}" for i in range(60)) + ". Tell a long story.",
@@ -201,7 +202,7 @@ def test_a_chats_next_turn_is_prepared_while_the_batch_is_idle(default_gguf: Pat
 def test_a_generation_takes_the_sequence_id_a_preparation_holds(default_gguf: Path) -> None:
     """Two next turns being prepared hold both sequences of a --parallel 2 batch: two new generations still run
     (the preparations give their ids up), and every id is free again once all is done."""
-    eng = LlamaEngine(str(default_gguf), n_threads=2, n_ctx=1024, parallel=2)
+    eng = BatchedEngine(str(default_gguf), parallel=2, n_threads=2, n_ctx=1024)
     batcher = eng._batcher
     assert batcher is not None
     try:

@@ -87,10 +87,13 @@ def test_a_global_scope_shares_the_cache_across_keys(
 def test_engine_scopes_keep_apart(demo_gguf: Path, parallel: int) -> None:
     # Batched too: a sequence copies a prefix only from its own scope's running sequences and cache entries.
     from broker.request.generation import GenerationRequest
+    from generator.engines.batch_engine import BatchedEngine
     from generator.engines.llama import LlamaEngine
+    from generator.engines.one_sequence import OneSequenceEngine
 
-    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True, prompt_cache_mib=64,
-                      parallel=parallel)
+    eng: LlamaEngine = (
+        BatchedEngine(str(demo_gguf), parallel=parallel, n_threads=1, n_ctx=2048, ignore_eos=True, prompt_cache_mib=64)
+        if parallel > 1 else OneSequenceEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True, prompt_cache_mib=64))
     try:
         req = GenerationRequest(messages=None, prompt="lamp river " * 150, model=None, max_tokens=4,
                                 temperature=0.0, top_p=1.0, seed=1, stop=(), cancel_on_disconnect=False)

@@ -19,6 +19,7 @@ from broker.request.generation import GenerationRequest, Message, Tool, ToolCall
 from generator.engines.chat import TOOLS_PROMPT, ChatTemplate, ChatTemplateError, fold_system
 from generator.engines.default_model import default_model_path
 from generator.engines.llama import LlamaEngine
+from generator.engines.one_sequence import OneSequenceEngine
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 
@@ -116,7 +117,7 @@ def _request(*, messages: tuple[Message, ...] | None = None, prompt: str | None 
 def smollm2() -> Iterator[LlamaEngine]:
     path = default_model_path()
     assert path is not None
-    eng = LlamaEngine(str(path), n_threads=1, n_ctx=1024)
+    eng = OneSequenceEngine(str(path), n_threads=1, n_ctx=1024)
     yield eng
     eng.close()
 

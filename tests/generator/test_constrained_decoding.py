@@ -22,6 +22,7 @@ from broker.redis.server import RedisServer
 from broker.request.generation import GenerationRequest, RequestLimits, ResponseFormat, validate_create_body
 from generator.engines.grammar import SchemaRefused, answer_grammar
 from generator.engines.llama import LlamaEngine
+from generator.engines.one_sequence import OneSequenceEngine
 from generator.engines.pieces import PartialAnswer, PartialCall, Piece, ToolCallStart
 
 PERSON = {
@@ -151,7 +152,7 @@ TRIALS = 8
 
 @pytest.fixture(scope="module")
 def smollm(default_gguf: Path) -> Any:
-    eng = LlamaEngine(str(default_gguf), n_threads=2, n_ctx=2048)
+    eng = OneSequenceEngine(str(default_gguf), n_threads=2, n_ctx=2048)
     yield eng
     eng.close()
 

@@ -14,6 +14,7 @@ pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 from broker.request.generation import GenerationRequest, Message
 from generator.engines.default_model import default_model_path
 from generator.engines.llama import LlamaEngine
+from generator.engines.one_sequence import OneSequenceEngine
 
 
 def _chat(*turns: tuple[str, str]) -> GenerationRequest:
@@ -61,7 +62,7 @@ needs_default_model = pytest.mark.skipif(default_model_path() is None, reason="t
 def smollm2() -> Iterator[LlamaEngine]:
     path = default_model_path()
     assert path is not None
-    eng = LlamaEngine(str(path), n_threads=1, n_ctx=1024)
+    eng = OneSequenceEngine(str(path), n_threads=1, n_ctx=1024)
     yield eng
     eng.close()
 

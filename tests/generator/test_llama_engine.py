@@ -10,8 +10,10 @@ pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
 from broker.request.generation import GenerationRequest, Message
 from generator.engines.base import Engine, EngineError, Generation, PromptTooLong
+from generator.engines.batch_engine import BatchedEngine
 from generator.engines.demo_model import DEMO_MODEL_NAME
 from generator.engines.llama import LlamaEngine
+from generator.engines.one_sequence import OneSequenceEngine
 
 
 def request(
@@ -45,7 +47,7 @@ def run(
 def test_is_an_engine_named_after_the_model(engine: LlamaEngine, demo_gguf: Path) -> None:
     e: Engine = engine
     assert e.name == DEMO_MODEL_NAME
-    named = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=256, name="custom")
+    named = OneSequenceEngine(str(demo_gguf), n_threads=1, n_ctx=256, name="custom")
     assert named.name == "custom"
     named.close()
     with pytest.raises(RuntimeError):
@@ -172,7 +174,7 @@ def test_text_matches_a_bare_generate_loop_detokenized_by_llama(engine_eos: Llam
 
 
 def test_prompt_too_long(demo_gguf: Path) -> None:
-    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=128, ignore_eos=True)
+    eng = OneSequenceEngine(str(demo_gguf), n_threads=1, n_ctx=128, ignore_eos=True)
     try:
         n_ctx = eng.n_ctx  # llama.cpp rounds the context up (to 256 here)
         assert n_ctx >= 128
@@ -300,7 +302,8 @@ def test_the_engine_never_decodes_on_the_thread_that_made_it(demo_gguf: Path, pa
     # Llama.eval calls the bindings' function, the batcher the package's re-export of it.
     monkeypatch.setattr(bindings, "llama_decode", recording)
     monkeypatch.setattr(llama_cpp, "llama_decode", recording)
-    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=512, ignore_eos=True, parallel=parallel)
+    eng: LlamaEngine = (BatchedEngine(str(demo_gguf), parallel=parallel, n_threads=1, n_ctx=512, ignore_eos=True)
+                        if parallel > 1 else OneSequenceEngine(str(demo_gguf), n_threads=1, n_ctx=512, ignore_eos=True))
     try:
         made: list[list[str]] = []
         generating = threading.Thread(target=lambda: made.append(run(eng, request(), 4)[1]))

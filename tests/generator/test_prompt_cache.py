@@ -16,6 +16,7 @@ pytest.importorskip("llama_cpp", reason=LLAMA_EXTRA)
 
 from broker.request.generation import GenerationRequest, Message
 from generator.engines.llama import LlamaEngine
+from generator.engines.one_sequence import OneSequenceEngine
 from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, shared_blocks
 
 WORDS = ("river stone cloud lamp orchard silver quiet engine harbor window meadow copper lantern thistle "
@@ -50,7 +51,7 @@ def generate(eng: LlamaEngine, req: GenerationRequest) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def cached(demo_gguf: Path) -> Iterator[LlamaEngine]:
-    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True, prompt_cache_mib=64)
+    eng = OneSequenceEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True, prompt_cache_mib=64)
     yield eng
     eng.close()
 
@@ -58,7 +59,7 @@ def cached(demo_gguf: Path) -> Iterator[LlamaEngine]:
 @pytest.fixture(scope="module")
 def fresh(demo_gguf: Path) -> Iterator[LlamaEngine]:
     """No cache kept; each reference answer is preceded by an unrelated prompt, so nothing is reused."""
-    eng = LlamaEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True, prompt_cache_mib=0)
+    eng = OneSequenceEngine(str(demo_gguf), n_threads=1, n_ctx=2048, ignore_eos=True, prompt_cache_mib=0)
     yield eng
     eng.close()
 
@@ -142,7 +143,7 @@ def test_answer_tokens_are_never_reused(default_gguf: Path) -> None:
     """A continuation's prompt holds the answer so far, whose tokens were decoded one at a time: on the real
     model their KV differs from a prefill's (logits apart by up to 0.4 here), so reusing it would change the
     seeded text that follows."""
-    eng = LlamaEngine(str(default_gguf), n_threads=1, n_ctx=1024, ignore_eos=True, prompt_cache_mib=64)
+    eng = OneSequenceEngine(str(default_gguf), n_threads=1, n_ctx=1024, ignore_eos=True, prompt_cache_mib=64)
     try:
         req = GenerationRequest(messages=(Message("user", "Write a long story about a lighthouse keeper. " + text(9, 80)),),
                                 prompt=None, model=None, max_tokens=150, temperature=1.0, top_p=1.0, seed=3,
