@@ -320,6 +320,7 @@ class JobRunner:
                     run.stop.set()
                 if batch.closed:
                     closed = True
+                    watch.seat.finish()  # the engine is done: its slot goes to the next job during the last writes
                     progress.error = run.engine_ended(batch.error)
                     if batch.error is None and not run.stop.is_set():
                         events += answer.flush()

@@ -26,6 +26,11 @@ class Slots:
         self.free = max(1, concurrency)
         self.max_parked = max(0, max_parked)
         self.parked = 0  # generations holding no slot while their write waits (and until they resume)
+        # Jobs whose engine is done and whose terminal writes are still on their way (``Seat.finish``): their
+        # slots went to the next jobs. Past as many as there are slots, no new job starts, so a Redis slow to take
+        # the last writes slows the claims instead of piling jobs up.
+        self.finishing = 0
+        self._bound = self.free
         self._takers: deque[asyncio.Future[None]] = deque()
         self._resumers: deque[asyncio.Future[None]] = deque()
 
@@ -35,8 +40,9 @@ class Slots:
         return bool(self._resumers)
 
     async def take(self) -> None:
-        """A slot for a new job: waits while none is free or a parked generation waits for one."""
-        while self.free <= 0 or self._resumers:
+        """A slot for a new job: waits while none is free, a parked generation waits for one, or more jobs than
+        there are slots are still finishing."""
+        while self.free <= 0 or self._resumers or self.finishing > self._bound:
             await self._wait(self._takers)
         self.free -= 1
         self._wake()
@@ -50,6 +56,11 @@ class Slots:
 
     def release(self) -> None:
         self.free += 1
+        self._wake()
+
+    def finished(self) -> None:
+        """A finishing job's last writes are done."""
+        self.finishing -= 1
         self._wake()
 
     def seat(self) -> Seat:
@@ -68,7 +79,7 @@ class Slots:
     def _wake(self) -> None:
         """Wake as many waiters as there are free slots, resumers first (a woken one that has not run yet counts:
         its slot is coming)."""
-        budget = self.free
+        budget = self.free if self.finishing <= self._bound else 0
         for queue in (self._resumers, self._takers):
             for fut in queue:
                 if budget <= 0:
@@ -88,6 +99,7 @@ class Seat:
         self._slots = slots
         self.holds_slot = True
         self.parked = False
+        self.finishing = False
 
     def park(self, released: asyncio.Future[None] | None = None) -> bool:
         """Give the slot back while a write waits, once ``released`` is done (the engine has stopped), or at
@@ -108,6 +120,16 @@ class Seat:
     def can_park(self) -> bool:
         return self.parked or self._slots.parked < self._slots.max_parked
 
+    def finish(self) -> None:
+        """The job's engine is done: only its terminal writes are left, which need no slot, so the slot goes to the
+        next job now rather than after those round trips (the batch would decode a sequence short meanwhile)."""
+        if self.parked or not self.holds_slot or self.finishing:
+            return
+        self.holds_slot = False
+        self.finishing = True
+        self._slots.finishing += 1
+        self._slots.release()
+
     def _give_back(self) -> None:
         if self.parked and self.holds_slot:
             self.holds_slot = False
@@ -124,7 +146,10 @@ class Seat:
         self._slots.parked -= 1
 
     def close(self) -> None:
-        """The job is over: give back its slot, or its place among the parked."""
+        """The job is over: give back its slot, or its place among the parked or the finishing."""
+        if self.finishing:
+            self.finishing = False
+            self._slots.finished()
         if self.parked:
             self.parked = False
             self._slots.parked -= 1

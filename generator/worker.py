@@ -127,7 +127,9 @@ class Worker:
         if isinstance(self.engine, TokenCounter):  # POST /v1/messages/count_tokens for this model
             helpers.append(asyncio.create_task(answer_token_counts(self.engine, self.store.redis, self.engine.name),
                                                name="token-counts"))
-        slots = Slots(self.concurrency, self.settings.max_parked)
+        # In-process llama.cpp: claimed ahead, jobs wait inside the engine for the step a sequence frees.
+        ahead = self.settings.claim_ahead if self.engine.sequences else 0
+        slots = Slots(self.concurrency + max(0, ahead), self.settings.max_parked)
         self.slots = slots
         self.metrics.parked.set_function(lambda: slots.parked)
         jobs: set[asyncio.Task[None]] = set()

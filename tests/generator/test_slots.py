@@ -129,3 +129,50 @@ async def test_at_the_bound_a_stall_watch_looks_again_and_parks_once_there_is_ro
 def test_never_parks() -> None:
     watch = StallWatch.never()
     assert watch.after_s is None and not watch.seat.can_park
+
+
+async def test_a_job_whose_engine_is_done_gives_its_slot_to_the_next_during_its_last_writes() -> None:
+    slots = Slots(1, 0)
+    await slots.take()
+    first = slots.seat()
+    second_job = asyncio.ensure_future(slots.take())
+    await _settle()
+    assert not second_job.done()
+    first.finish()  # its engine is done; its terminal event is on its way to Redis
+    await _settle()
+    assert second_job.done() and not first.holds_slot
+    first.finish()  # twice changes nothing
+    second = slots.seat()
+    first.close()
+    second.close()
+    assert slots.free == 1 and slots.finishing == 0
+
+
+async def test_no_more_jobs_finish_at_once_than_there_are_slots() -> None:
+    """A Redis slow to take the last writes slows the claims: finishing jobs do not pile up."""
+    slots = Slots(1, 0)
+    seats = []
+    for _ in range(2):
+        await slots.take()
+        seat = slots.seat()
+        seat.finish()
+        seats.append(seat)
+    third_job = asyncio.ensure_future(slots.take())
+    await _settle()
+    assert not third_job.done() and slots.free == 1 and slots.finishing == 2
+    seats[0].close()  # one finishing job's writes landed
+    await _settle()
+    assert third_job.done()
+    slots.seat().close()
+    seats[1].close()
+    assert slots.free == 1 and slots.finishing == 0
+
+
+async def test_a_parked_job_is_not_finished_twice() -> None:
+    slots = Slots(1, 1)
+    await slots.take()
+    seat = slots.seat()
+    assert seat.park()
+    seat.finish()  # parked: its slot was given back already
+    seat.close()
+    assert slots.free == 1 and slots.parked == 0 and slots.finishing == 0
