@@ -2,25 +2,28 @@
 sequences, and one thread, the batcher, decodes them together in steps.
 
 A step is one ``llama_decode`` of one batch: the next token of every sequence that is answering, and up to
-``PREFILL_STEP_TOKENS`` tokens of the prompts still being prefilled, in order of arrival. On this CPU a step
-costs about what one token of one sequence does, whatever N (NOTES.md: one sequence decodes ~98 tokens/s, eight
-in one batch ~176 in all), so N answers advance at once where a context decoding one sequence at a time makes
+``PREFILL_STEP_TOKENS`` tokens of the prompts still being prefilled, in order of arrival. On this CPU a step of
+four answers costs about 2.5 times a step of one (the default model: ~9 ms for one, ~22 ms for four;
+docs/benchmarks.md), so N answers advance at once where a context decoding one sequence at a time makes
 the Nth chat wait for N-1 whole answers. A new prompt enters the running batch in chunks, so the answers
 already running are never held up by more than a chunk's prefill per step (~0.25 s for 64 tokens of the default
 model) however long the prompt, and a sequence that ends (its last token, a cancel, its reader gone) leaves at
 the step it ends in: its place goes to the next prompt at once.
 
-Each sequence is a stream of its own in the context (``kv_unified`` off: its attention reads its own cells, not
-every sequence's), with ``n_ctx`` cells, so a sequence has the context ``--n-ctx`` says whatever the others
-hold; the KV cache costs N times a one-sequence context.
+The sequences share one pool of ``n_ctx`` cells per sequence (``kv_unified``, as llama-server's slots do): a
+sequence holds at most ``n_ctx`` tokens (its decoder's limit), so it has the context ``--n-ctx`` says whatever
+the others hold, and a step is one pass over the weights (with a stream of cells per sequence, llama.cpp cut a
+step into passes by sequence id: see ``Batcher``).
 
-The prompt cache (generator.engines.prompt_cache) works here as with one sequence, within the same scope: a
-new prompt starts from the longest prefix of whole prefilled blocks that a running sequence, or an entry of the
-LRU, holds, copied into its own sequence (``llama_state_seq_*``: a few ms for a thousand tokens) instead of
-prefilled again; a sequence that leaves copies its prompt's whole blocks into the LRU. After a chat's answer
-the batch prepares the chat's next turn (``prepare``: the whole blocks of its history, the answer and the next
-user message's opening, prefilled into the LRU) while no generation runs or waits, so that turn evaluates
-only its new message; a generation that comes meanwhile pauses the preparation, or takes its place.
+The prompt cache (generator.engines.prompt_cache) works here within the same scope, finer than with one
+sequence: a new prompt starts from the longest prefix, token by token, that a running sequence holds, whose
+cells it shares (``llama_memory_seq_cp`` in the one pool: nothing copied, nothing prefilled again), or that an
+entry of the LRU holds, loaded into its own cells (``llama_state_seq_*``: a few ms for a thousand tokens). A
+sequence that leaves puts its whole turn, prompt and answer, into the LRU. So twenty chats with one system
+prompt prefill it once, and a chat's next turn evaluates only its new message, as a llama-server slot reuses its
+last prompt and answer. After a chat's answer the batch also prepares the chat's next turn (``prepare``: the
+whole blocks of its history, the answer and the next user message's opening, prefilled into the LRU) while no
+generation runs or waits; a generation that comes meanwhile pauses the preparation, or takes its place.
 
 What is not exact. llama.cpp computes a token's logits the same way whatever else is in its batch only as far
 as its kernels are batch-invariant; how often a seeded answer run inside a batch equals the same request run
@@ -46,10 +49,10 @@ import llama_cpp
 from generator.engines.base import EngineError, Generation, StepObserver
 from generator.engines.batch_plan import PREFILL_STEP_TOKENS, plan_step
 from generator.engines.decoding import SequenceDecoder
-from generator.engines.kv_state import keep_prompt_blocks, load_sequence_state, sequence_state
+from generator.engines.kv_state import load_sequence_state, sequence_state
 from generator.engines.llama import PROGRESS_CHUNK_TOKENS, PROGRESS_MIN_TOKENS
 from generator.engines.pieces import Piece
-from generator.engines.prompt_cache import BLOCK_TOKENS, PromptCache, reusable, shared_blocks, whole_blocks
+from generator.engines.prompt_cache import PromptCache, common_prefix, whole_blocks
 from generator.engines.sampler import Sampler
 
 log = logging.getLogger("rsb.generator")
@@ -70,12 +73,6 @@ class Prefilled:
     def prefilling(self) -> bool:
         return self.pos < len(self.tokens)
 
-    @property
-    def prompt_blocks(self) -> int:
-        """Leading prompt tokens whose KV is prefilled, in whole blocks (what a prefix may be copied from)."""
-        done = min(self.pos, len(self.tokens))
-        return done - done % BLOCK_TOKENS
-
 
 @dataclass(eq=False, slots=True)
 class Preparation(Prefilled):
@@ -86,6 +83,9 @@ class Preparation(Prefilled):
     seq_id: int = -1
     pos: int = 0
     begun: bool = False
+
+    def held(self) -> list[int]:
+        return self.tokens[:self.pos]
 
 
 @dataclass(eq=False, slots=True)
@@ -104,6 +104,11 @@ class BatchedSequence(Prefilled):
     seq_id: int = -1
     pos: int = 0  # positions its KV holds
     begun: bool = False  # its cached prefix was chosen
+    answer: list[int] = field(default_factory=list)  # the answer's tokens decoded so far (their KV is held)
+
+    def held(self) -> list[int]:
+        """The tokens whose KV it holds, positions 0 .. pos-1."""
+        return (self.tokens + self.answer)[:self.pos]
 
     def pieces(self) -> list[Piece] | None:
         """The next pieces, blocking; None at the end. Raises the error the sequence ended with."""
@@ -119,14 +124,21 @@ class Batcher:
 
     def __init__(self, llm: llama_cpp.Llama, *, sequences: int, n_ctx: int, cache: PromptCache | None,
                  on_step: StepObserver | None = None) -> None:
-        # The one-sequence context's own settings (threads, attention kernels, rope) but for the sequences: a
-        # default context would differ (flash attention "auto", which changes the numbers a step computes).
+        # The one-sequence context's own settings (threads, rope) but for the sequences and the attention below.
         params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
         params.n_ctx = n_ctx * sequences
         params.n_batch = max(512, PREFILL_STEP_TOKENS + sequences)
         params.n_ubatch = params.n_batch
         params.n_seq_max = sequences
-        params.kv_unified = False
+        # One pool of cells for every sequence, as llama-server's slots share theirs. With a stream of cells per
+        # sequence instead, llama.cpp cuts a batch into ubatches of sequences whose ids follow each other (its
+        # split_equal, sequential), and sequences take ids in the order they arrive and leave: a step of four
+        # answers was up to four passes over the weights (two sequences cost 2.3x one; docs/benchmarks.md). A
+        # sequence never holds more than n_ctx tokens (its decoder's limit), so the pool never runs out.
+        params.kv_unified = True
+        # Flash attention as llama.cpp chooses it (on, on a CPU): in one pool a token's attention spans every
+        # sequence's cells, the others' masked, and its kernel skips masked cells where the plain one reads them.
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
         ctx = llama_cpp.llama_init_from_model(llm.model, params)
         if not ctx:
             raise EngineError(f"llama.cpp could not create a context of {sequences} sequences x {n_ctx} tokens")
@@ -214,7 +226,7 @@ class Batcher:
             except Exception as e:  # llama.cpp failed under every running sequence: each ends with the error
                 log.exception("a batched decoding step failed")
                 for seq in list(self._running):
-                    self._leave(seq, error=e)
+                    self._leave(seq, error=e, keep=False)  # what the failed step wrote is no KV to keep
                 for prep in list(self._preparing):
                     self._release(prep, keep=False)
         closed = RuntimeError("engine is closed")
@@ -263,6 +275,7 @@ class Batcher:
         n = 0
         for seq in plan.answering:
             self._add(n, seq.decoder.last, seq.pos, seq.seq_id, True)
+            seq.answer.append(seq.decoder.last)
             seq.pos += 1
             n += 1
         for chunk in plan.prefills:
@@ -311,16 +324,23 @@ class Batcher:
 
     def _begin(self, seq: BatchedSequence) -> None:
         seq.begun = True
-        seq.pos = seq.generation.cached_tokens = self._copy_prefix(seq.seq_id, seq.tokens, reusable(seq.tokens),
+        # At least the last prompt token is decoded here: its logits start the answer.
+        seq.pos = seq.generation.cached_tokens = self._copy_prefix(seq.seq_id, seq.tokens, len(seq.tokens) - 1,
                                                                    seq.scope)
 
     def _begin_preparation(self, prep: Preparation) -> None:
         prep.begun = True
         prep.pos = self._copy_prefix(prep.seq_id, prep.tokens, len(prep.tokens), prep.scope)
 
-    def _copy_prefix(self, seq_id: int, tokens: list[int], limit: int, scope: str) -> int:
-        """The longest prefix of ``tokens`` (whole blocks, at most ``limit``) that a sequence in the batch or an
-        entry of the cache holds in ``scope``, copied into ``seq_id``: how many tokens."""
+    def _copy_prefix(self, seq_id: int, tokens: list[int], live_limit: int, scope: str) -> int:
+        """The longest prefix of ``tokens`` (at most ``live_limit``, token by token) that a sequence in the batch
+        or an entry of the cache holds in ``scope``, given to ``seq_id``: how many tokens.
+
+        From a sequence of the batch the cells are shared, not copied (``llama_memory_seq_cp`` in the one pool:
+        the cells get a second owner), so twenty chats with one system prompt prefill it once. From the cache (a
+        finished turn's prompt and answer, or a prepared turn's blocks) the state is loaded into the sequence's
+        own cells (a few ms for a thousand tokens), and what it holds past the prefix dropped. Either way the
+        prefix's KV is that of its tokens alone, up to how the batch it was computed in rounded."""
         cache = self._cache
         if cache is None:
             return 0
@@ -328,20 +348,20 @@ class Batcher:
         from_live = 0
         others: list[BatchedSequence | Preparation] = [*self._running, *self._preparing]
         for other in others:
-            if other.seq_id != seq_id and other.scope == scope and other.seq_id >= 0:
-                n = shared_blocks(other.tokens[:other.prompt_blocks], tokens, limit)
+            if other.seq_id != seq_id and other.scope == scope and other.seq_id >= 0 and other.begun:
+                n = common_prefix(other.tokens, min(other.pos, len(other.tokens), live_limit), tokens)
                 if n > from_live:
                     source, from_live = other, n
-        entry, from_entry = cache.best(tokens, limit, scope)
-        reused = 0
+        entry, from_entry = cache.longest(tokens, live_limit, scope)
         if entry is not None and from_entry > from_live:
-            reused = from_entry if self._load(seq_id, entry.state) else 0
-        elif source is not None:
-            state = sequence_state(self.ctx, source.seq_id)
-            reused = from_live if state is not None and self._load(seq_id, state) else 0
-        if reused:
-            llama_cpp.llama_memory_seq_rm(self._mem, seq_id, reused, -1)
-        return reused
+            if not self._load(seq_id, entry.state):
+                return 0
+            llama_cpp.llama_memory_seq_rm(self._mem, seq_id, from_entry, -1)
+            return from_entry
+        if source is not None:
+            llama_cpp.llama_memory_seq_cp(self._mem, source.seq_id, seq_id, 0, from_live)
+            return from_live
+        return 0
 
     def _load(self, seq_id: int, state: bytes) -> bool:
         if load_sequence_state(self.ctx, seq_id, state):
@@ -350,11 +370,12 @@ class Batcher:
         return False
 
     def _leave(self, seq: BatchedSequence, pieces: list[Piece] | None = None,
-               error: BaseException | None = None) -> None:
-        """``seq`` leaves the batch: its prompt's whole blocks into the cache, its cells and id freed."""
+               error: BaseException | None = None, *, keep: bool = True) -> None:
+        """``seq`` leaves the batch: its cells kept as a turn and its prompt's whole blocks into the cache
+        (``keep``), its id freed."""
         if seq in self._running:
             self._running.remove(seq)
-        self._free(seq)
+        self._free(seq, keep=keep)
         if pieces and not seq.abandoned:
             seq.out.put(pieces)
         self._end(seq, error)
@@ -369,8 +390,12 @@ class Batcher:
         sid = seq.seq_id
         if sid < 0:
             return
-        if keep and self._cache is not None:
-            keep_prompt_blocks(self.ctx, sid, self._cache, seq.tokens[:seq.prompt_blocks], seq.scope)
+        cache = self._cache
+        held = seq.held()
+        if keep and cache is not None and cache.budget_bytes and held and not cache.holds(held, seq.scope):
+            state = sequence_state(self.ctx, sid)  # the whole turn: its prompt and what it answered
+            if state is not None:
+                cache.put(held, state, seq.scope)
         llama_cpp.llama_memory_seq_rm(self._mem, sid, -1, -1)
         seq.seq_id = -1
         with self._cond:

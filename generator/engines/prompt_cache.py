@@ -16,6 +16,11 @@ within a byte budget; a prompt whose best prefix is in an entry copies it back i
 KV is 23 KiB (30 layers x 3 KV heads x 64 x K and V in f16): a 1,000-token prefix is 23 MiB, copied out or in
 within a few milliseconds, against seconds to evaluate it again.
 
+The batched engine (generator.engines.batch) keeps more and reuses it finer, since a batch is not exact anyway:
+a sequence that leaves puts its whole turn here, prompt and answer, and a prompt reuses the longest prefix of
+any entry token by token (``longest``), so a chat's next turn evaluates only its new message, as a llama-server
+slot reuses its last prompt and answer.
+
 Scope. Every entry, and the live prompt, belongs to a scope (a tenant, or "" for everyone: ``--prompt-cache-
 scope``), and a prompt reuses only its own scope's blocks. A shared cache is an oracle: a prompt that shares a
 prefix with another tenant's recent one gets ``cached_tokens`` and a quicker first token, which told a probing
@@ -50,6 +55,15 @@ def shared_blocks(cached: Sequence[int], tokens: Sequence[int], limit: int, bloc
     return same
 
 
+def common_prefix(held: Sequence[int], n: int, tokens: Sequence[int]) -> int:
+    """How many leading tokens of ``tokens`` equal the first ``n`` of ``held`` (any length, not whole blocks)."""
+    n = min(n, len(held), len(tokens))
+    same = 0
+    while same < n and held[same] == tokens[same]:
+        same += 1
+    return same
+
+
 def reusable(tokens: Sequence[int], block: int = BLOCK_TOKENS) -> int:
     """The most leading tokens of a prompt a cache may supply: whole blocks, leaving at least one token to
     evaluate (the logits of the last prompt token start the answer)."""
@@ -63,8 +77,8 @@ def whole_blocks(tokens: Sequence[int], block: int = BLOCK_TOKENS) -> int:
 
 @dataclass(frozen=True, slots=True)
 class CachedPrompt:
-    tokens: tuple[int, ...]  # whole blocks of prefilled prompt tokens
-    state: bytes  # llama.cpp's state of sequence 0 holding exactly their KV
+    tokens: tuple[int, ...]  # whole blocks of prefilled prompt tokens (a batched turn: its prompt and answer)
+    state: bytes  # llama.cpp's state of one sequence holding exactly their KV
     scope: str = ""  # whose prompts may reuse it (the module doc)
 
 
@@ -93,6 +107,20 @@ class PromptCache:
             n = shared_blocks(entry.tokens, key, limit, self.block)
             if n > most:
                 found, most = entry, n
+        if found is not None:
+            self._entries.move_to_end((scope, found.tokens))
+        return found, most
+
+    def longest(self, tokens: Sequence[int], limit: int, scope: str = "") -> tuple[CachedPrompt | None, int]:
+        """The entry of ``scope`` whose tokens begin ``tokens`` the furthest, token by token (at most ``limit``),
+        and how many tokens: the batched engine's reuse (generator.engines.batch), which is not exact anyway."""
+        found: CachedPrompt | None = None
+        most = 0
+        for entry in self._entries.values():
+            if entry.scope == scope:
+                n = common_prefix(entry.tokens, limit, tokens)
+                if n > most:
+                    found, most = entry, n
         if found is not None:
             self._entries.move_to_end((scope, found.tokens))
         return found, most

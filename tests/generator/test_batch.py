@@ -154,10 +154,15 @@ def test_a_prompt_sharing_a_running_ones_prefix_copies_its_kv(batched: LlamaEngi
     t.start()
     try:
         assert seen.wait(120)  # its prompt is prefilled: it answers now, and holds the prefix
-        _, gen = run(batched, request(long + " Which is the last?"))
-        assert gen.cached_tokens >= 128 and gen.cached_tokens % 64 == 0
-        other = request("An unrelated question?")
-        assert run(batched, other)[1].cached_tokens == 0
+        second = request(long + " Which is the last?")
+        _, gen = run(batched, second)
+        # Token by token, not whole blocks: every token the two prompts share (their cells are shared).
+        a, b = batched.tokenize_prompt(first), batched.tokenize_prompt(second)
+        common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+        assert gen.cached_tokens == common >= 150
+        other = request("An unrelated question?")  # shares only the chat template's opening
+        c = batched.tokenize_prompt(other)
+        assert run(batched, other)[1].cached_tokens == next(i for i, (x, y) in enumerate(zip(a, c, strict=False)) if x != y) < 30
     finally:
         stop.set()
         t.join(60)
@@ -194,7 +199,58 @@ def test_a_chats_next_turn_is_prepared_while_the_batch_is_idle(default_gguf: Pat
         tokens = eng.tokenize_prompt(second)
         common = next(i for i, (a, b) in enumerate(zip(tokens, opening, strict=False)) if a != b)
         last_prompt = len(eng.tokenize_prompt(first))
-        assert gen2.cached_tokens == common // 64 * 64 > last_prompt
+        # The prepared blocks at least (the first turn's own cells, kept, may give a few tokens more).
+        assert gen2.cached_tokens >= common // 64 * 64 > last_prompt
+    finally:
+        eng.close()
+
+
+def test_a_chats_next_turn_reuses_its_last_turn_prompt_and_answer(default_gguf: Path) -> None:
+    """A finished sequence's prompt and answer are kept in the cache (its turn): the next turn reuses them token
+    by token and evaluates only what is new (its last message and the template around it), as a llama-server
+    slot does; a chat's prompt shorter than a block reuses another chat's system prompt too."""
+    eng = BatchedEngine(str(default_gguf), parallel=2, n_threads=2, n_ctx=1024)
+    try:
+        system = "You are a helpful assistant. Answer in a few clear sentences, and be kind."
+        first = request("", messages=[{"role": "system", "content": system},
+                                      {"role": "user", "content": "How does a rainbow form?"}], max_tokens=60)
+        pieces, gen = run(eng, first)
+        assert gen.cached_tokens == 0
+        answer = text_of(pieces)
+        assert first.messages is not None
+        second = request("", messages=[*({"role": m.role, "content": m.content} for m in first.messages),
+                                       {"role": "assistant", "content": answer},
+                                       {"role": "user", "content": "And why is it curved?"}], max_tokens=8)
+        _, gen2 = run(eng, second)
+        new = len(eng.tokenize_prompt(second)) - len(eng.tokenize_prompt(first))
+        assert gen2.prompt_tokens - gen2.cached_tokens <= 24  # the new message and its template's tokens
+        assert gen2.cached_tokens > len(eng.tokenize_prompt(first)) and new > 24
+        # Another chat, same system prompt (under one 64-token block): reuses it from the kept turns.
+        other = request("", messages=[{"role": "system", "content": system},
+                                      {"role": "user", "content": "Why do cats purr?"}], max_tokens=4)
+        _, gen3 = run(eng, other)
+        assert gen3.cached_tokens >= len(eng.tokenize_prompt(request("", messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": ""}]))) - 8
+    finally:
+        eng.close()
+
+
+def test_finished_turns_fill_the_cache_within_its_budget_and_every_chat_runs_to_its_end(default_gguf: Path) -> None:
+    """A small context (2 sequences x 256 tokens) and a small cache: every chat runs to its end, each
+    finished turn is kept while the budget allows (the least recent dropped), and a chat repeated reuses its
+    last turn token by token."""
+    eng = BatchedEngine(str(default_gguf), parallel=2, n_threads=2, n_ctx=256, prompt_cache_mib=8)
+    cache = eng._cache
+    assert cache is not None
+    try:
+        for i in range(8):
+            words = " ".join(f"t{i}w{j}" for j in range(30))
+            pieces, gen = run(eng, request(f"Repeat these: {words}", max_tokens=60))
+            assert gen.finish_reason is not None and text_of(pieces)
+            assert 1 <= len(cache) and cache.bytes <= cache.budget_bytes
+        again = request(f"Repeat these: {words}", max_tokens=4)
+        _, gen = run(eng, again)
+        assert gen.cached_tokens == len(eng.tokenize_prompt(again)) - 1
     finally:
         eng.close()
 
