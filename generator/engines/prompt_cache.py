@@ -2,11 +2,11 @@
 (or any prompt sharing a prefix with a recent one) starts from the longest cached prefix instead of
 re-evaluating the whole history.
 
-Exactness. A seeded answer must not depend on what the cache held. Every prompt is evaluated in fixed,
-aligned blocks (positions [0, B), [B, 2B), ...: ``blocks``), and only whole blocks of *prefilled* prompt
-tokens are ever reused. The KV of block k is then a function of the tokens of blocks 0..k alone, computed by
-the same batch shapes whether it was computed now or for an earlier prompt, so a cached prefix is
-bit-identical to a fresh evaluation. An answer's tokens are never reused: they were decoded one at a time,
+Exactness (one sequence, ``--parallel 1``). A seeded answer must not depend on what the cache held. Every
+prompt is evaluated in fixed, aligned blocks (positions [0, B), [B, 2B), ...: ``blocks``), and only whole blocks
+of *prefilled* prompt tokens are ever reused. The KV of block k is then a function of the tokens of blocks 0..k
+alone, computed by the same batch shapes whether it was computed now or for an earlier prompt, so a cached prefix
+is bit-identical to a fresh evaluation. An answer's tokens are never reused: they were decoded one at a time,
 and their KV is not what a prefill of the same tokens computes.
 
 Where the states live. The context itself holds the last prompt's KV (``live``): the same chat's next turn
