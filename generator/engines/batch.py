@@ -342,7 +342,7 @@ class Batcher:
         own cells (a few ms for a thousand tokens), and what it holds past the prefix dropped. Either way the
         prefix's KV is that of its tokens alone, up to how the batch it was computed in rounded."""
         cache = self._cache
-        if cache is None:
+        if cache is None or not cache.budget_bytes:  # --prompt-cache-mib 0: every prompt evaluated in full
             return 0
         source: BatchedSequence | Preparation | None = None
         from_live = 0
@@ -371,8 +371,8 @@ class Batcher:
 
     def _leave(self, seq: BatchedSequence, pieces: list[Piece] | None = None,
                error: BaseException | None = None, *, keep: bool = True) -> None:
-        """``seq`` leaves the batch: its cells kept as a turn and its prompt's whole blocks into the cache
-        (``keep``), its id freed."""
+        """``seq`` leaves the batch: its whole turn, prompt and answer, into the cache (``keep``), its cells and id
+        freed."""
         if seq in self._running:
             self._running.remove(seq)
         self._free(seq, keep=keep)
@@ -386,7 +386,7 @@ class Batcher:
         self._free(prep, keep=keep)
 
     def _free(self, seq: BatchedSequence | Preparation, *, keep: bool = True) -> None:
-        """``seq``'s id and cells freed, its prompt's whole blocks first copied into the cache (``keep``)."""
+        """``seq``'s id and cells freed, what they held first copied into the cache (``keep``)."""
         sid = seq.seq_id
         if sid < 0:
             return
