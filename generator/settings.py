@@ -90,9 +90,10 @@ class GeneratorSettings(Settings):
     concurrency: int = setting(
         1, "generations one worker runs at once with an --upstream server (in-process llama.cpp runs --parallel)")
     claim_ahead: int = setting(
-        1, "in-process llama.cpp: jobs a worker claims beyond the generations it decodes at once; they wait in the "
+        0, "in-process llama.cpp: jobs a worker claims beyond the generations it decodes at once; they wait in the "
         "engine, ready, and the step a generation ends in starts the next one (no claim, read and write round trips "
-        "while the batch decodes a sequence short). 0 = claim only when a generation ends")
+        "while the batch decodes a sequence short), but they read as running, not queued, and other workers cannot "
+        "take them meanwhile. 0 = claim only when a generation ends")
     max_parked: int = setting(
         16, "durability replicated or Redis Cluster: generations a worker holds parked at once (their write waits for "
         "a replica, or for their shard's primary) after giving their slot back to streams that can go on; past "
