@@ -11,7 +11,7 @@ not its module says so, so it never lands in the fast lane by accident. The sess
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,10 @@ from servers import (
 )
 
 from bench.procs import Nginx
+from broker.redis.connection import connect
 from broker.redis.server import RedisServer
+from broker.streams.job_store import JobStore
+from broker.streams.stream_store import StreamStore
 
 if TYPE_CHECKING:
     import llama_cpp
@@ -158,6 +161,20 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture
+async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
+    """The consumer's side of the store (after ``redis_client``, which empties the server for each test)."""
+    r = connect(redis_server.url)
+    yield StreamStore(r)
+    await r.aclose()
+
+
+@pytest.fixture
+def jobs(store: StreamStore) -> JobStore:
+    """The generator's side, on the store's Redis."""
+    return JobStore(store.redis, store.partitions)
 
 
 @pytest.fixture(scope="session")

@@ -7,13 +7,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import orjson
-import pytest
 import redis
 
-from broker.redis.connection import connect, connect_blocking
+from broker.redis.connection import connect_blocking
 from broker.redis.server import RedisServer
 from broker.request.generation import GenerationRequest
 from broker.streams.job_store import JobStore
@@ -22,19 +20,6 @@ from broker.streams.stream_store import StreamStore
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
 LEASE_S = 30.0
-
-
-@pytest.fixture
-async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
-    r = connect(redis_server.url)
-    yield StreamStore(r)
-    await r.aclose()
-
-
-@pytest.fixture
-def jobs(store: StreamStore) -> JobStore:
-    """The generator's side, on the store's Redis."""
-    return JobStore(store.redis, store.partitions)
 
 
 async def _create(store: StreamStore, model: str = "alpha", tenant: str = "a", tier: str = "default",

@@ -9,10 +9,8 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
 import redis
 
 from broker.durable import keys as durable_keys
@@ -40,19 +38,6 @@ DECLARED: dict[str, KeyTemplate] = {**keys.SCHEMA, **durable_keys.SCHEMA, "STORA
 #: The kinds of key only a script names (inside Lua), each of which the scenario below leaves in Redis.
 LUA_BUILT = ("QUEUE_RING", "QUEUE_WAITING", "QUEUE_INBOX", "QUEUE_WAKE_FOR", "QUEUE_DEFERRED", "QUEUE_STATS",
              "QUEUE_LEASES", "QUEUE_WAKE", "USAGE_LOG", "USAGE_FREE", "USAGE_DAY", "OUTBOX_DEST", "STORAGE_EXPIRY")
-
-
-@pytest.fixture
-async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
-    r = connect(redis_server.url)
-    yield StreamStore(r)
-    await r.aclose()
-
-
-@pytest.fixture
-def jobs(store: StreamStore) -> JobStore:
-    """The generator's side, on the store's Redis."""
-    return JobStore(store.redis, store.partitions)
 
 
 async def _create(store: StreamStore, tenant: str, tier: str = "default", request: GenerationRequest = REQ) -> uuid.UUID:

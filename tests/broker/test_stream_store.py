@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -21,19 +20,6 @@ from broker.streams.records import Claim, Quota, Unclaimable
 from broker.streams.stream_store import StreamStore
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
-
-
-@pytest.fixture
-async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
-    r = connect(redis_server.url)
-    yield StreamStore(r)
-    await r.aclose()
-
-
-@pytest.fixture
-def jobs(store: StreamStore) -> JobStore:
-    """The generator's side, on the store's Redis."""
-    return JobStore(store.redis, store.partitions)
 
 
 async def test_concurrent_creates_enqueue_exactly_one_job(store: StreamStore) -> None:
