@@ -30,7 +30,7 @@ key another's templated secret at one request per guess.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 #: Tokens per prefill block: the unit of reuse (at most B - 1 tokens of a cached prompt are evaluated again)
@@ -98,27 +98,21 @@ class PromptCache:
     def best(self, tokens: Sequence[int], limit: int, scope: str = "") -> tuple[CachedPrompt | None, int]:
         """The entry of ``scope`` sharing the most whole blocks with ``tokens`` (at most ``limit``), and how many
         tokens."""
-        found: CachedPrompt | None = None
-        most = 0
         key = tuple(tokens)  # a tuple slice never equals a list slice
-        for entry in self._entries.values():
-            if entry.scope != scope:
-                continue
-            n = shared_blocks(entry.tokens, key, limit, self.block)
-            if n > most:
-                found, most = entry, n
-        if found is not None:
-            self._entries.move_to_end((scope, found.tokens))
-        return found, most
+        return self._most(scope, lambda entry: shared_blocks(entry.tokens, key, limit, self.block))
 
     def longest(self, tokens: Sequence[int], limit: int, scope: str = "") -> tuple[CachedPrompt | None, int]:
         """The entry of ``scope`` whose tokens begin ``tokens`` the furthest, token by token (at most ``limit``),
         and how many tokens: the batched engine's reuse (generator.engines.batch), which is not exact anyway."""
+        return self._most(scope, lambda entry: common_prefix(entry.tokens, limit, tokens))
+
+    def _most(self, scope: str, shared: Callable[[CachedPrompt], int]) -> tuple[CachedPrompt | None, int]:
+        """The entry of ``scope`` that ``shared`` counts the most tokens of (now the most recently used)."""
         found: CachedPrompt | None = None
         most = 0
         for entry in self._entries.values():
             if entry.scope == scope:
-                n = common_prefix(entry.tokens, limit, tokens)
+                n = shared(entry)
                 if n > most:
                     found, most = entry, n
         if found is not None:
