@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import orjson
@@ -17,8 +16,6 @@ import redis
 
 from broker.errors import BudgetExceeded
 from broker.events import EventType
-from broker.redis.connection import connect
-from broker.redis.server import RedisServer
 from broker.request.generation import GenerationRequest
 from broker.streams.budget import NANO_PER_USD, Budget, Teams, reservation, team_holder, usd_reservation
 from broker.streams.job_store import JobStore
@@ -29,20 +26,6 @@ from broker.streams.usage import Price
 
 REQ = GenerationRequest(None, "hello", None, 100, 0.8, 0.95, None, (), False)
 WORST = reservation(REQ.canonical_json(), REQ.max_tokens)
-
-
-@pytest.fixture
-async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
-    redis_client.flushall()
-    r = connect(redis_server.url)
-    yield StreamStore(r)
-    await r.aclose()
-
-
-@pytest.fixture
-def jobs(store: StreamStore) -> JobStore:
-    """The generator's side, on the store's Redis."""
-    return JobStore(store.redis, store.partitions)
 
 
 def _counts(r: redis.Redis, budget: Budget, partitions: int = 1, partition: int = 0) -> tuple[int, int]:

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import cast
 
 import orjson
 import pytest
-import redis
 
 from broker.errors import WebhookBacklog
-from broker.redis.connection import connect, reply_text
+from broker.redis.connection import reply_text
 from broker.redis.quota import storage_key
-from broker.redis.server import RedisServer
 from broker.request.generation import GenerationRequest
 from broker.streams.keys import outbox_dests_key, outbox_due_key, outbox_holds_key, outbox_key
 from broker.streams.outbox import BREAKER_FAILURES, HOOK_BYTES, HookEvent, Outbox, hold_s
@@ -26,14 +23,6 @@ from broker.streams.stream_store import StreamStore
 
 REQ = GenerationRequest(None, "hello", None, 8, 0.8, 0.95, None, (), False)
 A, B = "http://a.example:8080/hooks", "https://b.example/hooks"
-
-
-@pytest.fixture
-async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
-    redis_client.flushall()
-    r = connect(redis_server.url)
-    yield StreamStore(r)
-    await r.aclose()
 
 
 async def _ended(store: StreamStore, url: str, key_id: str = "alice", *, max_pending: int = 0) -> str:

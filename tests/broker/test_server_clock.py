@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -108,14 +107,6 @@ async def test_the_clock_is_the_servers_whatever_the_pods_wall_clock_says(
         assert abs(ours - (secs + micros / 1e6)) < 1 and abs(direct - ours) < 1
     finally:
         await r.aclose()
-
-
-@pytest.fixture
-async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
-    redis_client.flushall()
-    r = connect(redis_server.url)
-    yield StreamStore(r)
-    await r.aclose()
 
 
 @pytest.mark.parametrize("skew", [86_400 * 2, -86_400 * 2], ids=["pod-ahead", "pod-behind"])

@@ -7,16 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
-import redis
 
 from broker.errors import InvalidRequest, OverStorageQuota
 from broker.events import EventType
-from broker.redis.connection import connect, reply_text
+from broker.redis.connection import reply_text
 from broker.redis.quota import NO_STORAGE_QUOTA, StorageQuota, storage_key
-from broker.redis.server import RedisServer
 from broker.request.generation import GenerationRequest
 from broker.streams import usage
 from broker.streams import usage_report as ledger
@@ -29,20 +26,6 @@ from broker.streams.usage import Prices
 from broker.streams.usage_report import parse_group_by, usage_report
 
 REQ = GenerationRequest(None, "hello", None, 32, 0.8, 0.95, None, (), False)
-
-
-@pytest.fixture
-async def store(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[StreamStore]:
-    redis_client.flushall()
-    r = connect(redis_server.url)
-    yield StreamStore(r)
-    await r.aclose()
-
-
-@pytest.fixture
-def jobs(store: StreamStore) -> JobStore:
-    """The generator's side, on the store's Redis."""
-    return JobStore(store.redis, store.partitions)
 
 
 async def _run(store: StreamStore, jobs: JobStore, key_id: str = "", *, status: str = "done", reason: str = "stop", prompt: int = 10,
