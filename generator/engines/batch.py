@@ -391,11 +391,12 @@ class Batcher:
         if sid < 0:
             return
         cache = self._cache
-        held = seq.held()
-        if keep and cache is not None and cache.budget_bytes and held and not cache.holds(held, seq.scope):
-            state = sequence_state(self.ctx, sid)  # the whole turn: its prompt and what it answered
-            if state is not None:
-                cache.put(held, state, seq.scope)
+        if keep and cache is not None and cache.budget_bytes:
+            held = seq.held()
+            if held and not cache.holds(held, seq.scope):
+                state = sequence_state(self.ctx, sid)  # the whole turn: its prompt and what it answered
+                if state is not None:
+                    cache.put(held, state, seq.scope)
         llama_cpp.llama_memory_seq_rm(self._mem, sid, -1, -1)
         seq.seq_id = -1
         with self._cond:

@@ -1,7 +1,8 @@
 """A sequence's KV state in a llama.cpp context, for the prompt cache (generator.engines.prompt_cache): read out
 (``llama_state_seq_get_data``), written into a sequence (``llama_state_seq_set_data``), and a leaving prompt's
-whole prefill blocks kept in the cache. Both ways of decoding use these: the one-sequence context
-(generator.engines.one_sequence, sequence 0) and the batch's (generator.engines.batch, one id per sequence)."""
+whole prefill blocks kept in the cache. Both ways of decoding read and write states: the one-sequence context
+(generator.engines.one_sequence, sequence 0, which keeps only a prompt's whole blocks: its cache is exact) and
+the batch's (generator.engines.batch, one id per sequence, which keeps a leaving sequence's whole turn)."""
 
 from __future__ import annotations
 
