@@ -183,3 +183,16 @@ def test_a_prepared_next_turn_reuses_the_last_answer_too(cached: LlamaEngine, fr
         assert gen.after is not None
         gen.after(out)
         answers.append(out)
+
+
+def test_longest_reuses_any_entry_token_by_token_in_its_scope_only() -> None:
+    """The batched engine's search: any length (not whole blocks), at most the limit, never another scope's."""
+    cache = PromptCache(1 << 20, block=4)
+    cache.put([1, 2, 3, 4, 5, 6, 7], b"turn", "alice")
+    cache.put([1, 2, 9], b"other", "alice")
+    cache.put([1, 2, 3, 4, 5, 6, 7, 8], b"bob's", "bob")
+    entry, n = cache.longest([1, 2, 3, 4, 5, 6, 0], 10, "alice")
+    assert entry is not None and entry.state == b"turn" and n == 6  # six tokens: not a whole number of blocks
+    assert cache.longest([1, 2, 3, 4, 5, 6, 0], 5, "alice")[1] == 5
+    assert cache.longest([1, 2, 3], 10, "carol") == (None, 0)
+    assert cache.best([1, 2, 3, 4, 5, 6, 0], 10, "alice")[1] == 4  # the exact engine's search: whole blocks only
