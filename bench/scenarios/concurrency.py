@@ -12,6 +12,9 @@ untimed warm-up request. The same prompts go to each system, one system after an
   per slot), while it still runs;
 - rsb with one generator, once per ``--parallel-values`` entry: ``rsb up --generators 1 --parallel N``
   (``default`` omits the flag: the default's own figure);
+- ``engine`` (not run unless named): rsb's engine alone, the generator's default engine streaming straight from
+  its own HTTP process (bench/engine_app.py: no Redis, no consumer, no queue), what of the gap to llama-server
+  is the engine's and what the broker's;
 - ``peer`` (not run unless named): llama-cpp-python's own OpenAI server on the same model file, with the
   generator's threads (``python -m llama_cpp.server --n_threads T --n_threads_batch T --interrupt_requests
   false``: it runs one request at a time, the others wait).
@@ -73,7 +76,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each greedy answer (default 128)")
     p.add_argument("--systems", default="llama-server,upstream,rsb",
                    help="which to run, in order: llama-server, upstream (rsb --upstream that llama-server), rsb "
-                   "(once per --parallel-values entry), peer (default llama-server,upstream,rsb)")
+                   "(once per --parallel-values entry), engine (rsb's engine alone), peer "
+                   "(default llama-server,upstream,rsb)")
     p.add_argument("--parallel-values", default="default",
                    help="rsb up --parallel values, in order; default omits the flag (default: default)")
 
@@ -206,6 +210,15 @@ def _llama_server(args: argparse.Namespace, with_upstream: bool, alone: bool) ->
     return out
 
 
+def _engine(args: argparse.Namespace) -> dict[str, Any]:
+    from bench import engine_app
+
+    with engine_app.serving() as url:
+        out = _drive(url, engine_app.ALIAS, args)
+    out["command"] = "python3 -m bench.engine_app (rsb's default engine, no broker)"
+    return out
+
+
 def _peer(args: argparse.Namespace) -> dict[str, Any]:
     from generator.engines.default_model import default_model_path
     from generator.engines.llama import physical_cores
@@ -247,9 +260,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"params": {"chats": args.chats, "max_tokens": args.max_tokens, "system": SYSTEM,
                                       "temperature": 0, "seed": SEED}}
     systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - {"llama-server", "upstream", "rsb", "peer"}
+    unknown = set(systems) - {"llama-server", "upstream", "rsb", "engine", "peer"}
     if unknown:
-        raise SystemExit(f"unknown systems {sorted(unknown)} (llama-server, upstream, rsb, peer)")
+        raise SystemExit(f"unknown systems {sorted(unknown)} (llama-server, upstream, rsb, engine, peer)")
     names: list[str] = []
     has_flag = _rsb_has_parallel() if "rsb" in systems else False
     out["rsb_has_parallel_flag"] = has_flag
@@ -267,6 +280,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 name = f"rsb-p{value}" if value != "default" else "rsb-default"
                 out[name] = _rsb(args, value, has_flag)
                 names.append(name)
+        elif system == "engine":
+            out["engine"] = _engine(args)
+            names.append("engine")
         elif system == "peer":
             out["peer"] = _peer(args)
             names.append("peer")

@@ -10,7 +10,9 @@ warm-up request first; the load runs in a process of its own. The systems, one a
 - llama.cpp's own ``llama-server -np N`` (N = rsb's default ``--parallel``; bench/llama_server.py builds it
   from the engine's own llama.cpp commit), its prompt cache as it ships (each slot keeps its last prompt's KV,
   a request goes to the slot whose cache matches it best, ``--cache-ram`` holds the others);
-- rsb's default: ``rsb up --generators 1`` (its prompt cache, chat-affine claiming; ``--rsb-flags`` adds flags).
+- rsb's default: ``rsb up --generators 1`` (its prompt cache, chat-affine claiming; ``--rsb-flags`` adds flags);
+- ``engine`` (not run unless named): rsb's default engine alone, streaming straight from its own HTTP process
+  (bench/engine_app.py: no Redis, no consumer, no queue): what of the gap is the engine's, what the broker's.
 
 Measured per system and turn: TTFT (question sent to first content chunk) p50 and p99 over the users; the
 aggregate tokens/s (all completion tokens / wall time from the first question to the last answer's end,
@@ -48,7 +50,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=5, help="turns of each user's conversation (default 5)")
     p.add_argument("--max-tokens", type=int, default=96, help="max_tokens of each greedy answer (default 96)")
     p.add_argument("--think-s", type=float, default=1.0, help="seconds between an answer and the next question")
-    p.add_argument("--systems", default="llama-server,rsb", help="which to run, in order: llama-server, rsb")
+    p.add_argument("--systems", default="llama-server,rsb",
+                   help="which to run, in order: llama-server, rsb, engine (default llama-server,rsb)")
     p.add_argument("--rsb-flags", action="append", default=None,
                    help="extra flags for rsb up (e.g. \"--prompt-cache-mib 1024\"); repeated, rsb runs once per "
                    "value (\"\" is the default), in order")
@@ -115,6 +118,15 @@ def _llama_server(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _engine(args: argparse.Namespace) -> dict[str, Any]:
+    from bench import engine_app
+
+    with engine_app.serving() as url:
+        out = _drive(url, engine_app.ALIAS, args)
+    out["command"] = "python3 -m bench.engine_app (rsb's default engine, no broker)"
+    return out
+
+
 def summary(res: dict[str, Any], turns: int) -> dict[str, Any]:
     answers = res["answers"]
     tokens = sum(a["tokens"] for a in answers)
@@ -146,8 +158,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 name = f"rsb {flags}" if flags else "rsb-default"
                 out[name] = _rsb(args, flags)
                 names.append(name)
+        elif system == "engine":
+            out[system] = _engine(args)
+            names.append(system)
         else:
-            raise SystemExit(f"unknown system {system!r} (llama-server, rsb)")
+            raise SystemExit(f"unknown system {system!r} (llama-server, rsb, engine)")
     rows = []
     for name in names:
         s = out[name]["summary"] = summary(out[name], args.turns)
@@ -169,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         peer = out["llama-server"]["summary"]
         last = args.turns
         goals = []
-        for rsb in (n for n in names if n.startswith("rsb")):
+        for rsb in (n for n in names if n != "llama-server"):
             mine = out[rsb]["summary"]
             p99 = ratio(mine["turns"][last]["ttft_ms"]["p99"], peer["turns"][last]["ttft_ms"]["p99"])
             agg = ratio(mine["aggregate_tps"], peer["aggregate_tps"])
