@@ -10,15 +10,15 @@ already running are never held up by more than a chunk's prefill per step (~0.25
 model) however long the prompt, and a sequence that ends (its last token, a cancel, its reader gone) leaves at
 the step it ends in: its place goes to the next prompt at once.
 
-The sequences share one pool of ``n_ctx`` cells per sequence (``kv_unified``, as llama-server's slots do): a
-sequence holds at most ``n_ctx`` tokens (its decoder's limit), so it has the context ``--n-ctx`` says whatever
-the others hold, and a step is one pass over the weights (with a stream of cells per sequence, llama.cpp cut a
-step into passes by sequence id: see ``Batcher``).
+Each sequence has a stream of ``n_ctx`` cells of its own (as llama-server's slots: ``kv_unified`` off), so a
+token's attention reads its own sequence's cells only, however long the others' histories. llama.cpp cuts a
+batch over such streams into passes over the weights by sequence id (see ``Batcher``): the batch's rows go in
+order of sequence id and a sequence takes the lowest free id, so the answers of a full batch are one pass.
 
 The prompt cache (generator.engines.prompt_cache) works here within the same scope, finer than with one
 sequence: a new prompt starts from the longest prefix, token by token, that a running sequence holds, whose
-cells it shares (``llama_memory_seq_cp`` in the one pool: nothing copied, nothing prefilled again), or that an
-entry of the LRU holds, loaded into its own cells (``llama_state_seq_*``: a few ms for a thousand tokens). A
+stream is copied (``llama_memory_seq_cp``: a memory copy, nothing prefilled again), or that an entry of the LRU
+holds, loaded into its own cells (``llama_state_seq_*``: a few ms for a thousand tokens). A
 sequence that leaves puts its whole turn, prompt and answer, into the LRU. So twenty chats with one system
 prompt prefill it once, and a chat's next turn evaluates only its new message, as a llama-server slot reuses its
 last prompt and answer. After a chat's answer the batch also prepares the chat's next turn (``prepare``: the
@@ -37,6 +37,7 @@ prompt cache.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
@@ -130,14 +131,13 @@ class Batcher:
         params.n_batch = max(512, PREFILL_STEP_TOKENS + sequences)
         params.n_ubatch = params.n_batch
         params.n_seq_max = sequences
-        # One pool of cells for every sequence, as llama-server's slots share theirs. With a stream of cells per
-        # sequence instead, llama.cpp cuts a batch into ubatches of sequences whose ids follow each other (its
-        # split_equal, sequential), and sequences take ids in the order they arrive and leave: a step of four
-        # answers was up to four passes over the weights (two sequences cost 2.3x one; docs/benchmarks.md). A
-        # sequence never holds more than n_ctx tokens (its decoder's limit), so the pool never runs out.
-        params.kv_unified = True
-        # Flash attention as llama.cpp chooses it (on, on a CPU): in one pool a token's attention spans every
-        # sequence's cells, the others' masked, and its kernel skips masked cells where the plain one reads them.
+        # A stream of cells per sequence, as llama-server's slots (-np N sets no --kv-unified): one pool for all
+        # made each token's attention walk every sequence's cells (a step of four grew from 26 to 42 ms as twenty
+        # users' histories grew; docs/benchmarks.md). Over streams llama.cpp cuts a batch into ubatches of
+        # sequences whose ids follow each other in row order (split_equal, sequential): _step orders the rows by
+        # id and _admit gives the lowest free id, so a full batch's answers are one pass over the weights.
+        params.kv_unified = False
+        # Flash attention as llama.cpp chooses it (on, on a CPU), as llama-server's default.
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
         ctx = llama_cpp.llama_init_from_model(llm.model, params)
         if not ctx:
@@ -156,7 +156,7 @@ class Batcher:
         # prefill), and those holding a sequence id.
         self._to_prepare: deque[Preparation] = deque(maxlen=sequences)
         self._preparing: list[Preparation] = []
-        self._free_ids = list(range(sequences - 1, -1, -1))
+        self._free_ids = list(range(sequences))  # a heap: the lowest free id first (see the streams above)
         self._closed = False
         # A daemon: idle, it waits on a condition, and must not keep a process from exiting. close() joins it.
         self._thread = threading.Thread(target=self._loop, name="rsb-batcher", daemon=True)
@@ -245,14 +245,14 @@ class Batcher:
             if seq.abandoned or seq.stop.is_set():
                 self._end(seq)
             elif self._free_ids:
-                seq.seq_id = self._free_ids.pop()
+                seq.seq_id = heapq.heappop(self._free_ids)
                 self._running.append(seq)
             else:
                 kept.append(seq)
         self._pending = kept
         while self._to_prepare and self._free_ids and not self._running and not self._pending:
             prep = self._to_prepare.popleft()
-            prep.seq_id = self._free_ids.pop()
+            prep.seq_id = heapq.heappop(self._free_ids)
             self._preparing.append(prep)
 
     def _add(self, i: int, token: int, pos: int, seq_id: int, logits: bool = False) -> None:
@@ -272,24 +272,27 @@ class Batcher:
                 # order); stopped in its prefill: nothing was made.
                 self._leave(seq, None if seq.prefilling else seq.decoder.end())
         plan = plan_step(self._running, self._preparing, begin=self._begin, begin_preparation=self._begin_preparation)
-        n = 0
+        rows: list[tuple[int, int, int, bool]] = []  # (sequence id, token, position, sampled)
         for seq in plan.answering:
-            self._add(n, seq.decoder.last, seq.pos, seq.seq_id, True)
+            rows.append((seq.seq_id, seq.decoder.last, seq.pos, True))
             seq.answer.append(seq.decoder.last)
             seq.pos += 1
-            n += 1
         for chunk in plan.prefills:
             seq = chunk.of
-            for pos in range(chunk.start, chunk.end):
-                self._add(n, seq.tokens[pos], pos, seq.seq_id, pos == len(seq.tokens) - 1)
-                n += 1
+            last = len(seq.tokens) - 1
+            rows += ((seq.seq_id, seq.tokens[pos], pos, pos == last) for pos in range(chunk.start, chunk.end))
             seq.pos = chunk.end
         for prep_chunk in plan.preparations:
             prep = prep_chunk.of
-            for pos in range(prep_chunk.start, prep_chunk.end):
-                self._add(n, prep.tokens[pos], pos, prep.seq_id)
-                n += 1
+            rows += ((prep.seq_id, prep.tokens[pos], pos, False) for pos in range(prep_chunk.start, prep_chunk.end))
             prep.pos = prep_chunk.end
+        n = len(rows)
+        rows.sort(key=lambda row: row[0])  # in order of id (see __init__); stable: a prompt's rows stay in order
+        sampled_row: dict[int, int] = {}  # a sequence's one sampled row, by sequence id
+        for i, (seq_id, token, pos, sample) in enumerate(rows):
+            self._add(i, token, pos, seq_id, sample)
+            if sample:
+                sampled_row[seq_id] = i
         if n == 0:
             for prep in plan.prepared:
                 self._release(prep)
@@ -310,8 +313,8 @@ class Batcher:
             if on_progress is not None and total > PROGRESS_MIN_TOKENS and seq.prefilling \
                     and seq.pos % PROGRESS_CHUNK_TOKENS == 0:
                 on_progress(seq.pos, total)
-        for i, seq in plan.sampled:
-            seq.sampler.idx = i
+        for _, seq in plan.sampled:
+            seq.sampler.idx = sampled_row[seq.seq_id]
             try:
                 pieces = seq.decoder.take(seq.sampler.sample())
             except Exception as e:  # this sequence's grammar failed (or cost too much): it alone ends
@@ -336,10 +339,10 @@ class Batcher:
         """The longest prefix of ``tokens`` (at most ``live_limit``, token by token) that a sequence in the batch
         or an entry of the cache holds in ``scope``, given to ``seq_id``: how many tokens.
 
-        From a sequence of the batch the cells are shared, not copied (``llama_memory_seq_cp`` in the one pool:
-        the cells get a second owner), so twenty chats with one system prompt prefill it once. From the cache (a
+        From a sequence of the batch its stream is copied (``llama_memory_seq_cp`` across streams copies a whole
+        stream, a memory copy), so twenty chats with one system prompt prefill it once. From the cache (a
         finished turn's prompt and answer, or a prepared turn's blocks) the state is loaded into the sequence's
-        own cells (a few ms for a thousand tokens), and what it holds past the prefix dropped. Either way the
+        own cells (a few ms for a thousand tokens). Either way what it holds past the prefix is dropped, and the
         prefix's KV is that of its tokens alone, up to how the batch it was computed in rounded."""
         cache = self._cache
         if cache is None or not cache.budget_bytes:  # --prompt-cache-mib 0: every prompt evaluated in full
@@ -359,7 +362,8 @@ class Batcher:
             llama_cpp.llama_memory_seq_rm(self._mem, seq_id, from_entry, -1)
             return from_entry
         if source is not None:
-            llama_cpp.llama_memory_seq_cp(self._mem, source.seq_id, seq_id, 0, from_live)
+            llama_cpp.llama_memory_seq_cp(self._mem, source.seq_id, seq_id, -1, -1)  # whole streams only
+            llama_cpp.llama_memory_seq_rm(self._mem, seq_id, from_live, -1)
             return from_live
         return 0
 
@@ -400,7 +404,7 @@ class Batcher:
         llama_cpp.llama_memory_seq_rm(self._mem, sid, -1, -1)
         seq.seq_id = -1
         with self._cond:
-            self._free_ids.append(sid)
+            heapq.heappush(self._free_ids, sid)
 
     def _end(self, seq: BatchedSequence, error: BaseException | None = None) -> None:
         seq.sampler.close()
