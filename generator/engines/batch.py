@@ -137,7 +137,8 @@ class Batcher:
         # sequences whose ids follow each other in row order (split_equal, sequential): _step orders the rows by
         # id and _admit gives the lowest free id, so a full batch's answers are one pass over the weights.
         params.kv_unified = False
-        # Flash attention as llama.cpp chooses it (on, on a CPU), as llama-server's default.
+        # Flash attention as llama.cpp chooses it (on, on a CPU), as llama-server's default: 12% quicker than the
+        # plain kernel in `bench users` (docs/benchmarks.md); the one-sequence context has it too (LlamaEngine).
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
         ctx = llama_cpp.llama_init_from_model(llm.model, params)
         if not ctx:
