@@ -1,5 +1,5 @@
 """Continuous batching (``--parallel N``, generator.engines.batch) on the real default model: free text, a
-json_schema answer and a forced tool call decoded in one batch, each valid;
+json_schema answer and a forced tool call decoded in one batch, each valid and each the answer decoded alone;
 one cancelled mid-answer while the others run to their end; a prompt sharing a running one's prefix copies its
 KV; and a worker SIGKILLed in the middle of a batch, after which each generation continues exactly once."""
 
@@ -25,6 +25,7 @@ from broker.request.generation import GenerationRequest, RequestLimits, validate
 from generator.engines.base import Generation
 from generator.engines.batch_engine import BatchedEngine
 from generator.engines.llama import LlamaEngine
+from generator.engines.one_sequence import OneSequenceEngine
 from generator.engines.pieces import Piece, ToolCallStart
 
 pytestmark = pytest.mark.slow  # the real default model
@@ -102,9 +103,6 @@ def together(eng: LlamaEngine, reqs: list[GenerationRequest]) -> tuple[list[tupl
 def test_mixed_answers_in_one_batch_are_each_valid(batched: LlamaEngine) -> None:
     got, widest = together(batched, MIXED)
     assert widest == len(MIXED)  # all six were decoded in one batch at some step
-    # Not compared with each answer run alone: llama.cpp's kernels give a token's logits a rounding that
-    # depends on what else its batch held, so now and then a near tie goes the other way (how often:
-    # docs/benchmarks.md, "bench determinism"). Each answer must still be whole and valid.
     for (pieces, gen), req in zip(got, MIXED, strict=True):
         n = sum(1 for p in pieces if isinstance(p, str))
         assert 0 < n <= req.max_tokens and gen.finish_reason in ("stop", "length", "tool_calls")
@@ -117,6 +115,23 @@ def test_mixed_answers_in_one_batch_are_each_valid(batched: LlamaEngine) -> None
     assert isinstance(start, ToolCallStart) and start.name == "get_weather"
     arguments = json.loads(text_of(call[starts[0] + 1:]))
     jsonschema.validate(arguments, WEATHER["function"]["parameters"])  # type: ignore[index]
+
+
+def test_answers_decoded_in_one_batch_are_those_decoded_alone(default_gguf: Path) -> None:
+    # The same kernels both ways (flash attention, a stream of cells per sequence): what the batch's company
+    # changes is nothing. No prompt cache on either side, so no prefix comes from another batch's rounding.
+    alone = OneSequenceEngine(str(default_gguf), n_threads=2, n_ctx=1024, prompt_cache_mib=0)
+    try:
+        expected = [text_of(run(alone, req)[0]) for req in MIXED]
+    finally:
+        alone.close()
+    eng = BatchedEngine(str(default_gguf), parallel=6, n_threads=2, n_ctx=1024, prompt_cache_mib=0)
+    try:
+        got, widest = together(eng, MIXED)
+    finally:
+        eng.close()
+    assert widest == len(MIXED)
+    assert [text_of(pieces) for pieces, _ in got] == expected
 
 
 def test_one_cancelled_mid_answer_leaves_at_once_and_the_others_run_to_their_end(default_gguf: Path) -> None:
