@@ -7,7 +7,8 @@ each chunk ending at a prefill block's boundary (generator.engines.prompt_cache:
 cacheable blocks), a prompt's last token sampled in the step that prefills it; then, only while no generation
 runs, the same budget's blocks of the next turns being prepared (never sampled). A prompt or a preparation
 starts (``begin``: the batcher copies its cached prefix in, which sets ``pos``) when the budget first reaches
-it."""
+it. The batcher then hands llama.cpp these rows in order of sequence id (a stable sort: a prompt's rows keep
+their order), which is how llama.cpp makes one pass of sequences whose ids follow each other."""
 
 from __future__ import annotations
 
