@@ -59,6 +59,8 @@ def build_app(settings: EngineSettings) -> Starlette:
                         chunk = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
                         yield b"data: %s\n\n" % orjson.dumps(chunk)
                     if batch.closed:
+                        if batch.error is not None:  # cut the body: the load process counts no answer as whole
+                            raise batch.error
                         break
                 usage: dict[str, object] = {"completion_tokens": tokens}
                 if started:  # what the engine evaluated of the prompt, as rsb's views report it
