@@ -295,8 +295,10 @@ class Batcher:
             if sample:
                 sampled_row[seq_id] = i
         if n == 0:
+            # Nothing to decode: each of these preparations was found whole in the cache or in a running sequence,
+            # so it adds nothing to keep; and a stream copied from a running one is only made at the next decode.
             for prep in plan.prepared:
-                self._release(prep)
+                self._release(prep, keep=False)
             return
         self._batch.n_tokens = n
         t0 = time.perf_counter()
