@@ -308,13 +308,13 @@ class JobRunner:
                     with watch:
                         if not await self._append(run, seq, seq, note) or parked:
                             break
-                if batch.pieces:
+                if batch.last_at is not None:
                     if progress.first_token_at is None:
-                        progress.first_token_at = now
+                        progress.first_token_at = batch.first_at
                         if run.trace is not None:
                             run.trace.first_token()
-                    progress.last_token_at = now
-                    tokens += batch.tokens
+                    progress.last_token_at = batch.last_at
+                tokens += batch.tokens
                 events = answer.feed(batch.pieces, batch.markers)
                 if answer.stopped:
                     run.stop.set()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,11 @@ class Batch:
     error: BaseException | None = None
     progress: tuple[int, int] | None = None  # the latest prefill progress, if any came since the last get
     markers: int = 0  # pieces that are no token (markers, Extra text); 0: every piece is a token's text
+    # When the batch's first and last tokens were handed over (time.monotonic; None: no token in it): a token's
+    # time is when the engine made it, not when the loop took it (under load, or from a fast engine, a whole
+    # answer can reach the loop at once, and its time per token would read as 0).
+    first_at: float | None = None
+    last_at: float | None = None
 
     @property
     def tokens(self) -> int:
@@ -78,6 +84,8 @@ class TokenHandoff:
         self._error: BaseException | None = None
         self._abandoned = False
         self._progress: tuple[int, int] | None = None
+        self._first_at: float | None = None
+        self._last_at: float | None = None
 
     # -- producer (inference thread) -----------------------------------------------------------
 
@@ -89,14 +97,22 @@ class TokenHandoff:
                 self._space.wait(timeout=0.5)
             if self._abandoned:
                 return False
-            self._items.append(piece)
-            if type(piece) is not str:
-                self._markers += 1
+            self._add(piece)
             wake = self._waiting
             self._waiting = False
         if wake:
             self._loop.call_soon_threadsafe(self._wake)
         return True
+
+    def _add(self, piece: Piece) -> None:
+        """(under the lock)"""
+        self._items.append(piece)
+        if type(piece) is not str:
+            self._markers += 1
+            return
+        self._last_at = time.monotonic()
+        if self._first_at is None:
+            self._first_at = self._last_at
 
     async def aput(self, piece: Piece) -> bool:
         """``put`` for a producer on the event loop: waits (without blocking the loop) while the buffer is full."""
@@ -109,9 +125,7 @@ class TokenHandoff:
         if self._abandoned:
             return False
         with self._lock:
-            self._items.append(piece)
-            if type(piece) is not str:
-                self._markers += 1
+            self._add(piece)
             wake = self._waiting
             self._waiting = False
         if wake:
@@ -155,9 +169,11 @@ class TokenHandoff:
                     self._items.clear()
                     markers, self._markers = self._markers, 0
                     progress, self._progress = self._progress, None
+                    first_at, last_at, self._first_at, self._last_at = self._first_at, self._last_at, None, None
                     self._space.notify_all()
                     self._room()
-                    return Batch(pieces, self._closed and not self._items, self._error, progress, markers)
+                    return Batch(pieces, self._closed and not self._items, self._error, progress, markers,
+                                 first_at, last_at)
                 self._waiting = True
                 waiter = self._waiter = self._loop.create_future()
             timer = self._loop.call_later(timeout_s, self._wake) if timeout_s is not None else None

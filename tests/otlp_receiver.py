@@ -63,6 +63,12 @@ class Span:
         return f"00-{self.trace_id}-{self.span_id}-01"
 
 
+class _Server(ThreadingHTTPServer):
+    # Every test process exports traces and metrics a few times a second: with the default backlog (5), a busy
+    # machine's slow accept drops connections, and the exporters' retries come seconds later.
+    request_queue_size = 128
+
+
 class OtlpReceiver:
     def __init__(self) -> None:
         self.port = free_port()
@@ -96,7 +102,7 @@ class OtlpReceiver:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server = _Server(("127.0.0.1", self.port), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
 
     def _traces(self, body: bytes) -> None:
@@ -143,7 +149,7 @@ class OtlpReceiver:
         with self._lock:
             return [s for s in self.spans if test(s)]
 
-    def wait_spans(self, test: Callable[[Span], bool], n: int = 1, timeout_s: float = 30.0) -> list[Span]:
+    def wait_spans(self, test: Callable[[Span], bool], n: int = 1, timeout_s: float = 60.0) -> list[Span]:
         """Until ``n`` spans passing ``test`` arrived (the exporters send every OTEL_BSP_SCHEDULE_DELAY)."""
         deadline = time.monotonic() + timeout_s
         while len(found := self.where(test)) < n:

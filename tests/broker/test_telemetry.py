@@ -38,9 +38,12 @@ def traceparent() -> tuple[str, str, str]:
 
 
 def exporting_to(url: str, **more: str) -> dict[str, str]:
-    """The SDK's variables, as an operator sets them: an endpoint, and short export intervals for a test."""
+    """The SDK's variables, as an operator sets them: an endpoint, and short export intervals for a test. The
+    export's timeout is 30 s, not the SDK's 10: the receiver is a thread of the test's own process, slow to answer on
+    a busy machine, and an export not answered within it is dropped (the SDK's retries share that one deadline)."""
     return {"OTEL_EXPORTER_OTLP_ENDPOINT": url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "300", **more}
+            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "300", "OTEL_EXPORTER_OTLP_TIMEOUT": "30",
+            **more}
 
 
 class TracedStack(Stack):
@@ -53,6 +56,10 @@ class TracedStack(Stack):
     def _run(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
         return super()._run(name, args, {**self.env, **(env or {})})
 
+    def export_failures(self) -> list[str]:
+        """What the processes' exporters logged about exports they gave up (a span missing at the receiver)."""
+        return [line for p in self.procs for line in p.output().splitlines() if "export" in line.lower()]
+
 
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[OtlpReceiver]:
@@ -62,7 +69,8 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
-def traced(receiver: OtlpReceiver, demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def traced(receiver: OtlpReceiver, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[TracedStack]:
     """A consumer and a generator, separate processes as deployed, exporting to ``receiver``."""
     server = RedisServer().start()
     s = TracedStack(server.url, demo_model, tmp_path_factory.mktemp("traced"), exporting_to(receiver.url))
@@ -166,7 +174,8 @@ def test_a_prompt_served_from_the_cache_says_how_much_in_its_span(traced: Stack,
 
 
 @pytest.mark.slow
-def test_a_resume_is_a_fetch_response_span_linked_to_the_generation(traced: Stack, receiver: OtlpReceiver) -> None:
+def test_a_resume_is_a_fetch_response_span_linked_to_the_generation(traced: TracedStack,
+                                                                     receiver: OtlpReceiver) -> None:
     header, trace_id, _ = traceparent()
     read_header, read_trace, read_parent = traceparent()
     with traced.client() as c:
@@ -178,7 +187,10 @@ def test_a_resume_is_a_fetch_response_span_linked_to_the_generation(traced: Stac
                                                                   "traceparent": read_header})
     assert again.ids == first.ids[4:]
     create_span = receiver.wait_spans(lambda s: s.trace_id == trace_id and s.name == "POST /v1/streams")[0]
-    resumed = receiver.wait_spans(lambda s: s.trace_id == read_trace and s.name.startswith("fetch_response"))[0]
+    try:
+        resumed = receiver.wait_spans(lambda s: s.trace_id == read_trace and s.name.startswith("fetch_response"))[0]
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nthe exporters said: {traced.export_failures()}") from None
     assert resumed.attributes[genai.RESUME_FROM] == resume_at
     assert resumed.attributes[genai.EVENTS_SERVED] == len(again.events)
     assert resumed.links == [(trace_id, create_span.span_id)]
@@ -208,14 +220,8 @@ def test_a_cancelled_generation_has_its_error_type(traced: Stack, receiver: Otlp
 @pytest.mark.slow
 def test_the_generation_metrics_go_out_under_the_conventions_names(traced: Stack, receiver: OtlpReceiver) -> None:
     with traced.client() as c:
-        for _ in range(10):  # a one-token answer (the random model's end of text first) has no time per token
-            sid = create(c, max_tokens=20).json()["id"]
-            done = read_sse(c, f"/v1/streams/{sid}/events").events[-1]
-            assert done.event == "done", done
-            if done.data["usage"]["completion_tokens"] >= 2:
-                break
-        else:
-            raise AssertionError("ten one-token answers in a row")
+        sid = create(c, max_tokens=20).json()["id"]
+        assert read_sse(c, f"/v1/streams/{sid}/events").events[-1].event == "done"
     wanted = {h.name for h in (genai.TIME_TO_FIRST_TOKEN, genai.TIME_PER_OUTPUT_TOKEN, genai.REQUEST_DURATION,
                                genai.TOKEN_USAGE, genai.QUEUE_WAIT)}
 
