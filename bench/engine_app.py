@@ -31,6 +31,8 @@ from generator.settings import EngineSettings
 
 HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 ALIAS = "rsb-engine"
+#: How a results table names this system's command.
+COMMAND = "python3 -m bench.engine_app (rsb's default engine, no broker)"
 
 
 def build_app(settings: EngineSettings) -> Starlette:

@@ -123,7 +123,7 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
 
     with engine_app.serving() as url:
         out = _drive(url, engine_app.ALIAS, args)
-    out["command"] = "python3 -m bench.engine_app (rsb's default engine, no broker)"
+    out["command"] = engine_app.COMMAND
     return out
 
 
