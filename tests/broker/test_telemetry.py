@@ -190,7 +190,10 @@ def test_a_resume_is_a_fetch_response_span_linked_to_the_generation(traced: Trac
     try:
         resumed = receiver.wait_spans(lambda s: s.trace_id == read_trace and s.name.startswith("fetch_response"))[0]
     except AssertionError as e:
-        raise AssertionError(f"{e}\nthe exporters said: {traced.export_failures()}") from None
+        reads = [(s.name, s.trace_id, s.parent_id, s.attributes.get(genai.RESUME_FROM)) for s in receiver.spans
+                 if s.name.startswith(("fetch_response", "GET"))]
+        raise AssertionError(f"{e}\nresume {read_trace} from {resume_at}; the reads' spans (name, trace, parent, "
+                             f"resumed from): {reads}\nthe exporters said: {traced.export_failures()}") from None
     assert resumed.attributes[genai.RESUME_FROM] == resume_at
     assert resumed.attributes[genai.EVENTS_SERVED] == len(again.events)
     assert resumed.links == [(trace_id, create_span.span_id)]
