@@ -552,12 +552,15 @@ def test_a_loop_of_refused_requests_costs_its_sender(
     _, url = s.consumer("--refusal-rate-per-s", "1")
     junk = b"x" * (1024 * 1024 - 1)
     with _client(url, HOSTILE) as c:
+        def send_junk() -> httpx.Response:
+            return c.post("/v1/streams", content=junk, headers={"Content-Type": "application/json"})
+
         for _ in range(3):  # answered creates cost nothing
             assert create(c, max_tokens=4).status_code == 201
         codes: list[int] = []
         while not codes or codes[-1] == 400:
             assert len(codes) < 100, "the refusals were never limited"
-            r = c.post("/v1/streams", content=junk, headers={"Content-Type": "application/json"})
+            r = send_junk()
             codes.append(r.status_code)
         assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_refusals", r.text
         # 600 units at 17 a refusal: 36 (the budget refills meanwhile: a few more on a slow machine).
@@ -566,9 +569,9 @@ def test_a_loop_of_refused_requests_costs_its_sender(
         # debt (a 1 MB refusal taken with a unit or less left: 16 s to refill, Retry-After 17 or 18).
         while (wait_s := int(r.headers["retry-after"])) < 10:
             assert 1 <= wait_s and r.status_code == 429, (r.status_code, wait_s)
-            r = c.post("/v1/streams", content=junk, headers={"Content-Type": "application/json"})
+            r = send_junk()
             while r.status_code == 400:
-                r = c.post("/v1/streams", content=junk, headers={"Content-Type": "application/json"})
+                r = send_junk()
         blocked_until = time.monotonic() + wait_s - 2  # the bucket holds no unit before then
         assert wait_s <= 18, wait_s
         got = c.get("/v1/models").status_code  # whatever it sends, until the budget refills
